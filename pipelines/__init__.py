@@ -1,0 +1,1 @@
+"""Job types, assets, schedules and the Definitions of sekali."""

@@ -1,0 +1,1 @@
+"""The defences: plain classes that need no Dagster context, and thin resources wrapping them."""

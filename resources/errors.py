@@ -1,0 +1,157 @@
+"""The one exception root of sekali and its few subclasses.
+
+Every error says what happened and what to do next, and carries the data a caller needs to act
+(the key, the lock name, the existing record). Each one is classified as permanent (never retry:
+fix the input or the code, then replay) or transient (retry with backoff); the retry policy reads
+``permanent`` and nothing else, so a new error class only has to set it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class SekaliError(Exception):
+    """Root of every error raised by sekali. ``permanent`` decides whether a retry may help."""
+
+    permanent: bool = False
+
+    @property
+    def kind(self) -> str:
+        return "permanent" if self.permanent else "transient"
+
+
+class TransientJobError(SekaliError):
+    """A failure that may pass (timeout, connection reset, 5xx): retry with backoff and jitter."""
+
+    permanent = False
+
+    def __init__(self, message: str, *, retry_after: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class PermanentJobError(SekaliError):
+    """A failure that will not pass by retrying (bad input, a rule of the business refused it).
+
+    Never retried; the request is kept in the DLQ with this reason. Fix the cause, then replay.
+    """
+
+    permanent = True
+
+
+class ValidationError(PermanentJobError):
+    """Bad input, naming the field. Permanent: the request is kept, never retried."""
+
+    def __init__(self, field: str, problem: str, value: Any = None) -> None:
+        super().__init__(f"invalid {field}: {problem}")
+        self.field = field
+        self.problem = problem
+        self.value = value
+
+
+class IdempotencyConflict(PermanentJobError):
+    """The key was used before with a different payload.
+
+    A key names one business intent; the same key with another payload is a bug in the producer
+    (two intents sharing a key), not a replay. Use a new key for a new intent.
+    """
+
+    def __init__(self, key: str, stored_hash: str | None, given_hash: str | None) -> None:
+        super().__init__(
+            f"idempotency key {key!r} was first used with another payload "
+            f"(stored {stored_hash}, given {given_hash}); use a new key for a new intent"
+        )
+        self.key = key
+        self.stored_hash = stored_hash
+        self.given_hash = given_hash
+
+
+class AlreadyInProgress(TransientJobError):
+    """Another worker holds a live lease on this key. Retry after the lease can have ended."""
+
+    def __init__(self, key: str, lease_expires_at: float | None, retry_after: float) -> None:
+        super().__init__(
+            f"idempotency key {key!r} is in progress under another owner's live lease; "
+            f"retry in {retry_after:.1f}s",
+            retry_after=retry_after,
+        )
+        self.key = key
+        self.lease_expires_at = lease_expires_at
+
+
+class LeaseLost(SekaliError):
+    """This holder's lease was taken over (it expired and another worker claimed the key).
+
+    Stop at once: the new owner is doing the work. Nothing this holder writes through the store
+    is applied. Not retried by this holder; the new owner finishes the job.
+    """
+
+    permanent = False
+
+    def __init__(self, key: str, owner_token: str) -> None:
+        super().__init__(
+            f"lease on {key!r} was taken over; owner {owner_token[:8]} must stop "
+            "(the new owner continues from the last recovery point)"
+        )
+        self.key = key
+        self.owner_token = owner_token
+
+
+class StoredFailure(PermanentJobError):
+    """The key failed permanently before; its stored failure is returned instead of a re-run.
+
+    An operator resets the key (``sekali dlq replay``) after fixing the cause.
+    """
+
+    def __init__(self, key: str, error_class: str | None, message: str | None) -> None:
+        super().__init__(
+            f"idempotency key {key!r} failed permanently before ({error_class}: {message}); "
+            "fix the cause and replay it from the DLQ to run it again"
+        )
+        self.key = key
+        self.error_class = error_class
+        self.error_message = message
+
+
+class LockNotAcquired(TransientJobError):
+    """The lock is held by someone else and the wait ran out. Retry later."""
+
+    def __init__(self, name: str, waited: float) -> None:
+        super().__init__(f"lock {name!r} not acquired within {waited:.3f}s; retry later")
+        self.name = name
+        self.waited = waited
+
+
+class LockLost(SekaliError):
+    """The lock expired or was taken while held. Stop before the next side effect.
+
+    Any fenced write with this holder's (now older) fencing token is rejected, so stopping is
+    safe; the job is retried by its policy and the new holder's writes stand.
+    """
+
+    permanent = False
+
+    def __init__(self, name: str, reason: str) -> None:
+        super().__init__(f"lock {name!r} lost: {reason}; stop before the next side effect")
+        self.name = name
+        self.reason = reason
+
+
+class FencedWriteRejected(SekaliError):
+    """A guarded write carried an older fencing token than the resource has seen: a stale holder."""
+
+    permanent = False
+
+    def __init__(self, resource: str, fence: int, highest: int | None) -> None:
+        super().__init__(
+            f"write to {resource!r} with fencing token {fence} rejected; the resource has seen "
+            f"{highest}: this holder is stale and must stop"
+        )
+        self.resource = resource
+        self.fence = fence
+        self.highest = highest
+
+
+class StoreUnavailable(TransientJobError):
+    """The database or Redis did not answer (connection refused, timeout, failover). Retry."""

