@@ -1,0 +1,1 @@
+"""Subcommands of the sekali CLI, one module each."""

@@ -1,0 +1,52 @@
+"""Prepare a Dagster home once, before anything starts in parallel.
+
+A fresh SQLite ``DAGSTER_HOME`` raced by several processes creating its schema can break for
+good (``alembic_version ... more than one head``, dagster issue #27390). So ``sekali dev`` and the
+tests call :func:`prepare_dagster_home` first, in one process, under a file lock: it writes the
+``dagster.yaml`` (unless one is there) and touches every storage so the schema exists before the
+webserver, the daemon and the run workers start.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+from pathlib import Path
+
+DEPLOY_DIR = Path(__file__).resolve().parent.parent / "deploy"
+
+
+def instance_template(profile: str) -> Path:
+    if profile not in ("embedded", "production"):
+        raise ValueError(f"profile: expected 'embedded' or 'production', not {profile!r}")
+    return DEPLOY_DIR / profile / "dagster.yaml"
+
+
+def prepare_dagster_home(home: Path, *, profile: str = "embedded", extra_yaml: str = "") -> Path:
+    """Create ``home`` with the profile's ``dagster.yaml`` and initialise its storage once."""
+    from dagster import DagsterInstance  # noqa: PLC0415 - heavy import, only when used
+
+    home = home.resolve()
+    home.mkdir(parents=True, exist_ok=True)
+    target = home / "dagster.yaml"
+    with open(home / ".sekali-init.lock", "w") as lock_file:
+        fcntl.flock(lock_file, fcntl.LOCK_EX)
+        if not target.exists():
+            shutil.copyfile(instance_template(profile), target)
+            if extra_yaml:
+                with open(target, "a") as fh:
+                    fh.write("\n" + extra_yaml)
+        previous = os.environ.get("DAGSTER_HOME")
+        os.environ["DAGSTER_HOME"] = str(home)
+        try:
+            with DagsterInstance.get() as instance:
+                instance.get_runs(limit=1)
+                instance.all_instigator_state()
+                instance.get_run_records(limit=1)
+        finally:
+            if previous is None:
+                os.environ.pop("DAGSTER_HOME", None)
+            else:
+                os.environ["DAGSTER_HOME"] = previous
+    return home
