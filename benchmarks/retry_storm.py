@@ -1,0 +1,254 @@
+"""Retry storm: 1,000 jobs fail at the same instant, the downstream is out for 30 s, then back.
+
+A discrete-event simulation in virtual time (deterministic per seed, runs in well under a
+second per mode) of the delays in :mod:`resources.retry`:
+
+- every job makes its first call at t=0; calls before ``outage`` seconds fail;
+- after the outage the downstream serves at most ``capacity`` calls per 1 s window; calls above
+  that are refused (overload 503) and are retried like any transient failure: this is what makes
+  a synchronised cohort keep failing after the downstream is back;
+- policy: capped exponential backoff (base 1 s, cap 60 s), ``max_attempts`` 10, a 600 s time
+  budget; a job out of attempts or time is dead-lettered;
+- modes: no jitter, Dagster's PLUS_MINUS, full jitter, decorrelated jitter, and full jitter with a
+  shared retry budget (token bucket of ``budget_capacity`` tokens, each retry spends one, each
+  success refunds 0.1; empty -> the job is dead-lettered with "retry budget exhausted", to be
+  replayed later at a controlled rate; that replay is not simulated here).
+
+Reported per mode: peak retries in any 1 s (sliding) window, total calls, time to drain (last
+job completed or dead-lettered), completed, dead-lettered, and ratios against "none".
+
+Run: ``.venv/bin/python -m benchmarks.retry_storm [--quick]``. Writes
+``benchmarks/results/retry_storm.png`` (arrivals per second over time, per mode).
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import heapq
+import json
+import random
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from resources.retry import RetryPolicy
+
+RESULTS = Path(__file__).parent / "results"
+MODES: dict[str, tuple[str, bool]] = {
+    "none": ("none", False),
+    "plus_minus (Dagster)": ("plus_minus", False),
+    "full": ("full", False),
+    "decorrelated": ("decorrelated", False),
+    "full+budget": ("full", True),
+}
+
+
+@dataclass
+class Scenario:
+    jobs: int = 1000
+    outage: float = 30.0
+    capacity: int = 100
+    base: float = 1.0
+    cap: float = 60.0
+    max_attempts: int = 10
+    total_budget: float = 600.0
+    budget_capacity: float = 100.0
+    refill_per_success: float = 0.1
+    replay_rate: float = 20.0
+    replay_delay: float = 10.0
+    max_replays: int = 5
+
+
+class _Bucket:
+    """The same token-bucket rule as resources.retry.RetryBudget, in memory for virtual time."""
+
+    def __init__(self, capacity: float, refill: float) -> None:
+        self.capacity, self.refill, self.level = capacity, refill, capacity
+
+    def try_spend(self, _downstream: str) -> bool:
+        if self.level >= 1:
+            self.level -= 1
+            return True
+        return False
+
+    def refund(self) -> None:
+        self.level = min(self.capacity, self.level + self.refill)
+
+
+def simulate(scenario: Scenario, jitter: str, use_budget: bool, seed: int) -> dict[str, Any]:
+    rng = random.Random(seed)
+    policy = RetryPolicy(max_attempts=scenario.max_attempts, base_delay=scenario.base,
+                         max_delay=scenario.cap, jitter=jitter,
+                         total_budget_seconds=scenario.total_budget)
+    bucket = _Bucket(scenario.budget_capacity, scenario.refill_per_success)
+    from resources.errors import TransientJobError  # noqa: PLC0415
+
+    failure = TransientJobError("503")
+    # (time, job, attempt, previous_delay, run_started_at)
+    events: list[tuple[float, int, int, float | None, float]] = [
+        (0.0, j, 0, None, 0.0) for j in range(scenario.jobs)
+    ]
+    heapq.heapify(events)
+    served: dict[int, int] = {}
+    arrivals: list[float] = []
+    retries: list[float] = []
+    replays: dict[int, int] = {}
+    next_replay = 0.0
+    completed = dead = refused_after = 0
+    reasons: dict[str, int] = {}
+    last = 0.0
+    while events:
+        t, job, attempt, previous, started = heapq.heappop(events)
+        arrivals.append(t)
+        if attempt > 0:
+            retries.append(t)
+        window = int(t)
+        ok = t >= scenario.outage and served.get(window, 0) < scenario.capacity
+        if ok:
+            served[window] = served.get(window, 0) + 1
+            completed += 1
+            bucket.refund()
+            last = max(last, t)
+            continue
+        if t >= scenario.outage:
+            refused_after += 1
+        decision = policy.decide(failure, attempt=attempt, elapsed=t - started,
+                                 previous_delay=previous,
+                                 budget=bucket if use_budget else None,
+                                 downstream="gateway" if use_budget else None, rng=rng)
+        if decision.retry and decision.delay is not None:
+            heapq.heappush(events, (t + decision.delay, job, attempt + 1, decision.delay, started))
+        elif (decision.reason == "retry budget exhausted"
+              and replays.get(job, 0) < scenario.max_replays):
+            # dead-lettered now, replayed later as a new run by the rate-limited DLQ replay
+            replays[job] = replays.get(job, 0) + 1
+            next_replay = max(next_replay, t + scenario.replay_delay)
+            heapq.heappush(events, (next_replay, job, 0, None, next_replay))
+            next_replay += 1.0 / scenario.replay_rate
+        else:
+            dead += 1
+            reasons[decision.reason or "?"] = reasons.get(decision.reason or "?", 0) + 1
+            last = max(last, t)
+    after = [t for t in arrivals if t >= scenario.outage]
+    return {
+        "peak_retries_1s": _peak(retries, 1.0),
+        "peak_calls_after_recovery_1s": _peak(after, 1.0),
+        "refused_after_recovery": refused_after,
+        "total_calls": len(arrivals),
+        "time_to_drain_s": round(last, 2),
+        "completed": completed,
+        "dead_lettered": dead,
+        "dlq_replays": sum(replays.values()),
+        "dead_letter_reasons": reasons,
+        "arrivals": arrivals,
+    }
+
+
+def _peak(times: list[float], width: float) -> int:
+    """Most events in any half-open window [t, t + width)."""
+    times = sorted(times)
+    best = 0
+    for i, t in enumerate(times):
+        best = max(best, bisect.bisect_left(times, t + width, lo=i) - i)
+    return best
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    scenario = Scenario()
+    seeds = [1] if quick else [1, 2, 3, 4, 5]
+    started = time.perf_counter()
+    modes: dict[str, dict[str, Any]] = {}
+    arrivals: dict[str, list[float]] = {}
+    for name, (jitter, budget) in MODES.items():
+        runs = [simulate(scenario, jitter, budget, seed) for seed in seeds]
+        arrivals[name] = runs[0]["arrivals"]
+        modes[name] = {
+            key: statistics.mean(r[key] for r in runs)
+            for key in ("peak_retries_1s", "peak_calls_after_recovery_1s",
+                        "refused_after_recovery", "total_calls", "time_to_drain_s",
+                        "completed", "dead_lettered", "dlq_replays")
+        }
+        modes[name]["dead_letter_reasons"] = runs[0]["dead_letter_reasons"]
+    baseline = modes["none"]
+    for values in modes.values():
+        values["ratios_vs_none"] = {
+            key: round(values[key] / baseline[key], 3) if baseline[key] else None
+            for key in ("peak_retries_1s", "peak_calls_after_recovery_1s",
+                        "refused_after_recovery", "total_calls", "time_to_drain_s")
+        }
+    plot = _plot(arrivals, scenario)
+    return {
+        "scenario": scenario.__dict__,
+        "seeds": seeds,
+        "modes": modes,
+        "plot": str(plot) if plot else None,
+        "elapsed_s": round(time.perf_counter() - started, 2),
+    }
+
+
+def _plot(arrivals: dict[str, list[float]], scenario: Scenario) -> Path | None:
+    try:
+        import matplotlib  # noqa: PLC0415
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # noqa: PLC0415
+    except ImportError:
+        return None
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    horizon = int(max(max(a) for a in arrivals.values())) + 2
+    fig, axes = plt.subplots(len(arrivals), 1, figsize=(11, 2.2 * len(arrivals)), sharex=True)
+    for ax, (name, times) in zip(axes, arrivals.items(), strict=True):
+        counts = [0] * horizon
+        for t in times:
+            counts[int(t)] += 1
+        ax.bar(range(horizon), counts, width=1.0, color="tab:blue")
+        ax.axvspan(0, scenario.outage, color="tab:red", alpha=0.12)
+        ax.axhline(scenario.capacity, color="tab:green", linestyle="--", linewidth=0.8)
+        ax.set_yscale("symlog", linthresh=10)
+        ax.set_ylabel("calls/s")
+        ax.set_title(name, loc="left", fontsize=9)
+    axes[-1].set_xlabel("seconds (red: outage; green: downstream capacity)")
+    fig.suptitle(f"retry storm: {scenario.jobs} jobs, {scenario.outage:.0f}s outage")
+    fig.tight_layout()
+    path = RESULTS / "retry_storm.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--json", action="store_true", help="print the raw result as JSON")
+    args = parser.parse_args()
+    result = run(quick=args.quick)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return
+    s = result["scenario"]
+    print(f"retry storm: {s['jobs']} jobs, {s['outage']:.0f}s outage, capacity "
+          f"{s['capacity']}/s after, base {s['base']}s cap {s['cap']}s, max_attempts "
+          f"{s['max_attempts']}, seeds {result['seeds']}")
+    header = (f"{'mode':<22}{'peak/1s':>9}{'x none':>8}{'peak>rec':>9}{'x none':>8}"
+              f"{'refused':>8}{'calls':>8}{'x none':>8}{'drain s':>9}{'x none':>8}"
+              f"{'done':>6}{'DLQ':>5}{'replays':>8}")
+    print(header)
+    print("-" * len(header))
+    for name, m in result["modes"].items():
+        r = m["ratios_vs_none"]
+        print(f"{name:<22}{m['peak_retries_1s']:>9.0f}{r['peak_retries_1s']:>8.2f}"
+              f"{m['peak_calls_after_recovery_1s']:>9.0f}"
+              f"{r['peak_calls_after_recovery_1s']:>8.2f}{m['refused_after_recovery']:>8.0f}"
+              f"{m['total_calls']:>8.0f}{r['total_calls']:>8.2f}{m['time_to_drain_s']:>9.1f}"
+              f"{r['time_to_drain_s']:>8.2f}{m['completed']:>6.0f}{m['dead_lettered']:>5.0f}"
+              f"{m['dlq_replays']:>8.0f}")
+    print("peak/1s: retries in any 1 s window; peak>rec: calls in any 1 s window after the "
+          "outage (capacity " f"{s['capacity']}/s); refused: calls refused for overload after it")
+    print(f"plot: {result['plot']}   ({result['elapsed_s']}s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,19 @@
+"""``sekali bench``: every benchmark suite in one run, as ratios against floors and peers."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from benchmarks.suite import add_arguments  # noqa: PLC0415
+
+    bench = sub.add_parser("bench", help="run benchmarks/ and print ratios (JSON and plots too)")
+    add_arguments(bench)
+    bench.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from benchmarks.suite import run_from_args  # noqa: PLC0415
+
+    return run_from_args(args)

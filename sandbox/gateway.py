@@ -1,0 +1,447 @@
+"""A local payment gateway over real HTTP, a stand-in for a third party, that counts every charge.
+
+It keeps its charges in its own database (any SQLAlchemy URL; default a SQLite file under the
+state folder) and creates its own table ``gateway_charges``: it is not part of sekali's schema.
+
+Protocol (Stripe-like):
+
+- ``POST /charges`` JSON ``{reference, amount_cents, currency}``, optional headers
+  ``Idempotency-Key`` and ``X-Correlation-Id``. 201 with the charge. With key support on, a
+  repeated key returns the original charge (200, header ``Idempotent-Replayed: true``) and the
+  same key with a different body is refused (422). With key support off every POST charges.
+- ``GET /charges?reference=R``: ``{"charges": [...]}`` for that reference, oldest first.
+- ``GET /_admin/charges``: every charge; ``GET|POST /_admin/faults``: read or change the faults;
+  ``POST /_admin/reset``: delete every charge.
+
+Faults (set at start, changeable while running): ``error_rate`` (503 before charging, with
+``Retry-After`` when ``retry_after_s`` is set), ``latency_ms`` (before handling),
+``drop_after_charge_rate`` (commit the charge, then close the connection without an answer:
+the client sees a reset although the charge happened), ``honour_idempotency_key``, ``seed``.
+
+Guarantee with key support on: one charge per key even under concurrent duplicates. The charge
+and its key are one row inserted with ``ON CONFLICT (dedupe_key) DO NOTHING`` under a unique
+index, so the database, not a check-then-insert, decides.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import logging
+import random
+import socket
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass, fields
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+from sqlalchemy import (
+    BigInteger,
+    Column,
+    Float,
+    Index,
+    MetaData,
+    Table,
+    Text,
+    select,
+    text,
+)
+from sqlalchemy.engine import Engine
+
+from resources.db import make_engine
+
+log = logging.getLogger(__name__)
+
+gateway_metadata = MetaData()
+gateway_charges = Table(
+    "gateway_charges",
+    gateway_metadata,
+    Column("charge_id", Text, primary_key=True),
+    Column("reference", Text, nullable=False),
+    Column("amount_cents", BigInteger, nullable=False),
+    Column("currency", Text, nullable=False),
+    Column("idempotency_key", Text),
+    Column("dedupe_key", Text, unique=True),
+    Column("request_hash", Text, nullable=False),
+    Column("correlation_id", Text),
+    Column("created_at", Float, nullable=False),
+    Index("gateway_charges_reference", "reference"),
+)
+
+_PUBLIC = ("charge_id", "reference", "amount_cents", "currency", "idempotency_key",
+           "correlation_id", "created_at")
+
+
+@dataclass
+class Faults:
+    """The gateway's misbehaviour, all off by default."""
+
+    error_rate: float = 0.0
+    latency_ms: float = 0.0
+    drop_after_charge_rate: float = 0.0
+    honour_idempotency_key: bool = True
+    retry_after_s: float | None = None
+    seed: int | None = None
+
+    def update(self, changes: dict[str, Any]) -> None:
+        names = {f.name for f in fields(self)}
+        unknown = set(changes) - names
+        if unknown:
+            raise ValueError(f"unknown fault(s) {sorted(unknown)}; known: {sorted(names)}")
+        for name, value in changes.items():
+            setattr(self, name, value)
+
+
+class _BadRequest(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class ChargeLedger:
+    """The gateway's own table: charge, replay by key, list. Usable without HTTP."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        gateway_metadata.create_all(engine, checkfirst=True)
+
+    def charge(
+        self,
+        *,
+        reference: str,
+        amount_cents: int,
+        currency: str,
+        idempotency_key: str | None,
+        correlation_id: str | None,
+        honour_key: bool,
+    ) -> tuple[dict[str, Any], bool]:
+        """Record a charge; return (charge, replayed). Raises _BadRequest(422) on key reuse."""
+        request_hash = hashlib.sha256(
+            json.dumps([reference, amount_cents, currency]).encode()
+        ).hexdigest()
+        dedupe_key = idempotency_key if honour_key else None
+        row = {
+            "charge_id": "ch_" + uuid.uuid4().hex[:20],
+            "reference": reference,
+            "amount_cents": amount_cents,
+            "currency": currency,
+            "idempotency_key": idempotency_key,
+            "dedupe_key": dedupe_key,
+            "request_hash": request_hash,
+            "correlation_id": correlation_id,
+            "created_at": time.time(),
+        }
+        with self.engine.begin() as conn:
+            inserted = conn.execute(
+                text(
+                    "INSERT INTO gateway_charges (charge_id, reference, amount_cents, currency,"
+                    " idempotency_key, dedupe_key, request_hash, correlation_id, created_at)"
+                    " VALUES (:charge_id, :reference, :amount_cents, :currency,"
+                    " :idempotency_key, :dedupe_key, :request_hash, :correlation_id, :created_at)"
+                    " ON CONFLICT (dedupe_key) DO NOTHING RETURNING charge_id"
+                ),
+                row,
+            ).first()
+            if inserted is not None:
+                return _public(row), False
+            existing = conn.execute(
+                select(gateway_charges).where(gateway_charges.c.dedupe_key == dedupe_key)
+            ).first()
+        if existing is None:  # pragma: no cover - the conflicting row cannot vanish
+            raise _BadRequest(500, "conflict without a row")
+        record = dict(existing._mapping)
+        if record["request_hash"] != request_hash:
+            raise _BadRequest(
+                422,
+                f"Idempotency-Key {idempotency_key!r} was used with a different request "
+                f"(charge {record['charge_id']})",
+            )
+        return _public(record), True
+
+    def by_reference(self, reference: str) -> list[dict[str, Any]]:
+        with self.engine.connect() as conn:
+            rows = conn.execute(
+                select(gateway_charges)
+                .where(gateway_charges.c.reference == reference)
+                .order_by(gateway_charges.c.created_at)
+            ).all()
+        return [_public(dict(r._mapping)) for r in rows]
+
+    def all(self) -> list[dict[str, Any]]:
+        with self.engine.connect() as conn:
+            rows = conn.execute(select(gateway_charges).order_by(gateway_charges.c.created_at))
+            return [_public(dict(r._mapping)) for r in rows]
+
+    def reset(self) -> None:
+        with self.engine.begin() as conn:
+            conn.execute(gateway_charges.delete())
+
+
+def _public(row: dict[str, Any]) -> dict[str, Any]:
+    return {name: row[name] for name in _PUBLIC}
+
+
+def _parse_charge(body: Any) -> tuple[str, int, str]:
+    if not isinstance(body, dict):
+        raise _BadRequest(400, "body must be a JSON object")
+    reference, amount, currency = body.get("reference"), body.get("amount_cents"), body.get(
+        "currency"
+    )
+    if not isinstance(reference, str) or not reference:
+        raise _BadRequest(400, "reference: a non-empty string is required")
+    if not isinstance(amount, int) or isinstance(amount, bool) or amount <= 0:
+        raise _BadRequest(400, "amount_cents: a positive integer is required")
+    if not isinstance(currency, str) or len(currency) != 3:
+        raise _BadRequest(400, "currency: a 3-letter code is required")
+    return reference, amount, currency.upper()
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: _Server
+
+    def log_message(self, format: str, *args: Any) -> None:
+        log.debug("gateway %s " + format, self.address_string(), *args)
+
+    def _send(self, status: int, payload: Any, headers: dict[str, str] | None = None) -> None:
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        for name, value in (headers or {}).items():
+            self.send_header(name, value)
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _body(self) -> Any:
+        length = int(self.headers.get("Content-Length") or 0)
+        raw = self.rfile.read(length) if length else b""
+        if not raw:
+            return {}
+        try:
+            return json.loads(raw)
+        except ValueError as exc:
+            raise _BadRequest(400, f"body is not JSON: {exc}") from exc
+
+    def _drop(self) -> None:
+        """Close the connection without an answer (the charge is already committed)."""
+        self.close_connection = True
+        with contextlib.suppress(OSError):
+            self.connection.shutdown(socket.SHUT_RDWR)
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server naming
+        self._dispatch("GET")
+
+    def do_POST(self) -> None:  # noqa: N802
+        self._dispatch("POST")
+
+    def _dispatch(self, method: str) -> None:
+        gw = self.server.gateway
+        url = urlsplit(self.path)
+        try:
+            body = self._body() if method == "POST" else None
+            if url.path.startswith("/_admin/"):
+                self._admin(method, url.path, body)
+                return
+            if url.path == "/healthz":
+                self._send(200, {"ok": True})
+                return
+            if url.path != "/charges":
+                raise _BadRequest(404, f"no route {method} {url.path}")
+            faults = gw.faults_snapshot()
+            if faults.latency_ms > 0:
+                time.sleep(faults.latency_ms / 1000)
+            if method == "GET":
+                reference = (parse_qs(url.query).get("reference") or [""])[0]
+                if not reference:
+                    raise _BadRequest(400, "reference: query parameter required")
+                self._send(200, {"charges": gw.ledger.by_reference(reference)})
+                return
+            if gw.draw() < faults.error_rate:
+                headers = {}
+                if faults.retry_after_s is not None:
+                    headers["Retry-After"] = str(faults.retry_after_s)
+                self._send(503, {"error": "injected outage"}, headers)
+                return
+            reference, amount, currency = _parse_charge(body)
+            charge, replayed = gw.ledger.charge(
+                reference=reference,
+                amount_cents=amount,
+                currency=currency,
+                idempotency_key=self.headers.get("Idempotency-Key"),
+                correlation_id=self.headers.get("X-Correlation-Id"),
+                honour_key=faults.honour_idempotency_key,
+            )
+            if gw.draw() < faults.drop_after_charge_rate:
+                log.info("gateway: charged %s, dropping the response", charge["charge_id"])
+                self._drop()
+                return
+            self._send(
+                200 if replayed else 201,
+                charge,
+                {"Idempotent-Replayed": "true"} if replayed else None,
+            )
+        except _BadRequest as exc:
+            self._send(exc.status, {"error": str(exc)})
+        except Exception as exc:  # noqa: BLE001 - a server answers 500, it does not die
+            log.exception("gateway error")
+            self._send(500, {"error": repr(exc)})
+
+    def _admin(self, method: str, path: str, body: Any) -> None:
+        gw = self.server.gateway
+        if path == "/_admin/charges" and method == "GET":
+            self._send(200, {"charges": gw.ledger.all()})
+        elif path == "/_admin/faults":
+            if method == "POST":
+                try:
+                    gw.set_faults(**body)
+                except (ValueError, TypeError) as exc:
+                    raise _BadRequest(400, str(exc)) from exc
+            self._send(200, asdict(gw.faults_snapshot()))
+        elif path == "/_admin/reset" and method == "POST":
+            gw.ledger.reset()
+            self._send(200, {"ok": True})
+        else:
+            raise _BadRequest(404, f"no route {method} {path}")
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+    request_queue_size = 128
+    gateway: GatewayServer
+
+
+class GatewayServer:
+    """The gateway in-process: ``start()`` serves on a background thread; ``stop()`` ends it."""
+
+    def __init__(
+        self,
+        db_url: str | None = None,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        error_rate: float = 0.0,
+        latency_ms: float = 0.0,
+        drop_after_charge_rate: float = 0.0,
+        honour_idempotency_key: bool = True,
+        retry_after_s: float | None = None,
+        seed: int | None = None,
+    ) -> None:
+        if db_url is None:
+            from resources.settings import state_dir  # noqa: PLC0415
+
+            db_url = f"sqlite:///{state_dir() / 'gateway.db'}"
+        self.db_url = db_url
+        self.host = host
+        self.port = port
+        self.faults = Faults()
+        self._lock = threading.Lock()
+        self._rng = random.Random(seed)
+        self.set_faults(
+            error_rate=error_rate,
+            latency_ms=latency_ms,
+            drop_after_charge_rate=drop_after_charge_rate,
+            honour_idempotency_key=honour_idempotency_key,
+            retry_after_s=retry_after_s,
+            seed=seed,
+        )
+        self.ledger = ChargeLedger(make_engine(db_url, pool_size=10))
+        self._httpd: _Server | None = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def set_faults(self, **changes: Any) -> Faults:
+        with self._lock:
+            self.faults.update(changes)
+            if "seed" in changes:
+                self._rng = random.Random(changes["seed"])
+            return Faults(**asdict(self.faults))
+
+    def faults_snapshot(self) -> Faults:
+        with self._lock:
+            return Faults(**asdict(self.faults))
+
+    def draw(self) -> float:
+        with self._lock:
+            return self._rng.random()
+
+    def charges(self) -> list[dict[str, Any]]:
+        return self.ledger.all()
+
+    def reset(self) -> None:
+        self.ledger.reset()
+
+    def start(self) -> GatewayServer:
+        self._httpd = _Server((self.host, self.port), _Handler)
+        self._httpd.gateway = self
+        self.port = int(self._httpd.server_address[1])
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever, name="sandbox-gateway", daemon=True
+        )
+        self._thread.start()
+        log.info("sandbox gateway on %s (db %s)", self.url, self.db_url)
+        return self
+
+    def serve_forever(self) -> None:
+        self._httpd = _Server((self.host, self.port), _Handler)
+        self._httpd.gateway = self
+        self.port = int(self._httpd.server_address[1])
+        self._httpd.serve_forever()
+
+    def stop(self) -> None:
+        if self._httpd is not None:
+            self._httpd.shutdown()
+            self._httpd.server_close()
+            self._httpd = None
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
+        self.ledger.engine.dispose()
+
+    def __enter__(self) -> GatewayServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="sekali sandbox payment gateway")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8765)
+    parser.add_argument("--db-url", default=None, help="SQLAlchemy URL (default: state folder)")
+    parser.add_argument("--error-rate", type=float, default=0.0)
+    parser.add_argument("--latency-ms", type=float, default=0.0)
+    parser.add_argument("--drop-after-charge-rate", type=float, default=0.0)
+    parser.add_argument("--no-idempotency-key", action="store_true")
+    parser.add_argument("--retry-after-s", type=float, default=None)
+    parser.add_argument("--seed", type=int, default=None)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    server = GatewayServer(
+        args.db_url,
+        host=args.host,
+        port=args.port,
+        error_rate=args.error_rate,
+        latency_ms=args.latency_ms,
+        drop_after_charge_rate=args.drop_after_charge_rate,
+        honour_idempotency_key=not args.no_idempotency_key,
+        retry_after_s=args.retry_after_s,
+        seed=args.seed,
+    )
+    print(f"sandbox gateway listening on http://{args.host}:{args.port}", flush=True)
+    with contextlib.suppress(KeyboardInterrupt):
+        server.serve_forever()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,143 @@
+"""The SMTP sink and the SMTP mailer, over real SMTP on loopback.
+
+The sink counts mails for the ``send_email`` tests, so it must record each message with the
+Message-ID the mailer derived from the idempotency key, and the mailer must classify a refused
+recipient as permanent and a missing server as transient.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import smtplib
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from resources.mail import (
+    Mailer,
+    MailerResource,
+    MailRejected,
+    MailUnavailable,
+    SmtpMailer,
+    message_id_for,
+)
+from resources.redis_server import free_port
+from resources.retry import ErrorClass, classify
+from sandbox.mailsink import MailSink
+
+
+@pytest.fixture
+def sink(tmp_path: Path) -> Iterator[MailSink]:
+    server = MailSink(f"sqlite:///{tmp_path / 'mail.db'}").start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def test_message_id_is_stable_and_rfc5322_shaped() -> None:
+    a = message_id_for("email:welcome:42:2026-11-29")
+    assert a == message_id_for("email:welcome:42:2026-11-29")
+    assert a != message_id_for("email:welcome:43:2026-11-29")
+    assert re.fullmatch(r"<[0-9a-f]{32}@sekali>", a)
+
+
+def test_sink_records_message_with_its_message_id(sink: MailSink) -> None:
+    mailer: Mailer = SmtpMailer("127.0.0.1", sink.port, sender="shop@example.com")
+    mid = message_id_for("email:welcome:42:2026-11-29")
+    mailer.send(to="ann@example.com", subject="Welcome", body="hello Ann", message_id=mid,
+                correlation_id="corr-1")
+    [msg] = sink.messages()
+    assert msg["message_id"] == mid
+    assert msg["mail_from"] == "shop@example.com"
+    assert msg["rcpt_tos"] == ["ann@example.com"]
+    assert msg["subject"] == "Welcome"
+    assert msg["correlation_id"] == "corr-1"
+    assert msg["size"] > len("hello Ann")
+    assert msg["received_at"] > 0
+
+
+def test_sink_counts_duplicates_per_message_id(sink: MailSink) -> None:
+    """The sink records every delivery, so a duplicate send is visible as a second row."""
+    mailer = SmtpMailer("127.0.0.1", sink.port)
+    mid = message_id_for("email:reset:7:2026-11-29")
+    for _ in range(2):
+        mailer.send(to="bob@example.com", subject="Reset", body="x", message_id=mid)
+    mailer.send(to="bob@example.com", subject="Other", body="x", message_id=message_id_for("o"))
+    assert len(sink.messages(mid)) == 2
+    assert len(sink.messages()) == 3
+
+
+def test_concurrent_senders_all_recorded(sink: MailSink) -> None:
+    mailer = SmtpMailer("127.0.0.1", sink.port)
+
+    def send(i: int) -> None:
+        mailer.send(to=f"u{i}@example.com", subject=f"s{i}", body="b",
+                    message_id=message_id_for(f"k{i}"))
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        list(pool.map(send, range(40)))
+    ids = {m["message_id"] for m in sink.messages()}
+    assert ids == {message_id_for(f"k{i}") for i in range(40)}
+
+
+def test_refused_recipient_is_permanent_and_not_recorded(sink: MailSink) -> None:
+    mailer = SmtpMailer("127.0.0.1", sink.port)
+    with pytest.raises(MailRejected) as info:
+        mailer.send(to="nobody@reject.invalid", subject="x", body="x", message_id="<a@sekali>")
+    assert info.value.smtp_code == 550
+    assert info.value.recipient == "nobody@reject.invalid"
+    assert classify(info.value) is ErrorClass.PERMANENT
+    assert isinstance(info.value.__cause__, smtplib.SMTPRecipientsRefused)
+    assert classify(info.value.__cause__) is ErrorClass.PERMANENT
+    assert sink.messages() == []
+
+
+def test_no_server_is_transient() -> None:
+    mailer = SmtpMailer("127.0.0.1", free_port(), timeout=2)
+    with pytest.raises(MailUnavailable) as info:
+        mailer.send(to="a@example.com", subject="x", body="x", message_id="<b@sekali>")
+    assert classify(info.value) is ErrorClass.TRANSIENT
+
+
+def test_resource_reads_settings_at_use(monkeypatch: pytest.MonkeyPatch, sink: MailSink) -> None:
+    resource = MailerResource()  # built before the env is set: nothing read at construction
+    monkeypatch.setenv("SEKALI_SMTP_HOST", "127.0.0.1")
+    monkeypatch.setenv("SEKALI_SMTP_PORT", str(sink.port))
+    resource.get_client().send(to="c@example.com", subject="r", body="b", message_id="<r@sekali>")
+    assert [m["message_id"] for m in sink.messages()] == ["<r@sekali>"]
+
+
+def test_cli_process_records_into_its_database(tmp_path: Path) -> None:
+    port = free_port()
+    db_url = f"sqlite:///{tmp_path / 'cli-mail.db'}"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "sandbox.mailsink", "--port", str(port), "--db-url", db_url],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ},
+    )
+    try:
+        mailer = SmtpMailer("127.0.0.1", port, timeout=5)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                mailer.send(to="d@example.com", subject="cli", body="b", message_id="<cli@sekali>")
+                break
+            except MailUnavailable:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise
+                time.sleep(0.2)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+    reopened = MailSink(db_url)
+    try:
+        assert [m["message_id"] for m in reopened.messages()] == ["<cli@sekali>"]
+    finally:
+        reopened.stop()
