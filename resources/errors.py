@@ -155,3 +155,36 @@ class FencedWriteRejected(SekaliError):
 
 class StoreUnavailable(TransientJobError):
     """The database or Redis did not answer (connection refused, timeout, failover). Retry."""
+
+
+class CacheLoadTimeout(TransientJobError):
+    """A cache miss waited for another process's rebuild and the wait ran out (no stale value).
+
+    The holder may be slow or dead (its lock expires by itself). Retry later; if loads often take
+    longer than ``wait_timeout``, raise it, or set ``stale_ttl`` so callers get a stale value.
+    """
+
+    def __init__(self, key: str, waited: float) -> None:
+        super().__init__(
+            f"cache key {key!r}: waited {waited:.2f}s for another caller's load and got no value; "
+            "retry later, or raise wait_timeout / set stale_ttl",
+            retry_after=1.0,
+        )
+        self.key = key
+        self.waited = waited
+
+
+class CacheLoaderFailed(TransientJobError):
+    """The load this caller waited for failed in another caller (or is negatively cached).
+
+    Carries the failing load's error class and message; the error is not retried at once by every
+    waiter (no second stampede). Retry later; fix the loader's dependency if it keeps failing.
+    """
+
+    def __init__(self, key: str, error_class: str, error_message: str) -> None:
+        super().__init__(
+            f"cache key {key!r}: the load failed with {error_class}: {error_message}; retry later"
+        )
+        self.key = key
+        self.error_class = error_class
+        self.error_message = error_message

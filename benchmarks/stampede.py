@@ -1,0 +1,365 @@
+"""Stampede benchmark: naive get-or-load-then-set, dogpile.cache (Redis backend, distributed lock)
+and sekali's StampedeCache, side by side in one run on a real Redis.
+
+1. cold expiry of one hot key, 4 processes x 50 threads, 200 ms loader: loader calls, latency;
+2. the same with a stale value present (plus a fresh-hit baseline to compare with);
+3. 1,000 keys written with one TTL, read uniformly: loader calls over time, peak / mean, with and
+   without jitter (PNG in benchmarks/results/stampede_jitter.png);
+4. hit path rate against a raw GET.
+
+Run: ``.venv/bin/python -m benchmarks.stampede [--quick]`` (REDIS_URL, default 127.0.0.1:6379).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import random
+import statistics
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from resources.cache_core import StampedeCache
+
+LOADER_SECONDS = 0.2
+PROCESSES = 4
+THREADS = 50
+RESULTS = Path(__file__).parent / "results"
+
+
+def _redis_url() -> str:
+    return os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+# -- scenario workers (module level: started with the spawn context) -----------------------------
+
+
+def _make_getter(impl: str, url: str, ns: str, scenario: str, client: redis.Redis) -> Any:
+    counter = f"bench:{ns}:loads"
+
+    def loader() -> dict[str, int]:
+        n = int(client.incr(counter))
+        time.sleep(LOADER_SECONDS)
+        return {"v": n}
+
+    if impl == "naive":
+        key = f"bench:{ns}:naive"
+
+        def naive() -> Any:
+            raw = client.get(key)
+            if raw is not None:
+                return json.loads(raw)
+            value = loader()
+            client.set(key, json.dumps(value), px=60_000)
+            return value
+
+        return naive
+    if impl == "dogpile":
+        from dogpile.cache import make_region  # noqa: PLC0415 - only the benchmark needs it
+
+        region = make_region().configure(
+            "dogpile.cache.redis",
+            expiration_time=1 if scenario == "stale" else 60,
+            arguments={
+                "url": url,
+                "distributed_lock": True,
+                "thread_local_lock": False,
+                "lock_timeout": 30,
+                "redis_expiration_time": 600,
+            },
+        )
+        return lambda: region.get_or_create(f"bench:{ns}:dogpile", loader)
+    cache = StampedeCache.from_url(url, namespace=f"bench{ns}", wait_timeout=60, lock_ttl=30)
+    return lambda: cache.get_or_load("hot", loader, ttl=60, stale_ttl=600)
+
+
+def scenario_worker(
+    impl: str, url: str, ns: str, scenario: str, threads: int, ready: Any, go: Any, out: Any
+) -> None:
+    client = redis.Redis.from_url(url)
+    get = _make_getter(impl, url, ns, scenario, client)
+    barrier = threading.Barrier(threads + 1)
+    latencies: list[float] = []
+    lock = threading.Lock()
+
+    def call() -> None:
+        barrier.wait(timeout=120)
+        start = time.perf_counter()
+        get()
+        elapsed = time.perf_counter() - start
+        with lock:
+            latencies.append(elapsed)
+
+    workers = [threading.Thread(target=call) for _ in range(threads)]
+    for worker in workers:
+        worker.start()
+    ready.put(1)
+    go.wait(120)
+    barrier.wait(timeout=120)
+    for worker in workers:
+        worker.join()
+    out.put(latencies)
+    time.sleep(LOADER_SECONDS * 3)  # let a background refresh finish before the process exits
+
+
+def _seed(impl: str, url: str, ns: str, scenario: str) -> None:
+    """Put the key in the state the scenario starts from: absent (cold) or stale/fresh."""
+    client = redis.Redis.from_url(url)
+    if impl == "naive" or scenario == "cold":
+        return  # absent: naive has no notion of stale, so its 'stale' run is a cold expiry
+    if impl == "dogpile":
+        from dogpile.cache import make_region  # noqa: PLC0415
+
+        region = make_region().configure(
+            "dogpile.cache.redis",
+            expiration_time=1,
+            arguments={"url": url, "redis_expiration_time": 600},
+        )
+        region.set(f"bench:{ns}:dogpile", {"v": 0})
+        time.sleep(1.05)
+        return
+    cache = StampedeCache.from_url(url, namespace=f"bench{ns}")
+    ttl = 60 if scenario == "hit" else 0.3
+    cache.get_or_load("hot", lambda: {"v": 0}, ttl=ttl, stale_ttl=600, jitter=0)
+    if scenario != "hit":
+        time.sleep(0.35)
+    cache.close()
+    client.close()
+
+
+def run_scenario(impl: str, scenario: str) -> dict[str, Any]:
+    url = _redis_url()
+    ns = uuid.uuid4().hex[:8]
+    ctx = multiprocessing.get_context("spawn")
+    ready, out, go = ctx.Queue(), ctx.Queue(), ctx.Event()
+    procs = [
+        ctx.Process(target=scenario_worker, args=(impl, url, ns, scenario, THREADS, ready, go, out))
+        for _ in range(PROCESSES)
+    ]
+    for proc in procs:
+        proc.start()
+    for _ in procs:
+        ready.get(timeout=120)
+    _seed(impl, url, ns, scenario)
+    go.set()
+    latencies: list[float] = []
+    for _ in procs:
+        latencies.extend(out.get(timeout=120))
+    for proc in procs:
+        proc.join(timeout=60)
+    client = redis.Redis.from_url(url)
+    loads = int(client.get(f"bench:{ns}:loads") or 0)
+    for key in client.scan_iter(match=f"*{ns}*"):
+        client.delete(key)
+    latencies.sort()
+    return {
+        "impl": impl,
+        "scenario": scenario,
+        "callers": len(latencies),
+        "loader_calls": loads,
+        "p50_ms": 1000 * latencies[len(latencies) // 2],
+        "p99_ms": 1000 * latencies[int(len(latencies) * 0.99) - 1],
+        "max_ms": 1000 * latencies[-1],
+    }
+
+
+# -- (3) jitter -----------------------------------------------------------------------------------
+
+
+def run_jitter(
+    jitter: float, seconds: float, *, ttl: float, bucket: float, reads_per_s: int = 5000
+) -> dict[str, Any]:
+    """1,000 keys written at one instant with one TTL, then read uniformly at ``reads_per_s``.
+
+    Runs on the cache's injected clock: each read advances it by ``1 / reads_per_s``, so the
+    read rate (and with it the expiry schedule) does not depend on how loaded this machine is.
+    Everything else is real: the Redis, the scripts, the loads. Values are served stale while
+    one refresh runs (``stale_ttl``), which also keeps Redis from deleting keys on its own
+    (real-time) TTL before the cache clock reaches their expiry.
+    """
+    url = _redis_url()
+    ns = "bench" + uuid.uuid4().hex[:8]
+    now = [time.time()]
+    cache = StampedeCache.from_url(url, namespace=ns, stats_flush_interval=5, clock=lambda: now[0])
+    loads: list[float] = []
+
+    def loader_for(i: int) -> Any:
+        def load() -> int:
+            loads.append(now[0])
+            return i
+
+        return load
+
+    keys = [f"k:{i}" for i in range(1000)]
+    for i, key in enumerate(keys):
+        cache.get_or_load(key, loader_for(i), ttl=ttl, stale_ttl=3600, jitter=jitter)
+    start = now[0]
+    loads.clear()
+    rng = random.Random(5)
+    step = 1.0 / reads_per_s
+    for _ in range(int(seconds * reads_per_s)):
+        now[0] += step
+        i = rng.randrange(1000)
+        cache.get_or_load(keys[i], loader_for(i), ttl=ttl, stale_ttl=3600, jitter=jitter)
+    cache.close()
+    client = redis.Redis.from_url(url)
+    for key in client.scan_iter(match=f"*{ns}*", count=1000):
+        client.delete(key)
+    n_buckets = int(seconds / bucket)
+    counts = [0] * n_buckets
+    for t in loads:
+        index = int((t - start) / bucket)
+        if 0 <= index < n_buckets:
+            counts[index] += 1
+    # Judge from just before the first expiry: until then nothing expires in any configuration.
+    settled = counts[int(ttl * (1 - max(jitter, 0.05)) / bucket) :]
+    mean = statistics.mean(settled) if settled else 0.0
+    return {
+        "jitter": jitter,
+        "ttl_s": ttl,
+        "bucket_s": bucket,
+        "reads_per_s": reads_per_s,
+        "loader_calls": len(loads),
+        "calls_per_s": [c / bucket for c in counts],
+        "peak_over_mean": (max(settled) / mean) if mean else 0.0,
+    }
+
+
+def plot_jitter(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib  # noqa: PLC0415
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(9, 4))
+    for row in rows:
+        xs = [i * row["bucket_s"] for i in range(len(row["calls_per_s"]))]
+        label = f"jitter +/-{row['jitter']:.0%} (peak/mean {row['peak_over_mean']:.2f})"
+        ax.plot(xs, row["calls_per_s"], label=label)
+    ax.set_xlabel("seconds")
+    ax.set_ylabel("loader calls / s")
+    ax.set_title(f"1,000 keys, one TTL ({rows[0]['ttl_s']} s), read uniformly")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+# -- (4) hit path ----------------------------------------------------------------------------------
+
+
+def run_hit_path(n: int) -> dict[str, Any]:
+    url = _redis_url()
+    ns = "bench" + uuid.uuid4().hex[:8]
+    client = redis.Redis.from_url(url)
+    cache = StampedeCache.from_url(url, namespace=ns)
+    client.set(f"{ns}:raw", json.dumps({"id": 1, "name": "x" * 100}))
+    cache.get_or_load("hit", lambda: {"id": 1, "name": "x" * 100}, ttl=600)
+    for _ in range(200):  # warm both connections
+        client.get(f"{ns}:raw")
+        cache.get_or_load("hit", lambda: None, ttl=600)
+    rates = {"raw_get": 0.0, "sekali_hit": 0.0}
+    fns = (
+        ("raw_get", lambda: json.loads(client.get(f"{ns}:raw") or b"null")),
+        ("sekali_hit", lambda: cache.get_or_load("hit", lambda: None, ttl=600)),
+    )
+    rounds, per_round = 20, max(100, n // 20)
+    for _ in range(rounds):  # short interleaved rounds, best of each: the machine is noisy
+        for name, fn in fns:
+            start = time.perf_counter()
+            for _ in range(per_round):
+                fn()
+            rates[name] = max(rates[name], per_round / (time.perf_counter() - start))
+    cache.close()
+    for key in client.scan_iter(match=f"*{ns}*"):
+        client.delete(key)
+    return {
+        "raw_get_per_s": rates["raw_get"],
+        "sekali_hit_per_s": rates["sekali_hit"],
+        "ratio": rates["sekali_hit"] / rates["raw_get"],
+    }
+
+
+# -- driver ---------------------------------------------------------------------------------------
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    scenarios = [
+        run_scenario(impl, scenario)
+        for scenario in ("cold", "stale")
+        for impl in ("naive", "dogpile", "sekali")
+    ]
+    hit = run_scenario("sekali", "hit")
+    seconds = 5.0 if quick else 10.0
+    jitter_rows = [run_jitter(j, seconds, ttl=2.0, bucket=0.1) for j in (0.0, 0.1, 0.5)]
+    png = RESULTS / "stampede_jitter.png"
+    plot_jitter(jitter_rows, png)
+    hit_path = run_hit_path(4000 if quick else 10000)
+    by = {(r["impl"], r["scenario"]): r for r in scenarios}
+    sek_cold, sek_stale = by[("sekali", "cold")], by[("sekali", "stale")]
+    ratios = {
+        "sekali_cold_p99_minus_loader_ms": sek_cold["p99_ms"] - 1000 * LOADER_SECONDS,
+        "dogpile_cold_p99_minus_loader_ms": by[("dogpile", "cold")]["p99_ms"]
+        - 1000 * LOADER_SECONDS,
+        "sekali_stale_p99_over_hit_p99": sek_stale["p99_ms"] / hit["p99_ms"],
+        "hit_path_over_raw_get": hit_path["ratio"],
+        "peak_over_mean_no_jitter": jitter_rows[0]["peak_over_mean"],
+        "peak_over_mean_jitter_10pct": jitter_rows[1]["peak_over_mean"],
+        "peak_over_mean_jitter_50pct": jitter_rows[2]["peak_over_mean"],
+    }
+    return {
+        "quick": quick,
+        "scenarios": scenarios,
+        "hit_baseline": hit,
+        "jitter": [{k: v for k, v in r.items() if k != "calls_per_s"} for r in jitter_rows],
+        "jitter_plot": str(png),
+        "hit_path": hit_path,
+        "ratios": ratios,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--json", action="store_true", help="print the raw results as JSON")
+    args = parser.parse_args()
+    results = run(quick=args.quick)
+    if args.json:
+        print(json.dumps(results, indent=2))
+        return
+    print(
+        f"(1)/(2) {PROCESSES} processes x {THREADS} threads, {LOADER_SECONDS * 1000:.0f} ms loader"
+    )
+    print(f"{'scenario':8} {'impl':8} {'loads':>5} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8}")
+    for r in [*results["scenarios"], results["hit_baseline"]]:
+        print(
+            f"{r['scenario']:8} {r['impl']:8} {r['loader_calls']:>5} {r['p50_ms']:>8.1f} "
+            f"{r['p99_ms']:>8.1f} {r['max_ms']:>8.1f}"
+        )
+    print("\n(3) 1,000 keys, one TTL, read uniformly (5,000 reads per second of cache clock)")
+    for r in results["jitter"]:
+        print(
+            f"jitter +/-{r['jitter']:.0%}: {r['loader_calls']} loads, "
+            f"peak/mean {r['peak_over_mean']:.2f} ({r['bucket_s']} s buckets)"
+        )
+    print(f"plot: {results['jitter_plot']}")
+    h = results["hit_path"]
+    print(
+        f"\n(4) hit path {h['sekali_hit_per_s']:.0f}/s vs raw GET {h['raw_get_per_s']:.0f}/s "
+        f"= {h['ratio']:.2f}"
+    )
+    print("\nratios / targets")
+    for name, value in results["ratios"].items():
+        print(f"  {name:36} {value:8.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,173 @@
+"""The Lua scripts of the anti-stampede cache, and the Redis key layout they share.
+
+Every per-key script touches only keys carrying the same hash tag ``{<namespace>:<key>}``, so each
+runs in one slot (Redis Cluster safe). The stats and hot-key keys carry ``{<namespace>}``.
+
+Key layout for cache key K in namespace N (tag T = ``{N:K}``)::
+
+    sekali:cache:T          envelope JSON, Redis TTL = hard expiry
+    sekali:cache:T:lock     rebuild lock, value = the rebuilder's random token (SET NX PX)
+    sekali:cache:T:ver      invalidation version (INCR by invalidate)
+    sekali:cache:T:waiters  how many callers registered to wait for the current rebuild
+    sekali:cache:T:signal   wake-up list: the rebuilder LPUSHes one token per registered waiter
+    sekali:cache:T:err      marker of the last failed load (token, class, message), short-lived
+    sekali:cache:T:neg      negative-cache marker, only when ``negative_ttl`` is set
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+PREFIX = "sekali:cache:"
+
+
+@dataclass(frozen=True)
+class KeyLayout:
+    """The Redis keys of one cache key; all share one hash tag."""
+
+    env: str
+    lock: str
+    ver: str
+    waiters: str
+    signal: str
+    err: str
+    neg: str
+
+    @classmethod
+    def of(cls, namespace: str, key: str) -> KeyLayout:
+        env = f"{PREFIX}{{{namespace}:{key}}}"
+        return cls(
+            env=env,
+            lock=env + ":lock",
+            ver=env + ":ver",
+            waiters=env + ":waiters",
+            signal=env + ":signal",
+            err=env + ":err",
+            neg=env + ":neg",
+        )
+
+
+def namespace_keys(namespace: str) -> tuple[str, str, str]:
+    """(stats hash, hot-key sorted set, decay guard) of a namespace."""
+    base = f"{PREFIX}{{{namespace}}}"
+    return base + ":stats", base + ":hot", base + ":hot:decayed"
+
+
+# The envelope starts with {"s":soft,"h":hard,"d":delta, so Lua reads the header without decoding
+# the value. XFetch: refresh early when now + delta * r >= soft, r = -beta * ln(U) from the caller.
+FETCH = """
+local raw = redis.call('GET', KEYS[1])
+local now = tonumber(ARGV[1])
+local force = ARGV[6] == '1'
+if raw then
+  local s, h, d = string.match(raw, '^{"s":([^,]+),"h":([^,]+),"d":([^,]+),')
+  s = tonumber(s); h = tonumber(h); d = tonumber(d)
+  if now < h then
+    if (not force) and now + d * tonumber(ARGV[2]) < s then
+      return {'fresh', raw}
+    end
+    local state = 'early'
+    if now >= s then state = 'stale' end
+    local got = 0
+    if redis.call('SET', KEYS[2], ARGV[3], 'NX', 'PX', ARGV[4]) then got = 1 end
+    return {state, raw, got, redis.call('GET', KEYS[3]) or '0'}
+  end
+end
+local neg = redis.call('GET', KEYS[6])
+if neg then return {'neg', false, 0, '0', false, neg} end
+if ARGV[7] ~= '' then
+  local err = redis.call('GET', KEYS[5])
+  if err and string.find(err, ARGV[7], 1, true) then
+    return {'failed', false, 0, '0', false, err}
+  end
+end
+if redis.call('SET', KEYS[2], ARGV[3], 'NX', 'PX', ARGV[4]) then
+  return {'miss', false, 1, redis.call('GET', KEYS[3]) or '0'}
+end
+redis.call('INCR', KEYS[4])
+redis.call('PEXPIRE', KEYS[4], ARGV[5])
+local holder = redis.call('GET', KEYS[2]) or false
+return {'miss', false, 0, '0', holder, redis.call('GET', KEYS[5]) or false}
+"""
+FETCH_KEYS = ("env", "lock", "ver", "waiters", "err", "neg")
+
+_NOTIFY = """
+local function notify(waiters, signal, px)
+  local n = tonumber(redis.call('GET', waiters) or '0')
+  redis.call('DEL', waiters)
+  for i = 1, n do redis.call('LPUSH', signal, '1') end
+  if n > 0 then redis.call('PEXPIRE', signal, px) end
+end
+"""
+
+# Write only while holding the lock AND while the invalidation version is the one read when the
+# lock was taken: a rebuild that began before an invalidate can never store its older value.
+WRITE = (
+    _NOTIFY
+    + """
+if redis.call('GET', KEYS[2]) ~= ARGV[1] then
+  notify(KEYS[4], KEYS[5], ARGV[5])
+  return 'lost'
+end
+redis.call('DEL', KEYS[2])
+if (redis.call('GET', KEYS[3]) or '0') ~= ARGV[2] then
+  notify(KEYS[4], KEYS[5], ARGV[5])
+  return 'invalidated'
+end
+redis.call('SET', KEYS[1], ARGV[3], 'PX', ARGV[4])
+redis.call('DEL', KEYS[6], KEYS[7])
+notify(KEYS[4], KEYS[5], ARGV[5])
+return 'ok'
+"""
+)
+WRITE_KEYS = ("env", "lock", "ver", "waiters", "signal", "err", "neg")
+
+# A failed load leaves a marker the waiters read, optionally a negative-cache marker, and either
+# releases the lock (miss) or keeps it for a back-off (failed refresh: the stale value stays).
+FAIL = (
+    _NOTIFY
+    + """
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then
+  notify(KEYS[2], KEYS[3], ARGV[6])
+  return 0
+end
+redis.call('SET', KEYS[4], ARGV[2], 'PX', ARGV[3])
+if tonumber(ARGV[4]) > 0 then redis.call('SET', KEYS[5], ARGV[2], 'PX', ARGV[4]) end
+if tonumber(ARGV[5]) > 0 then
+  redis.call('PEXPIRE', KEYS[1], ARGV[5])
+else
+  redis.call('DEL', KEYS[1])
+end
+notify(KEYS[2], KEYS[3], ARGV[6])
+return 1
+"""
+)
+FAIL_KEYS = ("lock", "waiters", "signal", "err", "neg")
+
+INVALIDATE = """
+local v = redis.call('INCR', KEYS[2])
+redis.call('PEXPIRE', KEYS[2], ARGV[1])
+redis.call('DEL', KEYS[1], KEYS[3], KEYS[4])
+return v
+"""
+INVALIDATE_KEYS = ("env", "ver", "err", "neg")
+
+# Decay the hot-key scores by ``factor`` once per period, whichever process flushes first.
+DECAY = """
+local now = tonumber(ARGV[1])
+local last = redis.call('GET', KEYS[2])
+if not last then
+  redis.call('SET', KEYS[2], ARGV[1])
+  return 0
+end
+if now - tonumber(last) < tonumber(ARGV[2]) then return 0 end
+redis.call('SET', KEYS[2], ARGV[1])
+local periods = math.floor((now - tonumber(last)) / tonumber(ARGV[2]))
+redis.call('ZUNIONSTORE', KEYS[1], 1, KEYS[1], 'WEIGHTS', tostring(0.5 ^ periods))
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[3])
+return periods
+"""
+
+
+def keys_for(layout: KeyLayout, names: tuple[str, ...]) -> list[str]:
+    return [getattr(layout, name) for name in names]
