@@ -1,0 +1,161 @@
+"""What a metrics snapshot and a doctor run cost, against the bare read of the same evidence.
+
+The collector computes percentiles in Python over a bounded window (so SQLite and Postgres
+agree), which means it reads every attempt row of the window. The floor is that read alone: one
+``SELECT`` of the window's attempt rows, fetched. The ratio ``collect / floor`` says what the
+grouping, percentiles and the other sources add on top; the doctor's ten checks are timed the
+same way. Rows are written in bulk (this is a read benchmark), on SQLite (a file) and Postgres
+(a schema made for the run, dropped after). Rounds alternate and the median is kept.
+
+Run: ``python -m benchmarks.observability [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from sqlalchemy import create_engine, text
+
+from resources.attempts import job_attempts
+from resources.db import Database
+from resources.diagnosis import DiagnosisSetup, diagnose
+from resources.metrics import MetricsCollector
+from resources.migrations import upgrade
+
+PG_URL = os.environ.get(
+    "SEKALI_BENCH_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/sekali_test"
+)
+TARGET_RATIO = 5.0  # a snapshot may cost at most 5x the bare read of its rows
+OUTCOMES = ["completed"] * 8 + ["duplicate_suppressed", "retried"]
+JOB_TYPES = ["charge_payment", "send_email", "reserve_inventory", "fulfill_order"]
+
+
+def _populate(db: Database, rows: int, now: float) -> None:
+    rng = random.Random(1)
+    batch = []
+    for i in range(rows):
+        started = now - rng.uniform(0, 3000)
+        duration = rng.lognormvariate(-1.0, 0.8)
+        outcome = rng.choice(OUTCOMES)
+        batch.append({
+            "attempt_id": uuid.uuid4().hex, "job_type": rng.choice(JOB_TYPES),
+            "idempotency_key": f"k{i % (rows // 2)}", "resource_id": None, "run_id": None,
+            "step": None, "attempt": 0 if outcome != "retried" else 1, "claim_attempt": 1,
+            "host": "bench", "pid": 1, "started_at": started, "ended_at": started + duration,
+            "duration_seconds": duration, "lock_wait_seconds": rng.uniform(0, 0.05),
+            "fence": 1, "takeover": int(rng.random() < 0.01),
+            "durations": json.dumps({"transaction": duration / 2}), "outcome": outcome,
+            "error_class": "TransientJobError" if outcome == "retried" else None,
+            "error_kind": None, "error_reason": None, "status_before": None,
+            "status_after": None, "correlation_id": f"c{i}", "request_id": None,
+        })
+        if len(batch) == 5000:
+            with db.transaction() as conn:
+                conn.execute(job_attempts.insert(), batch)
+            batch = []
+    if batch:
+        with db.transaction() as conn:
+            conn.execute(job_attempts.insert(), batch)
+
+
+def _median_ms(fn: Callable[[], Any], rounds: int) -> float:
+    times = []
+    for _ in range(rounds):
+        started = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - started) * 1000)
+    return statistics.median(times)
+
+
+def _measure(db: Database, rows: int, rounds: int) -> dict[str, Any]:
+    now = time.time()
+    _populate(db, rows, now)
+    since = now - 3600
+
+    def floor() -> int:
+        with db.statement() as conn:
+            return len(conn.execute(
+                text("SELECT job_type, outcome, duration_seconds, lock_wait_seconds, takeover,"
+                     " error_class, error_kind, attempt, started_at, ended_at"
+                     " FROM job_attempts WHERE started_at >= :since"), {"since": since},
+            ).all())
+
+    collector = MetricsCollector(db, window_seconds=3600, window_limit=rows)
+    setup = DiagnosisSetup(db=db, job_types={}, lease_seconds=60, window_seconds=3600)
+    floor_ms, collect_ms, doctor_ms = [], [], []
+    for _ in range(rounds):
+        floor_ms.append(_median_ms(floor, 1))
+        collect_ms.append(_median_ms(collector.collect, 1))
+        doctor_ms.append(_median_ms(lambda: diagnose(setup), 1))
+    f, c, d = (statistics.median(x) for x in (floor_ms, collect_ms, doctor_ms))
+    return {"rows": rows, "floor_ms": round(f, 2), "collect_ms": round(c, 2),
+            "doctor_ms": round(d, 2), "collect_ratio": round(c / f, 2),
+            "doctor_ratio": round(d / f, 2)}
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    rows = 5_000 if quick else 50_000
+    rounds = 3 if quick else 5
+    results: dict[str, Any] = {"backends": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        db = Database.from_url(f"sqlite:///{tmp}/bench.db")
+        upgrade(db)
+        results["backends"]["sqlite"] = _measure(db, rows, rounds)
+        db.dispose()
+    schema = "bench_obs_" + uuid.uuid4().hex[:8]
+    admin = create_engine(PG_URL, isolation_level="AUTOCOMMIT")
+    try:
+        with admin.connect() as conn:
+            conn.execute(text(f"CREATE SCHEMA {schema}"))
+        sep = "&" if "?" in PG_URL else "?"
+        db = Database.from_url(f"{PG_URL}{sep}options=-csearch_path%3D{schema}")
+        upgrade(db)
+        results["backends"]["postgres"] = _measure(db, rows, rounds)
+        db.dispose()
+    except Exception as exc:  # noqa: BLE001 - report, keep the SQLite numbers
+        results["backends"]["postgres"] = {"error": f"{type(exc).__name__}: {exc}"}
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f"DROP SCHEMA IF EXISTS {schema} CASCADE"))
+        admin.dispose()
+    results["summary"] = [
+        {"metric": f"metrics snapshot over {r['rows']} attempts ({name})",
+         "value": r["collect_ms"], "unit": "ms", "baseline": r["floor_ms"],
+         "ratio": r["collect_ratio"], "target": f"<= {TARGET_RATIO}x the bare read",
+         "ok": r["collect_ratio"] <= TARGET_RATIO}
+        for name, r in results["backends"].items() if "error" not in r
+    ]
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    result = run(quick=args.quick)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return
+    print(f"{'backend':<10} {'rows':>7} {'bare read':>10} {'snapshot':>10} {'ratio':>6} "
+          f"{'doctor':>10} {'ratio':>6}")
+    for name, r in result["backends"].items():
+        if "error" in r:
+            print(f"{name:<10} error: {r['error']}")
+            continue
+        print(f"{name:<10} {r['rows']:>7} {r['floor_ms']:>8.1f}ms {r['collect_ms']:>8.1f}ms "
+              f"{r['collect_ratio']:>5.2f}x {r['doctor_ms']:>8.1f}ms {r['doctor_ratio']:>5.2f}x")
+    print(f"target: snapshot <= {TARGET_RATIO}x the bare read of the same rows")
+
+
+if __name__ == "__main__":
+    main()

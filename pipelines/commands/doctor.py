@@ -1,0 +1,104 @@
+"""``sekali doctor [--json] [--check NAME ...]``: the production diagnosis checklist.
+
+Prints one row per checklist item with its verdict, what it found and the fix to make; ``--json``
+prints the same as a JSON list. Exit status: 1 when a check of ERROR severity fails (a broken
+invariant), 0 otherwise (warnings included). Configuration defaults to what the code location
+uses (``pipelines.profile.resource_defs()`` and the environment); flags override it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import textwrap
+from typing import Any
+
+CHECK_NAMES = (
+    "real_duplicates", "lease_vs_duration", "idempotency_coverage", "lock_ttl",
+    "retry_synchronisation", "cache_expiry_clusters", "ack_timing", "dlq",
+    "unique_constraints", "correlation",
+)
+
+
+def add_source_arguments(parser: argparse.ArgumentParser) -> None:
+    """Where the evidence lives; shared with ``sekali metrics``."""
+    parser.add_argument("--url", help="app database URL (default: DATABASE_URL or embedded)")
+    parser.add_argument("--redis-url", help="Redis URL (default: REDIS_URL or embedded)")
+    parser.add_argument("--gateway-ledger-url",
+                        help="database of the payment downstream's charge ledger (sandbox)")
+    parser.add_argument("--lease-seconds", type=float, help="idempotency lease to check against")
+    parser.add_argument("--lock-ttl", type=float, help="lock TTL to check against")
+    parser.add_argument("--no-lock-renew", action="store_true", help="locks are not renewed")
+    parser.add_argument("--cache-namespace", action="append", dest="cache_namespaces")
+    parser.add_argument("--window-hours", type=float, help="how far back the checks look")
+
+
+def observability_from_args(args: argparse.Namespace) -> Any:
+    from pipelines.observability import build_observability  # noqa: PLC0415 - fast --help
+    from pipelines.profile import resource_defs  # noqa: PLC0415
+    from resources.db import shared_database  # noqa: PLC0415
+    from resources.settings import Settings  # noqa: PLC0415
+
+    settings = Settings.from_env()
+    res = resource_defs()
+    idem, locks, cache, obs = (res["idempotency"], res["locks"], res["cache"],
+                               res["observability"])
+    return build_observability(
+        shared_database(args.url or res["app_db"].database_url or settings.database_url),
+        lease_seconds=args.lease_seconds or idem.lease_seconds,
+        lock_backend=locks.backend,
+        lock_ttl_seconds=args.lock_ttl or locks.ttl_seconds,
+        lock_auto_renew=locks.auto_renew and not args.no_lock_renew,
+        redis_url=args.redis_url or cache.redis_url or settings.redis_url,
+        cache_namespaces=args.cache_namespaces or [cache.namespace],
+        gateway_ledger_url=args.gateway_ledger_url or obs.gateway_ledger_url,
+        window_hours=args.window_hours or obs.window_hours,
+        metrics_window_minutes=obs.metrics_window_minutes,
+    )
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = sub.add_parser("doctor", help="run the production diagnosis checklist")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--check", action="append", choices=CHECK_NAMES, dest="checks",
+                        help="run only this check (repeatable)")
+    add_source_arguments(parser)
+    parser.set_defaults(func=_doctor)
+
+
+def render_table(findings: list[Any], width: int = 100) -> str:
+    """One row per check (title and verdict), its finding and its fix wrapped beneath."""
+    lines = [f"{'CHECK':<58} VERDICT", "-" * width]
+    for f in findings:
+        lines.append(f"{f.title:<58} {f.verdict}")
+        for label, body in (("found", f.found), ("fix", f.fix)):
+            wrapped = textwrap.wrap(body, width - 11) or [""]
+            lines.append(f"    {label + ':':<6} {wrapped[0]}")
+            lines.extend(f"           {line}" for line in wrapped[1:])
+    failed = [f for f in findings if not f.passed]
+    errors = sum(1 for f in failed if f.severity == "ERROR")
+    lines.append("-" * width)
+    lines.append(
+        f"{len(findings) - len(failed)} passed, {errors} failed at ERROR, "
+        f"{len(failed) - errors} failed at WARN"
+    )
+    return "\n".join(lines)
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from resources.diagnosis import has_errors  # noqa: PLC0415
+
+    findings = observability_from_args(args).findings(args.checks)
+    if args.json:
+        print(json.dumps([f.as_dict() for f in findings], indent=2, default=_json_default))
+    else:
+        print(render_table(findings))
+    if has_errors(findings):
+        print("doctor: at least one ERROR-severity check failed", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _json_default(value: Any) -> Any:
+    return str(value)
