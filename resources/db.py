@@ -41,7 +41,9 @@ def normalize_url(url: str) -> str:
     return url
 
 
-def make_engine(url: str, *, pool_size: int = 5, echo: bool = False) -> Engine:
+def make_engine(
+    url: str, *, pool_size: int = 5, max_overflow: int = 20, echo: bool = False
+) -> Engine:
     """Create an engine with the per-backend settings sekali relies on. Opens no connection."""
     url = normalize_url(url)
     parsed = make_url(url)
@@ -53,7 +55,7 @@ def make_engine(url: str, *, pool_size: int = 5, echo: bool = False) -> Engine:
             url,
             echo=echo,
             pool_size=pool_size,
-            max_overflow=20,
+            max_overflow=max_overflow,
             connect_args={"timeout": 60, "check_same_thread": False},
         )
         _configure_sqlite(engine)
@@ -61,7 +63,7 @@ def make_engine(url: str, *, pool_size: int = 5, echo: bool = False) -> Engine:
     if parsed.get_backend_name() != "postgresql":
         raise ValueError(f"DATABASE_URL: unsupported backend {parsed.get_backend_name()!r}")
     return create_engine(
-        url, echo=echo, pool_size=pool_size, max_overflow=20, pool_pre_ping=True
+        url, echo=echo, pool_size=pool_size, max_overflow=max_overflow, pool_pre_ping=True
     )
 
 
@@ -96,8 +98,8 @@ class Database:
         )
 
     @classmethod
-    def from_url(cls, url: str, *, pool_size: int = 5) -> Database:
-        return cls(make_engine(url, pool_size=pool_size))
+    def from_url(cls, url: str, *, pool_size: int = 5, max_overflow: int = 20) -> Database:
+        return cls(make_engine(url, pool_size=pool_size, max_overflow=max_overflow))
 
     @property
     def is_postgres(self) -> bool:

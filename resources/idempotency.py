@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import threading
 import time
 import uuid
@@ -42,7 +43,7 @@ from typing import Any
 
 from dagster import ConfigurableResource
 from pydantic import PrivateAttr
-from sqlalchemy import Column, Float, Integer, BigInteger, Table, Text, text
+from sqlalchemy import BigInteger, Column, Float, Integer, Table, Text, text
 from sqlalchemy.engine import Connection
 
 from resources.db import Database, metadata, shared_database
@@ -55,7 +56,23 @@ from resources.errors import (
 )
 from resources.migrations import upgrade
 
+__all__ = [
+    "AlreadyInProgress",
+    "Claim",
+    "Completed",
+    "IdempotencyConflict",
+    "IdempotencyResource",
+    "IdempotencyStore",
+    "LeaseKeeper",
+    "LeaseLost",
+    "Record",
+    "Status",
+    "StoredFailure",
+    "payload_hash",
+]
+
 Clock = Callable[[], float]
+logger = logging.getLogger(__name__)
 
 
 class Status(StrEnum):
@@ -134,10 +151,24 @@ WHERE r.payload_hash = excluded.payload_hash
   AND (r.status = 'retryable' OR (r.status = 'in_progress' AND r.lease_expires_at <= :now))
 """
 
+# Postgres: the upsert is only attempted when the statement's snapshot shows the key absent or
+# claimable (ON CONFLICT's WHERE still decides, on the latest row version). Without that filter
+# every replay of a completed key would lock its row: a transaction id and a WAL flush per read,
+# and replays of one hot key queued behind each other.
+_UPSERT_PG = _UPSERT.replace(
+    "VALUES (:key, :hash, 'in_progress', :owner, :expires, 1, 1, :now, :now)",
+    """SELECT :key, :hash, 'in_progress', :owner, :expires, 1, 1, :now, :now
+WHERE NOT EXISTS (
+    SELECT 1 FROM idempotency_records x WHERE x.key = :key AND NOT (
+        x.payload_hash = :hash AND (x.status = 'retryable'
+        OR (x.status = 'in_progress' AND x.lease_expires_at <= :now))))""",
+)
+assert _UPSERT_PG != _UPSERT
+
 # Postgres: claim or read the existing record in one round trip. The second branch reads the
 # statement's snapshot, so it sees the record as it was before the upsert tried it.
 _BEGIN_PG = f"""
-WITH claimed AS ({_UPSERT} RETURNING r.*)
+WITH claimed AS ({_UPSERT_PG} RETURNING r.*)
 SELECT {_COLUMNS}, TRUE AS claimed,
        (SELECT p.status FROM idempotency_records p WHERE p.key = :key) AS previous_status
 FROM claimed
@@ -491,8 +522,10 @@ class IdempotencyStore:
             try:
                 result = fn()
             except BaseException as exc:
-                with contextlib.suppress(LeaseLost):
+                try:
                     self.fail(outcome, exc)
+                except Exception:  # noqa: BLE001 - the caller needs fn's error, not this one
+                    logger.warning("could not record the failure of %s", key, exc_info=True)
                 raise
             keeper.check()
         self.complete(outcome, result)
@@ -508,6 +541,7 @@ class LeaseKeeper:
         self.interval = interval
         self.lost: LeaseLost | None = None
         self.beats = 0
+        self.failed_beats = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"lease:{claim.key}", daemon=True)
 
@@ -522,8 +556,9 @@ class LeaseKeeper:
             except LeaseLost as exc:
                 self.lost = exc
                 return
-            except SekaliError:
-                continue  # store briefly unavailable: the next beat tries again
+            except Exception:  # noqa: BLE001 - store briefly unavailable: beat again
+                self.failed_beats += 1
+                logger.warning("heartbeat of %s failed; retrying", self.claim.key, exc_info=True)
 
     def check(self) -> None:
         if self.lost is not None:

@@ -22,6 +22,7 @@ from pathlib import Path
 from sqlalchemy import text
 
 from resources.db import Database
+from resources.errors import SekaliError
 
 _MIGRATION_LOCK_ID = 0x5E4A11  # arbitrary, constant
 _NAME = re.compile(r"^(\d{4})_([a-z0-9_]+?)(?:\.(postgresql|sqlite))?\.sql$")
@@ -37,8 +38,13 @@ class Migration:
         return hashlib.sha256(self.sql.encode()).hexdigest()[:16]
 
 
-class MigrationDrift(RuntimeError):
-    """A migration already applied has a different checksum from the file on disk."""
+class MigrationDrift(SekaliError, RuntimeError):
+    """A migration already applied has a different checksum from the file on disk.
+
+    Permanent: restore the file as it was applied and put the change in a new ``NNNN_`` file.
+    """
+
+    permanent = True
 
 
 def sql_dir() -> Path:

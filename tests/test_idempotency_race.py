@@ -1,0 +1,54 @@
+"""The race invariant 1 is about: many callers in many processes, one effect per key.
+
+4 processes x 16 threads call ``run_once`` on the same 50 keys (each thread in its own shuffled
+order), all starting at the same instant. The effect inserts a row into a table with no unique
+constraint in the same database, so a second effect for a key would be counted, not absorbed.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+from concurrent.futures import ProcessPoolExecutor
+
+from sqlalchemy import text
+
+from resources.db import Database
+from resources.idempotency import IdempotencyStore, Status
+from tests.idempotency_workers import EFFECTS_DDL, race_worker
+
+PROCESSES = 4
+THREADS = 16
+KEYS = [f"payment:order-{i}" for i in range(50)]
+
+
+def test_run_once_race_one_effect_per_key(db: Database, db_url: str) -> None:
+    """Catches: a non-atomic claim (read-then-write) or a replay that re-runs the effect; either
+    shows as a key with two effect rows or a caller that got another key's or no result."""
+    with db.transaction() as conn:
+        conn.exec_driver_sql(EFFECTS_DDL)
+    start_at = time.time() + 6.0  # after every spawned process has imported and connected
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=PROCESSES, mp_context=ctx) as pool:
+        futures = [
+            pool.submit(race_worker, db_url, KEYS, THREADS, start_at, seed)
+            for seed in range(PROCESSES)
+        ]
+        reports = [f.result(timeout=600) for f in futures]
+
+    for report in reports:
+        assert report["errors"] == [], report["errors"][:5]
+        assert report["wrong"] == [], report["wrong"][:5]
+    assert sum(r["ran"] for r in reports) == len(KEYS)
+
+    with db.statement() as conn:
+        counts: dict[str, int] = dict(
+            conn.execute(text("SELECT key, count(*) FROM effects GROUP BY key")).tuples().all()
+        )
+    assert counts == dict.fromkeys(KEYS, 1)
+
+    store = IdempotencyStore(db)
+    for key in KEYS:
+        record = store.get(key)
+        assert record is not None and record.status is Status.COMPLETED, key
+        assert record.result == {"key": key} and record.fence == 1 and record.attempt == 1
