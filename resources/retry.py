@@ -254,7 +254,12 @@ class RetryPolicy:
         if retry_after is not None:
             delay = max(delay, float(retry_after))
         delay = min(delay, remaining)
-        if budget is not None and downstream is not None and not budget.try_spend(downstream):
+        if (
+            budget is not None
+            and downstream is not None
+            and not _is_contention(exc)
+            and not budget.try_spend(downstream)
+        ):
             return give_up("retry budget exhausted")
         return RetryDecision(True, error_class, attempt, delay=delay)
 
@@ -480,3 +485,11 @@ __all__ = [
     "retry_delay",
     "to_dagster",
 ]
+
+
+def _is_contention(exc: BaseException) -> bool:
+    """Waiting for another worker (a live lease, a held lock) says nothing about the downstream's
+    health, so it spends no token of the downstream's retry budget."""
+    from resources.errors import AlreadyInProgress, LockNotAcquired  # noqa: PLC0415
+
+    return isinstance(exc, AlreadyInProgress | LockNotAcquired)

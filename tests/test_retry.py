@@ -418,3 +418,19 @@ def test_dagster_exhausted_budget_stops_retries(
     for _ in range(10):
         resource.record_success("gateway")
     assert resource.get_budget().level("gateway") == pytest.approx(1.0)  # type: ignore[union-attr]
+
+
+def test_waiting_for_another_worker_spends_no_budget(
+    redis_client: redis.Redis, namespace: str
+) -> None:
+    """A live lease or a held lock says nothing about the downstream: no token is spent, so a
+    cohort of duplicates cannot drain the budget that protects a sick downstream."""
+    budget = RetryBudget(redis_client, capacity=2, refill_per_success=0.1, namespace=namespace)
+    policy = RetryPolicy(max_attempts=10, base_delay=0.01, jitter="full")
+    for exc in (AlreadyInProgress("payment:o1", None, 1.0), LockNotAcquired("order:o1", 1.0)):
+        for _ in range(5):
+            assert policy.decide(exc, attempt=0, elapsed=0, budget=budget, downstream="gw").retry
+    assert budget.level("gw") == 2.0
+    assert policy.decide(TransientJobError("503"), attempt=0, elapsed=0, budget=budget,
+                         downstream="gw").retry
+    assert budget.level("gw") == 1.0

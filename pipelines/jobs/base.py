@@ -1,0 +1,227 @@
+"""What every job type is made of: a :class:`JobType` (validation, key, budget, handler) and the
+:class:`JobContext` its handler works through (claim, lease keeper, attempt record, timings).
+
+A handler is a plain function ``handler(ctx, payload) -> result`` that needs no Dagster context,
+so the per-request op, the intake's batch ops and the chaos harness all run the same code
+through :func:`pipelines.runtime.execute_request`.
+
+Crash points: ``ctx.crash_point("after_charge")`` kills the process with SIGKILL when the
+environment variable ``SEKALI_CRASH_AT`` names that point (comma-separated for several), and
+stops it with SIGSTOP (a stand-in for a long GC pause or a frozen VM) when ``SEKALI_STOP_AT``
+names it. Test hooks for "the worker died / stalled after the side effect"; no-ops otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy import text
+from sqlalchemy.engine import Connection, Row
+
+from resources.attempts import Attempt
+from resources.errors import FencedWriteRejected, ValidationError
+from resources.idempotency import Claim, LeaseKeeper
+
+if TYPE_CHECKING:
+    from pipelines.services import Services
+
+CRASH_ENV = "SEKALI_CRASH_AT"
+STOP_ENV = "SEKALI_STOP_AT"
+
+
+def crash_point(name: str) -> None:
+    """Die at once (SIGKILL, no cleanup) if ``SEKALI_CRASH_AT`` names this point, or freeze
+    (SIGSTOP, until someone sends SIGCONT) if ``SEKALI_STOP_AT`` does. Test hook."""
+    if name in os.environ.get(CRASH_ENV, "").split(","):
+        os.kill(os.getpid(), signal.SIGKILL)
+    if name in os.environ.get(STOP_ENV, "").split(","):
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+
+Handler = Callable[["JobContext", dict[str, Any]], Any]
+
+
+@dataclass(frozen=True)
+class JobType:
+    """One kind of job: how to check its input, name its intent, and do its effect."""
+
+    name: str
+    queue: str  # "heavy" | "light" (tag "sekali/queue")
+    validate: Callable[[dict[str, Any]], dict[str, Any]]
+    key_for: Callable[[dict[str, Any]], str]
+    max_runtime_seconds: float
+    side_effect: bool
+    handler: Handler
+    resource_id: Callable[[dict[str, Any]], str]
+    lock: str  # how the resource is protected: "db-row", "db-transaction", "none"
+    downstream: str | None = None  # the retry-budget bucket, when an outside service is called
+    description: str = ""
+
+    @property
+    def op_name(self) -> str:
+        return f"{self.name}_op"
+
+
+@dataclass
+class JobContext:
+    """Everything a handler may touch for one claimed attempt."""
+
+    services: Services
+    claim: Claim
+    attempt: Attempt
+    payload: dict[str, Any]
+    correlation_id: str | None = None
+    keeper: LeaseKeeper | None = None
+    completed: bool = False
+    _lock_wait: float = field(default=0.0, repr=False)
+
+    @property
+    def key(self) -> str:
+        return self.claim.key
+
+    @property
+    def fence(self) -> int:
+        return self.claim.fence
+
+    def crash_point(self, name: str) -> None:
+        crash_point(name)
+
+    def check_lease(self) -> None:
+        """Raise :class:`LeaseLost` if a heartbeat found the lease taken over: stop now."""
+        if self.keeper is not None:
+            self.keeper.check()
+
+    @contextlib.contextmanager
+    def timed(self, name: str) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.attempt.add_duration(name, time.perf_counter() - started)
+
+    @contextlib.contextmanager
+    def transaction(self, name: str = "transaction") -> Iterator[Connection]:
+        """A transaction on the app database; the time to get it counts as lock wait (on SQLite
+        ``BEGIN IMMEDIATE`` waits for the write lock)."""
+        self.check_lease()
+        started = time.perf_counter()
+        with self.timed(name), self.services.db.transaction() as conn:
+            self._add_lock_wait(time.perf_counter() - started)
+            yield conn
+
+    @contextlib.contextmanager
+    def locked_row(
+        self, table: str, column: str, value: str, name: str = "transaction"
+    ) -> Iterator[tuple[Connection, Row[Any] | None]]:
+        """A transaction holding the row lock on ``table.column = value`` (``FOR UPDATE`` on
+        Postgres; SQLite's ``BEGIN IMMEDIATE`` already excludes every other writer)."""
+        lock = " FOR UPDATE" if self.services.db.is_postgres else ""
+        self.check_lease()
+        started = time.perf_counter()
+        with self.timed(name), self.services.db.transaction() as conn:
+            row = conn.execute(
+                text(f"SELECT * FROM {table} WHERE {column} = :v{lock}"), {"v": value}
+            ).first()
+            self._add_lock_wait(time.perf_counter() - started)
+            yield conn, row
+
+    def _add_lock_wait(self, seconds: float) -> None:
+        self._lock_wait += seconds
+        self.attempt.lock_wait_seconds = round(self._lock_wait, 6)
+
+    def checkpoint(self, point: str, data: Any = None, *, conn: Connection) -> None:
+        """Record a recovery point in the transaction that made this phase's effect."""
+        self.services.store.checkpoint(self.claim, point, data, conn=conn)
+
+    def complete(self, result: Any, *, conn: Connection) -> None:
+        """Mark the key completed in the same transaction as the final effect."""
+        self.services.store.complete(self.claim, result, conn=conn)
+        self.completed = True
+
+
+def fenced_update(
+    conn: Connection,
+    table: str,
+    column: str,
+    value: str,
+    *,
+    fence_column: str,
+    fence: int,
+    assignments: str,
+    params: dict[str, Any] | None = None,
+) -> None:
+    """``UPDATE`` that applies only if no newer holder has written (``fence_column <= fence``);
+    it records ``fence``. A stale holder gets :class:`FencedWriteRejected` and changes nothing."""
+    sql = (
+        f"UPDATE {table} SET {assignments}, {fence_column} = :fence"
+        f" WHERE {column} = :v AND {fence_column} <= :fence"
+    )
+    rowcount = conn.execute(text(sql), {**(params or {}), "v": value, "fence": fence}).rowcount
+    if rowcount != 1:
+        highest = conn.execute(
+            text(f"SELECT {fence_column} FROM {table} WHERE {column} = :v"), {"v": value}
+        ).scalar()
+        raise FencedWriteRejected(f"{table}:{value}", fence, highest)
+
+
+# -- validation helpers: each names the field it rejects --------------------------------------
+
+
+def require_str(payload: dict[str, Any], field_name: str, *, max_len: int = 200) -> str:
+    value = payload.get(field_name)
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = str(value)
+    if not isinstance(value, str) or not value.strip():
+        raise ValidationError(field_name, "required, a non-empty string", value)
+    value = value.strip()
+    if len(value) > max_len or any(ch.isspace() or ch == ":" for ch in value):
+        raise ValidationError(
+            field_name, f"at most {max_len} characters, no spaces or ':'", value
+        )
+    return value
+
+
+def require_int(
+    payload: dict[str, Any], field_name: str, *, minimum: int = 1, maximum: int = 10**12
+) -> int:
+    value = payload.get(field_name)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValidationError(field_name, "required, an integer", value)
+    if not minimum <= value <= maximum:
+        raise ValidationError(field_name, f"must be between {minimum} and {maximum}", value)
+    return value
+
+
+def require_items(payload: dict[str, Any], field_name: str = "items") -> list[dict[str, Any]]:
+    """A non-empty list of ``{sku, quantity}``; errors name the item, e.g. ``items[2].quantity``."""
+    items = payload.get(field_name)
+    if not isinstance(items, list) or not items:
+        raise ValidationError(field_name, "required, a non-empty list of {sku, quantity}", items)
+    clean = []
+    for i, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise ValidationError(f"{field_name}[{i}]", "must be an object {sku, quantity}", item)
+        try:
+            reject_unknown(item, {"sku", "quantity"})
+            clean.append(
+                {
+                    "sku": require_str(item, "sku"),
+                    "quantity": require_int(item, "quantity", maximum=100_000),
+                }
+            )
+        except ValidationError as exc:
+            field = f"{field_name}[{i}].{exc.field}"
+            raise ValidationError(field, exc.problem, exc.value) from None
+    return sorted(clean, key=lambda it: it["sku"])
+
+
+def reject_unknown(payload: dict[str, Any], allowed: set[str]) -> None:
+    extra = sorted(set(payload) - allowed)
+    if extra:
+        raise ValidationError(extra[0], f"unknown field (allowed: {', '.join(sorted(allowed))})")

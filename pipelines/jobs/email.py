@@ -1,0 +1,100 @@
+"""``send_email``: one mail per intent, key ``email:{template}:{user_id}:{date}``.
+
+No lock: the idempotency claim is enough, and the Message-ID is derived from the key
+(:func:`resources.mail.message_id_for`), so even the one case the claim cannot close (the worker
+dies after the SMTP server accepted the mail and before the key completes) gives a redelivery
+with the same Message-ID, which mail clients and the sink recognise as the same message.
+
+States (recorded per attempt, status before/after): ``not_sent -> sent``.
+"""
+
+from __future__ import annotations
+
+import re
+import string
+from typing import Any
+
+from pipelines.jobs.base import JobContext, JobType, reject_unknown, require_str
+from resources.errors import ValidationError
+from resources.mail import message_id_for
+
+TEMPLATES: dict[str, tuple[str, str]] = {
+    "welcome": ("Welcome, $name", "Hello $name,\n\nwelcome to sekali.\n"),
+    "receipt": (
+        "Your receipt for order $order_id",
+        "Hello $name,\n\nthanks for order $order_id.\n",
+    ),
+    "reminder": ("A reminder", "Hello $name,\n\nthis is your reminder for $date.\n"),
+}
+
+_DATE = re.compile(r"^\d{4}-\d{2}-\d{2}$")
+_EMAIL = re.compile(r"^[^@\s]+@[^@\s]+\.[^@\s]+$")
+
+
+def validate(payload: dict[str, Any]) -> dict[str, Any]:
+    reject_unknown(payload, {"template", "user_id", "date", "to", "context"})
+    template = require_str(payload, "template")
+    if template not in TEMPLATES:
+        known = ", ".join(sorted(TEMPLATES))
+        raise ValidationError("template", f"unknown (known: {known})", template)
+    date = require_str(payload, "date")
+    if not _DATE.match(date):
+        raise ValidationError("date", "an ISO date YYYY-MM-DD", date)
+    to = payload.get("to")
+    if not isinstance(to, str) or not _EMAIL.match(to):
+        raise ValidationError("to", "an e-mail address", to)
+    context = payload.get("context", {})
+    if not isinstance(context, dict) or not all(isinstance(k, str) for k in context):
+        raise ValidationError("context", "an object of template variables", context)
+    return {
+        "template": template,
+        "user_id": require_str(payload, "user_id"),
+        "date": date,
+        "to": to,
+        "context": {k: str(v) for k, v in sorted(context.items())},
+    }
+
+
+def key_for(payload: dict[str, Any]) -> str:
+    return f"email:{payload['template']}:{payload['user_id']}:{payload['date']}"
+
+
+def render(p: dict[str, Any]) -> tuple[str, str]:
+    subject, body = TEMPLATES[p["template"]]
+    values = {"name": p["user_id"], "date": p["date"], **p["context"]}
+    return (
+        string.Template(subject).safe_substitute(values),
+        string.Template(body).safe_substitute(values),
+    )
+
+
+def send_email(ctx: JobContext, p: dict[str, Any]) -> dict[str, Any]:
+    mailer = ctx.services.mailer
+    if mailer is None:
+        raise RuntimeError("send_email needs a mailer (resource 'mailer')")
+    subject, body = render(p)
+    message_id = message_id_for(ctx.key)
+    ctx.attempt.status_before = "not_sent"
+    with ctx.timed("smtp"):
+        mailer.send(
+            to=p["to"], subject=subject, body=body, message_id=message_id,
+            correlation_id=ctx.correlation_id,
+        )
+    ctx.crash_point("after_send")
+    ctx.attempt.status_after = "sent"
+    return {"message_id": message_id, "to": p["to"]}
+
+
+JOB_TYPE = JobType(
+    name="send_email",
+    queue="light",
+    validate=validate,
+    key_for=key_for,
+    max_runtime_seconds=120,
+    side_effect=True,
+    handler=send_email,
+    resource_id=lambda p: str(p["user_id"]),
+    lock="none",
+    downstream="smtp",
+    description="Send one templated mail per (template, user, date).",
+)

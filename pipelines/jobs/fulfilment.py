@@ -1,0 +1,180 @@
+"""``fulfill_order``: start, reserve, ship; resume from the last recovery point after a crash.
+
+Key ``fulfil:{order_id}``. Each phase is one transaction that holds the order's row lock, makes
+its effect, writes its outbox event (deterministic event ids, so a resumed phase emits nothing
+twice) and records its recovery point with ``store.checkpoint(..., conn=conn)``: a crash leaves
+a phase's effect and its recovery point both committed or both absent. A retry or takeover
+starts after the last committed point. Every order write is fenced with the claim's fence.
+
+Fulfilment states (``orders.fulfilment_status``), written here beside their transitions::
+
+    new / needs_compensation --- start (outbox order.fulfilment_started) ---> processing
+    processing --- reserve (cart order:{id}) --------------------------------> reserved
+    reserved --- ship (shipments row, outbox order.shipped) + complete ------> fulfilled
+    processing / reserved --- a phase failed --------------------------------> needs_compensation
+
+``needs_compensation`` is what reconciliation looks for: a failed fulfilment may hold
+reservations that must be released (or be resumed by a replay of the same key).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from enum import StrEnum
+from typing import Any
+
+from sqlalchemy import text
+from sqlalchemy.engine import Connection
+
+from pipelines.jobs.base import (
+    JobContext,
+    JobType,
+    fenced_update,
+    reject_unknown,
+    require_items,
+    require_str,
+)
+from resources.errors import FencedWriteRejected, LeaseLost
+from resources.inventory import Inventory
+from resources.outbox import write_event
+
+logger = logging.getLogger(__name__)
+
+
+class FulfilmentStatus(StrEnum):
+    NEW = "new"
+    PROCESSING = "processing"
+    RESERVED = "reserved"
+    FULFILLED = "fulfilled"
+    NEEDS_COMPENSATION = "needs_compensation"
+
+
+STARTED, RESERVED = "started", "reserved"
+
+
+def validate(payload: dict[str, Any]) -> dict[str, Any]:
+    reject_unknown(payload, {"order_id", "items"})
+    return {"order_id": require_str(payload, "order_id"), "items": require_items(payload)}
+
+
+def key_for(payload: dict[str, Any]) -> str:
+    return f"fulfil:{payload['order_id']}"
+
+
+def cart_for(order_id: str) -> str:
+    return f"order-{order_id}"
+
+
+def _set_status(ctx: JobContext, conn: Connection, order_id: str, status: str) -> None:
+    fenced_update(
+        conn, "orders", "order_id", order_id, fence_column="fulfilment_fence", fence=ctx.fence,
+        assignments="fulfilment_status = :s, updated_at = :now",
+        params={"s": status, "now": time.time()},
+    )
+
+
+def _event(ctx: JobContext, conn: Connection, order_id: str, event: str, data: Any) -> None:
+    write_event(
+        conn, aggregate_type="order", aggregate_id=order_id, event_type=f"order.{event}",
+        payload={"order_id": order_id, "key": ctx.key, **data},
+        event_id=f"{ctx.key}:{event}",
+    )
+
+
+def fulfill_order(ctx: JobContext, p: dict[str, Any]) -> dict[str, Any]:
+    order_id = p["order_id"]
+    cart = cart_for(order_id)
+    point = ctx.claim.recovery_point
+    inventory = Inventory(ctx.services.db)
+    result = {"order_id": order_id, "cart_id": cart, "status": str(FulfilmentStatus.FULFILLED)}
+    try:
+        if point is None:
+            with ctx.locked_row("orders", "order_id", order_id, "start") as (conn, row):
+                if row is None:
+                    now = time.time()
+                    conn.execute(
+                        text(
+                            "INSERT INTO orders (order_id, payment_status, fulfilment_status,"
+                            " created_at, updated_at)"
+                            " VALUES (:o, 'payment_pending', 'new', :now, :now)"
+                        ),
+                        {"o": order_id, "now": now},
+                    )
+                    ctx.attempt.status_before = str(FulfilmentStatus.NEW)
+                else:
+                    ctx.attempt.status_before = row.fulfilment_status
+                    if row.fulfilment_status == FulfilmentStatus.FULFILLED:
+                        ctx.complete(result, conn=conn)
+                        ctx.attempt.status_after = row.fulfilment_status
+                        return result
+                _set_status(ctx, conn, order_id, FulfilmentStatus.PROCESSING)
+                _event(ctx, conn, order_id, "fulfilment_started", {"items": p["items"]})
+                ctx.checkpoint(STARTED, None, conn=conn)
+            point = STARTED
+            ctx.crash_point("after_start")
+        else:
+            ctx.attempt.status_before = f"resumed:{point}"
+
+        if point == STARTED:
+            with ctx.locked_row("orders", "order_id", order_id, "reserve") as (conn, _):
+                reservations = inventory.reserve(conn, cart, p["items"], fence=ctx.fence)
+                _set_status(ctx, conn, order_id, FulfilmentStatus.RESERVED)
+                ctx.checkpoint(RESERVED, {r.sku: r.quantity for r in reservations}, conn=conn)
+            point = RESERVED
+            ctx.crash_point("after_reserve")
+
+        with ctx.locked_row("orders", "order_id", order_id, "ship") as (conn, _):
+            inventory.ship(conn, cart)
+            conn.execute(
+                text(
+                    "INSERT INTO shipments (order_id, shipped_at, fence) VALUES (:o, :t, :f)"
+                    " ON CONFLICT (order_id) DO NOTHING"
+                ),
+                {"o": order_id, "t": time.time(), "f": ctx.fence},
+            )
+            _set_status(ctx, conn, order_id, FulfilmentStatus.FULFILLED)
+            _event(ctx, conn, order_id, "shipped", {})
+            ctx.complete(result, conn=conn)
+        ctx.attempt.status_after = str(FulfilmentStatus.FULFILLED)
+        return result
+    except (LeaseLost, FencedWriteRejected):
+        raise  # a newer holder owns the order now: it must not be marked by us
+    except Exception as exc:
+        _mark_needs_compensation(ctx, order_id, exc)
+        raise
+
+
+def _mark_needs_compensation(ctx: JobContext, order_id: str, exc: Exception) -> None:
+    try:
+        with ctx.services.db.transaction() as conn:
+            exists = conn.execute(
+                text("SELECT 1 FROM orders WHERE order_id = :o"), {"o": order_id}
+            ).first()
+            if exists is None:
+                return
+            _set_status(ctx, conn, order_id, FulfilmentStatus.NEEDS_COMPENSATION)
+            write_event(
+                conn, aggregate_type="order", aggregate_id=order_id,
+                event_type="order.needs_compensation",
+                payload={"order_id": order_id, "key": ctx.key, "error": type(exc).__name__,
+                         "reason": str(exc)[:500]},
+                event_id=f"{ctx.key}:needs_compensation:{ctx.fence}",
+            )
+        ctx.attempt.status_after = str(FulfilmentStatus.NEEDS_COMPENSATION)
+    except Exception:  # noqa: BLE001 - the original error matters more; reconciliation finds it
+        logger.exception("could not mark order %s as needing compensation", order_id)
+
+
+JOB_TYPE = JobType(
+    name="fulfill_order",
+    queue="heavy",
+    validate=validate,
+    key_for=key_for,
+    max_runtime_seconds=900,
+    side_effect=True,
+    handler=fulfill_order,
+    resource_id=lambda p: str(p["order_id"]),
+    lock="db-row",
+    description="Start, reserve and ship an order, resuming from recovery points.",
+)

@@ -1,0 +1,110 @@
+"""The collaborators a job needs, gathered once: built from settings (no Dagster) or from an
+op's resources. The same :class:`Services` serves the per-request ops, the intake's batch ops
+and the chaos harness, so every way a job runs takes one code path."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+from resources.attempts import AttemptRecorder
+from resources.cache import StampedeCache
+from resources.db import Database, shared_database
+from resources.idempotency import IdempotencyStore
+from resources.mail import Mailer, SmtpMailer
+from resources.payments import HttpPaymentGateway, PaymentGateway
+from resources.retry import RetryBudget, RetryPolicy
+from resources.settings import Settings
+
+
+@dataclass
+class Services:
+    """Everything :func:`pipelines.runtime.execute_request` may use.
+
+    ``store.db`` and ``db`` must be the same database: handlers complete the key in the same
+    transaction as the business change. ``gateway``, ``mailer``, ``cache`` and ``locks`` may be
+    None for job types that do not use them.
+    """
+
+    db: Database
+    store: IdempotencyStore
+    attempts: AttemptRecorder
+    gateway: PaymentGateway | None = None
+    mailer: Mailer | None = None
+    cache: StampedeCache | None = None
+    locks: Callable[[str], Any] | None = None
+    retry_policy: RetryPolicy = field(default_factory=RetryPolicy)
+    retry_budget: RetryBudget | None = None
+
+    def __post_init__(self) -> None:
+        if str(self.store.db.engine.url) != str(self.db.engine.url):
+            raise ValueError(
+                "the idempotency store and the app database must be the same database "
+                f"(store {self.store.db.engine.url!r}, app {self.db.engine.url!r}): set one "
+                "DATABASE_URL for both, so a key completes in the business transaction"
+            )
+
+    @classmethod
+    def from_settings(
+        cls,
+        settings: Settings | None = None,
+        *,
+        lease_seconds: float = 60.0,
+        retry_policy: RetryPolicy | None = None,
+        budget_namespace: str = "sekali",
+        cache_namespace: str = "sekali",
+        send_idempotency_key: bool = True,
+    ) -> Services:
+        """Build every collaborator from ``settings`` (``Settings.from_env()`` by default).
+        Opens no connection: pools and clients connect on first use."""
+        settings = settings or Settings.from_env()
+        db = shared_database(settings.database_url)
+        client = redis.Redis.from_url(settings.redis_url)
+        return cls(
+            db=db,
+            store=IdempotencyStore(db, lease_seconds=lease_seconds),
+            attempts=AttemptRecorder(db),
+            gateway=HttpPaymentGateway(
+                settings.gateway_url, send_idempotency_key=send_idempotency_key
+            ),
+            mailer=SmtpMailer(settings.smtp_host, settings.smtp_port),
+            cache=StampedeCache(client, namespace=cache_namespace),
+            retry_policy=retry_policy or RetryPolicy(),
+            retry_budget=RetryBudget(client, namespace=budget_namespace),
+        )
+
+    @classmethod
+    def from_context(cls, context: Any) -> Services:
+        """From an op's resources: ``idempotency``, ``app_db`` (optional: the store's database),
+        ``gateway``, ``mailer``, ``cache``, ``locks``, ``retry`` (each optional but the first)."""
+        res = context.resources
+        store: IdempotencyStore = res.idempotency.get_store()
+        app_db = _optional(res, "app_db")
+        db = app_db.get_database() if app_db is not None else store.db
+        retry = _optional(res, "retry")
+        gateway = _optional(res, "gateway")
+        mailer = _optional(res, "mailer")
+        cache = _optional(res, "cache")
+        locks = _optional(res, "locks")
+        return cls(
+            db=db,
+            store=store,
+            attempts=AttemptRecorder(db),
+            gateway=gateway.get_client() if gateway is not None else None,
+            mailer=mailer.get_mailer() if mailer is not None else None,
+            cache=cache.get_cache() if cache is not None else None,
+            locks=locks.lock if locks is not None else None,
+            retry_policy=retry.get_policy() if retry is not None else RetryPolicy(),
+            retry_budget=retry.get_budget() if retry is not None else None,
+        )
+
+
+def _optional(resources: Any, name: str) -> Any:
+    """A resource the op may not require (Dagster raises on unknown keys)."""
+    try:
+        return getattr(resources, name)
+    except Exception:  # noqa: BLE001 - DagsterUnknownResourceError or AttributeError
+        return None
