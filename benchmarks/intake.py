@@ -1,0 +1,228 @@
+"""Intake throughput: jobs per second from ``enqueue`` to ``completed``, per mode and backend.
+
+For each app-database backend (embedded SQLite, Postgres) it measures:
+
+- ``floor``: the same handler without Dagster: ``enqueue`` each request, then
+  :func:`pipelines.batch.run_batch` (``execute_request`` in a loop plus the request's status
+  updates) on the same stores.
+- ``per_request``, ``fan_out``, ``micro_batch``: ``enqueue``, then ticks of the real
+  ``intake_sensor`` (``build_sensor_context``), then each RunRequest executed with
+  ``execute_in_process`` on one shared in-memory Dagster instance, then a last tick that
+  reconciles; the clock stops when every request is ``completed``.
+
+The job is ``send_email`` into the sandbox SMTP sink (a real effect per request). Ratios are
+against the floor measured in the same run. Target: micro-batch >= 0.5 of the floor. The daemon's
+own launch cost (a process per run, several seconds) is not included: it only makes per-request
+mode look worse.
+
+    .venv/bin/python -m benchmarks.intake [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import create_engine, text
+
+PG_URL = os.environ.get(
+    "SEKALI_BENCH_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/sekali_test"
+)
+REDIS_URL = os.environ.get("SEKALI_BENCH_REDIS_URL", "redis://127.0.0.1:6379/0")
+BATCH_SIZE = 50
+QUIET = {"loggers": {"console": {"config": {"log_level": "WARNING"}}}}
+
+
+@contextmanager
+def backend(name: str, tmp: Path) -> Iterator[str]:
+    if name == "sqlite":
+        yield f"sqlite:///{tmp / f'bench-{uuid.uuid4().hex[:6]}.db'}"
+        return
+    schema = "bench_" + uuid.uuid4().hex[:10]
+    admin = create_engine(PG_URL, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f"CREATE SCHEMA {schema}"))
+    try:
+        yield f"{PG_URL}?options=-csearch_path%3D{schema}"
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f"DROP SCHEMA IF EXISTS {schema} CASCADE"))
+        admin.dispose()
+
+
+def payloads(tag: str, n: int) -> list[dict[str, Any]]:
+    return [
+        {
+            "template": "welcome",
+            "user_id": f"{tag}-{i}",
+            "date": "2026-11-29",
+            "to": f"u{i}@example.com",
+        }
+        for i in range(n)
+    ]
+
+
+def measure_floor(db: Any, n: int, tag: str) -> float:
+    from pipelines.batch import run_batch
+    from pipelines.intake import enqueue
+    from pipelines.services import Services
+    from resources.requests import RequestStore
+
+    services = Services.from_settings(budget_namespace=tag, cache_namespace=tag)
+    store = RequestStore(db)
+    started = time.perf_counter()
+    ids = [enqueue("send_email", p, db=db).id for p in payloads(tag, n)]
+    summary = run_batch(store, ids, services=services, run_id="floor")
+    elapsed = time.perf_counter() - started
+    assert summary["completed"] == n, summary
+    return n / elapsed
+
+
+def measure_mode(db: Any, mode: str, n: int, tag: str, instance: Any, resources: dict) -> float:
+    import dagster as dg
+
+    from pipelines.batch import BATCH_JOBS
+    from pipelines.intake import enqueue
+    from pipelines.jobs import all_jobs
+    from resources.requests import RequestStore
+    from sensors.intake import intake_sensor
+
+    jobs = {j.name: j for j in [*all_jobs, *BATCH_JOBS]}
+    os.environ["SEKALI_INTAKE_MODE"] = mode
+    store = RequestStore(db)
+    before = store.counts()["completed"]
+    started = time.perf_counter()
+    for p in payloads(tag, n):
+        enqueue("send_email", p, db=db)
+    cursor = None
+    while True:
+        ctx = dg.build_sensor_context(
+            instance=instance, cursor=cursor, resources={"requests": resources["requests"]}
+        )
+        result = intake_sensor(ctx)
+        assert isinstance(result, dg.SensorResult)
+        cursor = result.cursor
+        if not result.run_requests:
+            break
+        for rr in result.run_requests:
+            jobs[str(rr.job_name)].execute_in_process(
+                run_config={**rr.run_config, **QUIET},
+                instance=instance,
+                resources=resources,
+                tags={**rr.tags, "dagster/run_key": rr.run_key or ""},
+                raise_on_error=False,
+            )
+    elapsed = time.perf_counter() - started
+    counts = store.counts()
+    done = counts["completed"] - before
+    assert done == n and counts["pending"] == 0, (mode, n, counts)
+    return done / elapsed
+
+
+def _resources(db_url: str, smtp_port: int, tag: str) -> dict[str, Any]:
+    from resources.cache import CacheResource
+    from resources.database import DatabaseResource
+    from resources.idempotency import IdempotencyResource
+    from resources.locks import LockResource
+    from resources.mail import MailerResource
+    from resources.payments import PaymentGatewayResource
+    from resources.requests import RequestsResource
+    from resources.retry import RetryResource
+
+    return {
+        "idempotency": IdempotencyResource(database_url=db_url),
+        "app_db": DatabaseResource(database_url=db_url),
+        "locks": LockResource(backend="db", database_url=db_url),
+        "cache": CacheResource(redis_url=REDIS_URL, namespace=tag),
+        "gateway": PaymentGatewayResource(base_url="http://127.0.0.1:9"),
+        "mailer": MailerResource(host="127.0.0.1", port=smtp_port),
+        "retry": RetryResource(redis_url=REDIS_URL, budget_namespace=tag),
+        "requests": RequestsResource(database_url=db_url),
+    }
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    import dagster as dg
+
+    from resources.db import Database
+    from resources.migrations import upgrade
+    from sandbox.mailsink import MailSink
+
+    sizes = (
+        {"floor": 100, "per_request": 10, "fan_out": 50, "micro_batch": 100}
+        if quick
+        else {"floor": 500, "per_request": 40, "fan_out": 200, "micro_batch": 500}
+    )
+    results: dict[str, Any] = {"sizes": sizes, "batch_size": BATCH_SIZE, "backends": {}}
+    os.environ["SEKALI_INTAKE_BATCH_SIZE"] = str(BATCH_SIZE)
+    os.environ["SEKALI_INTAKE_MAX_PER_TICK"] = "500"
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        sink = MailSink(f"sqlite:///{tmp / 'sink.db'}").start()
+        try:
+            for name in ("sqlite", "postgres"):
+                with backend(name, tmp) as url, dg.DagsterInstance.ephemeral() as instance:
+                    tag = "bi" + uuid.uuid4().hex[:8]
+                    os.environ.update(
+                        {
+                            "DATABASE_URL": url,
+                            "REDIS_URL": REDIS_URL,
+                            "SEKALI_SMTP_PORT": str(sink.port),
+                        }
+                    )
+                    db = Database.from_url(url)
+                    upgrade(db)
+                    resources = _resources(url, sink.port, tag)
+                    # warm-up (pools, SMTP, Redis, imports, Dagster's first run): not measured
+                    measure_floor(db, 10, tag + "wf")
+                    measure_mode(db, "micro_batch", 2, tag + "wm", instance, resources)
+                    rates = {"floor": measure_floor(db, sizes["floor"], tag + "f")}
+                    for mode in ("per_request", "fan_out", "micro_batch"):
+                        rates[mode] = measure_mode(
+                            db, mode, sizes[mode], f"{tag}{mode[:2]}", instance, resources
+                        )
+                    db.dispose()
+                    results["backends"][name] = {
+                        "jobs_per_second": {k: round(v, 1) for k, v in rates.items()},
+                        "ratio_to_floor": {
+                            k: round(v / rates["floor"], 3) for k, v in rates.items()
+                        },
+                    }
+        finally:
+            sink.stop()
+    results["target_micro_batch_ratio"] = 0.5
+    results["micro_batch_meets_target"] = all(
+        b["ratio_to_floor"]["micro_batch"] >= 0.5 for b in results["backends"].values()
+    )
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--json", action="store_true", help="print the raw results")
+    args = parser.parse_args()
+    results = run(quick=args.quick)
+    if args.json:
+        print(json.dumps(results, indent=2))
+        return
+    print(f"intake throughput, enqueue -> completed (send_email; batch size {BATCH_SIZE})")
+    print(f"{'backend':<10}{'mode':<14}{'n':>6}{'jobs/s':>10}{'x floor':>10}")
+    for name, data in results["backends"].items():
+        for mode, rate in data["jobs_per_second"].items():
+            ratio = data["ratio_to_floor"][mode]
+            print(f"{name:<10}{mode:<14}{results['sizes'][mode]:>6}{rate:>10.1f}{ratio:>10.3f}")
+    verdict = "meets" if results["micro_batch_meets_target"] else "MISSES"
+    print(f"micro-batch {verdict} the target of 0.5 x floor on every backend")
+
+
+if __name__ == "__main__":
+    main()

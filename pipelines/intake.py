@@ -1,0 +1,139 @@
+"""``enqueue``: the producer's way in. Validates, derives the key, writes a job request.
+
+Guarantees:
+
+- The payload is validated by its job type before anything is written; a bad one raises
+  :class:`ValidationError` naming the field and is kept in ``job_rejections`` (nothing is lost).
+- The key defaults to the job type's ``key_for(validated payload)``: the business intent, so
+  two producers sending the same intent share one request.
+- Same key, same payload: a no-op returning the existing request (``result.created`` is False).
+  Same key, other payload: :class:`IdempotencyConflict` naming the key.
+- ``conn=``: the request joins the caller's transaction (transactional outbox): it exists if and
+  only if the caller's business change commits. A rejection is then written on its own connection
+  on Postgres (so it survives the caller's rollback) and inside the caller's transaction on SQLite
+  (a second writer would wait on the caller's own write lock).
+
+The intake sensor (``sensors/intake.py``) turns pending requests into runs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import uuid
+from typing import Any
+
+from sqlalchemy.engine import Connection
+
+from resources.db import Database, shared_database
+from resources.errors import ValidationError
+from resources.migrations import upgrade
+from resources.requests import EnqueueResult, RequestStore
+
+log = logging.getLogger(__name__)
+
+_migrated: set[int] = set()
+_migrated_lock = threading.Lock()
+
+
+def _ensure_schema(db: Database) -> None:
+    """Apply ``sql/`` once per Database per process (cheap no-op afterwards)."""
+    with _migrated_lock:
+        if id(db) not in _migrated:
+            upgrade(db)
+            _migrated.add(id(db))
+
+
+def _default_db() -> Database:
+    from resources.settings import Settings  # noqa: PLC0415 - read env at call time only
+
+    return shared_database(Settings.from_env().database_url)
+
+
+def enqueue(
+    job_type: str,
+    payload: dict[str, Any] | str,
+    key: str | None = None,
+    correlation_id: str | None = None,
+    *,
+    conn: Connection | None = None,
+    db: Database | None = None,
+) -> EnqueueResult:
+    """Write a job request for ``job_type``; see the module docstring for the guarantees.
+
+    ``payload`` is a dict or its JSON text. ``db`` defaults to ``DATABASE_URL`` (or the
+    embedded SQLite); with ``conn=`` the database is the connection's own.
+    """
+    from pipelines.registry import get_job_type  # noqa: PLC0415 - keeps `import` cheap
+
+    if db is None:
+        db = Database(conn.engine) if conn is not None else _default_db()
+    if conn is None:
+        _ensure_schema(db)
+    store = RequestStore(db)
+    try:
+        parsed = _parse_payload(payload)
+        spec = get_job_type(job_type)
+        normalised = spec.validate(dict(parsed))
+        chosen_key = key if key is not None else spec.key_for(normalised)
+        if not chosen_key or not isinstance(chosen_key, str):
+            raise ValidationError("key", "must be a non-empty string", chosen_key)
+    except ValidationError as exc:
+        _keep_rejection(store, db, conn, job_type, payload, key, exc)
+        raise
+    correlation_id = correlation_id or uuid.uuid4().hex  # the chain starts here (issue 7)
+    result = store.enqueue(
+        job_type,
+        chosen_key,
+        normalised,
+        queue=spec.queue,
+        correlation_id=correlation_id,
+        conn=conn,
+    )
+    log.info(
+        "enqueued %s key=%s request=%s created=%s",
+        job_type,
+        result.key,
+        result.id,
+        result.created,
+        extra={
+            "job_type": job_type,
+            "key": result.key,
+            "request_id": result.id,
+            "correlation_id": correlation_id,
+        },
+    )
+    return result
+
+
+def _parse_payload(payload: dict[str, Any] | str) -> dict[str, Any]:
+    if isinstance(payload, str):
+        try:
+            payload = json.loads(payload)
+        except json.JSONDecodeError as exc:
+            raise ValidationError("payload", f"not valid JSON ({exc.msg})", payload) from exc
+    if not isinstance(payload, dict):
+        raise ValidationError("payload", "must be a JSON object", payload)
+    return payload
+
+
+def _keep_rejection(
+    store: RequestStore,
+    db: Database,
+    conn: Connection | None,
+    job_type: str,
+    payload: Any,
+    key: str | None,
+    exc: ValidationError,
+) -> None:
+    own_connection = conn is None or db.is_postgres
+    store.reject(
+        job_type,
+        payload,
+        field=exc.field,
+        error=str(exc),
+        key=key,
+        conn=None if own_connection else conn,
+    )
+    log.warning("rejected %s request: %s", job_type, exc, extra={"field": exc.field})

@@ -1,0 +1,281 @@
+"""The intake sensor: pending job requests become Dagster runs, with deterministic run keys.
+
+Each tick (every ``minimum_interval_seconds=5``; **default status RUNNING**, so ``sekali dev``
+and a fresh deployment drain the intake without a click; stop it in the UI to pause intake):
+
+1. Reconcile: runs launched by this sensor that ended since the cursor move their requests on.
+   A per-request run that succeeded marks its request ``completed``; any intake run that ended
+   FAILURE or CANCELED marks its requests that are not completed ``failed`` (with the run id),
+   where the DLQ picks them up. Batch ops also move their requests themselves, per request.
+2. Claim up to ``max_requests_per_tick`` requests (pending, or launched longer than
+   ``relaunch_after_seconds`` ago) and emit runs for them in the request's mode:
+
+   ``per_request``  ``RunRequest(run_key="intake:{key}", job_name=<job type>)``, one run each:
+                    the most visible in the UI, and the costliest (a run per request).
+   ``fan_out``      one ``intake_fan_out`` run per batch: a mapped step per request.
+   ``micro_batch``  one ``intake_micro_batch`` run per batch: one step runs up to ``batch_size``
+                    requests, each claimed, recorded and dead-lettered on its own.
+
+   Batches never mix queues; a batch's run key is ``intake-{mode}:{first}-{last}:{hash of ids}``.
+
+Modes are chosen by the ``requests`` resource (:class:`~resources.requests.RequestsResource`),
+read at tick time: ``SEKALI_INTAKE_MODES="send_email=micro_batch,charge_payment=per_request"``
+per job type, else ``SEKALI_INTAKE_MODE`` for all, else ``per_request``. Batch size and page size
+come from ``SEKALI_INTAKE_BATCH_SIZE`` (50) and ``SEKALI_INTAKE_MAX_PER_TICK`` (200).
+
+Why requests are marked ``launched`` before Dagster launches their runs: a sensor cannot act
+after its RunRequests are submitted. If a tick claims and then fails, the requests stay
+``launched`` and are claimed again after ``relaunch_after_seconds``; the deterministic run key
+makes that re-emission a no-op whenever the run does exist. The idempotency ledger still makes a
+request run twice have one effect.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Any
+
+import dagster as dg
+
+from pipelines.batch import BATCH_JOBS, FAN_OUT_JOB, MICRO_BATCH_JOB
+from resources.requests import JobRequest, RequestsResource, RequestStore
+
+log = logging.getLogger(__name__)
+
+TAG_INTAKE = "sekali/intake"
+TAG_KEY = "sekali/key"
+TAG_REQUEST_ID = "sekali/request_id"
+TAG_REQUEST_IDS = "sekali/request_ids"
+TAG_QUEUE = "sekali/queue"
+TAG_CORRELATION = "sekali/correlation_id"
+MAX_RUNTIME_TAG = "dagster/max_runtime"
+RUN_KEY_TAG = "dagster/run_key"  # set by Dagster on runs launched from a RunRequest
+
+
+class IntakeMode(StrEnum):
+    PER_REQUEST = "per_request"
+    FAN_OUT = "fan_out"
+    MICRO_BATCH = "micro_batch"
+
+
+@dataclass(frozen=True)
+class IntakePolicy:
+    """How the sensor drains the intake; built from the environment at tick time."""
+
+    default_mode: IntakeMode = IntakeMode.PER_REQUEST
+    modes: dict[str, IntakeMode] = field(default_factory=dict)
+    batch_size: int = 50
+    max_requests_per_tick: int = 200
+    relaunch_after_seconds: float = 120.0
+
+    def mode_for(self, job_type: str) -> IntakeMode:
+        return self.modes.get(job_type, self.default_mode)
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> IntakePolicy:
+        env = dict(os.environ) if env is None else env
+        modes: dict[str, IntakeMode] = {}
+        for item in env.get("SEKALI_INTAKE_MODES", "").split(","):
+            if not item.strip():
+                continue
+            job_type, _, mode = item.partition("=")
+            modes[job_type.strip()] = IntakeMode(mode.strip())
+        return cls(
+            default_mode=IntakeMode(env.get("SEKALI_INTAKE_MODE", "per_request")),
+            modes=modes,
+            batch_size=int(env.get("SEKALI_INTAKE_BATCH_SIZE", "50")),
+            max_requests_per_tick=int(env.get("SEKALI_INTAKE_MAX_PER_TICK", "200")),
+            relaunch_after_seconds=float(env.get("SEKALI_INTAKE_RELAUNCH_AFTER", "120")),
+        )
+
+
+def per_request_run_config(request: JobRequest) -> dict[str, Any]:
+    """Run config of a per-request job: ``{"ops": {"<job type>_op": {"config": ...}}}``."""
+    config: dict[str, Any] = {
+        "payload": request.payload,  # RequestConfig.payload is a map
+        "key": request.key,
+        "request_id": request.id,
+    }
+    if request.correlation_id:
+        config["correlation_id"] = request.correlation_id
+    return {"ops": {f"{request.job_type}_op": {"config": config}}}
+
+
+def _tags(mode: IntakeMode, requests: Sequence[JobRequest]) -> dict[str, str]:
+    tags = {
+        TAG_INTAKE: str(mode),
+        TAG_QUEUE: requests[0].queue,
+        TAG_REQUEST_IDS: ",".join(str(r.id) for r in requests),
+    }
+    if mode is not IntakeMode.PER_REQUEST:  # per-request jobs carry their own
+        tags[MAX_RUNTIME_TAG] = str(int(sum(_max_runtime(r.job_type) for r in requests)))
+    if len(requests) == 1:
+        only = requests[0]
+        tags[TAG_KEY] = only.key
+        tags[TAG_REQUEST_ID] = str(only.id)
+        if only.correlation_id:
+            tags[TAG_CORRELATION] = only.correlation_id
+    return tags
+
+
+def _max_runtime(job_type: str) -> float:
+    from pipelines.registry import get_job_type  # noqa: PLC0415
+
+    return get_job_type(job_type).max_runtime_seconds
+
+
+def batch_run_key(mode: IntakeMode, request_ids: Sequence[int]) -> str:
+    digest = hashlib.sha256(",".join(map(str, request_ids)).encode()).hexdigest()[:12]
+    return f"intake-{mode}:{request_ids[0]}-{request_ids[-1]}:{digest}"
+
+
+def run_requests_for(
+    requests: Sequence[JobRequest], policy: IntakePolicy
+) -> tuple[list[dg.RunRequest], dict[int, str]]:
+    """The RunRequests for claimed requests, and the run key each request went out under."""
+    out: list[dg.RunRequest] = []
+    run_keys: dict[int, str] = {}
+    batches: dict[tuple[IntakeMode, str], list[JobRequest]] = {}
+    for request in requests:
+        mode = policy.mode_for(request.job_type)
+        if mode is IntakeMode.PER_REQUEST:
+            run_key = f"intake:{request.key}"
+            out.append(
+                dg.RunRequest(
+                    run_key=run_key,
+                    job_name=request.job_type,
+                    run_config=per_request_run_config(request),
+                    tags=_tags(mode, [request]),
+                )
+            )
+            run_keys[request.id] = run_key
+        else:
+            batches.setdefault((mode, request.queue), []).append(request)
+    for (mode, _queue), members in batches.items():
+        for start in range(0, len(members), policy.batch_size):
+            chunk = members[start : start + policy.batch_size]
+            ids = [r.id for r in chunk]
+            run_key = batch_run_key(mode, ids)
+            job_name = MICRO_BATCH_JOB if mode is IntakeMode.MICRO_BATCH else FAN_OUT_JOB
+            op_name = (
+                "execute_request_batch" if mode is IntakeMode.MICRO_BATCH else "fan_out_requests"
+            )
+            out.append(
+                dg.RunRequest(
+                    run_key=run_key,
+                    job_name=job_name,
+                    run_config={"ops": {op_name: {"config": {"request_ids": ids}}}},
+                    tags=_tags(mode, chunk),
+                )
+            )
+            run_keys.update({i: run_key for i in ids})
+    return out, run_keys
+
+
+_TERMINAL = [
+    dg.DagsterRunStatus.SUCCESS,
+    dg.DagsterRunStatus.FAILURE,
+    dg.DagsterRunStatus.CANCELED,
+]
+
+
+def reconcile_finished_runs(
+    instance: dg.DagsterInstance, store: RequestStore, after: float, *, limit: int = 200
+) -> tuple[float, int]:
+    """Move requests of intake runs that ended after ``after`` (a timestamp); returns the new
+    cursor timestamp and how many requests moved."""
+    runs = instance.get_runs(
+        filters=dg.RunsFilter(
+            statuses=_TERMINAL,
+            tags={TAG_INTAKE: [str(m) for m in IntakeMode]},
+            # a second of overlap: re-reading a run is harmless (transitions are conditional)
+            updated_after=datetime.fromtimestamp(max(0.0, after - 1.0), tz=UTC),
+        ),
+        limit=limit,
+        ascending=True,
+    )
+    moved = 0
+    newest = after
+    for run in runs:
+        record_ts = _run_updated_at(instance, run.run_id)
+        newest = max(newest, record_ts)
+        ids = [int(i) for i in run.tags.get(TAG_REQUEST_IDS, "").split(",") if i]
+        run_key = run.tags.get(RUN_KEY_TAG)  # only requests launched under this run's key
+        if run.status == dg.DagsterRunStatus.SUCCESS:
+            if run.tags.get(TAG_INTAKE) == IntakeMode.PER_REQUEST:
+                moved += sum(
+                    store.mark_completed(i, run_id=run.run_id, run_key=run_key) for i in ids
+                )
+        else:
+            error = f"run {run.run_id} ended {run.status.value}"
+            moved += sum(
+                store.mark_failed(i, error, run_id=run.run_id, run_key=run_key) for i in ids
+            )
+    return newest, moved
+
+
+def _run_updated_at(instance: dg.DagsterInstance, run_id: str) -> float:
+    record = instance.get_run_record_by_id(run_id)
+    if record is None or record.update_timestamp is None:
+        return 0.0
+    stamp = record.update_timestamp
+    if stamp.tzinfo is None:
+        stamp = stamp.replace(tzinfo=UTC)
+    return stamp.timestamp()
+
+
+def evaluate_intake(
+    context: dg.SensorEvaluationContext, store: RequestStore, policy: IntakePolicy
+) -> dg.SensorResult:
+    """One tick (see the module docstring); usable from tests with ``build_sensor_context``."""
+    cursor = json.loads(context.cursor) if context.cursor else {}
+    runs_after, moved = reconcile_finished_runs(
+        context.instance, store, float(cursor.get("runs_after", 0.0))
+    )
+    claimed = store.claim_for_launch(
+        policy.max_requests_per_tick, relaunch_after=policy.relaunch_after_seconds
+    )
+    run_requests, run_keys = run_requests_for(claimed, policy)
+    store.set_run_keys(run_keys)
+    new_cursor = json.dumps({"runs_after": runs_after})
+    if not run_requests:
+        return dg.SensorResult(
+            skip_reason=f"no pending job requests (reconciled {moved})", cursor=new_cursor
+        )
+    log.info("intake: %d requests -> %d runs", len(claimed), len(run_requests))
+    return dg.SensorResult(run_requests=run_requests, cursor=new_cursor)
+
+
+def build_intake_sensor(
+    request_jobs: Sequence[dg.JobDefinition], *, name: str = "intake_sensor"
+) -> dg.SensorDefinition:
+    """The sensor over the per-request jobs given plus the two batch jobs."""
+
+    @dg.sensor(
+        name=name,
+        jobs=[*request_jobs, *BATCH_JOBS],
+        minimum_interval_seconds=5,
+        default_status=dg.DefaultSensorStatus.RUNNING,
+        description="Pending job_requests -> runs (per request, fan-out or micro-batch).",
+    )
+    def _intake(context: dg.SensorEvaluationContext, requests: RequestsResource) -> dg.SensorResult:
+        return evaluate_intake(context, requests.get_store(), IntakePolicy.from_env())
+
+    return _intake
+
+
+def _request_jobs() -> list[dg.JobDefinition]:
+    from pipelines.jobs import all_jobs  # noqa: PLC0415
+
+    return list(all_jobs)
+
+
+intake_sensor = build_intake_sensor(_request_jobs())
+INTAKE_SENSORS = [intake_sensor]
