@@ -20,7 +20,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-SUITES = ["idempotency", "locks", "stampede", "retry_storm", "intake", "chaos"]
+SUITES = ["idempotency", "locks", "stampede", "retry_storm", "intake", "chaos", "observability",
+          "outbox"]
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 

@@ -13,7 +13,13 @@ from collections.abc import Sequence
 COMMAND_MODULES: list[str] = [
     "pipelines.commands.db",
     "pipelines.commands.dev",
+    "pipelines.commands.bench",
+    "pipelines.commands.demo",
     "pipelines.commands.enqueue",
+    "pipelines.commands.dlq",
+    "pipelines.commands.doctor",
+    "pipelines.commands.metrics",
+    "pipelines.commands.chaos",
 ]
 
 

@@ -4,13 +4,20 @@ from __future__ import annotations
 
 import dagster as dg
 
+from pipelines import dlq_ops, observability, reconciliation, warming
+from pipelines.batch import BATCH_JOBS
+from pipelines.jobs import all_jobs
 from pipelines.profile import resource_defs
+from sensors import dlq as dlq_sensors
+from sensors import outbox as outbox_sensors
+from sensors.intake import INTAKE_SENSORS
 
 defs = dg.Definitions(
-    jobs=[],
-    sensors=[],
-    schedules=[],
-    assets=[],
-    asset_checks=[],
+    jobs=[*all_jobs, *BATCH_JOBS, *observability.jobs, *dlq_ops.jobs],
+    sensors=[*INTAKE_SENSORS, *dlq_sensors.sensors, *outbox_sensors.sensors],
+    schedules=[*observability.schedules, reconciliation.reconciliation_schedule,
+               warming.cache_warming_schedule],
+    assets=[*observability.assets, reconciliation.reconciliation, warming.cache_warming],
+    asset_checks=[*observability.asset_checks, reconciliation.dlq_retention_check],
     resources=resource_defs(),
 )

@@ -68,6 +68,15 @@ def _first_attempt_started(services: Any, run_id: str, step: str) -> float | Non
     return None if value is None else float(value)
 
 
+def _request_store(services: Any) -> Any:
+    """The intake's request table on the app database: the op moves its own request's status,
+    so a request follows every run that serves it (intake, UI launch with a request id, DLQ
+    replay), not only the runs the intake sensor launched."""
+    from resources.requests import RequestStore  # noqa: PLC0415
+
+    return RequestStore(services.db)
+
+
 def request_op(jt: JobType) -> dg.OpDefinition:
     @dg.op(
         name=jt.op_name,
@@ -104,6 +113,9 @@ def request_op(jt: JobType) -> dg.OpDefinition:
                 return Outcome.FAILED_PERMANENT
             return Outcome.DEAD_LETTERED
 
+        requests = _request_store(services) if config.request_id is not None else None
+        if requests is not None:
+            requests.mark_running(config.request_id, run_id=run_id)
         try:
             outcome = execute_request(
                 jt.name,
@@ -124,7 +136,13 @@ def request_op(jt: JobType) -> dg.OpDefinition:
             context.log.warning(
                 f"{jt.name} attempt {context.retry_number} failed: {type(exc).__name__}: {exc}"
             )
+            if requests is not None and not isinstance(decision, dg.RetryRequested):
+                requests.mark_failed(
+                    config.request_id, f"{type(exc).__name__}: {exc}"[:2000], run_id=run_id
+                )
             raise decision from exc
+        if requests is not None:
+            requests.mark_completed(config.request_id, run_id=run_id)
         context.log.info(
             f"{jt.name} {outcome.status} key={outcome.key} fence={outcome.fence} "
             f"attempt_id={outcome.attempt_id} correlation_id={correlation_id}"

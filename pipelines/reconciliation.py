@@ -1,0 +1,498 @@
+"""Reconciliation and compensation: find what the happy path left inconsistent and fix it once.
+
+:class:`Reconciler` (plain, no Dagster) runs these checks; the ``reconciliation`` asset runs it
+on ``reconciliation_schedule`` and puts the counts in its materialisation metadata:
+
+- ``charged_not_confirmed``: the gateway has a charge for an order we still show unpaid
+  (the worker died between charge and record). Fix: confirm it (``reconcile:confirm-charge:{o}``).
+- ``double_charged``: more than one charge for one order reference. Fix: a refund is marked
+  pending for each extra charge (``compensate:refund-pending:{o}:{charge}``).
+- ``paid_without_charge``: we show paid, the gateway has no such charge. Flagged for a person
+  (``reconcile:flag-paid-without-charge:{o}``).
+- ``needs_compensation``: a fulfilment failed half-way. Fix: cancel its reservation
+  (``compensate:cancel-reservation:{cart}``) and, if it was paid, mark a refund pending.
+- ``stuck_claims``: idempotency claims in progress long past their lease (the worker is gone and
+  nothing retried). Fix: hand them to the DLQ (replayable with the same key); side-effect-free
+  job types are pushed to completion by requesting the replay at once.
+- ``stale_outbox``: events unpublished past a threshold. Fix: publish them now.
+- ``expired_idempotency``: completed keys past retention (the reaper). The retention must be at
+  least :data:`MIN_RETENTION_SECONDS` (a weekend's failures must still be replayable on Monday).
+
+Each fixing action has its own key, claimed in the idempotency store, and is recorded in
+``reconciliation_actions`` in the same transaction as its change; a check counts only what has
+no recorded action, so a second pass finds nothing and nothing is compensated twice.
+"""
+
+import functools
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import dagster as dg
+from sqlalchemy import Column, Float, Table, Text, text
+from sqlalchemy.engine import Connection
+
+from resources.db import Database, metadata
+from resources.dlq import (
+    MIN_RETENTION_SECONDS,
+    DlqResource,
+    DlqStore,
+    FailureClass,
+    FailureInfo,
+    RetentionTooShort,
+)
+from resources.errors import AlreadyInProgress
+from resources.idempotency import Completed, IdempotencyStore
+from resources.inventory import Inventory
+from resources.outbox_publisher import OutboxPublisher, unpublished_older_than
+
+log = logging.getLogger(__name__)
+
+reconciliation_actions = Table(
+    "reconciliation_actions",
+    metadata,
+    Column("action_key", Text, primary_key=True),
+    Column("kind", Text, nullable=False),
+    Column("subject", Text, nullable=False),
+    Column("detail", Text),
+    Column("created_at", Float, nullable=False),
+)
+
+CHECKS = (
+    "charged_not_confirmed",
+    "double_charged",
+    "paid_without_charge",
+    "needs_compensation",
+    "stuck_claims",
+    "stale_outbox",
+    "expired_idempotency",
+)
+
+# Which job type owns a key, by prefix (used when no attempt or request names it).
+KEY_PREFIXES = {
+    "payment:": "charge_payment",
+    "email:": "send_email",
+    "inventory-reserve:": "reserve_inventory",
+    "report:": "rebuild_report_cache",
+    "fulfil:": "fulfill_order",
+}
+SIDE_EFFECT_FREE = frozenset({"rebuild_report_cache"})
+
+
+@dataclass
+class ReconciliationReport:
+    found: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CHECKS, 0))
+    fixed: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CHECKS, 0))
+    actions: list[str] = field(default_factory=list)
+
+    @property
+    def total_found(self) -> int:
+        return sum(self.found.values())
+
+    @property
+    def total_fixed(self) -> int:
+        return sum(self.fixed.values())
+
+    def metadata(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"found_total": self.total_found, "fixed_total": self.total_fixed}
+        for check in CHECKS:
+            out[f"found_{check}"] = self.found[check]
+            out[f"fixed_{check}"] = self.fixed[check]
+        return out
+
+
+class Reconciler:
+    """Runs every check once. Safe to run concurrently with itself and with the jobs: every
+    fix is a claimed, recorded action (a second runner finds the key completed)."""
+
+    def __init__(
+        self,
+        db: Database,
+        *,
+        store: IdempotencyStore,
+        dlq: DlqStore,
+        gateway: Any = None,
+        publisher: OutboxPublisher | None = None,
+        grace_seconds: float = 600.0,
+        lookback_seconds: float = 2 * 86400.0,
+        outbox_threshold_seconds: float = 300.0,
+        idempotency_retention_seconds: float = 7 * 86400.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        if idempotency_retention_seconds < MIN_RETENTION_SECONDS:
+            raise RetentionTooShort(idempotency_retention_seconds, MIN_RETENTION_SECONDS)
+        self.db = db
+        self.store = store
+        self.dlq = dlq
+        self.gateway = gateway
+        self.publisher = publisher
+        self.grace = grace_seconds
+        self.lookback = lookback_seconds
+        self.outbox_threshold = outbox_threshold_seconds
+        self.retention = idempotency_retention_seconds
+        self.clock = clock
+
+    def run(self) -> ReconciliationReport:
+        report = ReconciliationReport()
+        if self.gateway is not None:
+            self._payments(report)
+        self._compensations(report)
+        self._stuck_claims(report)
+        self._outbox(report)
+        purged = self.store.purge(older_than=self.retention)
+        report.found["expired_idempotency"] = report.fixed["expired_idempotency"] = purged
+        log.info("reconciliation found %d, fixed %d", report.total_found, report.total_fixed)
+        return report
+
+    # -- actions ----------------------------------------------------------------------------
+
+    def done(self, action_key: str) -> bool:
+        with self.db.statement() as conn:
+            return (
+                conn.execute(
+                    text("SELECT 1 FROM reconciliation_actions WHERE action_key = :k"),
+                    {"k": action_key},
+                ).first()
+                is not None
+            )
+
+    def act(
+        self,
+        report: ReconciliationReport,
+        action_key: str,
+        kind: str,
+        subject: str,
+        fix: Callable[[Connection], Any],
+    ) -> bool:
+        """Do ``fix`` once for ``action_key``: claimed in the idempotency store, applied, recorded
+        and completed in one transaction. False if it was done before (by us or a concurrent
+        reconciler)."""
+        try:
+            outcome = self.store.begin(action_key, payload={"kind": kind, "subject": subject})
+        except AlreadyInProgress:
+            return False  # a concurrent reconciler is doing it
+        if isinstance(outcome, Completed):
+            return False
+        try:
+            with self.db.transaction() as conn:
+                detail = fix(conn)
+                conn.execute(
+                    text(
+                        "INSERT INTO reconciliation_actions (action_key, kind, subject, detail,"
+                        " created_at) VALUES (:k, :kind, :s, :d, :now)"
+                        " ON CONFLICT (action_key) DO NOTHING"
+                    ),
+                    {
+                        "k": action_key,
+                        "kind": kind,
+                        "s": subject,
+                        "d": json.dumps(detail, default=str),
+                        "now": self.clock(),
+                    },
+                )
+                self.store.complete(outcome, {"kind": kind, "detail": detail}, conn=conn)
+        except Exception as exc:
+            self.store.fail(outcome, exc, "transient")
+            raise
+        report.actions.append(action_key)
+        log.warning("reconciliation: %s %s (%s)", kind, subject, action_key)
+        return True
+
+    # -- payments ---------------------------------------------------------------------------
+
+    def _payments(self, report: ReconciliationReport) -> None:
+        now = self.clock()
+        with self.db.statement() as conn:
+            orders = conn.execute(
+                text(
+                    "SELECT order_id, payment_status, payment_reference, charge_id FROM orders"
+                    " WHERE payment_reference IS NOT NULL AND updated_at <= :settled"
+                    " AND updated_at >= :since ORDER BY order_id"
+                ),
+                {"settled": now - self.grace, "since": now - self.lookback},
+            ).all()
+        for order in orders:
+            charges = sorted(
+                self.gateway.find_charges(order.payment_reference),
+                key=lambda c: (c.created_at, c.charge_id),
+            )
+            ids = [c.charge_id for c in charges]
+            if order.payment_status in ("payment_pending", "charged_not_confirmed") and charges:
+                report.found["charged_not_confirmed"] += 1
+                first = charges[0].charge_id
+                report.fixed["charged_not_confirmed"] += self.act(
+                    report,
+                    f"reconcile:confirm-charge:{order.order_id}",
+                    "confirm_charge",
+                    order.order_id,
+                    functools.partial(_confirm, order_id=order.order_id, charge_id=first, now=now),
+                )
+            if order.payment_status == "paid" and order.charge_id not in ids:
+                key = f"reconcile:flag-paid-without-charge:{order.order_id}"
+                if not self.done(key):
+                    report.found["paid_without_charge"] += 1
+                    report.fixed["paid_without_charge"] += self.act(
+                        report,
+                        key,
+                        "paid_without_charge",
+                        order.order_id,
+                        _record({"charge_id": order.charge_id, "gateway": ids}),
+                    )
+            kept = order.charge_id if order.charge_id in ids else (ids[0] if ids else None)
+            for extra in [i for i in ids if i != kept]:
+                key = f"compensate:refund-pending:{order.order_id}:{extra}"
+                if self.done(key):
+                    continue
+                report.found["double_charged"] += 1
+                report.fixed["double_charged"] += self.act(
+                    report,
+                    key,
+                    "refund_pending",
+                    order.order_id,
+                    _record({"refund_charge_id": extra, "kept_charge_id": kept}),
+                )
+
+    # -- fulfilment compensation ------------------------------------------------------------
+
+    def _compensations(self, report: ReconciliationReport) -> None:
+        from pipelines.jobs.fulfilment import cart_for  # noqa: PLC0415 - the job type's naming
+
+        with self.db.statement() as conn:
+            orders = conn.execute(
+                text(
+                    "SELECT order_id, payment_status, charge_id FROM orders"
+                    " WHERE fulfilment_status = 'needs_compensation' ORDER BY order_id"
+                )
+            ).all()
+        inventory = Inventory(self.db)
+        for order in orders:
+            cart = cart_for(order.order_id)
+            cancel = f"compensate:cancel-reservation:{cart}"
+            refund = f"compensate:refund-pending:{order.order_id}:{order.charge_id}"
+            todo = [
+                k
+                for k in (cancel, refund if order.payment_status == "paid" else None)
+                if k is not None and not self.done(k)
+            ]
+            if not todo:
+                continue
+            report.found["needs_compensation"] += 1
+            fixed = False
+            if cancel in todo:
+                fixed |= self.act(
+                    report,
+                    cancel,
+                    "cancel_reservation",
+                    order.order_id,
+                    functools.partial(_release, inventory=inventory, cart_id=cart),
+                )
+            if refund in todo:
+                fixed |= self.act(
+                    report,
+                    refund,
+                    "refund_pending",
+                    order.order_id,
+                    _record({"refund_charge_id": order.charge_id}),
+                )
+            report.fixed["needs_compensation"] += int(fixed)
+
+    # -- claims stuck in progress -----------------------------------------------------------
+
+    def _stuck_claims(self, report: ReconciliationReport) -> None:
+        with self.db.statement() as conn:
+            claims = conn.execute(
+                text(
+                    "SELECT key, fence FROM idempotency_records WHERE status = 'in_progress'"
+                    " AND lease_expires_at <= :cutoff AND key NOT LIKE 'reconcile:%'"
+                    " AND key NOT LIKE 'compensate:%' ORDER BY key"
+                ),
+                {"cutoff": self.clock() - self.grace},
+            ).all()
+        for claim in claims:
+            action = f"reconcile:stuck-claim:{claim.key}:{claim.fence}"
+            if self.done(action):
+                continue
+            report.found["stuck_claims"] += 1
+            record_id = self._dead_letter_claim(claim.key, int(claim.fence))
+            report.fixed["stuck_claims"] += self.act(
+                report,
+                action,
+                "stuck_claim_to_dlq",
+                claim.key,
+                _record({"dlq_id": record_id}),
+            )
+
+    def _dead_letter_claim(self, key: str, fence: int) -> int:
+        with self.db.statement() as conn:
+            request = conn.execute(
+                text(
+                    "SELECT id, job_type, payload, correlation_id FROM job_requests WHERE key = :k"
+                ),
+                {"k": key},
+            ).first()
+            attempt = conn.execute(
+                text(
+                    "SELECT job_type, run_id FROM job_attempts WHERE idempotency_key = :k"
+                    " ORDER BY started_at DESC LIMIT 1"
+                ),
+                {"k": key},
+            ).first()
+        job_type = (
+            (request.job_type if request else None)
+            or (attempt.job_type if attempt else None)
+            or next(
+                (jt for prefix, jt in KEY_PREFIXES.items() if key.startswith(prefix)), "unknown"
+            )
+        )
+        payload = json.loads(request.payload) if request else None
+        request_id = int(request.id) if request else None
+        config: dict[str, Any] = {"payload": payload, "key": key}
+        if request_id is not None:
+            config["request_id"] = request_id
+        run_config = {"ops": {f"{job_type}_op": {"config": config}}} if payload else {}
+        recorded = self.dlq.record_failure(
+            FailureInfo(
+                job_type=job_type,
+                dedupe_key=f"request:{request_id}"
+                if request_id is not None
+                else f"key:{job_type}:{key}",
+                error_type="LeaseExpired",
+                message=f"claim on {key} in progress past its lease (fence {fence}); "
+                "its worker is gone and nothing retried it",
+                error_class=FailureClass.TRANSIENT,
+                run_id=f"reconcile:{key}:{fence}",
+                idempotency_key=key,
+                request_id=request_id,
+                payload=payload,
+                run_config=run_config,
+                tags={
+                    "sekali/key": key,
+                    **({"sekali/request_id": str(request_id)} if request_id is not None else {}),
+                },
+                correlation_id=request.correlation_id if request else None,
+            ),
+            actor="reconciliation",
+        )
+        if job_type in SIDE_EFFECT_FREE and run_config:
+            self.dlq.request_replay(
+                [recorded.record.id],
+                actor="reconciliation",
+                reason="side-effect free: pushed to completion",
+            )
+        return recorded.record.id
+
+    # -- outbox -----------------------------------------------------------------------------
+
+    def _outbox(self, report: ReconciliationReport) -> None:
+        stale = unpublished_older_than(self.db, self.outbox_threshold, now=self.clock())
+        report.found["stale_outbox"] = len(stale)
+        if stale and self.publisher is not None:
+            self.publisher.publish_pending(max_batches=max(1, len(stale) // 50 + 2))
+            left = set(unpublished_older_than(self.db, self.outbox_threshold, now=self.clock()))
+            report.fixed["stale_outbox"] = len([i for i in stale if i not in left])
+
+
+def _record(detail: dict[str, Any]) -> Callable[[Connection], Any]:
+    """A fix that changes nothing but the record itself (a flag, a refund marked pending)."""
+
+    def fix(_conn: Connection) -> Any:
+        return detail
+
+    return fix
+
+
+def _release(conn: Connection, *, inventory: Inventory, cart_id: str) -> dict[str, Any]:
+    return {"released": inventory.release(conn, cart_id)}
+
+
+def _confirm(conn: Connection, *, order_id: str, charge_id: str, now: float) -> dict[str, Any]:
+    conn.execute(
+        text(
+            "UPDATE orders SET payment_status = 'paid', charge_id = :c, updated_at = :now"
+            " WHERE order_id = :o AND payment_status IN ('payment_pending',"
+            " 'charged_not_confirmed')"
+        ),
+        {"c": charge_id, "o": order_id, "now": now},
+    )
+    return {"charge_id": charge_id}
+
+
+# -- Dagster ------------------------------------------------------------------------------------
+
+
+class ReconciliationConfig(dg.Config):
+    """Thresholds: ``grace_seconds`` before an unsettled state counts as inconsistent, the
+    payment ``lookback_hours``, the outbox threshold, and the idempotency retention (>= 72 h)."""
+
+    grace_seconds: float = 600.0
+    lookback_hours: float = 48.0
+    outbox_threshold_seconds: float = 300.0
+    idempotency_retention_hours: float = 7 * 24.0
+
+
+@dg.asset(
+    name="reconciliation",
+    group_name="operations",
+    description="Finds and compensates inconsistencies (payments, fulfilment, stuck claims, "
+    "stale outbox rows, expired keys); metadata counts what it found and fixed.",
+    required_resource_keys={"app_db", "idempotency", "dlq", "gateway"},
+)
+def reconciliation(
+    context: dg.AssetExecutionContext, config: ReconciliationConfig
+) -> dg.MaterializeResult[Any]:
+    from resources.outbox_publisher import (  # noqa: PLC0415
+        InAppPublisher,
+        Inbox,
+    )
+    from sensors.outbox import default_consumers  # noqa: PLC0415
+
+    db = context.resources.app_db.get_database()
+    store = IdempotencyStore(db)
+    publisher = OutboxPublisher(db, InAppPublisher(Inbox(db), default_consumers(context.resources)))
+    reconciler = Reconciler(
+        db,
+        store=store,
+        dlq=context.resources.dlq.get_store(),
+        gateway=context.resources.gateway.get_client(),
+        publisher=publisher,
+        grace_seconds=config.grace_seconds,
+        lookback_seconds=config.lookback_hours * 3600,
+        outbox_threshold_seconds=config.outbox_threshold_seconds,
+        idempotency_retention_seconds=config.idempotency_retention_hours * 3600,
+    )
+    report = reconciler.run()
+    return dg.MaterializeResult(metadata=report.metadata())
+
+
+@dg.asset_check(
+    asset=reconciliation,
+    name="dlq_retention",
+    description="Warns before a retention limit would drop an unresolved DLQ record.",
+    required_resource_keys={"dlq"},
+)
+def dlq_retention_check(context: dg.AssetCheckExecutionContext) -> dg.AssetCheckResult:
+    dlq: DlqResource = context.resources.dlq
+    at_risk = dlq.get_store().at_retention_risk(dlq.retention_days * 86400, dlq.warn_days * 86400)
+    return dg.AssetCheckResult(
+        passed=not at_risk,
+        severity=dg.AssetCheckSeverity.WARN,
+        description=(
+            f"{len(at_risk)} unresolved DLQ records are within {dlq.warn_days:g} days of the "
+            f"{dlq.retention_days:g}-day retention: replay or discard them"
+            if at_risk
+            else "no unresolved DLQ record is near the retention limit"
+        ),
+        metadata={"at_risk": len(at_risk), "oldest_ids": str([r.id for r in at_risk[:20]])},
+    )
+
+
+reconciliation_job = dg.define_asset_job("reconciliation_job", selection=[reconciliation])
+reconciliation_schedule = dg.ScheduleDefinition(
+    name="reconciliation_schedule",
+    job=reconciliation_job,
+    cron_schedule="*/15 * * * *",
+    default_status=dg.DefaultScheduleStatus.RUNNING,
+)

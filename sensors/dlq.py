@@ -1,0 +1,491 @@
+"""Failed runs into the DLQ, and DLQ replays back into runs.
+
+- ``dlq_sensor``: a run-failure sensor. Skips runs Dagster will retry (``dagster/will_retry``),
+  and turns each failed job request into one record (per request, not per run): seeing a run
+  twice changes nothing. It returns ``None`` so one tick handles up to five runs.
+- ``dlq_sweep_sensor``: the safety net. A run-failure sensor alone loses records (its first tick
+  only sets the cursor; a tick that raises moves the cursor past its run), so every few minutes
+  this one reads FAILURE runs updated since its cursor, and ``job_requests`` marked failed with no
+  record (a micro-batch failure that did not fail its step), and dead-letters what is missing.
+- ``dlq_replay_sensor``: launches runs for records whose replay was requested, at most
+  ``max_per_tick`` per tick and ``per_second`` on average (a token bucket kept in the cursor),
+  with run keys ``dlq-replay:{id}:{n}``, the original run config and tags (so the original
+  idempotency key: an effect that already happened is not repeated) plus ``sekali/dlq_id``. It
+  also settles replays: a successful replay run resolves its record; a failed one reopens it
+  with its count increased (the dlq_sensor does the same when it sees the run first).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+import dagster as dg
+from dagster import DagsterEventType, DagsterRunStatus, RunsFilter
+from sqlalchemy import text
+
+from resources.dlq import (
+    DlqRecord,
+    DlqResource,
+    DlqStatus,
+    DlqStore,
+    FailureClass,
+    FailureInfo,
+    RecordedFailure,
+    classify_error,
+    dedupe_key_for,
+    top_frame,
+)
+
+log = logging.getLogger(__name__)
+
+TAG_KEY = "sekali/key"
+TAG_REQUEST = "sekali/request_id"
+TAG_CORRELATION = "sekali/correlation_id"
+TAG_DLQ_ID = "sekali/dlq_id"
+TAG_DLQ_REPLAY = "sekali/dlq_replay"
+TAG_JOB_TYPE = "sekali/job_type"
+_WRAPPERS = {"DagsterExecutionStepExecutionError", "Failure", "DagsterUserCodeExecutionError"}
+
+
+# -- reading a failed run ----------------------------------------------------------------------
+
+
+def is_job_run(run: dg.DagsterRun) -> bool:
+    """Runs of sekali job types and intake batches (they carry ``sekali/`` tags and are not
+    DLQ operations); asset runs (reconciliation, warming, metrics) are not dead-lettered."""
+    if any(tag in run.tags for tag in (TAG_KEY, TAG_REQUEST, TAG_DLQ_ID, TAG_JOB_TYPE)):
+        return True
+    return run.job_name.startswith("intake_") or run.job_name in _job_type_names()
+
+
+def _job_type_names() -> frozenset[str]:
+    try:
+        from pipelines.registry import JOB_TYPES  # noqa: PLC0415 - sensors may import jobs
+    except ImportError:  # pragma: no cover
+        return frozenset()
+    return frozenset(JOB_TYPES)
+
+
+def will_retry(run: dg.DagsterRun) -> bool:
+    return run.tags.get("dagster/will_retry", "").lower() == "true"
+
+
+def _request_config(run_config: dict[str, Any]) -> dict[str, Any]:
+    """The op config of a per-request run (``payload``, ``key``, ``request_id``), or {}."""
+    for op_config in (run_config.get("ops") or {}).values():
+        config = (op_config or {}).get("config") or {}
+        if isinstance(config, dict) and "payload" in config:
+            return config
+    return {}
+
+
+def _derived_key(job_type: str, payload: Any) -> str | None:
+    """The key the job type derives from its payload (runs launched without a key tag)."""
+    try:
+        from pipelines.registry import get_job_type  # noqa: PLC0415 - optional at import
+
+        jt = get_job_type(job_type)
+        return str(jt.key_for(jt.validate(dict(payload))))
+    except Exception:  # noqa: BLE001 - bad payload or unknown type: no key to derive
+        return None
+
+
+def _payload_of(run_config: dict[str, Any]) -> Any:
+    payload = _request_config(run_config).get("payload")
+    if isinstance(payload, str):
+        try:
+            return json.loads(payload)
+        except ValueError:
+            return payload
+    return payload
+
+
+def _error_fields(event: Any) -> dict[str, Any]:
+    """Type, message, frame, trace and declared class of a STEP_FAILURE event's error."""
+    data = event.dagster_event.step_failure_data
+    err = data.error
+    declared: dict[str, str] = {}
+    if data.user_failure_data is not None:
+        for name, value in (data.user_failure_data.metadata or {}).items():
+            declared[name] = str(getattr(value, "value", value))
+    inner = err
+    while inner.cause is not None and inner.cls_name in _WRAPPERS:
+        inner = inner.cause
+    message = inner.message.strip()
+    prefix = f"{inner.cls_name}: "
+    if message.startswith(prefix):
+        message = message[len(prefix) :]
+    else:
+        message = message.split(": ", 1)[-1] if message.startswith("dagster.") else message
+    error_type = declared.get("error_type") or inner.cls_name or "Error"
+    return {
+        "error_type": error_type,
+        "message": message,
+        "frame": top_frame(inner.stack),
+        "trace": err.to_string(),
+        "error_class": classify_error(error_type, declared.get("error_class")),
+        "step": event.dagster_event.step_key or "",
+        "failed_at": event.timestamp,
+    }
+
+
+def _run_failure_fields(instance: dg.DagsterInstance, run: dg.DagsterRun) -> dict[str, Any]:
+    """When no step failed (worker killed, max runtime): the run's own failure."""
+    events = instance.all_logs(run.run_id, of_type=DagsterEventType.RUN_FAILURE)
+    message = events[-1].message if events else "run failed"
+    reason = run.tags.get("dagster/failure_reason", "RUN_FAILURE")
+    return {
+        "error_type": f"RunFailure.{reason}",
+        "message": message or reason,
+        "frame": "",
+        "trace": message or "",
+        "error_class": FailureClass.TRANSIENT,
+        "step": "",
+        "failed_at": events[-1].timestamp if events else None,
+    }
+
+
+def failures_of_run(
+    instance: dg.DagsterInstance, run: dg.DagsterRun, store: DlqStore
+) -> list[FailureInfo]:
+    """One :class:`FailureInfo` per failed request of ``run``."""
+    steps = instance.all_logs(run.run_id, of_type=DagsterEventType.STEP_FAILURE)
+    error = _error_fields(steps[-1]) if steps else _run_failure_fields(instance, run)
+    tags = {k: v for k, v in run.tags.items() if not k.startswith("dagster/")}
+    run_config = dict(run.run_config or {})
+    dlq_id = int(run.tags[TAG_DLQ_ID]) if TAG_DLQ_ID in run.tags else None
+    config = _request_config(run_config)
+    request_id = int(run.tags[TAG_REQUEST]) if TAG_REQUEST in run.tags else None
+    if request_id is None and config.get("request_id") is not None:
+        request_id = int(config["request_id"])
+    payload = _payload_of(run_config)
+    key = run.tags.get(TAG_KEY) or config.get("key")
+    if key is None and isinstance(payload, dict):
+        key = _derived_key(run.job_name, payload)
+    common = {
+        "job_type": run.job_name,
+        "run_id": run.run_id,
+        "run_config": run_config,
+        "tags": tags,
+        "dlq_id": dlq_id,
+        **error,
+    }
+    if request_id is None and key is None:
+        batch = _failed_requests_of_run(store, run.run_id)
+        if batch:
+            return [
+                FailureInfo(
+                    **{
+                        **common,
+                        "job_type": r["job_type"],
+                        "run_config": {},
+                        "tags": {},
+                        "message": r["last_error"] or error["message"],
+                    },
+                    dedupe_key=f"request:{r['id']}",
+                    idempotency_key=r["key"],
+                    request_id=int(r["id"]),
+                    payload=json.loads(r["payload"]),
+                    correlation_id=r["correlation_id"],
+                )
+                for r in batch
+            ]
+    return [
+        FailureInfo(
+            **common,
+            dedupe_key=dedupe_key_for(
+                run.job_name,
+                request_id=request_id,
+                idempotency_key=key,
+                run_id=run.run_id,
+                step=error["step"],
+            ),
+            idempotency_key=key,
+            request_id=request_id,
+            payload=payload,
+            correlation_id=run.tags.get(TAG_CORRELATION) or config.get("correlation_id"),
+        )
+    ]
+
+
+def _failed_requests_of_run(store: DlqStore, run_id: str) -> list[dict[str, Any]]:
+    with store.db.statement() as conn:
+        rows = conn.execute(
+            text(
+                "SELECT id, job_type, key, payload, correlation_id, last_error FROM job_requests"
+                " WHERE run_id = :run AND status = 'failed' ORDER BY id"
+            ),
+            {"run": run_id},
+        ).all()
+    return [dict(r._mapping) for r in rows]
+
+
+def dead_letter_run(
+    instance: dg.DagsterInstance, run: dg.DagsterRun, store: DlqStore, *, actor: str
+) -> list[RecordedFailure]:
+    """Record every failed request of ``run`` (idempotent). Skips runs that will be retried."""
+    if will_retry(run) or not is_job_run(run):
+        return []
+    recorded = [
+        store.record_failure(info, actor=actor) for info in failures_of_run(instance, run, store)
+    ]
+    for item in recorded:
+        if item.new_failure:
+            log.warning(
+                "dead-lettered %s key=%s as DLQ record %d (%s, %s)",
+                item.record.job_type,
+                item.record.idempotency_key,
+                item.record.id,
+                item.record.error_class,
+                item.record.fingerprint,
+                extra={
+                    "sekali": {
+                        "dlq_id": item.record.id,
+                        "run_id": run.run_id,
+                        "correlation_id": item.record.correlation_id,
+                    }
+                },
+            )
+    return recorded
+
+
+def dead_letter_failed_requests(store: DlqStore, *, limit: int = 200) -> list[RecordedFailure]:
+    """Records for ``job_requests`` marked failed that have none (the sweep's second half)."""
+    out = []
+    for r in store.failed_requests_without_record(limit):
+        last_error = r["last_error"] or "failed"
+        error_type, _, message = last_error.partition(": ")
+        if not message or " " in error_type:
+            error_type, message = "RequestFailed", last_error
+        out.append(
+            store.record_failure(
+                FailureInfo(
+                    job_type=r["job_type"],
+                    dedupe_key=f"request:{r['id']}",
+                    error_type=error_type,
+                    message=message,
+                    error_class=classify_error(error_type),
+                    run_id=r["run_id"] or f"request:{r['id']}",
+                    idempotency_key=r["key"],
+                    request_id=int(r["id"]),
+                    payload=json.loads(r["payload"]),
+                    correlation_id=r["correlation_id"],
+                    failed_at=float(r["updated_at"]),
+                ),
+                actor="dlq_sweep_sensor",
+            )
+        )
+    return out
+
+
+# -- the sensors -------------------------------------------------------------------------------
+
+
+@dg.run_failure_sensor(
+    name="dlq_sensor",
+    description="Each failed job request becomes one DLQ record (skips runs Dagster will retry).",
+    minimum_interval_seconds=15,
+    default_status=dg.DefaultSensorStatus.RUNNING,
+)
+def dlq_sensor(context: dg.RunFailureSensorContext, dlq: DlqResource) -> None:
+    # Returning None lets one tick handle up to five failed runs. An exception is not swallowed:
+    # the tick shows as failed in the UI, and the sweep records the run it skipped.
+    dead_letter_run(context.instance, context.dagster_run, dlq.get_store(), actor="dlq_sensor")
+
+
+SWEEP_OVERLAP_SECONDS = 600.0
+
+
+def sweep(
+    instance: dg.DagsterInstance, store: DlqStore, cursor: float | None, *, limit: int = 200
+) -> tuple[int, int, float | None]:
+    """One sweep: (failed runs examined, new records, next cursor)."""
+    after = (
+        None if cursor is None else datetime.fromtimestamp(cursor - SWEEP_OVERLAP_SECONDS, tz=UTC)
+    )
+    records = instance.get_run_records(
+        filters=RunsFilter(statuses=[DagsterRunStatus.FAILURE], updated_after=after),
+        limit=limit,
+        order_by="update_timestamp",
+        ascending=True,
+    )
+    created = 0
+    next_cursor = cursor
+    for record in records:
+        created += sum(
+            r.created
+            for r in dead_letter_run(instance, record.dagster_run, store, actor="dlq_sweep_sensor")
+        )
+        stamp = record.update_timestamp.timestamp()
+        next_cursor = stamp if next_cursor is None else max(next_cursor, stamp)
+    created += sum(r.created for r in dead_letter_failed_requests(store, limit=limit))
+    if len(records) >= limit and next_cursor is not None:
+        next_cursor += SWEEP_OVERLAP_SECONDS  # page on; the overlap is only for the quiet case
+    return len(records), created, next_cursor
+
+
+@dg.sensor(
+    name="dlq_sweep_sensor",
+    description="Safety net for dlq_sensor: dead-letters failed runs and requests it missed.",
+    minimum_interval_seconds=300,
+    default_status=dg.DefaultSensorStatus.RUNNING,
+)
+def dlq_sweep_sensor(context: dg.SensorEvaluationContext, dlq: DlqResource) -> dg.SkipReason:
+    cursor = float(context.cursor) if context.cursor else None
+    examined, created, next_cursor = sweep(context.instance, dlq.get_store(), cursor)
+    if next_cursor is not None:
+        context.update_cursor(repr(next_cursor))
+    return dg.SkipReason(f"swept {examined} failed runs; {created} new DLQ records")
+
+
+class ReplayRate:
+    """A token bucket kept in the sensor cursor: ``per_second`` on average, ``burst`` at most at
+    once, never more than ``max_per_tick`` in one tick. Time comes from ``clock``."""
+
+    def __init__(self, *, per_second: float, burst: float, max_per_tick: int) -> None:
+        if per_second <= 0 or burst < 1 or max_per_tick < 1:
+            raise ValueError("per_second > 0, burst >= 1 and max_per_tick >= 1 are required")
+        self.per_second = per_second
+        self.burst = burst
+        self.max_per_tick = max_per_tick
+
+    def allowance(self, state: dict[str, float] | None, now: float) -> tuple[int, float]:
+        """(how many may start now, tokens left before spending)."""
+        if not state:
+            tokens = self.burst
+        else:
+            elapsed = max(0.0, now - state["at"])
+            tokens = min(self.burst, state["tokens"] + elapsed * self.per_second)
+        return min(self.max_per_tick, math.floor(tokens)), tokens
+
+
+def replay_run_request(record: DlqRecord) -> dg.RunRequest:
+    """The run of a replay: the original job, config and tags, a new deterministic run key."""
+    tags = {k: v for k, v in record.tags.items() if not k.startswith("dagster/")}
+    tags.update({TAG_DLQ_ID: str(record.id), TAG_DLQ_REPLAY: str(record.replay_count)})
+    if record.idempotency_key and TAG_KEY not in tags:
+        tags[TAG_KEY] = record.idempotency_key
+    if record.request_id is not None and TAG_REQUEST not in tags:
+        tags[TAG_REQUEST] = str(record.request_id)
+    return dg.RunRequest(
+        run_key=record.replay_run_key,
+        job_name=record.job_type,
+        run_config=record.run_config,
+        tags=tags,
+    )
+
+
+def settle_replays(instance: dg.DagsterInstance, store: DlqStore) -> tuple[int, int]:
+    """Resolve records whose replay run succeeded, reopen those whose replay failed."""
+    replaying = store.list_records(status=DlqStatus.REPLAYING)
+    if not replaying:
+        return 0, 0
+    by_id = {r.id: r for r in replaying}
+    runs = instance.get_runs(
+        filters=RunsFilter(
+            tags={TAG_DLQ_ID: [str(i) for i in by_id]},
+            statuses=[DagsterRunStatus.SUCCESS, DagsterRunStatus.FAILURE],
+        )
+    )
+    resolved = reopened = 0
+    for run in runs:
+        record = by_id.get(int(run.tags[TAG_DLQ_ID]))
+        if record is None or run.tags.get(TAG_DLQ_REPLAY) != str(record.replay_count):
+            continue
+        if run.status == DagsterRunStatus.SUCCESS:
+            resolved += store.resolve(
+                record.id, actor="dlq_replay_sensor", detail=f"replay run {run.run_id} succeeded"
+            )
+        elif not will_retry(run):
+            reopened += sum(
+                r.new_failure
+                for r in dead_letter_run(instance, run, store, actor="dlq_replay_sensor")
+            )
+    return resolved, reopened
+
+
+def build_dlq_replay_sensor(
+    *,
+    name: str = "dlq_replay_sensor",
+    jobs: Sequence[Any] | None = None,
+    max_per_tick: int = 20,
+    per_second: float = 1.0,
+    burst: float | None = None,
+    relaunch_after: float = 600.0,
+    minimum_interval_seconds: int = 30,
+    clock: Callable[[], float] = time.time,
+) -> dg.SensorDefinition:
+    """The replay sensor with its rate bound; tests build one with their own ``clock``.
+    ``jobs`` defaults to every job type's per-request job (replays target the original job)."""
+    jobs = list(jobs) if jobs is not None else _job_type_jobs()
+    rate = ReplayRate(
+        per_second=per_second, burst=burst or max(1.0, per_second), max_per_tick=max_per_tick
+    )
+
+    @dg.sensor(
+        name=name,
+        jobs=jobs or None,
+        minimum_interval_seconds=minimum_interval_seconds,
+        description=f"Launches requested DLQ replays, at most {max_per_tick} per tick and "
+        f"{per_second}/s (run keys dlq-replay:{{id}}:{{n}}).",
+        default_status=dg.DefaultSensorStatus.RUNNING,
+    )
+    def _sensor(context: dg.SensorEvaluationContext, dlq: DlqResource) -> dg.SensorResult:
+        store = dlq.get_store()
+        resolved, reopened = settle_replays(context.instance, store)
+        now = clock()
+        state = json.loads(context.cursor) if context.cursor else None
+        allowed, tokens = rate.allowance(state, now)
+        requests = [
+            replay_run_request(r)
+            for r in _stale_replays(context.instance, store, now - relaunch_after)
+        ]
+        allowed = max(0, allowed - len(requests))
+        requests += [replay_run_request(r) for r in store.claim_for_replay(allowed)]
+        tokens -= len(requests)
+        context.update_cursor(json.dumps({"tokens": tokens, "at": now}))
+        if not requests:
+            return dg.SensorResult(
+                skip_reason=dg.SkipReason(
+                    f"no replay requested; resolved {resolved}, reopened {reopened}"
+                )
+            )
+        return dg.SensorResult(run_requests=requests)
+
+    return _sensor
+
+
+def _stale_replays(instance: dg.DagsterInstance, store: DlqStore, cutoff: float) -> list[DlqRecord]:
+    """Records left ``replaying`` with no run (a tick that claimed and then died): re-emitted
+    under the same run key, which Dagster dedupes if the run does exist."""
+    stale = [
+        r for r in store.list_records(status=DlqStatus.REPLAYING) if r.status_changed_at <= cutoff
+    ]
+    if not stale:
+        return []
+    seen = {
+        (run.tags.get(TAG_DLQ_ID), run.tags.get(TAG_DLQ_REPLAY))
+        for run in instance.get_runs(
+            filters=RunsFilter(tags={TAG_DLQ_ID: [str(r.id) for r in stale]})
+        )
+    }
+    return [r for r in stale if (str(r.id), str(r.replay_count)) not in seen]
+
+
+def _job_type_jobs() -> list[Any]:
+    try:
+        from pipelines.jobs import all_jobs  # noqa: PLC0415 - sensors may import jobs
+    except ImportError:  # pragma: no cover - the job types are not there yet
+        return []
+    return list(all_jobs() if callable(all_jobs) else all_jobs)
+
+
+dlq_replay_sensor = build_dlq_replay_sensor()
+
+sensors = [dlq_sensor, dlq_sweep_sensor, dlq_replay_sensor]
