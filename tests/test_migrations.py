@@ -12,7 +12,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import pytest
-from sqlalchemy import inspect
+from sqlalchemy import inspect, text
 
 import resources
 from resources.db import Database, metadata
@@ -144,3 +144,22 @@ def test_dialect_file_wins(tmp_path: Path) -> None:
 def test_split_statements() -> None:
     sql = "-- comment; here\nCREATE TABLE a (x INT);\nCREATE INDEX i\n  ON a (x);\n\n"
     assert split_statements(sql) == ["CREATE TABLE a (x INT)", "CREATE INDEX i\n  ON a (x)"]
+
+
+def test_identity_placeholder_renders_per_dialect_and_ids_auto_increment(db: Database) -> None:
+    """One file serves both backends: ``{{identity}}`` becomes each dialect's auto-increment key."""
+    from resources.migrations import render
+
+    assert "{{" not in render("id {{identity}},", db.dialect)
+    assert all("{{identity}}" not in m.sql for m in load_migrations(db.dialect))
+    with db.transaction() as conn:
+        for i in range(3):
+            conn.execute(
+                text(
+                    "INSERT INTO dlq_audit (record_id, action, actor, at)"
+                    " VALUES (:r, 'noted', 'test', 0)"
+                ),
+                {"r": i},
+            )
+        ids = [r[0] for r in conn.execute(text("SELECT id FROM dlq_audit ORDER BY id"))]
+    assert len(set(ids)) == 3 and ids == sorted(ids)

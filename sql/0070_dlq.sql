@@ -2,9 +2,8 @@
 -- when a run names no request), however many runs failed for it; every run that failed for it is
 -- listed once in dlq_failures, so seeing a run twice changes nothing; dlq_audit says who did what.
 -- Status transitions live beside the DlqStatus enum in resources/dlq.py.
--- SQLite variant: INTEGER PRIMARY KEY AUTOINCREMENT instead of an identity column.
 CREATE TABLE IF NOT EXISTS dlq_records (
-    id               INTEGER PRIMARY KEY AUTOINCREMENT,
+    id               {{identity}},
     dedupe_key       TEXT NOT NULL UNIQUE,
     job_type         TEXT NOT NULL,
     idempotency_key  TEXT,
@@ -49,7 +48,7 @@ CREATE TABLE IF NOT EXISTS dlq_failures (
 );
 
 CREATE TABLE IF NOT EXISTS dlq_audit (
-    id         INTEGER PRIMARY KEY AUTOINCREMENT,
+    id         {{identity}},
     record_id  BIGINT NOT NULL,
     action     TEXT NOT NULL,
     actor      TEXT NOT NULL,
