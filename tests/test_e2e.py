@@ -223,9 +223,15 @@ def test_ui_launch_and_cli_enqueue_run_through_the_daemon(stack: Stack) -> None:
         [message_id_for("email:welcome:ui-1:2026-11-29"), message_id_for(key)]
     )
 
-    # 4. Run history, read back through GraphQL as the UI does.
-    data = stack.graphql(RUNS_QUERY, {"filter": {"pipelineName": "send_email"}})
-    runs = data["runsOrError"]["results"]
+    # 4. Run history, read back through GraphQL as the UI does. The op marks its request
+    # completed inside the step, so the run itself may still be finishing: wait for it.
+    def intake_runs_done() -> list[dict[str, object]] | None:
+        data = stack.graphql(RUNS_QUERY, {"filter": {"pipelineName": "send_email"}})
+        found = data["runsOrError"]["results"]
+        mine = [r for r in found if {"key": "sekali/key", "value": key} in r["tags"]]
+        return found if mine and all(r["status"] == "SUCCESS" for r in mine) else None
+
+    runs = wait_for("the intake run to succeed", intake_runs_done, 120, stack.logs)
     by_id = {r["runId"]: r for r in runs}
     assert by_id[run_id]["status"] == "SUCCESS"
     intake_runs = [r for r in runs if {"key": "sekali/key", "value": key} in r["tags"]]
