@@ -55,7 +55,7 @@ def _error_text(exc: BaseException) -> str:
 
 
 def _services(context: dg.OpExecutionContext) -> Any:
-    from pipelines.runtime import Services  # noqa: PLC0415 - the runtime imports every client
+    from pipelines.services import Services  # noqa: PLC0415 - the runtime imports every client
 
     return Services.from_context(context)
 

@@ -28,7 +28,7 @@ from resources.metrics import MetricsCollector, redis_lock_stats
 METRICS_ASSET = "sekali_metrics"
 
 
-class ObservabilityResource(dg.ConfigurableResource):  # type: ignore[type-arg]
+class ObservabilityResource(dg.ConfigurableResource):
     """What the checks compare against that no other resource knows.
 
     ``gateway_ledger_url``: the database where the payment downstream records its charges (the
@@ -155,7 +155,7 @@ _RESOURCE_KEYS = {"app_db", "idempotency", "locks", "cache", "observability"}
     description="Queue depth and lag, processing percentiles, retries, duplicate detection, "
     "locks, lease takeovers, cache and DLQ rates, as numeric metadata the UI plots.",
 )
-def sekali_metrics(context: AssetExecutionContext) -> dg.MaterializeResult:  # type: ignore[type-arg]
+def sekali_metrics(context: AssetExecutionContext) -> dg.MaterializeResult:
     snapshot = observability_from_resources(context.resources).collector.collect()
     if snapshot.missing:
         context.log.warning(f"metrics sources missing: {snapshot.missing}")

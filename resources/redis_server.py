@@ -41,7 +41,9 @@ def free_port() -> int:
 class RedisServer:
     """A redis-server process on a Unix socket or a loopback TCP port."""
 
-    def __init__(self, directory: Path, *, port: int | None = None, socket_path: Path | None = None):
+    def __init__(
+        self, directory: Path, *, port: int | None = None, socket_path: Path | None = None
+    ) -> None:
         self.directory = directory
         self.port = port
         self.socket_path = socket_path
@@ -75,7 +77,8 @@ class RedisServer:
         ]
         if self.socket_path is not None:
             self.socket_path.parent.mkdir(parents=True, exist_ok=True)
-            args += ["--port", "0", "--unixsocket", str(self.socket_path), "--unixsocketperm", "700"]
+            args += ["--port", "0", "--unixsocket", str(self.socket_path)]
+            args += ["--unixsocketperm", "700"]
         else:
             args += ["--port", str(self.port), "--bind", "127.0.0.1"]
         self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

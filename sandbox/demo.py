@@ -126,11 +126,11 @@ def duplicate_delivery(url: str, state: Path, orders: int = 30, copies: int = 3)
         upgrade(services.db)
         naive_client = HttpPaymentGateway(gateway.url, send_idempotency_key=False)
         deliveries = [(f"o{i}", c) for i in range(orders) for c in range(copies)]
+        counter_lock = threading.Lock()
         rows = []
         for mode in ("naive", "guarded"):
             before = len(gateway.charges())
             suppressed = 0
-            lock = threading.Lock()
 
             def deliver(item: tuple[str, int], mode: str = mode) -> None:
                 nonlocal suppressed
@@ -144,7 +144,7 @@ def duplicate_delivery(url: str, state: Path, orders: int = 30, copies: int = 3)
                     try:
                         outcome = execute_request("charge_payment", payload, services=services)
                         if outcome.status == "duplicate":
-                            with lock:
+                            with counter_lock:
                                 suppressed += 1
                         return
                     except SekaliError:  # in progress elsewhere: the redelivery comes back

@@ -22,7 +22,9 @@ from tests.conftest import IN_CI, PG_URL, _postgres_error, need_server
 ROOT = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
 
-JOBS = {"charge_payment", "send_email", "reserve_inventory", "rebuild_report_cache", "fulfill_order"}
+JOBS = {
+    "charge_payment", "send_email", "reserve_inventory", "rebuild_report_cache", "fulfill_order"
+}
 SENSORS = {"intake_sensor", "dlq_sensor", "dlq_replay_sensor"}
 SCHEDULES = {"cache_warming_schedule", "reconciliation_schedule"}
 
@@ -31,9 +33,9 @@ def test_every_job_sensor_and_schedule_exists_by_name() -> None:
     from pipelines.definitions import defs
 
     repo = defs.get_repository_def()
-    assert JOBS <= {job.name for job in repo.get_all_jobs()}
-    assert SENSORS <= {s.name for s in repo.sensor_defs}
-    assert SCHEDULES <= {s.name for s in repo.schedule_defs}
+    assert {job.name for job in repo.get_all_jobs()} >= JOBS
+    assert {s.name for s in repo.sensor_defs} >= SENSORS
+    assert {s.name for s in repo.schedule_defs} >= SCHEDULES
 
 
 @pytest.mark.dagster

@@ -1,0 +1,124 @@
+"""The chaos harness in CI: short runs of real worker processes, real faults, real stores.
+
+Each run starts its own redis-server, gateway, mail sink and app database, several worker
+processes with two consumer threads each, and SIGKILLs, SIGSTOPs, restarts Redis, drops gateway
+answers and feeds poison payloads while every request is delivered several times. The checker
+reads the gateway, the mail sink, the idempotency records, ``job_attempts`` and the DLQ.
+
+The guarded runs must end with zero violations; the naive run (defences off) must show
+duplicates and losses, which proves the checker can see a violation when there is one.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pipelines.cli import main as sekali
+from sandbox.chaos import ChaosConfig, ChaosReport, format_table, run_chaos
+from tests.conftest import PG_URL, _postgres_error, need_server
+
+pytestmark = pytest.mark.slow
+
+
+def _explain(report: ChaosReport) -> str:
+    return (
+        format_table(report.rows)
+        + f"\nstats {json.dumps(report.stats, sort_keys=True)}\n"
+        + "\n".join(report.violations[:20])
+    )
+
+
+def _row(report: ChaosReport, fault: str) -> dict[str, int]:
+    return next(r for r in report.rows if r["fault"] == fault)
+
+
+def _assert_guarded(report: ChaosReport, *, min_deliveries: int) -> None:
+    why = _explain(report)
+    assert report.finished, why
+    assert report.ok, why
+    total = _row(report, "all")
+    assert total["duplicates"] == 0 and total["lost"] == 0, why
+    assert report.stats["dispatches"] >= min_deliveries, why
+    assert report.stats.get("unplanned_deaths", 0) == 0, why  # every death was a planned kill
+    poison = _row(report, "poison")
+    assert poison["requests"] > 0 and poison["dead_lettered"] == poison["requests"], why
+    assert poison["effects"] == 0, why
+
+
+@pytest.mark.timeout(240)
+def test_guarded_run_on_sqlite_keeps_every_invariant_under_every_fault() -> None:
+    """Catches: a second charge/mail/reservation after a kill, a stop, a dropped answer or a
+    Redis restart; a request that ends nowhere; a stale holder's write accepted; a poison
+    payload retried or not dead-lettered."""
+    report = run_chaos(ChaosConfig(
+        requests=700, workers=3, threads=2, redelivery=3, kills=8, stops=2, redis_restarts=2,
+        drop_rate=0.06, poison_rate=0.05, seed=11, timeout=200,
+    ))
+    _assert_guarded(report, min_deliveries=2100)
+    why = _explain(report)
+    stats = report.stats
+    # the faults really struck, so "no violation" means something
+    assert stats.get("kills", 0) >= 3, why
+    assert stats.get("stops", 0) >= 1, why
+    assert stats.get("stale_writes_rejected", 0) >= 1, why
+    assert stats.get("redis-restart", 0) == 2 and not stats.get("redis-restart_failed"), why
+    assert stats.get("error:GatewayUnavailable", 0) >= 1, why
+    assert stats.get("error:ConnectionError", 0) + stats.get("error:LockNotAcquired", 0) >= 1, why
+    assert any(r["fault"].startswith("kill:") for r in report.rows), why
+
+
+@pytest.mark.postgres
+@pytest.mark.timeout(180)
+def test_guarded_run_on_postgres_keeps_every_invariant() -> None:
+    """The same invariants with the app store on Postgres (a schema of its own, dropped after)."""
+    error = _postgres_error()
+    if error is not None:
+        need_server("PostgreSQL", error)
+    report = run_chaos(ChaosConfig(
+        requests=160, workers=3, threads=2, redelivery=3, kills=3, stops=1, redis_restarts=1,
+        backend="postgres", database_url=PG_URL, seed=5, timeout=150,
+    ))
+    _assert_guarded(report, min_deliveries=480)
+    assert report.stats.get("kills", 0) >= 1, _explain(report)
+
+
+@pytest.mark.timeout(120)
+def test_naive_run_shows_the_duplicates_and_losses_the_defences_prevent() -> None:
+    """Proof that the checker sees violations: with no claim, no lock, no Idempotency-Key and
+    the ack before the work, redelivered requests charge twice and poison payloads vanish."""
+    report = run_chaos(ChaosConfig(
+        requests=50, workers=2, threads=2, redelivery=2, kills=2, stops=0,
+        faults=("kill", "drop-response", "poison"), poison_rate=0.1, naive=True, seed=3,
+        timeout=90,
+    ))
+    why = _explain(report)
+    assert report.finished, why
+    assert not report.ok, why
+    total = _row(report, "all")
+    assert total["duplicates"] >= 20, why
+    assert total["lost"] >= 1, why
+    assert any(v.startswith("duplicate effect") for v in report.violations), why
+    assert any(v.startswith("poison not dead-lettered") for v in report.violations), why
+
+
+@pytest.mark.timeout(120)
+def test_cli_writes_json_and_exits_zero_when_the_invariants_hold(tmp_path: Path) -> None:
+    """``sekali chaos`` end to end: the table, the JSON file, exit code 0 in guarded mode."""
+    out = tmp_path / "chaos.json"
+    code = sekali([
+        "chaos", "--requests", "30", "--workers", "2", "--redelivery", "2",
+        "--faults", "poison,drop-response", "--json", str(out), "--no-progress",
+    ])
+    assert code == 0
+    data = json.loads(out.read_text())
+    assert data["ok"] is True and data["violations"] == []
+    assert data["deliveries"] == 60
+    assert {r["fault"] for r in data["rows"]} >= {"all", "poison"}
+
+
+def test_cli_refuses_unknown_faults_with_exit_code_2() -> None:
+    assert sekali(["chaos", "--faults", "kill,meteor"]) == 2
+    assert sekali(["chaos", "--faults", "pg-restart", "--backend", "sqlite"]) == 2
