@@ -202,6 +202,15 @@ def run(quick: bool = False) -> dict[str, Any]:
     results["micro_batch_meets_target"] = all(
         b["ratio_to_floor"]["micro_batch"] >= 0.5 for b in results["backends"].values()
     )
+    results["summary"] = [
+        {"metric": f"{backend} {mode}, enqueue to completed",
+         "value": b["jobs_per_second"][mode], "unit": "jobs/s",
+         "baseline": f"handler loop {b['jobs_per_second']['floor']}/s",
+         "ratio": b["ratio_to_floor"][mode], "target": 0.5 if mode == "micro_batch" else None,
+         "ok": b["ratio_to_floor"][mode] >= 0.5 if mode == "micro_batch" else None}
+        for backend, b in results["backends"].items()
+        for mode in ("per_request", "fan_out", "micro_batch")
+    ]
     return results
 
 

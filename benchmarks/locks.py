@@ -188,7 +188,33 @@ def run(quick: bool = False) -> dict[str, Any]:
             else None
         )
     result["settings"] = {"quick": quick, "duration_s": duration, "hold_ms": 2, "redis": REDIS_URL}
+    result["summary"] = summary(result)
     return result
+
+
+def summary(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Headline rows for ``sekali bench``: ratios against the floor and redis-py's lock."""
+    un = result["uncontended"]
+    rows: list[dict[str, Any]] = []
+    for name, target in (("sekali RedisLock (no renewal)", 0.8),
+                         ("sekali RedisLock (renewal + Redis stats)", 0.8),
+                         ("redis-py Lock", None), ("python-redis-lock", None)):
+        ratio = un[name]["ratio_to_floor"]
+        rows.append({"metric": f"uncontended acquire+release, {name}",
+                     "value": un[name]["ops_per_s"], "unit": "ops/s",
+                     "baseline": "SET NX PX + Lua DEL", "ratio": ratio, "target": target,
+                     "ok": None if target is None else ratio >= target})
+    for clients in (8, 32):
+        ours = result["contended"][f"sekali x{clients}"]
+        theirs = result["contended"][f"redis-py x{clients}"]
+        rows.append({"metric": f"contended x{clients}: min/max acquisitions per client "
+                     f"(sekali {ours['min_per_client']}/{ours['max_per_client']}, redis-py "
+                     f"{theirs['min_per_client']}/{theirs['max_per_client']})",
+                     "value": ours["wait_p99_ms"], "unit": "p99 wait ms",
+                     "baseline": f"redis-py p99 {theirs['wait_p99_ms']} ms",
+                     "ratio": ours["throughput_ratio_vs_redis_py"], "target": "no starved client",
+                     "ok": ours["starved_clients"] == 0})
+    return rows
 
 
 def main() -> None:

@@ -181,6 +181,14 @@ def run(quick: bool = False) -> dict[str, Any]:
         }
     plot = _plot(arrivals, scenario)
     return {
+        "summary": [
+            {"metric": f"{name}: peak calls/s after recovery (drain {m['time_to_drain_s']:.0f} s,"
+             f" dead-lettered {m['dead_lettered']:.0f})",
+             "value": m["peak_calls_after_recovery_1s"], "unit": "calls/s",
+             "baseline": "no jitter", "ratio": m["ratios_vs_none"]["peak_calls_after_recovery_1s"],
+             "target": None, "ok": None}
+            for name, m in modes.items()
+        ],
         "scenario": scenario.__dict__,
         "seeds": seeds,
         "modes": modes,

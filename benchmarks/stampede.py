@@ -323,7 +323,46 @@ def run(quick: bool = False) -> dict[str, Any]:
         "jitter_plot": str(png),
         "hit_path": hit_path,
         "ratios": ratios,
+        "summary": summary(by, hit, hit_path, ratios),
     }
+
+
+def summary(
+    by: dict[tuple[str, str], dict[str, Any]],
+    hit: dict[str, Any],
+    hit_path: dict[str, Any],
+    ratios: dict[str, float],
+) -> list[dict[str, Any]]:
+    """Headline rows for ``sekali bench``."""
+    rows: list[dict[str, Any]] = []
+    for scenario in ("cold", "stale"):
+        for impl in ("naive", "dogpile", "sekali"):
+            r = by[(impl, scenario)]
+            rows.append({"metric": f"{scenario} expiry, {PROCESSES}x{THREADS} callers: {impl} "
+                         "loader calls", "value": r["loader_calls"], "unit": "calls",
+                         "baseline": f"p99 {r['p99_ms']:.0f} ms", "ratio": None,
+                         "target": 1 if impl == "sekali" else None,
+                         "ok": r["loader_calls"] == 1 if impl == "sekali" else None})
+    cold = ratios["sekali_cold_p99_minus_loader_ms"]
+    rows.append({"metric": "cold waiters p99 past the loader time (dogpile: "
+                 f"{ratios['dogpile_cold_p99_minus_loader_ms']:.0f} ms)", "value": round(cold, 1),
+                 "unit": "ms", "baseline": "loader time", "ratio": None, "target": "<= 10 ms",
+                 "ok": cold <= 10})
+    stale = ratios["sekali_stale_p99_over_hit_p99"]
+    rows.append({"metric": "stale-window p99 over a fresh hit's p99", "value": round(stale, 2),
+                 "unit": "x", "baseline": f"hit p99 {hit['p99_ms']:.1f} ms", "ratio": stale,
+                 "target": "<= 2", "ok": stale <= 2})
+    rows.append({"metric": "hit path rate", "value": round(hit_path["sekali_hit_per_s"]),
+                 "unit": "gets/s", "baseline": "raw GET", "ratio": round(hit_path["ratio"], 3),
+                 "target": 0.8, "ok": hit_path["ratio"] >= 0.8})
+    for label, key in (("no jitter", "peak_over_mean_no_jitter"),
+                       ("+/-10% jitter", "peak_over_mean_jitter_10pct"),
+                       ("+/-50% jitter", "peak_over_mean_jitter_50pct")):
+        rows.append({"metric": f"1,000 same-TTL keys, loader peak/mean, {label}",
+                     "value": round(ratios[key], 2), "unit": "x", "baseline": "mean rate",
+                     "ratio": None, "target": "< 1.5" if "no" not in label else None,
+                     "ok": ratios[key] < 1.5 if "no" not in label else None})
+    return rows
 
 
 def main() -> None:
