@@ -28,6 +28,7 @@ def _explain(report: ChaosReport) -> str:
         format_table(report.rows)
         + f"\nstats {json.dumps(report.stats, sort_keys=True)}\n"
         + "\n".join(report.violations[:20])
+        + f"\nlate reports {report.late_reports[:10]}"
     )
 
 
