@@ -16,7 +16,10 @@ Why a wrapper at all: the two backends need different care for the same guarante
 from __future__ import annotations
 
 import contextlib
+import random
+import sqlite3
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -72,14 +75,28 @@ def _configure_sqlite(engine: Engine) -> None:
     def _on_connect(dbapi_connection: Any, _record: Any) -> None:
         dbapi_connection.isolation_level = None  # we issue BEGIN ourselves
         cursor = dbapi_connection.cursor()
-        cursor.execute("PRAGMA journal_mode=WAL")
         cursor.execute("PRAGMA busy_timeout=60000")
+        _enable_wal(cursor)
         cursor.execute("PRAGMA synchronous=NORMAL")
         cursor.close()
 
     @event.listens_for(engine, "begin")
     def _on_begin(connection: Connection) -> None:
         connection.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+def _enable_wal(cursor: Any, attempts: int = 100) -> None:
+    """Switch a fresh file to WAL. The switch needs an exclusive lock and SQLite answers "database
+    is locked" at once, without the busy handler, while another process opens or switches the
+    same fresh file; so wait and try again."""
+    for attempt in range(attempts):
+        try:
+            cursor.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if "locked" not in str(exc) or attempt == attempts - 1:
+                raise
+            time.sleep(0.05 + random.random() * 0.1)
 
 
 _UNAVAILABLE = (sa_exc.OperationalError, sa_exc.InterfaceError)

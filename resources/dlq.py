@@ -56,7 +56,8 @@ class DlqStatus(StrEnum):
     open               an operator asks for a replay (CLI, UI job)                 replay_requested
     replay_requested   the replay sensor claims it and emits ``dlq-replay:{id}:{n}``  replaying
     replaying          the replay run succeeded                                    resolved
-    replaying          the replay run failed (count increased)                     open
+    replaying          the replay run failed or was canceled (count increased)     open
+    replaying          its replay run cannot be built (the audit says why)         open
     open/replay_req.   an operator discards it (with a reason)                     discarded
     open/replay_req.   the request completed some other way (late retry, relaunch) resolved
     resolved           a later failure of the same request                         open
@@ -494,6 +495,10 @@ class DlqStore:
             conn.execute(
                 text(
                     "UPDATE dlq_records SET run_id = :run_id, step = :step, error_class = :eclass,"
+                    # A record first seen without them (batch, sweep) gets a later run's.
+                    " run_config = CASE WHEN run_config IS NULL OR run_config = '{}'"
+                    "   THEN :run_config ELSE run_config END,"
+                    " tags = CASE WHEN tags IS NULL OR tags = '{}' THEN :tags ELSE tags END,"
                     " error_type = :etype, fingerprint = :fp, last_error = :msg, trace = :trace,"
                     " failure_count = failure_count + 1,"
                     " last_failed_at = CASE WHEN last_failed_at > :failed_at"
@@ -626,6 +631,18 @@ class DlqStore:
                 {"ids": ids},
             ).all()
         return sorted((DlqRecord.from_row(r) for r in rows), key=lambda r: r.id)
+
+    def refuse_replay(self, record_id: int, *, actor: str, detail: str) -> bool:
+        """A ``replaying`` record whose replay run cannot be built goes back to ``open`` (it
+        would otherwise stay ``replaying`` for good); ``detail`` says why, for the operator."""
+        return self._move(
+            record_id,
+            _D.OPEN,
+            actor=actor,
+            action="replay_refused",
+            detail=detail,
+            sources=[str(_D.REPLAYING)],
+        )
 
     def resolve(self, record_id: int, *, actor: str, detail: str = "") -> bool:
         """The request completed (a replay succeeded, or it finished some other way)."""
@@ -798,7 +815,14 @@ class DlqStore:
         ).first()
 
     def _move(
-        self, record_id: int, target: DlqStatus, *, actor: str, action: str, detail: str = ""
+        self,
+        record_id: int,
+        target: DlqStatus,
+        *,
+        actor: str,
+        action: str,
+        detail: str = "",
+        sources: Sequence[str] | None = None,
     ) -> bool:
         now = self.clock()
         with self.db.transaction() as conn:
@@ -810,7 +834,12 @@ class DlqStore:
                     "UPDATE dlq_records SET status = :target, status_changed_at = :now,"
                     " updated_at = :now WHERE id = :id AND status IN :sources"
                 ).bindparams(bindparam("sources", expanding=True)),
-                {"target": str(target), "now": now, "id": record_id, "sources": sources_of(target)},
+                {
+                    "target": str(target),
+                    "now": now,
+                    "id": record_id,
+                    "sources": list(sources) if sources is not None else sources_of(target),
+                },
             ).rowcount
             if moved:
                 self._audit(

@@ -24,7 +24,7 @@ from pathlib import Path
 from sqlalchemy import text
 
 from resources.db import Database
-from resources.errors import SekaliError
+from resources.errors import SekaliError, StoreUnavailable
 
 _MIGRATION_LOCK_ID = 0x5E4A11  # arbitrary, constant
 _NAME = re.compile(r"^(\d{4})_([a-z0-9_]+?)(?:\.(postgresql|sqlite))?\.sql$")
@@ -89,7 +89,22 @@ def split_statements(sql: str) -> list[str]:
 
 
 def upgrade(db: Database, directory: Path | None = None) -> list[str]:
-    """Apply every migration not yet recorded. Returns the names applied now (empty if none)."""
+    """Apply every migration not yet recorded. Returns the names applied now (empty if none).
+
+    Several processes may call it on one fresh database at once (every process applies the
+    schema on start); on SQLite a writer that finds the file locked past the busy timeout
+    tries again, since the whole upgrade is one transaction and safe to repeat."""
+    for attempt in range(5):
+        try:
+            return _upgrade_once(db, directory)
+        except StoreUnavailable:
+            if db.is_postgres or attempt == 4:
+                raise
+            time.sleep(0.2 * (attempt + 1))
+    raise AssertionError("unreachable")
+
+
+def _upgrade_once(db: Database, directory: Path | None) -> list[str]:
     applied_now: list[str] = []
     migrations = load_migrations(db.dialect, directory)
     with db.transaction() as conn:

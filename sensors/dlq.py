@@ -10,9 +10,12 @@
 - ``dlq_replay_sensor``: launches runs for records whose replay was requested, at most
   ``max_per_tick`` per tick and ``per_second`` on average (a token bucket kept in the cursor),
   with run keys ``dlq-replay:{id}:{n}``, the original run config and tags (so the original
-  idempotency key: an effect that already happened is not repeated) plus ``sekali/dlq_id``. It
-  also settles replays: a successful replay run resolves its record; a failed one reopens it
-  with its count increased (the dlq_sensor does the same when it sees the run first).
+  idempotency key: an effect that already happened is not repeated) plus ``sekali/dlq_id``.
+  A record stored without op config (batch failures, the sweep) is replayed as a run of its
+  per-request job built from the record; a record whose run cannot be built goes back to
+  ``open`` with the reason in its audit. It also settles replays: a successful replay run
+  resolves its record; a failed or canceled one reopens it with its count increased (the
+  dlq_sensor does the same for failed runs when it sees the run first).
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -136,7 +139,19 @@ def _error_fields(event: Any) -> dict[str, Any]:
 
 
 def _run_failure_fields(instance: dg.DagsterInstance, run: dg.DagsterRun) -> dict[str, Any]:
-    """When no step failed (worker killed, max runtime): the run's own failure."""
+    """When no step failed (worker killed, max runtime, canceled): the run's own failure."""
+    if run.status == DagsterRunStatus.CANCELED:
+        canceled = instance.all_logs(run.run_id, of_type=DagsterEventType.RUN_CANCELED)
+        message = (canceled[-1].message if canceled else "") or "run canceled"
+        return {
+            "error_type": "RunCanceled",
+            "message": message,
+            "frame": "",
+            "trace": message,
+            "error_class": FailureClass.TRANSIENT,
+            "step": "",
+            "failed_at": canceled[-1].timestamp if canceled else None,
+        }
     events = instance.all_logs(run.run_id, of_type=DagsterEventType.RUN_FAILURE)
     message = events[-1].message if events else "run failed"
     reason = run.tags.get("dagster/failure_reason", "RUN_FAILURE")
@@ -365,24 +380,82 @@ class ReplayRate:
         return min(self.max_per_tick, math.floor(tokens)), tokens
 
 
-def replay_run_request(record: DlqRecord) -> dg.RunRequest:
-    """The run of a replay: the original job, config and tags, a new deterministic run key."""
+class ReplayNotBuildable(ValueError):
+    """The record holds no valid run for its job (no such per-request job, no payload, or a
+    config the job rejects). The replay sensor reopens such a record and says why."""
+
+
+def replay_run_config(record: DlqRecord) -> dict[str, Any]:
+    """The original run config when it names the request; else (batch failures and the sweep
+    store ``{}``) the per-request job's config built from the record itself."""
+    if _request_config(record.run_config):
+        return record.run_config
+    if not isinstance(record.payload, dict):
+        raise ReplayNotBuildable(
+            f"DLQ record {record.id} ({record.job_type}) has neither a per-request run config"
+            " nor a payload to build one from; fix and re-enqueue the request, or discard it"
+        )
+    config = {
+        "payload": record.payload,
+        "key": record.idempotency_key,
+        "request_id": record.request_id,
+        "correlation_id": record.correlation_id,
+    }
+    return {"ops": {f"{record.job_type}_op": {"config": config}}}
+
+
+def replay_run_request(
+    record: DlqRecord, jobs: Mapping[str, dg.JobDefinition] | None = None
+) -> dg.RunRequest:
+    """The run of a replay: the original job, config and tags, a new deterministic run key.
+    With ``jobs`` (the sensor's targets by name) the job must be one of them and the config
+    must be valid for it, else :class:`ReplayNotBuildable`."""
+    run_config = replay_run_config(record)
+    if jobs is not None:
+        job = jobs.get(record.job_type)
+        if job is None:
+            raise ReplayNotBuildable(
+                f"DLQ record {record.id}: job {record.job_type!r} is not a per-request job"
+                f" the replay sensor can launch ({', '.join(sorted(jobs))})"
+            )
+        try:
+            dg.validate_run_config(job, run_config)
+        except dg.DagsterInvalidConfigError as exc:
+            raise ReplayNotBuildable(
+                f"DLQ record {record.id}: invalid run config for {record.job_type}: {exc}"
+            ) from exc
     tags = {k: v for k, v in record.tags.items() if not k.startswith("dagster/")}
     tags.update({TAG_DLQ_ID: str(record.id), TAG_DLQ_REPLAY: str(record.replay_count)})
     if record.idempotency_key and TAG_KEY not in tags:
         tags[TAG_KEY] = record.idempotency_key
     if record.request_id is not None and TAG_REQUEST not in tags:
         tags[TAG_REQUEST] = str(record.request_id)
+    if record.correlation_id and TAG_CORRELATION not in tags:
+        tags[TAG_CORRELATION] = record.correlation_id
     return dg.RunRequest(
         run_key=record.replay_run_key,
         job_name=record.job_type,
-        run_config=record.run_config,
+        run_config=run_config,
         tags=tags,
     )
 
 
+def _replay_or_refuse(
+    store: DlqStore, record: DlqRecord, jobs: Mapping[str, dg.JobDefinition] | None
+) -> list[dg.RunRequest]:
+    """The record's RunRequest, or none and the record back to ``open``: an invalid request
+    would fail the tick and leave the record ``replaying`` (re-emitted every relaunch)."""
+    try:
+        return [replay_run_request(record, jobs)]
+    except ReplayNotBuildable as exc:
+        log.warning("replay of DLQ record %d refused: %s", record.id, exc)
+        store.refuse_replay(record.id, actor="dlq_replay_sensor", detail=str(exc)[:2000])
+        return []
+
+
 def settle_replays(instance: dg.DagsterInstance, store: DlqStore) -> tuple[int, int]:
-    """Resolve records whose replay run succeeded, reopen those whose replay failed."""
+    """Resolve records whose replay run succeeded, reopen those whose replay failed or was
+    canceled (an operator's cancel would otherwise leave the record ``replaying`` for good)."""
     replaying = store.list_records(status=DlqStatus.REPLAYING)
     if not replaying:
         return 0, 0
@@ -390,7 +463,11 @@ def settle_replays(instance: dg.DagsterInstance, store: DlqStore) -> tuple[int, 
     runs = instance.get_runs(
         filters=RunsFilter(
             tags={TAG_DLQ_ID: [str(i) for i in by_id]},
-            statuses=[DagsterRunStatus.SUCCESS, DagsterRunStatus.FAILURE],
+            statuses=[
+                DagsterRunStatus.SUCCESS,
+                DagsterRunStatus.FAILURE,
+                DagsterRunStatus.CANCELED,
+            ],
         )
     )
     resolved = reopened = 0
@@ -424,6 +501,7 @@ def build_dlq_replay_sensor(
     """The replay sensor with its rate bound; tests build one with their own ``clock``.
     ``jobs`` defaults to every job type's per-request job (replays target the original job)."""
     jobs = list(jobs) if jobs is not None else _job_type_jobs()
+    targets = {j.name: j for j in jobs if isinstance(j, dg.JobDefinition)} or None
     rate = ReplayRate(
         per_second=per_second, burst=burst or max(1.0, per_second), max_per_tick=max_per_tick
     )
@@ -443,11 +521,16 @@ def build_dlq_replay_sensor(
         state = json.loads(context.cursor) if context.cursor else None
         allowed, tokens = rate.allowance(state, now)
         requests = [
-            replay_run_request(r)
+            request
             for r in _stale_replays(context.instance, store, now - relaunch_after)
+            for request in _replay_or_refuse(store, r, targets)
         ]
         allowed = max(0, allowed - len(requests))
-        requests += [replay_run_request(r) for r in store.claim_for_replay(allowed)]
+        requests += [
+            request
+            for r in store.claim_for_replay(allowed)
+            for request in _replay_or_refuse(store, r, targets)
+        ]
         tokens -= len(requests)
         context.update_cursor(json.dumps({"tokens": tokens, "at": now}))
         if not requests:
