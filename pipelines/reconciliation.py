@@ -9,8 +9,12 @@ on ``reconciliation_schedule`` and puts the counts in its materialisation metada
   pending for each extra charge (``compensate:refund-pending:{o}:{charge}``).
 - ``paid_without_charge``: we show paid, the gateway has no such charge. Flagged for a person
   (``reconcile:flag-paid-without-charge:{o}``).
-- ``needs_compensation``: a fulfilment failed half-way. Fix: cancel its reservation
-  (``compensate:cancel-reservation:{cart}``) and, if it was paid, mark a refund pending.
+- ``needs_compensation``: a fulfilment failed half-way and was given up: its key ``fulfil:{o}``
+  failed permanently (or is absent), or it is ``retryable`` and its DLQ record was discarded.
+  Fix: cancel its reservation (``compensate:cancel-reservation:{cart}``) and, if it was paid,
+  mark a refund pending. A key that is retryable or in progress is left alone (a retry or
+  replay resumes from its recovery point and needs the reservations); the release re-checks
+  this inside its transaction, holding the order's row lock the job's phases take.
 - ``stuck_claims``: idempotency claims in progress long past their lease (the worker is gone and
   nothing retried). Fix: hand them to the DLQ (replayable with the same key); side-effect-free
   job types are pushed to completion by requesting the replay at once.
@@ -194,6 +198,9 @@ class Reconciler:
                     },
                 )
                 self.store.complete(outcome, {"kind": kind, "detail": detail}, conn=conn)
+        except NotGivenUp as exc:  # the state changed under us: try again on a later pass
+            self.store.fail(outcome, exc, "transient")
+            return False
         except Exception as exc:
             self.store.fail(outcome, exc, "transient")
             raise
@@ -258,17 +265,26 @@ class Reconciler:
     # -- fulfilment compensation ------------------------------------------------------------
 
     def _compensations(self, report: ReconciliationReport) -> None:
-        from pipelines.jobs.fulfilment import cart_for  # noqa: PLC0415 - the job type's naming
+        from pipelines.jobs.fulfilment import cart_for, key_for  # noqa: PLC0415 - its naming
 
         with self.db.statement() as conn:
+            # 'fulfil:' || order_id is fulfilment.key_for: in-flight orders given up in the DLQ
             orders = conn.execute(
                 text(
-                    "SELECT order_id, payment_status, charge_id FROM orders"
-                    " WHERE fulfilment_status = 'needs_compensation' ORDER BY order_id"
+                    "SELECT order_id, payment_status, charge_id FROM orders o"
+                    " WHERE fulfilment_status = 'needs_compensation'"
+                    " OR (fulfilment_status IN ('processing', 'reserved') AND EXISTS ("
+                    "SELECT 1 FROM dlq_records d WHERE d.status = 'discarded'"
+                    " AND d.idempotency_key = 'fulfil:' || o.order_id))"
+                    " ORDER BY order_id"
                 )
             ).all()
         inventory = Inventory(self.db)
         for order in orders:
+            key = key_for({"order_id": order.order_id})
+            with self.db.statement() as conn:
+                if not _given_up(conn, key):
+                    continue  # a retry or replay may still resume it: not ours to undo
             cart = cart_for(order.order_id)
             cancel = f"compensate:cancel-reservation:{cart}"
             refund = f"compensate:refund-pending:{order.order_id}:{order.charge_id}"
@@ -287,7 +303,10 @@ class Reconciler:
                     cancel,
                     "cancel_reservation",
                     order.order_id,
-                    functools.partial(_release, inventory=inventory, cart_id=cart),
+                    functools.partial(
+                        _release, inventory=inventory, cart_id=cart, order_id=order.order_id,
+                        key=key,
+                    ),
                 )
             if refund in todo:
                 fixed |= self.act(
@@ -404,7 +423,38 @@ def _record(detail: dict[str, Any]) -> Callable[[Connection], Any]:
     return fix
 
 
-def _release(conn: Connection, *, inventory: Inventory, cart_id: str) -> dict[str, Any]:
+class NotGivenUp(Exception):  # noqa: N818 - a signal to skip, not an error
+    """The fulfilment key became retryable or in progress since the check: do not compensate."""
+
+
+def _given_up(conn: Connection, key: str, *, lock: str = "") -> bool:
+    """True when nothing may resume ``key``: it failed permanently or is absent, or it is
+    retryable and its DLQ record was discarded (and none is open or replaying)."""
+    row = conn.execute(
+        text(f"SELECT status FROM idempotency_records WHERE key = :k{lock}"), {"k": key}
+    ).first()
+    if row is None or row.status == "failed":
+        return True
+    if row.status != "retryable":
+        return False  # in progress or completed
+    statuses = {
+        r.status
+        for r in conn.execute(
+            text("SELECT status FROM dlq_records WHERE idempotency_key = :k"), {"k": key}
+        )
+    }
+    return "discarded" in statuses and not statuses & {"open", "replay_requested", "replaying"}
+
+
+def _release(
+    conn: Connection, *, inventory: Inventory, cart_id: str, order_id: str, key: str
+) -> dict[str, Any]:
+    """Release the cart, re-checking in this transaction that its fulfilment was given up. The
+    order's row lock is the one every fulfilment phase holds, so no phase runs meanwhile."""
+    lock = " FOR UPDATE" if inventory.db.is_postgres else ""
+    conn.execute(text(f"SELECT 1 FROM orders WHERE order_id = :o{lock}"), {"o": order_id})
+    if not _given_up(conn, key, lock=lock):
+        raise NotGivenUp(key)
     return {"released": inventory.release(conn, cart_id)}
 
 

@@ -8,6 +8,9 @@ Guarantees, on SQLite and Postgres:
   reserved counts together. ``reserved <= on_hand`` is a CHECK constraint: oversell cannot commit.
 - The primary key ``(cart_id, sku)`` makes a second reservation of the same cart impossible; a
   repeated ``reserve`` of a cart that already holds its reservations returns them unchanged.
+- ``reserve`` and ``ship`` raise :class:`ReservationsNotHeld` when the cart's rows are no longer
+  ``reserved`` (released by compensation, or already shipped): a resumed job must never report
+  goods shipped from reservations that no longer hold any stock.
 
 Reservation states (written here, beside their definition)::
 
@@ -68,6 +71,20 @@ class UnknownSku(PermanentJobError):
     def __init__(self, sku: str) -> None:
         super().__init__(f"sku {sku!r} is not stocked; fix the request or the catalogue")
         self.sku = sku
+
+
+class ReservationsNotHeld(PermanentJobError):
+    """The cart's reservations are not ``reserved`` (released by compensation, shipped, or never
+    made). Permanent: nothing can ship from them; place the order again with a new cart."""
+
+    def __init__(self, cart_id: str, statuses: Mapping[str, str]) -> None:
+        found = ", ".join(f"{sku}={st}" for sku, st in statuses.items()) or "none"
+        super().__init__(
+            f"cart {cart_id!r} holds no live reservations ({found}); they were released by "
+            "compensation or never made: nothing ships from them, place the order again"
+        )
+        self.cart_id = cart_id
+        self.statuses = dict(statuses)
 
 
 @dataclass(frozen=True)
@@ -138,11 +155,14 @@ class Inventory:
         """Reserve ``items`` for ``cart_id`` inside the caller's transaction ``conn``.
 
         Returns the cart's reservations. Raises :class:`InsufficientStock` / :class:`UnknownSku`
-        (permanent) and leaves the transaction for the caller to roll back.
+        (permanent) and leaves the transaction for the caller to roll back. A cart whose rows
+        exist but are no longer ``reserved`` raises :class:`ReservationsNotHeld`: returning the
+        released rows would let the caller believe it holds stock.
         """
         wanted = merge_items(items)
         existing = self.reservations(cart_id, conn)
         if existing:
+            _require_held(cart_id, existing)
             return existing
         lock = " FOR UPDATE" if self.db.is_postgres else ""
         now = time.time()
@@ -178,29 +198,45 @@ class Inventory:
         for res in self.reservations(cart_id, conn):
             if res.status != "reserved":
                 continue
+            # the row moves first: stock is returned only by the writer that moved it
+            moved = conn.execute(
+                text(
+                    "UPDATE reservations SET status = 'released', updated_at = :now"
+                    " WHERE cart_id = :cart AND sku = :sku AND status = 'reserved'"
+                ),
+                {"cart": cart_id, "sku": res.sku, "now": now},
+            ).rowcount
+            if moved != 1:
+                continue
             conn.execute(
                 text(
                     "UPDATE stock SET reserved = reserved - :q, updated_at = :now WHERE sku = :sku"
                 ),
                 {"q": res.quantity, "sku": res.sku, "now": now},
             )
-            conn.execute(
-                text(
-                    "UPDATE reservations SET status = 'released', updated_at = :now"
-                    " WHERE cart_id = :cart AND sku = :sku AND status = 'reserved'"
-                ),
-                {"cart": cart_id, "sku": res.sku, "now": now},
-            )
             released += 1
         return released
 
     def ship(self, conn: Connection, cart_id: str) -> int:
-        """Turn the cart's reservations into shipped goods: stock leaves the shelf."""
+        """Turn the cart's reservations into shipped goods: stock leaves the shelf.
+
+        Raises :class:`ReservationsNotHeld` unless every row of the cart is ``reserved``, so a
+        caller never records a shipment that moved no stock.
+        """
         shipped = 0
         now = time.time()
-        for res in self.reservations(cart_id, conn):
-            if res.status != "reserved":
-                continue
+        held = self.reservations(cart_id, conn)
+        _require_held(cart_id, held)
+        for res in held:
+            moved = conn.execute(
+                text(
+                    "UPDATE reservations SET status = 'shipped', updated_at = :now"
+                    " WHERE cart_id = :cart AND sku = :sku AND status = 'reserved'"
+                ),
+                {"cart": cart_id, "sku": res.sku, "now": now},
+            ).rowcount
+            if moved != 1:  # released since we read it (a concurrent compensation): roll back
+                raise ReservationsNotHeld(cart_id, {res.sku: "released"})
             conn.execute(
                 text(
                     "UPDATE stock SET reserved = reserved - :q, on_hand = on_hand - :q,"
@@ -208,12 +244,10 @@ class Inventory:
                 ),
                 {"q": res.quantity, "sku": res.sku, "now": now},
             )
-            conn.execute(
-                text(
-                    "UPDATE reservations SET status = 'shipped', updated_at = :now"
-                    " WHERE cart_id = :cart AND sku = :sku AND status = 'reserved'"
-                ),
-                {"cart": cart_id, "sku": res.sku, "now": now},
-            )
             shipped += 1
         return shipped
+
+
+def _require_held(cart_id: str, rows: list[Reservation]) -> None:
+    if not rows or any(r.status != "reserved" for r in rows):
+        raise ReservationsNotHeld(cart_id, {r.sku: r.status for r in rows})

@@ -11,10 +11,14 @@ Fulfilment states (``orders.fulfilment_status``), written here beside their tran
     new / needs_compensation --- start (outbox order.fulfilment_started) ---> processing
     processing --- reserve (cart order:{id}) --------------------------------> reserved
     reserved --- ship (shipments row, outbox order.shipped) + complete ------> fulfilled
-    processing / reserved --- a phase failed --------------------------------> needs_compensation
+    processing / reserved --- a phase failed permanently --------------------> needs_compensation
 
 ``needs_compensation`` is what reconciliation looks for: a failed fulfilment may hold
-reservations that must be released (or be resumed by a replay of the same key).
+reservations that must be released (or be resumed by a replay of the same key). A transient
+failure leaves the status alone: the key is ``retryable`` and the retry or replay resumes from
+the recovery point and needs the reservations it holds. Compensation re-checks the key itself
+(``pipelines/reconciliation.py``), and ``Inventory.ship`` refuses released reservations, so a
+resumed run never marks an order fulfilled without moving stock.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from pipelines.jobs.base import (
 from resources.errors import FencedWriteRejected, LeaseLost
 from resources.inventory import Inventory
 from resources.outbox import write_event
+from resources.retry import ErrorClass, classify
 
 logger = logging.getLogger(__name__)
 
@@ -141,7 +146,8 @@ def fulfill_order(ctx: JobContext, p: dict[str, Any]) -> dict[str, Any]:
     except (LeaseLost, FencedWriteRejected):
         raise  # a newer holder owns the order now: it must not be marked by us
     except Exception as exc:
-        _mark_needs_compensation(ctx, order_id, exc)
+        if classify(exc) is ErrorClass.PERMANENT:  # transient: the retry resumes, keep stock
+            _mark_needs_compensation(ctx, order_id, exc)
         raise
 
 
