@@ -343,6 +343,9 @@ class _BaseLock:
         deadline = None if timeout is None else start + max(0.0, float(timeout))
         enqueue = timeout is None or timeout > 0
         while True:
+            # the grant's TTL starts no earlier than this attempt was sent, not the first one:
+            # a waiter queued longer than the TTL would otherwise get a lock already "expired"
+            sent = self.monotonic()
             fence, hint = self._try_acquire(token, enqueue)
             now = self.monotonic()
             if fence is not None:
@@ -363,7 +366,7 @@ class _BaseLock:
             self._lost = None
             self._generation += 1
             self._acquired_at = now
-            self._valid_until = start + self.ttl  # counted from the request: conservative
+            self._valid_until = sent + self.ttl  # counted from the granting request: conservative
             generation = self._generation
         self.observer.record("acquired", self.name)
         self.observer.record("wait_seconds", self.name, now - start)

@@ -5,10 +5,14 @@ The writer (``resources/outbox.py``) puts events in the business transaction. Th
 delivers them:
 
 - :meth:`OutboxPublisher.publish_batch` claims up to ``batch_size`` unpublished rows in one short
-  transaction (``FOR UPDATE SKIP LOCKED`` on Postgres, serialised by a transaction-scoped
-  advisory lock; ``BEGIN IMMEDIATE`` on SQLite), marking them with its owner id and a claim
-  expiry. A row is claimable only if no earlier unpublished row of its aggregate is under someone
-  else's live claim, so one holder at a time publishes an aggregate, in id order.
+  transaction (``FOR UPDATE`` on Postgres, serialised by a transaction-scoped advisory lock;
+  ``BEGIN IMMEDIATE`` on SQLite), marking them with its owner id and a claim expiry. A row is
+  claimable only if no earlier unpublished row of its aggregate is under someone else's live
+  claim, so one holder at a time publishes an aggregate, in id order. Not ``SKIP LOCKED``: an
+  earlier row skipped while another publisher's release or claim extension held it would let a
+  later row of its aggregate be claimed and published first. Claim extensions and releases
+  take the advisory lock too (shared), so no claim reads a snapshot in which one in flight is
+  not yet visible, and a claim only ever waits for single-row marks (no deadlock).
 - It then publishes each row and marks it published (conditional on still owning the claim).
   A publisher killed after publishing and before marking leaves its claim to expire; the next
   publisher delivers the row again: at-least-once. A publish that raises stops that aggregate for
@@ -245,7 +249,9 @@ class OutboxPublisher:
     def claim(self) -> list[OutboxEvent]:
         """Claim up to ``batch_size`` publishable rows, oldest first."""
         now = self.clock()
-        skip = " FOR UPDATE SKIP LOCKED" if self.db.is_postgres else ""
+        # FOR UPDATE waits for a row another publisher is releasing or marking, then re-reads
+        # it; claimers never wait for each other's row locks (the advisory lock comes first)
+        skip = " FOR UPDATE" if self.db.is_postgres else ""
         with self.db.transaction() as conn:
             if self.db.is_postgres:
                 conn.execute(text("SELECT pg_advisory_xact_lock(:id)"), {"id": _CLAIM_LOCK_ID})
@@ -314,17 +320,29 @@ class OutboxPublisher:
         return total
 
     def _still_mine(self, event: OutboxEvent) -> bool:
-        """Extend the claim on the rest of our rows; False if this one was taken over."""
-        with self.db.statement() as conn:
-            return bool(
-                conn.execute(
-                    text(
-                        "UPDATE outbox SET claimed_until = :until"
-                        " WHERE id = :id AND claimed_by = :me AND published_at IS NULL"
-                    ),
-                    {"until": self.clock() + self.claim_seconds, "id": event.id, "me": self.owner},
-                ).rowcount
-            )
+        """Extend the claim on the rest of our rows; False if this one was taken over.
+
+        On Postgres under the claim lock, shared: a claim running at the same time would read
+        this row's claim as expired (its snapshot predates the extension) and take the next
+        row of the aggregate while this one is being published. Extensions do not wait for
+        each other."""
+        if not self.db.is_postgres:  # BEGIN IMMEDIATE already serialises writers on SQLite
+            with self.db.statement() as conn:
+                return self._extend(conn, event)
+        with self.db.transaction() as conn:
+            conn.execute(text("SELECT pg_advisory_xact_lock_shared(:id)"), {"id": _CLAIM_LOCK_ID})
+            return self._extend(conn, event)
+
+    def _extend(self, conn: Connection, event: OutboxEvent) -> bool:
+        return bool(
+            conn.execute(
+                text(
+                    "UPDATE outbox SET claimed_until = :until"
+                    " WHERE id = :id AND claimed_by = :me AND published_at IS NULL"
+                ),
+                {"until": self.clock() + self.claim_seconds, "id": event.id, "me": self.owner},
+            ).rowcount
+        )
 
     def _mark_published(self, event: OutboxEvent) -> bool:
         with self.db.statement() as conn:
@@ -341,6 +359,10 @@ class OutboxPublisher:
 
     def _release(self, aggregates: set[tuple[str, str]]) -> None:
         with self.db.transaction() as conn:
+            if self.db.is_postgres:  # as in _still_mine; also no deadlock with a claim's FOR UPDATE
+                conn.execute(
+                    text("SELECT pg_advisory_xact_lock_shared(:id)"), {"id": _CLAIM_LOCK_ID}
+                )
             for aggregate_type, aggregate_id in aggregates:
                 conn.execute(
                     text(

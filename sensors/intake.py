@@ -186,46 +186,65 @@ _TERMINAL = [
 ]
 
 
+RECONCILE_OVERLAP_SECONDS = 1.0
+"""Each read starts this far before the cursor: re-reading a run is harmless (transitions are
+conditional), and a run whose end committed a little after a newer one is still seen."""
+_PAGE_OVERLAP_SECONDS = 0.001
+
+
 def reconcile_finished_runs(
-    instance: dg.DagsterInstance, store: RequestStore, after: float, *, limit: int = 200
+    instance: dg.DagsterInstance,
+    store: RequestStore,
+    after: float,
+    *,
+    limit: int = 200,
+    max_pages: int = 25,
 ) -> tuple[float, int]:
     """Move requests of intake runs that ended after ``after`` (a timestamp); returns the new
-    cursor timestamp and how many requests moved."""
-    runs = instance.get_runs(
-        filters=dg.RunsFilter(
-            statuses=_TERMINAL,
-            tags={TAG_INTAKE: [str(m) for m in IntakeMode]},
-            # a second of overlap: re-reading a run is harmless (transitions are conditional)
-            updated_after=datetime.fromtimestamp(max(0.0, after - 1.0), tz=UTC),
-        ),
-        limit=limit,
-        ascending=True,
-    )
+    cursor timestamp and how many requests moved.
+
+    Runs are read in update-timestamp order, ``limit`` a page, paging on while pages are full
+    (up to ``max_pages``; the cursor keeps the rest for the next tick). Reading by run id and
+    moving the cursor to the newest end seen would skip runs created earlier that ended later
+    than a page's newest: their requests would never reach completed or failed (invariant 2).
+    """
     moved = 0
     newest = after
-    for run in runs:
-        record_ts = _run_updated_at(instance, run.run_id)
-        newest = max(newest, record_ts)
-        ids = [int(i) for i in run.tags.get(TAG_REQUEST_IDS, "").split(",") if i]
-        run_key = run.tags.get(RUN_KEY_TAG)  # only requests launched under this run's key
-        if run.status == dg.DagsterRunStatus.SUCCESS:
-            if run.tags.get(TAG_INTAKE) == IntakeMode.PER_REQUEST:
-                moved += sum(
-                    store.mark_completed(i, run_id=run.run_id, run_key=run_key) for i in ids
-                )
-        else:
-            error = f"run {run.run_id} ended {run.status.value}"
-            moved += sum(
-                store.mark_failed(i, error, run_id=run.run_id, run_key=run_key) for i in ids
-            )
+    lower = max(0.0, after - RECONCILE_OVERLAP_SECONDS)
+    for _ in range(max_pages):
+        records = instance.get_run_records(
+            filters=dg.RunsFilter(
+                statuses=_TERMINAL,
+                tags={TAG_INTAKE: [str(m) for m in IntakeMode]},
+                updated_after=datetime.fromtimestamp(lower, tz=UTC),
+            ),
+            limit=limit,
+            order_by="update_timestamp",
+            ascending=True,
+        )
+        for record in records:
+            newest = max(newest, _timestamp(record.update_timestamp))
+            moved += _move_requests(store, record.dagster_run)
+        if len(records) < limit:
+            break
+        # A full page: read on from just before its newest end (ties there are read again,
+        # harmlessly); the wide overlap is for the next tick. Always move forward.
+        lower = max(newest - _PAGE_OVERLAP_SECONDS, lower + _PAGE_OVERLAP_SECONDS)
     return newest, moved
 
 
-def _run_updated_at(instance: dg.DagsterInstance, run_id: str) -> float:
-    record = instance.get_run_record_by_id(run_id)
-    if record is None or record.update_timestamp is None:
-        return 0.0
-    stamp = record.update_timestamp
+def _move_requests(store: RequestStore, run: dg.DagsterRun) -> int:
+    ids = [int(i) for i in run.tags.get(TAG_REQUEST_IDS, "").split(",") if i]
+    run_key = run.tags.get(RUN_KEY_TAG)  # only requests launched under this run's key
+    if run.status == dg.DagsterRunStatus.SUCCESS:
+        if run.tags.get(TAG_INTAKE) != IntakeMode.PER_REQUEST:
+            return 0
+        return sum(store.mark_completed(i, run_id=run.run_id, run_key=run_key) for i in ids)
+    error = f"run {run.run_id} ended {run.status.value}"
+    return sum(store.mark_failed(i, error, run_id=run.run_id, run_key=run_key) for i in ids)
+
+
+def _timestamp(stamp: datetime) -> float:
     if stamp.tzinfo is None:
         stamp = stamp.replace(tzinfo=UTC)
     return stamp.timestamp()

@@ -337,6 +337,45 @@ def test_blocking_acquire_honours_its_timeout(backend: str, target: Any, namespa
     waiter.release()
 
 
+def _granted_after_a_wait_longer_than_its_ttl(holder: Any, waiter: Any) -> None:
+    holder.acquire()
+    releaser = threading.Timer(1.5, holder.release)
+    releaser.start()
+    try:
+        waiter.acquire()  # queued ~1.5 s, longer than its 1 s ttl
+        waiter.check()  # its ttl counts from the grant, not from the first attempt
+        assert waiter.fence == holder.fence + 1
+    finally:
+        releaser.join()
+        waiter.release()
+
+
+def test_redis_lock_granted_after_a_long_wait_is_not_lost(
+    redis_client: redis.Redis, namespace: str
+) -> None:
+    """Catches a validity window counted from the first attempt: a waiter queued longer than
+    its TTL got a lock whose check() raised LockLost("ttl ran out") straight away."""
+    name = f"{namespace}:long-wait"
+    holder = RedisLock(redis_client, name, ttl=30, observer=MemoryLockStats())
+    waiter = RedisLock(
+        redis_client,
+        name,
+        ttl=1.0,
+        blocking_timeout=10,
+        auto_renew=False,
+        observer=MemoryLockStats(),
+    )
+    _granted_after_a_wait_longer_than_its_ttl(holder, waiter)
+
+
+def test_db_lock_granted_after_a_long_wait_is_not_lost(db: Database, namespace: str) -> None:
+    """Same as above for the lease row, on SQLite and Postgres."""
+    name = f"{namespace}:long-wait"
+    holder = DbLock(db, name, ttl=30)
+    waiter = DbLock(db, name, ttl=1.0, blocking_timeout=10, auto_renew=False)
+    _granted_after_a_wait_longer_than_its_ttl(holder, waiter)
+
+
 def test_redis_waiter_is_woken_by_release_not_by_polling(
     redis_client: redis.Redis, namespace: str
 ) -> None:

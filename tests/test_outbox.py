@@ -19,6 +19,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+import pytest
 from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
@@ -297,3 +298,69 @@ def test_order_fulfilled_invalidates_the_report_cache_once_through_the_inbox(
     assert target.dropped == 1
     assert cache.get_or_load("report:order:o-9", lambda: {"v": 99}, ttl=300) == {"v": 2}
     cache.close()
+
+
+def test_a_claim_never_takes_the_next_event_while_an_extension_of_the_earlier_is_in_flight(
+    db: Database,
+) -> None:
+    """Catches the Postgres ordering race: A's claim on e1, e2 has expired and A extends e1
+    (``_still_mine``) to publish it; a claim by B at that moment read e1 as expired (its
+    snapshot predates the extension; SKIP LOCKED skipped e1's row) and took e2, so B could
+    publish e2 before A published e1. The test holds A's extension in flight with a row lock of
+    its own on e1, then lets B claim and A finish: B must not hold e2 while A holds e1."""
+    if not db.is_postgres:
+        pytest.skip("the race needs concurrent claimers (SQLite serialises every writer)")
+    make_tables(db)
+    with db.transaction() as conn:  # one aggregate: e1, e2
+        for i in range(2):
+            write_event(
+                conn,
+                aggregate_type="order",
+                aggregate_id="o-race",
+                event_type="order.step",
+                payload={"i": i},
+                event_id=f"race-{i}",
+            )
+    now = time.time()
+    a = OutboxPublisher(db, RecordingPublisher(db), claim_seconds=30, clock=lambda: now - 60)
+    b = OutboxPublisher(db, RecordingPublisher(db), claim_seconds=30, clock=lambda: now)
+    e1, e2 = a.claim()  # claimed at now-60: expired by now
+    results: dict[str, Any] = {}
+    a.clock = lambda: now  # A extends e1 at now
+    with db.engine.connect() as hold:
+        hold_tx = hold.begin()
+        hold.execute(text("SELECT id FROM outbox WHERE id = :id FOR UPDATE"), {"id": e1.id})
+        me = int(hold.execute(text("SELECT pg_backend_pid()")).scalar_one())
+        a_thread = threading.Thread(target=lambda: results.update(a=a._still_mine(e1)))
+        a_thread.start()
+        a_pid = _wait_for_blocked_by(db, me)  # A's extension is in flight, waiting on e1
+        b_thread = threading.Thread(target=lambda: results.update(b=b.claim()))
+        b_thread.start()
+        deadline = time.monotonic() + 10
+        while b_thread.is_alive() and not _blocked_by(db, a_pid):  # B claimed, or waits for A
+            assert time.monotonic() < deadline, "B neither claimed nor waited"
+            time.sleep(0.01)
+        hold_tx.commit()
+    a_thread.join(10)
+    b_thread.join(10)
+    assert results["a"] is True  # A still owns e1 and goes on to publish it
+    assert e2.id not in [e.id for e in results["b"]], "B took e2 while A publishes e1"
+
+
+def _blocked_by(db: Database, pid: int) -> list[int]:
+    with db.statement() as conn:
+        return [
+            int(r[0])
+            for r in conn.execute(
+                text("SELECT pid FROM pg_stat_activity WHERE :p = ANY(pg_blocking_pids(pid))"),
+                {"p": pid},
+            )
+        ]
+
+
+def _wait_for_blocked_by(db: Database, pid: int) -> int:
+    deadline = time.monotonic() + 10
+    while not (blocked := _blocked_by(db, pid)):
+        assert time.monotonic() < deadline, "nothing waited"
+        time.sleep(0.01)
+    return blocked[0]

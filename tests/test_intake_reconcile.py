@@ -1,0 +1,61 @@
+"""The intake's reconcile step against a real Dagster instance and the real app database."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import dagster as dg
+import pytest
+
+from pipelines.jobs import send_email_job
+from resources.db import Database
+from resources.requests import RequestStatus, RequestStore
+from sensors.intake import IntakePolicy, reconcile_finished_runs, run_requests_for
+
+pytestmark = pytest.mark.dagster
+
+
+@pytest.fixture
+def instance() -> Iterator[dg.DagsterInstance]:
+    with dg.DagsterInstance.ephemeral() as inst:
+        yield inst
+
+
+def test_runs_ending_out_of_creation_order_beyond_one_page_all_move_their_requests(
+    db: Database, instance: dg.DagsterInstance
+) -> None:
+    """Catches a reconcile that reads ended runs by run id, a page at a time, but moves its
+    cursor to the newest end seen: when more runs ended between ticks than a page holds, a
+    run created later that ended earlier was never read, and its request (CANCELED: the only
+    way to failed and the DLQ) stayed launched forever."""
+    store = RequestStore(db)
+    for i in range(5):
+        payload = {
+            "template": "welcome",
+            "user_id": f"r{i}",
+            "date": "2026-11-29",
+            "to": f"r{i}@x.test",
+        }
+        store.enqueue("send_email", f"email:welcome:r{i}:2026-11-29", payload, queue="light")
+    claimed = store.claim_for_launch(10, relaunch_after=120)
+    run_requests, run_keys = run_requests_for(claimed, IntakePolicy())
+    store.set_run_keys(run_keys)
+    cursor, _ = reconcile_finished_runs(instance, store, 0.0, limit=2)  # a tick before the ends
+
+    runs = [
+        instance.create_run_for_job(
+            send_email_job,
+            run_config=rr.run_config,
+            tags={**rr.tags, "dagster/run_key": rr.run_key or ""},
+        )
+        for rr in run_requests
+    ]
+    for run in reversed(runs):  # the highest run id ends first
+        instance.report_run_canceled(run)
+        time.sleep(0.01)
+
+    _, moved = reconcile_finished_runs(instance, store, cursor, limit=2)
+    assert moved == 5
+    statuses = {r.id: store.get(r.id).status for r in claimed}  # type: ignore[union-attr]
+    assert set(statuses.values()) == {RequestStatus.FAILED}, statuses
