@@ -250,6 +250,39 @@ def _timestamp(stamp: datetime) -> float:
     return stamp.timestamp()
 
 
+_IN_FLIGHT = [
+    dg.DagsterRunStatus.QUEUED,
+    dg.DagsterRunStatus.NOT_STARTED,
+    dg.DagsterRunStatus.STARTING,
+    dg.DagsterRunStatus.STARTED,
+]
+
+
+def without_runs_in_flight(
+    instance: dg.DagsterInstance, claimed: Sequence[JobRequest]
+) -> list[JobRequest]:
+    """Drop re-claimed requests whose earlier run is still queued or running.
+
+    A request stays ``launched`` until its op starts; when the run queue is backed up past
+    ``relaunch_after`` it is claimed again. Re-emitting it would put it in a new batch (a new run
+    key, a second run) every time, feeding the backlog with runs that can only find the key in
+    progress. It stays ``launched`` and is looked at again after the next ``relaunch_after``.
+    """
+    in_flight: dict[str, bool] = {}
+    kept = []
+    for request in claimed:
+        key = request.run_key
+        if key is not None and key not in in_flight:
+            in_flight[key] = bool(
+                instance.get_run_records(
+                    dg.RunsFilter(tags={RUN_KEY_TAG: key}, statuses=_IN_FLIGHT), limit=1
+                )
+            )
+        if key is None or not in_flight[key]:
+            kept.append(request)
+    return kept
+
+
 def evaluate_intake(
     context: dg.SensorEvaluationContext, store: RequestStore, policy: IntakePolicy
 ) -> dg.SensorResult:
@@ -261,6 +294,7 @@ def evaluate_intake(
     claimed = store.claim_for_launch(
         policy.max_requests_per_tick, relaunch_after=policy.relaunch_after_seconds
     )
+    claimed = without_runs_in_flight(context.instance, claimed)
     run_requests, run_keys = run_requests_for(claimed, policy)
     store.set_run_keys(run_keys)
     new_cursor = json.dumps({"runs_after": runs_after})

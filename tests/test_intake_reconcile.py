@@ -59,3 +59,38 @@ def test_runs_ending_out_of_creation_order_beyond_one_page_all_move_their_reques
     assert moved == 5
     statuses = {r.id: store.get(r.id).status for r in claimed}  # type: ignore[union-attr]
     assert set(statuses.values()) == {RequestStatus.FAILED}, statuses
+
+
+def test_a_relaunch_skips_requests_whose_batch_run_has_not_ended(
+    db: Database, instance: dg.DagsterInstance
+) -> None:
+    """Catches a backed-up queue feeding itself: requests of a batch run still QUEUED past
+    relaunch_after were claimed again, re-chunked under a new batch run key and launched a
+    second time."""
+    from sensors.intake import IntakeMode, without_runs_in_flight
+
+    now = [1000.0]
+    store = RequestStore(db, clock=lambda: now[0])
+    for i in range(3):
+        store.enqueue("send_email", f"email:w:q{i}:2026-11-29", {"i": i}, queue="light")
+    policy = IntakePolicy(modes={"send_email": IntakeMode.MICRO_BATCH})
+    claimed = store.claim_for_launch(10, relaunch_after=120)
+    (batch,), run_keys = run_requests_for(claimed, policy)
+    store.set_run_keys(run_keys)
+    from pipelines.batch import BATCH_JOBS
+
+    micro_batch_job = next(j for j in BATCH_JOBS if j.name == batch.job_name)
+    run = instance.create_run_for_job(
+        micro_batch_job, run_config=batch.run_config,
+        tags={"dagster/run_key": batch.run_key or ""},  # NOT_STARTED: not launched yet
+    )
+
+    now[0] += 121  # the run waits past relaunch_after
+    store.enqueue("send_email", "email:w:q3:2026-11-29", {"i": 3}, queue="light")
+    again = without_runs_in_flight(instance, store.claim_for_launch(10, relaunch_after=120))
+    assert [r.key for r in again] == ["email:w:q3:2026-11-29"]
+
+    instance.report_run_canceled(run)  # once the run has ended, its requests may go again
+    now[0] += 121
+    relaunched = without_runs_in_flight(instance, store.claim_for_launch(10, relaunch_after=120))
+    assert sorted(r.key for r in relaunched) == [f"email:w:q{i}:2026-11-29" for i in range(4)]
