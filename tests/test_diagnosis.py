@@ -41,7 +41,7 @@ from resources.migrations import upgrade
 from resources.payments import HttpPaymentGateway
 from resources.retry import retry_delay
 from sandbox.gateway import GatewayServer
-from tests.test_metrics_support import FakeClock, World
+from tests.metrics_support import FakeClock, World
 
 ROOT = Path(__file__).resolve().parents[1]
 

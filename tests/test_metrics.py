@@ -26,7 +26,7 @@ from resources.errors import LockNotAcquired, TransientJobError
 from resources.locks import RedisLockStats, lock_stats
 from resources.metrics import MetricsCollector, MetricsSnapshot, percentile, to_prometheus
 from resources.migrations import upgrade
-from tests.test_metrics_support import FakeClock, World, record_attempts_worker
+from tests.metrics_support import FakeClock, World, record_attempts_worker
 
 ROOT = Path(__file__).resolve().parents[1]
 
