@@ -12,12 +12,11 @@ measured in the same run. Draws ``benchmarks/results/chaos_duplicates.png``.
 
 from __future__ import annotations
 
-import argparse
-import json
 import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.suite import module_main
 from sandbox.chaos import DEFAULT_FAULTS, ChaosConfig, ChaosReport, run_chaos
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -135,15 +134,7 @@ def _plot(per_fault: list[dict[str, Any]]) -> Path | None:
     return path
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--json", action="store_true", help="print the raw result as JSON")
-    args = parser.parse_args()
-    result = run(quick=args.quick)
-    if args.json:
-        print(json.dumps(result, indent=2, default=str))
-        return
+def render(result: dict[str, Any]) -> None:
     c = result["config"]
     print(f"chaos naive vs guarded: {c['requests']} requests x {c['redelivery']}, "
           f"{c['workers']} workers x {c['threads']} threads, faults {','.join(c['faults'])}, "
@@ -165,6 +156,11 @@ def main() -> None:
               f"kills {r['stats'].get('kills', 0)}, stops {r['stats'].get('stops', 0)}, "
               f"{r['violations']} violations")
     print(f"plot: {result['plot']}   ({result['elapsed_s']}s)")
+
+
+
+def main() -> None:
+    module_main(__doc__, run, render)
 
 
 if __name__ == "__main__":

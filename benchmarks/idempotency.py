@@ -17,7 +17,6 @@ Run: ``python -m benchmarks.idempotency [--quick]``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -30,6 +29,7 @@ from typing import Any
 
 from sqlalchemy import create_engine, event, text
 
+from benchmarks.suite import module_main
 from resources.db import Database
 from resources.idempotency import Claim, IdempotencyStore
 from resources.migrations import upgrade
@@ -273,15 +273,7 @@ def run(quick: bool = False) -> dict[str, Any]:
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--json", action="store_true", help="print the raw results as JSON")
-    args = parser.parse_args()
-    result = run(quick=args.quick)
-    if args.json:
-        print(json.dumps(result, indent=2))
-        return
+def render(result: dict[str, Any]) -> None:
     print(
         f"{'backend':<11}{'thr':>4}{'store pairs/s':>15}{'floor pairs/s':>15}{'ratio':>7}"
         f"{'store replay/s':>16}{'floor select/s':>16}{'ratio':>7}"
@@ -305,6 +297,11 @@ def main() -> None:
         f"\ntarget: begin+complete >= {TARGET_RATIO} of the floor on Postgres; replay in one "
         "statement"
     )
+
+
+
+def main() -> None:
+    module_main(__doc__, run, render)
 
 
 if __name__ == "__main__":

@@ -20,8 +20,6 @@ mode look worse.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import tempfile
 import time
@@ -32,6 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import create_engine, text
+
+from benchmarks.suite import module_main
 
 PG_URL = os.environ.get(
     "SEKALI_BENCH_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/sekali_test"
@@ -214,15 +214,7 @@ def run(quick: bool = False) -> dict[str, Any]:
     return results
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--json", action="store_true", help="print the raw results")
-    args = parser.parse_args()
-    results = run(quick=args.quick)
-    if args.json:
-        print(json.dumps(results, indent=2))
-        return
+def render(results: dict[str, Any]) -> None:
     print(f"intake throughput, enqueue -> completed (send_email; batch size {BATCH_SIZE})")
     print(f"{'backend':<10}{'mode':<14}{'n':>6}{'jobs/s':>10}{'x floor':>10}")
     for name, data in results["backends"].items():
@@ -231,6 +223,11 @@ def main() -> None:
             print(f"{name:<10}{mode:<14}{results['sizes'][mode]:>6}{rate:>10.1f}{ratio:>10.3f}")
     verdict = "meets" if results["micro_batch_meets_target"] else "MISSES"
     print(f"micro-batch {verdict} the target of 0.5 x floor on every backend")
+
+
+
+def main() -> None:
+    module_main(__doc__, run, render)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ Run: ``python -m benchmarks.observability [--quick]``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -25,6 +24,7 @@ from typing import Any
 
 from sqlalchemy import create_engine, text
 
+from benchmarks.suite import module_main
 from resources.attempts import job_attempts
 from resources.db import Database
 from resources.diagnosis import DiagnosisSetup, diagnose
@@ -137,15 +137,7 @@ def run(quick: bool = False) -> dict[str, Any]:
     return results
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args()
-    result = run(quick=args.quick)
-    if args.json:
-        print(json.dumps(result, indent=2))
-        return
+def render(result: dict[str, Any]) -> None:
     print(f"{'backend':<10} {'rows':>7} {'bare read':>10} {'snapshot':>10} {'ratio':>6} "
           f"{'doctor':>10} {'ratio':>6}")
     for name, r in result["backends"].items():
@@ -155,6 +147,11 @@ def main() -> None:
         print(f"{name:<10} {r['rows']:>7} {r['floor_ms']:>8.1f}ms {r['collect_ms']:>8.1f}ms "
               f"{r['collect_ratio']:>5.2f}x {r['doctor_ms']:>8.1f}ms {r['doctor_ratio']:>5.2f}x")
     print(f"target: snapshot <= {TARGET_RATIO}x the bare read of the same rows")
+
+
+
+def main() -> None:
+    module_main(__doc__, run, render)
 
 
 if __name__ == "__main__":

@@ -13,8 +13,6 @@ Run: ``python -m benchmarks.outbox [--quick]``.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import tempfile
 import threading
@@ -24,6 +22,7 @@ from typing import Any
 
 from sqlalchemy import create_engine, text
 
+from benchmarks.suite import module_main
 from resources.db import Database
 from resources.migrations import upgrade
 from resources.outbox import write_event
@@ -175,15 +174,7 @@ def run(quick: bool = False) -> dict[str, Any]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args(argv)
-    result = run(quick=args.quick)
-    if args.json:
-        print(json.dumps(result, indent=2))
-        return 0
+def render(result: dict[str, Any]) -> None:
     print(
         f"{'backend':<10} {'events':>6} {'naive/s':>9} {'guarded x1/s':>13} {'ratio':>6} "
         f"{'guarded x4/s':>13} {'ratio':>6}"
@@ -198,8 +189,11 @@ def main(argv: list[str] | None = None) -> int:
             f"{res['ratio_guarded_1']:>6} {eps['guarded_4']:>13} {res['ratio_guarded_4']:>6}"
         )
     print(f"target: guarded x1 >= {TARGET_RATIO} of the naive relay")
-    return 0
+
+
+def main() -> None:
+    module_main(__doc__, run, render)
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    main()

@@ -23,10 +23,8 @@ Run: ``.venv/bin/python -m benchmarks.retry_storm [--quick]``. Writes
 
 from __future__ import annotations
 
-import argparse
 import bisect
 import heapq
-import json
 import random
 import statistics
 import time
@@ -34,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks.suite import module_main
 from resources.retry import RetryPolicy
 
 RESULTS = Path(__file__).parent / "results"
@@ -227,15 +226,7 @@ def _plot(arrivals: dict[str, list[float]], scenario: Scenario) -> Path | None:
     return path
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--json", action="store_true", help="print the raw result as JSON")
-    args = parser.parse_args()
-    result = run(quick=args.quick)
-    if args.json:
-        print(json.dumps(result, indent=2))
-        return
+def render(result: dict[str, Any]) -> None:
     s = result["scenario"]
     print(f"retry storm: {s['jobs']} jobs, {s['outage']:.0f}s outage, capacity "
           f"{s['capacity']}/s after, base {s['base']}s cap {s['cap']}s, max_attempts "
@@ -256,6 +247,11 @@ def main() -> None:
     print("peak/1s: retries in any 1 s window; peak>rec: calls in any 1 s window after the "
           "outage (capacity " f"{s['capacity']}/s); refused: calls refused for overload after it")
     print(f"plot: {result['plot']}   ({result['elapsed_s']}s)")
+
+
+
+def main() -> None:
+    module_main(__doc__, run, render)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ Run: ``.venv/bin/python -m benchmarks.stampede [--quick]`` (REDIS_URL, default 1
 
 from __future__ import annotations
 
-import argparse
 import json
 import multiprocessing
 import os
@@ -26,6 +25,7 @@ from typing import Any
 
 import redis
 
+from benchmarks.suite import module_main
 from resources.cache_core import StampedeCache
 
 LOADER_SECONDS = 0.2
@@ -365,15 +365,7 @@ def summary(
     return rows
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--json", action="store_true", help="print the raw results as JSON")
-    args = parser.parse_args()
-    results = run(quick=args.quick)
-    if args.json:
-        print(json.dumps(results, indent=2))
-        return
+def render(results: dict[str, Any]) -> None:
     print(
         f"(1)/(2) {PROCESSES} processes x {THREADS} threads, {LOADER_SECONDS * 1000:.0f} ms loader"
     )
@@ -398,6 +390,11 @@ def main() -> None:
     print("\nratios / targets")
     for name, value in results["ratios"].items():
         print(f"  {name:36} {value:8.2f}")
+
+
+
+def main() -> None:
+    module_main(__doc__, run, render)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import platform
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +76,25 @@ def render_table(rows: list[dict[str, Any]]) -> str:
     lines.append("-|-".join("-" * w for w in widths))
     lines += [" | ".join(c.ljust(w) for c, w in zip(cell, widths, strict=True)) for cell in cells]
     return "\n".join(lines)
+
+
+def module_main(
+    doc: str | None,
+    run: Callable[..., dict[str, Any]],
+    render: Callable[[dict[str, Any]], None],
+    argv: list[str] | None = None,
+) -> int:
+    """The ``python -m benchmarks.NAME [--quick] [--json]`` entry point every suite shares."""
+    parser = argparse.ArgumentParser(description=(doc or "").strip().splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes")
+    parser.add_argument("--json", action="store_true", help="print the raw results as JSON")
+    args = parser.parse_args(argv)
+    result = run(quick=args.quick)
+    if args.json:
+        print(json.dumps(result, indent=2, default=str))
+    else:
+        render(result)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
