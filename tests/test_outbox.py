@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
 from resources.db import Database
+from resources.migrations import upgrade
 from resources.outbox import write_event
 from resources.outbox_publisher import (
     Consumer,
@@ -300,16 +302,27 @@ def test_order_fulfilled_invalidates_the_report_cache_once_through_the_inbox(
     cache.close()
 
 
+@pytest.fixture
+def pg_db(postgres_url: str) -> Iterator[Database]:
+    database = Database.from_url(postgres_url)
+    upgrade(database)
+    try:
+        yield database
+    finally:
+        database.dispose()
+
+
+@pytest.mark.postgres
 def test_a_claim_never_takes_the_next_event_while_an_extension_of_the_earlier_is_in_flight(
-    db: Database,
+    pg_db: Database,
 ) -> None:
     """Catches the Postgres ordering race: A's claim on e1, e2 has expired and A extends e1
     (``_still_mine``) to publish it; a claim by B at that moment read e1 as expired (its
     snapshot predates the extension; SKIP LOCKED skipped e1's row) and took e2, so B could
     publish e2 before A published e1. The test holds A's extension in flight with a row lock of
     its own on e1, then lets B claim and A finish: B must not hold e2 while A holds e1."""
-    if not db.is_postgres:
-        pytest.skip("the race needs concurrent claimers (SQLite serialises every writer)")
+    # Postgres only: on SQLite every writer is serialised, so the race cannot happen there.
+    db = pg_db
     make_tables(db)
     with db.transaction() as conn:  # one aggregate: e1, e2
         for i in range(2):
