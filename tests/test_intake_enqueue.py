@@ -40,6 +40,7 @@ def test_same_key_other_payload_is_a_conflict_naming_the_key(db: Database) -> No
     ("job_type", "payload", "field"),
     [
         ("send_email", {**EMAIL, "date": "yesterday"}, "date"),
+        ("send_email", {**EMAIL, "date": "2026-13-45"}, "date"),  # well-formed, no such day
         ("send_email", "{not json", "payload"),
         ("charge_payment", {"order_id": "o-1", "currency": "EUR"}, "amount_cents"),
         ("no_such_job", {}, "job_type"),

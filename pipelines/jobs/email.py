@@ -10,6 +10,7 @@ States (recorded per attempt, status before/after): ``not_sent -> sent``.
 
 from __future__ import annotations
 
+import datetime
 import re
 import string
 from typing import Any
@@ -31,6 +32,15 @@ _DATE = re.compile(r"^\d{4}-\d{2}-\d{2}$")
 _EMAIL = re.compile(r"^[^@\s]+@[^@\s]+\.[^@\s]+$")
 
 
+def _is_calendar_date(text: str) -> bool:
+    """The key names a day: a date that does not exist would name an intent that cannot be."""
+    try:
+        datetime.date.fromisoformat(text)
+    except ValueError:
+        return False
+    return True
+
+
 def validate(payload: dict[str, Any]) -> dict[str, Any]:
     reject_unknown(payload, {"template", "user_id", "date", "to", "context"})
     template = require_str(payload, "template")
@@ -38,8 +48,8 @@ def validate(payload: dict[str, Any]) -> dict[str, Any]:
         known = ", ".join(sorted(TEMPLATES))
         raise ValidationError("template", f"unknown (known: {known})", template)
     date = require_str(payload, "date")
-    if not _DATE.match(date):
-        raise ValidationError("date", "an ISO date YYYY-MM-DD", date)
+    if not _DATE.match(date) or not _is_calendar_date(date):
+        raise ValidationError("date", "an ISO date YYYY-MM-DD that exists", date)
     to = payload.get("to")
     if not isinstance(to, str) or not _EMAIL.match(to):
         raise ValidationError("to", "an e-mail address", to)
