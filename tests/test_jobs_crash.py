@@ -219,3 +219,48 @@ def test_stalled_worker_resumed_after_takeover_cannot_write(
         row = conn.execute(text("SELECT payment_status, payment_fence FROM orders")).one()
     assert (row.payment_status, row.payment_fence) == ("paid", 2)
     db.dispose()
+
+
+def test_mail_worker_resumed_after_takeover_does_not_send(
+    sqlite_url: str, redis_url: str, namespace: str, redis_client: Any, tmp_path: Path,
+) -> None:
+    """Regression caught (invariant 3): no fence guards an SMTP send, and the background
+    heartbeat of a worker just resumed from a pause has not yet seen that its key was taken
+    over. The job confirms its lease in the store right before sending, so the frozen worker
+    records lease_lost and sends nothing; the new owner's mail is the only one."""
+    from resources.mail import message_id_for
+    from resources.migrations import upgrade
+    from sandbox.mailsink import MailSink
+
+    db = Database.from_url(sqlite_url)
+    upgrade(db)
+    sink = MailSink(f"sqlite:///{tmp_path / 'sink.db'}").start()
+    spec = {"db_url": sqlite_url, "redis_url": redis_url, "namespace": namespace,
+            "smtp_port": sink.port, "lease_seconds": LEASE}
+    payload = {"template": "welcome", "user_id": "u-s", "date": "2026-11-29", "to": "s@x.test"}
+    key = "email:welcome:u-s:2026-11-29"
+    body = {"job": "send_email", "resources": spec,
+            "run_config": {"ops": {"send_email_op": {"config": {"payload": payload}}}}}
+    proc = subprocess.Popen(
+        [sys.executable, str(WORKER), json.dumps(body)],
+        env={**os.environ, "SEKALI_STOP_AT": "before_send"},
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while _state(proc.pid) != "T":
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        wait_for_lease_expiry(db, key)
+        assert rerun(jobs.send_email_job, payload, spec).success
+        proc.send_signal(signal.SIGCONT)
+        proc.wait(timeout=120)
+        assert [m["message_id"] for m in sink.messages()] == [message_id_for(key)]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        sink.stop()
+    outcomes = {(r["fence"], r["outcome"]) for r in AttemptRecorder(db).for_key(key)}
+    assert (1, "lease_lost") in outcomes and (2, "completed") in outcomes
+    db.dispose()

@@ -97,6 +97,17 @@ class JobContext:
         if self.keeper is not None:
             self.keeper.check()
 
+    def confirm_lease(self) -> None:
+        """Heartbeat now, in this thread: raises :class:`LeaseLost` if the key was taken over.
+
+        For a side effect no fenced write guards (an SMTP send). :meth:`check_lease` only reads
+        what the background heartbeat last saw, which a worker just resumed from a pause has not
+        refreshed yet; this asks the store. A pause between this call and the effect is still
+        possible: the effect's own idempotent identity (the Message-ID) closes that last window.
+        """
+        self.check_lease()
+        self.services.store.heartbeat(self.claim)
+
     @contextlib.contextmanager
     def timed(self, name: str) -> Iterator[None]:
         started = time.perf_counter()

@@ -85,6 +85,8 @@ def send_email(ctx: JobContext, p: dict[str, Any]) -> dict[str, Any]:
     subject, body = render(p)
     message_id = message_id_for(ctx.key)
     ctx.attempt.status_before = "not_sent"
+    ctx.crash_point("before_send")
+    ctx.confirm_lease()
     with ctx.timed("smtp"):
         mailer.send(
             to=p["to"], subject=subject, body=body, message_id=message_id,
