@@ -396,7 +396,10 @@ class StampedeCache:
         waited_on: bytes | None = None
         while True:
             token = uuid.uuid4().hex
-            reply = self._fetch_once(layout, token, factor, force=force, waited_on=waited_on)
+            # A forced refresh that had to wait took another caller's rebuild as its own:
+            # forcing again would load a second time for one expiry.
+            forced = force and wait_started is None
+            reply = self._fetch_once(layout, token, factor, force=forced, waited_on=waited_on)
             state = reply[0].decode()
             if state == "fresh":
                 if wait_started is not None:
@@ -537,6 +540,12 @@ class StampedeCache:
                 token = uuid.uuid4().hex
                 reply = self._fetch_once(layout, token, factor, now=now)
                 state = reply[0].decode()
+                if reply[2] == 1 and state not in ("stale", "early"):
+                    # The value vanished (invalidated, or hard-expired while this job queued) and
+                    # the script gave us the rebuild lock: load now, or every reader would wait
+                    # on a lock nobody releases until it expires.
+                    self._load(key, layout, loader, token, reply[3].decode(), opts, hold=0.0)
+                    return
                 if state not in ("stale", "early") or reply[2] != 1:
                     return  # fresh again, or another caller holds the lock
                 if state == "early":

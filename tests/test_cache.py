@@ -485,3 +485,65 @@ def _swallow(fn: Any) -> Any:
         return fn()
     except Exception as exc:  # noqa: BLE001
         return exc
+
+
+# -- regressions from review ---------------------------------------------------------------------
+
+
+def test_a_queued_refresh_that_finds_the_value_gone_loads_instead_of_holding_the_lock(
+    caches: Any,
+) -> None:
+    """Catches a background refresh that, finding the envelope invalidated (or hard-expired)
+    while it waited in the pool, took the rebuild lock and returned without loading: every
+    reader in every process then waited on a lock nobody released until it expired."""
+    clock = FakeClock()
+    cache = caches(clock=clock, lock_ttl=30, refresh_workers=1)
+    cache.get_or_load("rep:1", lambda: "v1", ttl=10, stale_ttl=3600, jitter=0)
+    clock.advance(20)  # soft-expired, within the stale window
+    gate = threading.Event()
+    cache._pool.submit(gate.wait, 10)  # the one refresh worker is busy: the job queues
+    calls = Counter()
+
+    def loader() -> str:
+        calls.hit()
+        return "v2"
+
+    assert cache.get_or_load("rep:1", loader, ttl=10, stale_ttl=3600) == "v1"
+    cache.invalidate("rep:1")  # a commit invalidates K before the queued refresh runs
+    gate.set()
+    cache.wait_for_refreshes(10)
+    other = caches(clock=clock, wait_timeout=3)  # another process: must not wait on the lock
+    assert other.get_or_load("rep:1", loader, ttl=10) == "v2"
+    assert calls.n == 1
+
+
+def test_refresh_that_waited_on_a_readers_rebuild_does_not_load_again(caches: Any) -> None:
+    """Catches ``refresh`` staying forced after waiting: the warming schedule and a reader
+    missing at the same moment made two loader calls for one expiry."""
+    reader, warmer = caches(), caches()  # two instances: no shared in-process flight
+    started, release = threading.Event(), threading.Event()
+    calls = Counter()
+
+    def slow() -> dict[str, int]:
+        calls.hit()
+        started.set()
+        release.wait(10)
+        return {"v": 1}
+
+    def second() -> dict[str, int]:
+        calls.hit()
+        return {"v": 2}
+
+    got: list[Any] = []
+    refreshed: list[Any] = []
+    t1 = threading.Thread(target=lambda: got.append(reader.get_or_load("rep:2", slow, ttl=60)))
+    t1.start()
+    assert started.wait(10)
+    t2 = threading.Thread(target=lambda: refreshed.append(warmer.refresh("rep:2", second, ttl=60)))
+    t2.start()
+    time.sleep(0.3)  # the warmer is now waiting on the reader's rebuild lock
+    release.set()
+    t1.join(15)
+    t2.join(15)
+    assert calls.n == 1
+    assert got == [{"v": 1}] and refreshed == [{"v": 1}]
