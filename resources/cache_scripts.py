@@ -144,8 +144,15 @@ return 1
 )
 FAIL_KEYS = ("lock", "waiters", "signal", "err", "neg")
 
+# A version key that expired would restart at 1 and match a rebuild that read the old "1":
+# a fresh key is seeded from the server clock (microseconds) instead, so versions never repeat.
 INVALIDATE = """
 local v = redis.call('INCR', KEYS[2])
+if v == 1 then
+  local t = redis.call('TIME')
+  v = tonumber(t[1]) * 1000000 + tonumber(t[2])
+  redis.call('SET', KEYS[2], string.format('%.0f', v))
+end
 redis.call('PEXPIRE', KEYS[2], ARGV[1])
 redis.call('DEL', KEYS[1], KEYS[3], KEYS[4])
 return v

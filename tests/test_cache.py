@@ -547,3 +547,16 @@ def test_refresh_that_waited_on_a_readers_rebuild_does_not_load_again(caches: An
     t2.join(15)
     assert calls.n == 1
     assert got == [{"v": 1}] and refreshed == [{"v": 1}]
+
+
+def test_invalidation_versions_never_repeat_after_the_version_key_expires(
+    caches: Any, redis_client: redis.Redis
+) -> None:
+    """Catches INCR restarting at 1 once the version key expired: a rebuild that had read the
+    earlier "1" would pass the version check and store its older value over the invalidation."""
+    cache = caches()
+    first = cache.invalidate("rep:3")
+    redis_client.delete(KeyLayout.of(cache.namespace, "rep:3").ver)  # as if it expired
+    second = cache.invalidate("rep:3")
+    assert second != first and second > 1
+    assert cache.invalidate("rep:3") == second + 1  # and it still counts up from there
