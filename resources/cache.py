@@ -15,8 +15,8 @@ from pydantic import PrivateAttr
 
 from resources.cache_core import NO_VALUE, Envelope, SingleFlight, StampedeCache
 from resources.cache_stats import FIELDS as STAT_FIELDS
-from resources.cache_stats import key_pattern
 from resources.errors import CacheLoaderFailed, CacheLoadTimeout
+from resources.patterns import key_pattern
 
 __all__ = [
     "NO_VALUE",

@@ -22,6 +22,7 @@ from collections.abc import Callable
 import redis
 
 from resources.cache_scripts import DECAY, namespace_keys
+from resources.patterns import key_pattern
 
 log = logging.getLogger(__name__)
 
@@ -35,12 +36,6 @@ FIELDS = (
     "early_refreshes",
     "errors",
 )
-
-
-def key_pattern(key: str) -> str:
-    """``user:42`` -> ``user:*``; a key without ``:`` is its own pattern."""
-    head, sep, _ = key.rpartition(":")
-    return f"{head}:*" if sep else key
 
 
 class CacheRecorder:

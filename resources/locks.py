@@ -57,6 +57,7 @@ from sqlalchemy.engine import Connection, Engine
 from resources.db import Database, metadata, shared_database
 from resources.errors import LockLost, LockNotAcquired, SekaliError
 from resources.fencing import FenceStatus, fence_registry, fence_status, fenced_write
+from resources.patterns import key_pattern
 
 __all__ = [
     "DbLock",
@@ -104,8 +105,7 @@ class LockObserver(Protocol):
 
 def name_pattern(name: str) -> str:
     """Aggregate per-entity lock names: ``order:123`` -> ``order:*``; ``nightly`` stays."""
-    head, sep, _ = name.rpartition(":")
-    return f"{head}:*" if sep else name
+    return key_pattern(name)
 
 
 class NullLockObserver:
