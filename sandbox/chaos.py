@@ -134,6 +134,7 @@ class Request:
     payload: dict[str, Any]
     poison: bool = False
     faults: set[str] = field(default_factory=set)
+    struck: Counter[str] = field(default_factory=Counter)  # kill:/stop: point -> times
     deliveries: int = 0  # dispatches, redeliveries included
 
 
@@ -430,6 +431,8 @@ class Coordinator:
         self.redis_at = sorted(int(total * (i + 1) / (n_redis + 1)) for i in range(n_redis))
         n_pg = cfg.pg_restarts if "pg-restart" in cfg.faults else 0
         self.pg_at = sorted(int(total * (i + 1) / (n_pg + 1.5)) for i in range(n_pg))
+        self.scheduled = {"kills": len(self.kill_at), "stops": n_stops,
+                          "redis-restart": n_redis, "pg-restart": n_pg}
         self.pending_kills: list[str] = []
         self.armed: dict[str, tuple[str, str]] = {}  # tok -> (crash | stop, point)
         self.stopped_toks: set[str] = set()
@@ -560,6 +563,7 @@ class Coordinator:
             self.stopped_toks.add(tok)
             self.armed.pop(tok, None)
             self.requests[d.request].faults.add(f"stop:{msg.get('point')}")
+            self.requests[d.request].struck[f"stop:{msg.get('point')}"] += 1
             w.state = "stopped"
             w.stopped_delivery = d.id
             w.stopped_fence = self._key_state(d.request)[0]
@@ -660,6 +664,7 @@ class Coordinator:
         for t in killed:
             point = self.armed.pop(t)[1]
             self.requests[self.by_tok[t].request].faults.add(f"kill:{point}")
+            self.requests[self.by_tok[t].request].struck[f"kill:{point}"] += 1
             self.stats["kills"] += 1
         if not killed and w.state != "starting":
             self.stats["unplanned_deaths"] += 1
@@ -734,28 +739,47 @@ class Coordinator:
         deadline = time.monotonic() + self.config.timeout
         last_progress = 0.0
         finished = False
-        while time.monotonic() < deadline:
-            now = time.monotonic()
-            self._dispatch(now)
-            try:
-                event = self.events.get(timeout=0.02)
-                self._on_event(*event)
-                while True:
-                    self._on_event(*self.events.get_nowait())
-            except queue.Empty:
-                pass
-            now = time.monotonic()
-            self._watch(now)
-            if progress is not None and now - last_progress > 1.0:
+        try:
+            while time.monotonic() < deadline:
+                now = time.monotonic()
+                self._dispatch(now)
+                try:
+                    event = self.events.get(timeout=0.02)
+                    self._on_event(*event)
+                    while True:
+                        self._on_event(*self.events.get_nowait())
+                except queue.Empty:
+                    pass
+                now = time.monotonic()
+                self._watch(now)
+                if progress is not None and now - last_progress > 1.0:
+                    progress(self)
+                    last_progress = now
+                if self.unsettled() == 0 and self._quiet():
+                    finished = True
+                    break
+            if progress is not None:
                 progress(self)
-                last_progress = now
-            if self.unsettled() == 0 and self._quiet():
-                finished = True
-                break
-        if progress is not None:
-            progress(self)
-        self._shutdown()
+        finally:  # an exception mid-run must not leave workers stopped or a restart running
+            self._shutdown()
         return finished
+
+    def fault_counts(self) -> dict[str, int]:
+        """Planned vs struck per fault: a fault still pending when the run settled never struck,
+        and a run whose faults did not strike proves less than its options say."""
+        armed = Counter(kind for kind, _ in self.armed.values())
+        pending = {
+            "kills": len(self.kill_at) + len(self.pending_kills) + armed["crash"],
+            "stops": len(self.stop_at) + self.pending_stops + armed["stop"],
+            "redis-restart": len(self.redis_at),
+            "pg-restart": len(self.pg_at),
+        }
+        out: dict[str, int] = {}
+        for name, planned in self.scheduled.items():
+            if planned:
+                out[f"{name}_scheduled"] = planned
+                out[f"{name}_not_struck"] = pending[name]
+        return out
 
     def _quiet(self) -> bool:
         """No worker still stopped or working on an old delivery, no restart under way: their
@@ -766,11 +790,15 @@ class Coordinator:
 
     def _shutdown(self) -> None:
         for w in self.workers.values():
-            w.signal(signal.SIGCONT)
-            w.close()
+            try:
+                w.signal(signal.SIGCONT)
+                w.close()
+            except Exception:  # noqa: BLE001 - one worker must not keep the others alive
+                logger.exception("closing worker %s failed", w.wid)
         self.probe.dispose()
-        if self._restarting is not None:
-            self._restarting.join(timeout=60)
+        restart = self._restarting  # joined here, before the world stops Redis
+        if restart is not None:
+            restart.join(timeout=60)
 
 
 # -- the checker -------------------------------------------------------------------------------
@@ -788,6 +816,7 @@ class RequestVerdict:
     status: str | None
     dead_lettered: bool
     dlq_class: str | None
+    dlq_reason: str | None
     lost: bool
 
 
@@ -802,6 +831,8 @@ class ChaosReport:
     violations: list[str]
     late_reports: list[dict[str, Any]]
     state_dir: str | None = None  # kept only with keep_state (worker logs, databases)
+    # every dead-lettered request that was not poison: id, job type, class, reason, faults
+    dead_letters: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -859,13 +890,19 @@ def check(world: ChaosWorld, coordinator: Coordinator) -> tuple[list[RequestVerd
             key: str | None = jt.key_for(jt.validate(dict(req.payload)))
         except ValidationError:
             key = None
-        resends = 0
+        resends = allowed_resends = 0
         if req.job_type == "charge_payment":
             effects = len(charges.get(cid, []))
         elif req.job_type == "send_email":
             sent = mails.get(cid, [])
             effects = len({m["message_id"] for m in sent})
             resends = len(sent) - effects
+            # the windows for a resend, one per fault that struck there: the holder died after
+            # the SMTP server accepted and before the record (kill:after_effect), or froze
+            # after its last lease check (stop:before_effect sits inside the mailer, past
+            # confirm_lease; stop:after_effect past the send) and was taken over
+            allowed_resends = (req.struck["kill:after_effect"] + req.struck["stop:before_effect"]
+                               + req.struck["stop:after_effect"])
         else:
             qty = sum(i["quantity"] for i in req.payload["items"]) or 1
             effects = sum(stock.get(i["sku"], 0) for i in req.payload["items"]) // qty
@@ -883,6 +920,14 @@ def check(world: ChaosWorld, coordinator: Coordinator) -> tuple[list[RequestVerd
         tag = f"request {req.id} ({req.job_type}, key {key})"
         if effects > 1:
             violations.append(f"duplicate effect: {tag} has {effects} effects")
+        if resends > allowed_resends:
+            violations.append(f"duplicate mail: {tag} sent {resends} resend(s) of one Message-ID"
+                              f" but only {allowed_resends} after-effect fault(s) struck it")
+        if dl is not None and dl.error_class == "unknown":
+            violations.append(f"dead letter of class unknown (a worker or checker bug): {tag}:"
+                              f" {dl.last_error}")
+        if dl is not None and not dl.last_error:
+            violations.append(f"dead letter without a reason: {tag}")
         if lost:
             violations.append(f"lost: {tag} neither completed with its effect, dead-lettered, "
                               f"nor live (status {status}, effects {effects})")
@@ -913,6 +958,7 @@ def check(world: ChaosWorld, coordinator: Coordinator) -> tuple[list[RequestVerd
             faults=sorted(req.faults | ({"poison"} if req.poison else set())),
             deliveries=req.deliveries, effects=effects, resends=resends, status=status,
             dead_lettered=dl is not None, dlq_class=dl.error_class if dl is not None else None,
+            dlq_reason=(dl.last_error or "")[:200] if dl is not None else None,
             lost=lost,
         ))
     return verdicts, violations
@@ -1000,6 +1046,17 @@ def run_chaos(config: ChaosConfig) -> ChaosReport:
         stats["dispatches"] = coordinator.dispatches
         stats["gateway_charges"] = len(world.gateway.charges())
         stats["mails"] = len(world.sink.messages())
+        stats.update(coordinator.fault_counts())
+        # requests that should have exactly one effect: neither poison nor dead-lettered
+        clean = [v for v in verdicts if not v.poison and not v.dead_lettered]
+        stats["clean_requests"] = len(clean)
+        stats["clean_effects"] = sum(v.effects for v in clean)
+        unstruck = {k[:-len("_not_struck")]: n for k, n in stats.items()
+                    if k.endswith("_not_struck") and n}
+        if unstruck:
+            logger.warning("faults planned but never struck (the run settled first): %s "
+                           "of %s", unstruck,
+                           {k: stats[f"{k}_scheduled"] for k in unstruck})
         cfg = asdict(config)
         cfg["faults"] = list(config.faults)
         return ChaosReport(
@@ -1012,4 +1069,9 @@ def run_chaos(config: ChaosConfig) -> ChaosReport:
             violations=violations,
             late_reports=coordinator.late[:50] + coordinator.stop_log,
             state_dir=str(world.state) if config.keep_state else None,
+            dead_letters=[
+                {"request": v.id, "job_type": v.job_type, "class": v.dlq_class,
+                 "reason": v.dlq_reason, "faults": v.faults, "effects": v.effects}
+                for v in verdicts if v.dead_lettered and not v.poison
+            ],
         )

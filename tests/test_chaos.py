@@ -15,9 +15,19 @@ import json
 from pathlib import Path
 
 import pytest
+from sqlalchemy import text
 
 from pipelines.cli import main as sekali
-from sandbox.chaos import ChaosConfig, ChaosReport, format_table, run_chaos
+from sandbox.chaos import (
+    ChaosConfig,
+    ChaosReport,
+    ChaosWorld,
+    Coordinator,
+    build_workload,
+    check,
+    format_table,
+    run_chaos,
+)
 from tests.conftest import PG_URL, _postgres_error, need_server
 
 pytestmark = pytest.mark.slow
@@ -29,6 +39,7 @@ def _explain(report: ChaosReport) -> str:
         + f"\nstats {json.dumps(report.stats, sort_keys=True)}\n"
         + "\n".join(report.violations[:20])
         + f"\nlate reports {report.late_reports[:10]}"
+        + f"\ndead letters {report.dead_letters[:10]}"
     )
 
 
@@ -47,6 +58,16 @@ def _assert_guarded(report: ChaosReport, *, min_deliveries: int) -> None:
     poison = _row(report, "poison")
     assert poison["requests"] > 0 and poison["dead_lettered"] == poison["requests"], why
     assert poison["effects"] == 0, why
+    # a dead letter is a poison payload, or a transient failure that exhausted its retries
+    # (Redis restarting, the gateway's answer dropped) and says why; few, never "unknown"
+    requests = report.config["requests"]
+    assert len(report.dead_letters) <= max(1, requests // 20), why
+    for dl in report.dead_letters:
+        assert dl["class"] == "transient" and dl["reason"], why
+    # everything else took effect exactly once
+    assert report.stats["clean_effects"] == report.stats["clean_requests"], why
+    assert report.stats["clean_requests"] == (
+        requests - poison["requests"] - len(report.dead_letters)), why
 
 
 @pytest.mark.timeout(240)
@@ -123,3 +144,49 @@ def test_cli_writes_json_and_exits_zero_when_the_invariants_hold(tmp_path: Path)
 def test_cli_refuses_unknown_faults_with_exit_code_2() -> None:
     assert sekali(["chaos", "--faults", "kill,meteor"]) == 2
     assert sekali(["chaos", "--faults", "pg-restart", "--backend", "sqlite"]) == 2
+
+
+@pytest.mark.timeout(120)
+def test_checker_reports_stale_writes_unknown_dead_letters_and_duplicate_mail() -> None:
+    """The checker's blocks fire: a clean run, then the store doctored behind its back (an
+    order's payment fence one below its record's, a DLQ row of class unknown, a mail resent
+    with no after-effect fault to excuse it) must each be reported."""
+    config = ChaosConfig(requests=40, workers=2, threads=2, redelivery=2,
+                         faults=("poison",), poison_rate=0.1, seed=7, timeout=90)
+    config.validate()
+    requests = build_workload(config)
+    with ChaosWorld(config) as world:
+        world.seed_stock(requests)
+        coordinator = Coordinator(config, world, requests)
+        assert coordinator.run()
+        verdicts, violations = check(world, coordinator)
+        assert violations == []
+        charge = next(v for v in verdicts if v.job_type == "charge_payment"
+                      and v.status == "completed" and not v.poison)
+        mail = next(v for v in verdicts if v.job_type == "send_email"
+                    and v.status == "completed" and not v.poison)
+        poison = next(v for v in verdicts if v.poison)
+        order_id = requests[charge.id].payload["order_id"]
+        with world.db.transaction() as conn:
+            conn.execute(text("UPDATE orders SET payment_fence = payment_fence - 1"
+                              " WHERE order_id = :o"), {"o": order_id})
+            conn.execute(text("UPDATE dlq_records SET error_class = 'unknown'"
+                              " WHERE request_id = :r"), {"r": poison.id})
+        real_messages = world.sink.messages
+
+        def resent() -> list[dict[str, object]]:
+            out = real_messages()
+            return out + [m for m in out if m.get("correlation_id") == f"chaos-req-{mail.id}"]
+
+        world.sink.messages = resent
+        _, violations = check(world, coordinator)
+        assert any(v.startswith(f"stale write: request {charge.id} ") and "order fence" in v
+                   for v in violations), violations
+        assert any(v.startswith("dead letter of class unknown") and f"request {poison.id} " in v
+                   for v in violations), violations
+        assert any(v.startswith(f"duplicate mail: request {mail.id} ") for v in violations), \
+            violations
+        # the same resend is excused once a kill struck between the SMTP accept and the record
+        requests[mail.id].struck["kill:after_effect"] += 1
+        _, violations = check(world, coordinator)
+        assert not any(v.startswith("duplicate mail") for v in violations), violations

@@ -77,8 +77,13 @@ def _run(args: argparse.Namespace) -> int:
           f"{config.workers} workers, backend {config.backend}, faults {','.join(config.faults)}")
     print(format_table(report.rows))
     s = report.stats
-    print(f"\n{s.get('dispatches', 0)} dispatches in {report.seconds}s; kills {s.get('kills', 0)},"
-          f" stops {s.get('stops', 0)}, redis restarts {s.get('redis-restart', 0)},"
+    def struck(name: str, stat: str) -> str:
+        planned = s.get(f"{name}_scheduled")
+        return f"{s.get(stat, 0)}" + (f" of {planned} planned" if planned else "")
+
+    print(f"\n{s.get('dispatches', 0)} dispatches in {report.seconds}s;"
+          f" kills {struck('kills', 'kills')}, stops {struck('stops', 'stops')},"
+          f" redis restarts {struck('redis-restart', 'redis-restart')},"
           f" stale writes rejected {s.get('stale_writes_rejected', 0)},"
           f" unplanned worker deaths {s.get('unplanned_deaths', 0)}")
     if report.state_dir:
