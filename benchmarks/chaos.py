@@ -16,10 +16,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.plotting import RESULTS, pyplot, save
 from benchmarks.suite import module_main
 from sandbox.chaos import DEFAULT_FAULTS, ChaosConfig, ChaosReport, run_chaos
-
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def _config(quick: bool, naive: bool) -> ChaosConfig:
@@ -98,14 +97,9 @@ def run(quick: bool = False) -> dict[str, Any]:
 
 
 def _plot(per_fault: list[dict[str, Any]]) -> Path | None:
-    try:
-        import matplotlib  # noqa: PLC0415
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # noqa: PLC0415
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
-    RESULTS.mkdir(parents=True, exist_ok=True)
     rows = [r for r in per_fault if r["fault"] != "none"]
     names = [r["fault"] for r in rows]
     x = range(len(rows))
@@ -127,11 +121,7 @@ def _plot(per_fault: list[dict[str, Any]]) -> Path | None:
     ax.set_title(f"chaos: duplicate effects and lost requests per fault "
                  f"(guarded in total: {g_dup} duplicates, {g_lost} lost)")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = RESULTS / "chaos_duplicates.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, RESULTS / "chaos_duplicates.png")
 
 
 def render(result: dict[str, Any]) -> None:

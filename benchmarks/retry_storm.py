@@ -32,10 +32,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks.plotting import RESULTS, pyplot, save
 from benchmarks.suite import module_main
 from resources.retry import RetryPolicy
 
-RESULTS = Path(__file__).parent / "results"
 MODES: dict[str, tuple[str, bool]] = {
     "none": ("none", False),
     "plus_minus (Dagster)": ("plus_minus", False),
@@ -197,14 +197,9 @@ def run(quick: bool = False) -> dict[str, Any]:
 
 
 def _plot(arrivals: dict[str, list[float]], scenario: Scenario) -> Path | None:
-    try:
-        import matplotlib  # noqa: PLC0415
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt  # noqa: PLC0415
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
-    RESULTS.mkdir(parents=True, exist_ok=True)
     horizon = int(max(max(a) for a in arrivals.values())) + 2
     fig, axes = plt.subplots(len(arrivals), 1, figsize=(11, 2.2 * len(arrivals)), sharex=True)
     for ax, (name, times) in zip(axes, arrivals.items(), strict=True):
@@ -219,11 +214,7 @@ def _plot(arrivals: dict[str, list[float]], scenario: Scenario) -> Path | None:
         ax.set_title(name, loc="left", fontsize=9)
     axes[-1].set_xlabel("seconds (red: outage; green: downstream capacity)")
     fig.suptitle(f"retry storm: {scenario.jobs} jobs, {scenario.outage:.0f}s outage")
-    fig.tight_layout()
-    path = RESULTS / "retry_storm.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, RESULTS / "retry_storm.png")
 
 
 def render(result: dict[str, Any]) -> None:

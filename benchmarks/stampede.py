@@ -25,13 +25,13 @@ from typing import Any
 
 import redis
 
+from benchmarks.plotting import RESULTS, pyplot, save
 from benchmarks.suite import module_main
 from resources.cache_core import StampedeCache
 
 LOADER_SECONDS = 0.2
 PROCESSES = 4
 THREADS = 50
-RESULTS = Path(__file__).parent / "results"
 
 
 def _redis_url() -> str:
@@ -233,12 +233,9 @@ def run_jitter(
 
 
 def plot_jitter(rows: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib  # noqa: PLC0415
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # noqa: PLC0415
-
-    path.parent.mkdir(parents=True, exist_ok=True)
+    plt = pyplot()
+    if plt is None:
+        return
     fig, ax = plt.subplots(figsize=(9, 4))
     for row in rows:
         xs = [i * row["bucket_s"] for i in range(len(row["calls_per_s"]))]
@@ -248,9 +245,7 @@ def plot_jitter(rows: list[dict[str, Any]], path: Path) -> None:
     ax.set_ylabel("loader calls / s")
     ax.set_title(f"1,000 keys, one TTL ({rows[0]['ttl_s']} s), read uniformly")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    save(fig, path, dpi=100)
 
 
 # -- (4) hit path ----------------------------------------------------------------------------------

@@ -18,12 +18,13 @@ import sys
 import time
 import traceback
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
+
+from benchmarks.plotting import RESULTS
 
 SUITES = ["idempotency", "locks", "stampede", "retry_storm", "intake", "chaos", "observability",
           "outbox"]
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+RESULTS_DIR = RESULTS
 
 
 def run_suites(names: list[str], *, quick: bool) -> dict[str, Any]:

@@ -284,11 +284,10 @@ class StampedeCache:
 
     def get(self, key: str) -> Any:
         """The cached value (fresh or within its stale window), or ``NO_VALUE``; never loads."""
-        raw = self._call(self.client.get, KeyLayout.of(self.namespace, key).env)
-        if raw is None:
+        envelope = self.envelope(key)
+        if envelope is None or self.clock() >= envelope.hard:
             return NO_VALUE
-        envelope = Envelope.decode(raw)
-        return envelope.value if self.clock() < envelope.hard else NO_VALUE
+        return envelope.value
 
     def envelope(self, key: str) -> Envelope | None:
         """The stored envelope (for inspection and tests), or None."""

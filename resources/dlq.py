@@ -24,7 +24,6 @@ Guarantees (SQLite and Postgres alike):
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import re
 import time
@@ -40,6 +39,7 @@ from sqlalchemy.engine import Connection
 
 from resources.db import Database, metadata, shared_database
 from resources.errors import SekaliError
+from resources.json_text import from_text, to_text
 
 log = logging.getLogger(__name__)
 
@@ -279,9 +279,9 @@ class DlqRecord:
             request_id=None if m["request_id"] is None else int(m["request_id"]),
             run_id=m["run_id"],
             step=m["step"],
-            payload=_loads(m["payload"]),
-            run_config=_loads(m["run_config"]) or {},
-            tags=_loads(m["tags"]) or {},
+            payload=from_text(m["payload"]),
+            run_config=from_text(m["run_config"]) or {},
+            tags=from_text(m["tags"]) or {},
             error_class=m["error_class"],
             error_type=m["error_type"],
             fingerprint=m["fingerprint"],
@@ -340,14 +340,6 @@ class ReplayDecision:
     replay: bool
     reason: str
     key_reset: bool = False
-
-
-def _loads(value: str | None) -> Any:
-    return None if value is None else json.loads(value)
-
-
-def _dumps(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, default=str)
 
 
 _COLUMNS = (
@@ -441,9 +433,9 @@ class DlqStore:
             "request_id": info.request_id,
             "run_id": info.run_id,
             "step": info.step,
-            "payload": None if info.payload is None else _dumps(info.payload),
-            "run_config": _dumps(info.run_config),
-            "tags": _dumps(info.tags),
+            "payload": None if info.payload is None else to_text(info.payload),
+            "run_config": to_text(info.run_config),
+            "tags": to_text(info.tags),
             "eclass": str(info.error_class),
             "etype": info.error_type,
             "fp": info.fingerprint,

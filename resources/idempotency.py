@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import logging
 import threading
 import time
@@ -54,6 +53,7 @@ from resources.errors import (
     SekaliError,
     StoredFailure,
 )
+from resources.json_text import canonical, from_text, to_text
 from resources.migrations import upgrade
 
 __all__ = [
@@ -182,8 +182,7 @@ _BEGIN_SQLITE = f"{_UPSERT} RETURNING {_COLUMNS}"
 
 def payload_hash(payload: Any) -> str:
     """Stable hash of a JSON-serialisable payload (key order does not matter)."""
-    canonical = json.dumps(payload, sort_keys=True, separators=(",", ":"), default=str)
-    return hashlib.sha256(canonical.encode()).hexdigest()
+    return hashlib.sha256(canonical(payload).encode()).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -218,8 +217,8 @@ class Record:
             fence=int(m["fence"]),
             attempt=int(m["attempt"]),
             recovery_point=m["recovery_point"],
-            recovery_data=_loads(m["recovery_data"]),
-            result=_loads(m["result"]),
+            recovery_data=from_text(m["recovery_data"]),
+            result=from_text(m["result"]),
             error_class=m["error_class"],
             error_message=m["error_message"],
             created_at=m["created_at"],
@@ -255,14 +254,6 @@ class Completed:
     result: Any
     fence: int
     attempt: int
-
-
-def _loads(value: str | None) -> Any:
-    return None if value is None else json.loads(value)
-
-
-def _dumps(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, default=str)
 
 
 class IdempotencyStore:
@@ -398,7 +389,7 @@ class IdempotencyStore:
         self._owner_update(
             claim,
             "recovery_point = :point, recovery_data = :data, lease_expires_at = :expires",
-            {"point": point, "data": _dumps(data), "expires": self.clock() + self.lease_seconds},
+            {"point": point, "data": to_text(data), "expires": self.clock() + self.lease_seconds},
             conn,
         )
 
@@ -408,7 +399,7 @@ class IdempotencyStore:
             claim,
             "status = 'completed', result = :result, lease_expires_at = NULL,"
             " error_class = NULL, error_message = NULL, retention_expires_at = :retain",
-            {"result": _dumps(result), "retain": self.clock() + self.retention_seconds},
+            {"result": to_text(result), "retain": self.clock() + self.retention_seconds},
             conn,
         )
 

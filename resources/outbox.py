@@ -11,7 +11,6 @@ a replayed phase that writes the same event id again inserts nothing.
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from typing import Any
@@ -20,6 +19,7 @@ from sqlalchemy import BigInteger, Column, Float, Integer, Table, Text, text
 from sqlalchemy.engine import Connection
 
 from resources.db import metadata
+from resources.json_text import to_text
 
 outbox = Table(
     "outbox",
@@ -76,7 +76,7 @@ def write_event(
             "aggregate_type": aggregate_type,
             "aggregate_id": aggregate_id,
             "event_type": event_type,
-            "payload": json.dumps(payload, sort_keys=True, default=str),
+            "payload": to_text(payload),
             "now": time.time() if now is None else now,
         },
     )

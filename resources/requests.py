@@ -39,6 +39,7 @@ from sqlalchemy.engine import Connection
 from resources.db import Database, metadata, shared_database
 from resources.errors import IdempotencyConflict
 from resources.idempotency import payload_hash
+from resources.json_text import canonical
 
 Clock = Callable[[], float]
 
@@ -122,11 +123,6 @@ _COLUMNS = (
     "id, job_type, key, payload, payload_hash, status, queue, correlation_id, run_key, run_id,"
     " created_at, updated_at, attempts, last_error"
 )
-
-
-def canonical_json(payload: Any) -> str:
-    """The stored form of a payload: sorted keys, so equal payloads store equal text."""
-    return json.dumps(payload, sort_keys=True, separators=(",", ":"), default=str)
 
 
 @dataclass(frozen=True)
@@ -255,7 +251,7 @@ class RequestStore:
         params = {
             "job_type": job_type,
             "key": key,
-            "payload": canonical_json(payload),
+            "payload": canonical(payload),
             "hash": given,
             "queue": queue,
             "cid": correlation_id,
@@ -292,7 +288,7 @@ class RequestStore:
     ) -> int:
         """Keep a rejected request with the field that was wrong; returns the rejection id."""
         try:
-            stored = payload if isinstance(payload, str) else canonical_json(payload)
+            stored = payload if isinstance(payload, str) else canonical(payload)
         except (TypeError, ValueError):
             stored = repr(payload)
         params = {

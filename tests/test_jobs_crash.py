@@ -176,6 +176,34 @@ def _state(pid: int) -> str:
     return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
 
 
+def stall_and_take_over(
+    job_def: dg.JobDefinition, payload: dict[str, Any], spec: dict[str, Any], db: Database,
+    key: str, stop_at: str,
+) -> None:
+    """Freeze a worker of ``job_def`` (SIGSTOP) at ``stop_at``, let its lease expire, complete
+    the key with a second run, then resume the frozen worker and wait for it to end."""
+    body = {"job": job_def.name, "resources": spec,
+            "run_config": {"ops": {f"{job_def.name}_op": {"config": {"payload": payload}}}}}
+    proc = subprocess.Popen(
+        [sys.executable, str(WORKER), json.dumps(body)],
+        env={**os.environ, "SEKALI_STOP_AT": stop_at},
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while _state(proc.pid) != "T":
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        wait_for_lease_expiry(db, key)
+        assert rerun(job_def, payload, spec).success
+        proc.send_signal(signal.SIGCONT)
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 def test_stalled_worker_resumed_after_takeover_cannot_write(
     sqlite_url: str, redis_url: str, namespace: str, redis_client: Any, gateway_factory: Any,
 ) -> None:
@@ -190,26 +218,7 @@ def test_stalled_worker_resumed_after_takeover_cannot_write(
     spec = {"db_url": sqlite_url, "redis_url": redis_url, "namespace": namespace,
             "gateway_url": gateway.url, "lease_seconds": LEASE}
     payload = {"order_id": "o-s", "amount_cents": 250}
-    body = {"job": "charge_payment", "resources": spec,
-            "run_config": {"ops": {"charge_payment_op": {"config": {"payload": payload}}}}}
-    proc = subprocess.Popen(
-        [sys.executable, str(WORKER), json.dumps(body)],
-        env={**os.environ, "SEKALI_STOP_AT": "after_charge"},
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.monotonic() + 120
-        while _state(proc.pid) != "T":
-            assert proc.poll() is None and time.monotonic() < deadline
-            time.sleep(0.05)
-        wait_for_lease_expiry(db, "payment:o-s")
-        assert rerun(jobs.charge_payment_job, payload, spec).success
-        proc.send_signal(signal.SIGCONT)
-        proc.wait(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    stall_and_take_over(jobs.charge_payment_job, payload, spec, db, "payment:o-s", "after_charge")
     assert len(gateway.charges()) == 1
     rows = AttemptRecorder(db).for_key("payment:o-s")
     by_fence = {(r["fence"], r["outcome"]) for r in rows}
@@ -239,27 +248,10 @@ def test_mail_worker_resumed_after_takeover_does_not_send(
             "smtp_port": sink.port, "lease_seconds": LEASE}
     payload = {"template": "welcome", "user_id": "u-s", "date": "2026-11-29", "to": "s@x.test"}
     key = "email:welcome:u-s:2026-11-29"
-    body = {"job": "send_email", "resources": spec,
-            "run_config": {"ops": {"send_email_op": {"config": {"payload": payload}}}}}
-    proc = subprocess.Popen(
-        [sys.executable, str(WORKER), json.dumps(body)],
-        env={**os.environ, "SEKALI_STOP_AT": "before_send"},
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
     try:
-        deadline = time.monotonic() + 120
-        while _state(proc.pid) != "T":
-            assert proc.poll() is None and time.monotonic() < deadline
-            time.sleep(0.05)
-        wait_for_lease_expiry(db, key)
-        assert rerun(jobs.send_email_job, payload, spec).success
-        proc.send_signal(signal.SIGCONT)
-        proc.wait(timeout=120)
+        stall_and_take_over(jobs.send_email_job, payload, spec, db, key, "before_send")
         assert [m["message_id"] for m in sink.messages()] == [message_id_for(key)]
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
         sink.stop()
     outcomes = {(r["fence"], r["outcome"]) for r in AttemptRecorder(db).for_key(key)}
     assert (1, "lease_lost") in outcomes and (2, "completed") in outcomes
