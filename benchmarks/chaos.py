@@ -18,7 +18,7 @@ from typing import Any
 
 from benchmarks.plotting import RESULTS, pyplot, save
 from benchmarks.suite import module_main
-from sandbox.chaos import DEFAULT_FAULTS, ChaosConfig, ChaosReport, run_chaos
+from proof.chaos import DEFAULT_FAULTS, ChaosConfig, ChaosReport, run_chaos
 
 
 def _config(quick: bool, naive: bool) -> ChaosConfig:

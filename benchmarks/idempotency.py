@@ -30,9 +30,9 @@ from typing import Any
 from sqlalchemy import create_engine, event, text
 
 from benchmarks.suite import module_main
-from resources.db import Database
 from resources.idempotency import Claim, IdempotencyStore
-from resources.migrations import upgrade
+from resources.storage.db import Database
+from resources.storage.migrations import upgrade
 
 PG_URL = os.environ.get(
     "SEKALI_BENCH_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/sekali_test"

@@ -3,7 +3,7 @@
 For each app-database backend (embedded SQLite, Postgres) it measures:
 
 - ``floor``: the same handler without Dagster: ``enqueue`` each request, then
-  :func:`pipelines.batch.run_batch` (``execute_request`` in a loop plus the request's status
+  :func:`pipelines.ops.batch.run_batch` (``execute_request`` in a loop plus the request's status
   updates) on the same stores.
 - ``per_request``, ``fan_out``, ``micro_batch``: ``enqueue``, then ticks of the real
   ``intake_sensor`` (``build_sensor_context``), then each RunRequest executed with
@@ -71,10 +71,10 @@ def payloads(tag: str, n: int) -> list[dict[str, Any]]:
 
 
 def measure_floor(db: Any, n: int, tag: str) -> float:
-    from pipelines.batch import run_batch
     from pipelines.intake import enqueue
+    from pipelines.ops.batch import run_batch
+    from pipelines.requests import RequestStore
     from pipelines.services import Services
-    from resources.requests import RequestStore
 
     services = Services.from_settings(budget_namespace=tag, cache_namespace=tag)
     store = RequestStore(db)
@@ -89,12 +89,13 @@ def measure_floor(db: Any, n: int, tag: str) -> float:
 def measure_mode(db: Any, mode: str, n: int, tag: str, instance: Any, resources: dict) -> float:
     import dagster as dg
 
-    from pipelines.batch import BATCH_JOBS
+    from pipelines.definitions import defs
     from pipelines.intake import enqueue
-    from pipelines.jobs import all_jobs
-    from resources.requests import RequestStore
-    from sensors.intake import intake_sensor
+    from pipelines.ops import all_jobs
+    from pipelines.ops.batch import BATCH_JOBS
+    from pipelines.requests import RequestStore
 
+    intake_sensor = defs.get_sensor_def("intake_sensor")
     jobs = {j.name: j for j in [*all_jobs, *BATCH_JOBS]}
     os.environ["SEKALI_INTAKE_MODE"] = mode
     store = RequestStore(db)
@@ -128,14 +129,14 @@ def measure_mode(db: Any, mode: str, n: int, tag: str, instance: Any, resources:
 
 
 def _resources(db_url: str, smtp_port: int, tag: str) -> dict[str, Any]:
-    from resources.cache import CacheResource
-    from resources.database import DatabaseResource
-    from resources.idempotency import IdempotencyResource
-    from resources.locks import LockResource
-    from resources.mail import MailerResource
-    from resources.payments import PaymentGatewayResource
-    from resources.requests import RequestsResource
-    from resources.retry import RetryResource
+    from pipelines.profile import MailerResource, PaymentGatewayResource, RequestsResource
+    from resources.dagster_resources import (
+        CacheResource,
+        DatabaseResource,
+        IdempotencyResource,
+        LockResource,
+        RetryResource,
+    )
 
     return {
         "idempotency": IdempotencyResource(database_url=db_url),
@@ -152,8 +153,8 @@ def _resources(db_url: str, smtp_port: int, tag: str) -> dict[str, Any]:
 def run(quick: bool = False) -> dict[str, Any]:
     import dagster as dg
 
-    from resources.db import Database
-    from resources.migrations import upgrade
+    from resources.storage.db import Database
+    from resources.storage.migrations import upgrade
     from sandbox.mailsink import MailSink
 
     sizes = (

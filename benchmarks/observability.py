@@ -25,11 +25,11 @@ from typing import Any
 from sqlalchemy import create_engine, text
 
 from benchmarks.suite import module_main
-from resources.attempts import job_attempts
-from resources.db import Database
-from resources.diagnosis import DiagnosisSetup, diagnose
-from resources.metrics import MetricsCollector
-from resources.migrations import upgrade
+from pipelines.attempts import job_attempts
+from pipelines.diagnosis import DiagnosisSetup, diagnose
+from pipelines.metrics import MetricsCollector
+from resources.storage.db import Database
+from resources.storage.migrations import upgrade
 
 PG_URL = os.environ.get(
     "SEKALI_BENCH_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/sekali_test"

@@ -23,10 +23,10 @@ from typing import Any
 from sqlalchemy import create_engine, text
 
 from benchmarks.suite import module_main
-from resources.db import Database
-from resources.migrations import upgrade
 from resources.outbox import write_event
-from resources.outbox_publisher import Consumer, InAppPublisher, Inbox, OutboxEvent, OutboxPublisher
+from resources.outbox.publisher import Consumer, InAppPublisher, Inbox, OutboxEvent, OutboxPublisher
+from resources.storage.db import Database
+from resources.storage.migrations import upgrade
 
 PG_URL = os.environ.get(
     "SEKALI_BENCH_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/sekali_test"

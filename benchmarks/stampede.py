@@ -27,7 +27,7 @@ import redis
 
 from benchmarks.plotting import RESULTS, pyplot, save
 from benchmarks.suite import module_main
-from resources.cache_core import StampedeCache
+from resources.cache.core import StampedeCache
 
 LOADER_SECONDS = 0.2
 PROCESSES = 4

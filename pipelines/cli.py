@@ -1,5 +1,9 @@
 """The ``sekali`` command. Each subcommand lives in its own module with a ``register(sub)``
-function that adds its parser and sets ``func``; this file only lists them."""
+function that adds its parser and sets ``func``; this file only lists them.
+
+Only the module of the subcommand being run is imported (with its own dependencies: Dagster for
+``doctor``, the harness for ``chaos``), so ``sekali --help`` and ``sekali enqueue`` start fast.
+"""
 
 from __future__ import annotations
 
@@ -9,33 +13,39 @@ import logging
 import sys
 from collections.abc import Sequence
 
-# Modules providing subcommands, each with ``register(subparsers) -> None``.
-COMMAND_MODULES: list[str] = [
-    "pipelines.commands.db",
-    "pipelines.commands.dev",
-    "pipelines.commands.bench",
-    "pipelines.commands.demo",
-    "pipelines.commands.enqueue",
-    "pipelines.commands.dlq",
-    "pipelines.commands.doctor",
-    "pipelines.commands.metrics",
-    "pipelines.commands.chaos",
-]
+# name -> (module with ``register(subparsers) -> None``, one line of help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "db": ("pipelines.commands.db", "schema migrations of the app database"),
+    "dev": ("pipelines.commands.dev", "run the platform on embedded defaults with the Dagster UI"),
+    "bench": ("pipelines.commands.bench", "run benchmarks/ and print ratios (JSON and plots too)"),
+    "demo": ("pipelines.commands.demo", "a two-minute before/after tour on embedded backends"),
+    "enqueue": ("pipelines.commands.enqueue", "write a job request for the intake sensor"),
+    "dlq": ("pipelines.commands.dlq", "inspect, replay and discard dead letters"),
+    "doctor": ("pipelines.commands.doctor", "run the production diagnosis checklist"),
+    "metrics": ("pipelines.commands.metrics", "show metrics or serve them to Prometheus"),
+    "chaos": ("pipelines.commands.chaos", "break the platform on purpose and check the invariants"),
+}
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The parser; the subcommand named in ``argv`` is registered in full, the others by name
+    (all in full when ``argv`` names none, e.g. for ``sekali --help``)."""
     parser = argparse.ArgumentParser(
         prog="sekali", description="Jobs that stay right under at-least-once delivery."
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
-    for name in COMMAND_MODULES:
-        importlib.import_module(name).register(sub)
+    named = [a for a in (argv if argv is not None else sys.argv[1:]) if a in COMMANDS][:1]
+    for name, (module, help_text) in COMMANDS.items():
+        if not named or name in named:
+            importlib.import_module(module).register(sub)
+        else:
+            sub.add_parser(name, help=help_text)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser(argv).parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

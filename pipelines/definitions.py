@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import dagster as dg
 
-from pipelines import dlq_ops, observability, reconciliation, warming
-from pipelines.batch import BATCH_JOBS
-from pipelines.jobs import all_jobs
+from pipelines.assets import observability, reconciliation, warming
+from pipelines.ops import all_jobs, dlq_ops
+from pipelines.ops.batch import BATCH_JOBS
 from pipelines.profile import resource_defs
 from sensors import dlq as dlq_sensors
 from sensors import outbox as outbox_sensors

@@ -26,10 +26,12 @@ from typing import Any
 
 from sqlalchemy.engine import Connection
 
-from resources.db import Database, shared_database
+from pipelines.registry import get_job_type
+from pipelines.requests import EnqueueResult, RequestStore
 from resources.errors import ValidationError
-from resources.migrations import upgrade
-from resources.requests import EnqueueResult, RequestStore
+from resources.storage.db import Database, shared_database
+from resources.storage.migrations import upgrade
+from resources.storage.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +48,6 @@ def _ensure_schema(db: Database) -> None:
 
 
 def _default_db() -> Database:
-    from resources.settings import Settings  # noqa: PLC0415 - read env at call time only
 
     return shared_database(Settings.from_env().database_url)
 
@@ -65,7 +66,6 @@ def enqueue(
     ``payload`` is a dict or its JSON text. ``db`` defaults to ``DATABASE_URL`` (or the
     embedded SQLite); with ``conn=`` the database is the connection's own.
     """
-    from pipelines.registry import get_job_type  # noqa: PLC0415 - keeps `import` cheap
 
     if db is None:
         db = Database(conn.engine) if conn is not None else _default_db()
@@ -82,7 +82,7 @@ def enqueue(
     except ValidationError as exc:
         _keep_rejection(store, db, conn, job_type, payload, key, exc)
         raise
-    correlation_id = correlation_id or uuid.uuid4().hex  # the chain starts here (issue 7)
+    correlation_id = correlation_id or uuid.uuid4().hex  # the correlation chain starts here
     result = store.enqueue(
         job_type,
         chosen_key,

@@ -1,20 +1,92 @@
-"""The one place that chooses resources: embedded defaults or production, from the environment
-at run time (resources read ``DATABASE_URL`` / ``REDIS_URL`` in setup, never at import)."""
+"""The one place that chooses resources, and the thin Dagster wrappers of the business side.
+
+Every resource reads ``DATABASE_URL`` / ``REDIS_URL`` / the downstream addresses when first used,
+never at import. The generic defences' wrappers live in :mod:`resources.dagster_resources`;
+the ones here wrap the business clients and the platform's stores in the same way.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
-from pipelines.observability import ObservabilityResource
-from resources.cache import CacheResource
-from resources.database import DatabaseResource
-from resources.dlq import DlqResource
-from resources.idempotency import IdempotencyResource
-from resources.locks import LockResource
-from resources.mail import MailerResource
-from resources.payments import PaymentGatewayResource
-from resources.requests import RequestsResource
-from resources.retry import RetryResource
+from pipelines.domain.mail import SmtpMailer
+from pipelines.domain.payments import HttpPaymentGateway
+from pipelines.requests import RequestStore
+from resources.dagster_resources import (
+    CacheResource,
+    DatabaseResource,
+    DlqResource,
+    IdempotencyResource,
+    LockResource,
+    RetryResource,
+    SettingsResource,
+)
+
+
+class PaymentGatewayResource(SettingsResource):
+    """The HTTP payment client. ``base_url`` defaults to ``SEKALI_GATEWAY_URL``."""
+
+    base_url: str | None = None
+    timeout: float = 5.0
+    send_idempotency_key: bool = True
+
+    def _build(self) -> HttpPaymentGateway:
+        return HttpPaymentGateway(
+            self.base_url or self.settings().gateway_url,
+            timeout=self.timeout,
+            send_idempotency_key=self.send_idempotency_key,
+        )
+
+    def get_client(self) -> HttpPaymentGateway:
+        return self._get()  # type: ignore[no-any-return]
+
+
+class MailerResource(SettingsResource):
+    """The SMTP mailer. ``host``/``port`` default to ``SEKALI_SMTP_HOST`` / ``SEKALI_SMTP_PORT``."""
+
+    host: str | None = None
+    port: int | None = None
+    sender: str = "sekali@localhost"
+    timeout: float = 10.0
+
+    def _build(self) -> SmtpMailer:
+        settings = self.settings()
+        return SmtpMailer(
+            self.host or settings.smtp_host,
+            self.port or settings.smtp_port,
+            sender=self.sender,
+            timeout=self.timeout,
+        )
+
+    def get_client(self) -> SmtpMailer:
+        return self._get()  # type: ignore[no-any-return]
+
+    def get_mailer(self) -> SmtpMailer:
+        return self.get_client()
+
+
+class RequestsResource(SettingsResource):
+    """The intake table (``job_requests``) on the app database."""
+
+    def _build(self) -> RequestStore:
+        return RequestStore(self.database())
+
+    def get_store(self) -> RequestStore:
+        return self._get()  # type: ignore[no-any-return]
+
+
+class ObservabilityResource(SettingsResource):
+    """What the checks compare against that no other resource knows.
+
+    ``gateway_ledger_url``: the database where the payment downstream records its charges (the
+    sandbox gateway's ``gateway_charges`` table); when set, checks 1 and 10 count real effects
+    and follow correlation ids into the downstream. ``window_hours`` bounds the evidence read by
+    the checks, ``metrics_window_minutes`` the metrics.
+    """
+
+    gateway_ledger_url: str | None = None
+    window_hours: float = 24.0
+    metrics_window_minutes: float = 60.0
 
 
 def resource_defs() -> dict[str, Any]:

@@ -35,14 +35,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import dagster as dg
 from sqlalchemy import Column, Float, Table, Text, text
 from sqlalchemy.engine import Connection
 
-from resources.db import Database, metadata
+from pipelines.domain.inventory import Inventory
+from pipelines.jobs.fulfilment import cart_for, key_for
 from resources.dlq import (
     MIN_RETENTION_SECONDS,
-    DlqResource,
     DlqStore,
     FailureClass,
     FailureInfo,
@@ -50,8 +49,8 @@ from resources.dlq import (
 )
 from resources.errors import AlreadyInProgress
 from resources.idempotency import Completed, IdempotencyStore
-from resources.inventory import Inventory
-from resources.outbox_publisher import OutboxPublisher, unpublished_older_than
+from resources.outbox.publisher import OutboxPublisher, unpublished_older_than
+from resources.storage.db import Database, metadata
 
 log = logging.getLogger(__name__)
 
@@ -265,8 +264,6 @@ class Reconciler:
     # -- fulfilment compensation ------------------------------------------------------------
 
     def _compensations(self, report: ReconciliationReport) -> None:
-        from pipelines.jobs.fulfilment import cart_for, key_for  # noqa: PLC0415 - its naming
-
         with self.db.statement() as conn:
             # 'fulfil:' || order_id is fulfilment.key_for: in-flight orders given up in the DLQ
             orders = conn.execute(
@@ -468,81 +465,3 @@ def _confirm(conn: Connection, *, order_id: str, charge_id: str, now: float) -> 
         {"c": charge_id, "o": order_id, "now": now},
     )
     return {"charge_id": charge_id}
-
-
-# -- Dagster ------------------------------------------------------------------------------------
-
-
-class ReconciliationConfig(dg.Config):
-    """Thresholds: ``grace_seconds`` before an unsettled state counts as inconsistent, the
-    payment ``lookback_hours``, the outbox threshold, and the idempotency retention (>= 72 h)."""
-
-    grace_seconds: float = 600.0
-    lookback_hours: float = 48.0
-    outbox_threshold_seconds: float = 300.0
-    idempotency_retention_hours: float = 7 * 24.0
-
-
-@dg.asset(
-    name="reconciliation",
-    group_name="operations",
-    description="Finds and compensates inconsistencies (payments, fulfilment, stuck claims, "
-    "stale outbox rows, expired keys); metadata counts what it found and fixed.",
-    required_resource_keys={"app_db", "idempotency", "dlq", "gateway"},
-)
-def reconciliation(
-    context: dg.AssetExecutionContext, config: ReconciliationConfig
-) -> dg.MaterializeResult[Any]:
-    from resources.outbox_publisher import (  # noqa: PLC0415
-        InAppPublisher,
-        Inbox,
-    )
-    from sensors.outbox import default_consumers  # noqa: PLC0415
-
-    db = context.resources.app_db.get_database()
-    store = IdempotencyStore(db)
-    publisher = OutboxPublisher(db, InAppPublisher(Inbox(db), default_consumers(context.resources)))
-    reconciler = Reconciler(
-        db,
-        store=store,
-        dlq=context.resources.dlq.get_store(),
-        gateway=context.resources.gateway.get_client(),
-        publisher=publisher,
-        grace_seconds=config.grace_seconds,
-        lookback_seconds=config.lookback_hours * 3600,
-        outbox_threshold_seconds=config.outbox_threshold_seconds,
-        idempotency_retention_seconds=config.idempotency_retention_hours * 3600,
-    )
-    report = reconciler.run()
-    return dg.MaterializeResult(metadata=report.metadata())
-
-
-@dg.asset_check(
-    asset=reconciliation,
-    name="dlq_retention",
-    description="Warns before a retention limit would drop an unresolved DLQ record.",
-    required_resource_keys={"dlq"},
-)
-def dlq_retention_check(context: dg.AssetCheckExecutionContext) -> dg.AssetCheckResult:
-    dlq: DlqResource = context.resources.dlq
-    at_risk = dlq.get_store().at_retention_risk(dlq.retention_days * 86400, dlq.warn_days * 86400)
-    return dg.AssetCheckResult(
-        passed=not at_risk,
-        severity=dg.AssetCheckSeverity.WARN,
-        description=(
-            f"{len(at_risk)} unresolved DLQ records are within {dlq.warn_days:g} days of the "
-            f"{dlq.retention_days:g}-day retention: replay or discard them"
-            if at_risk
-            else "no unresolved DLQ record is near the retention limit"
-        ),
-        metadata={"at_risk": len(at_risk), "oldest_ids": str([r.id for r in at_risk[:20]])},
-    )
-
-
-reconciliation_job = dg.define_asset_job("reconciliation_job", selection=[reconciliation])
-reconciliation_schedule = dg.ScheduleDefinition(
-    name="reconciliation_schedule",
-    job=reconciliation_job,
-    cron_schedule="*/15 * * * *",
-    default_status=dg.DefaultScheduleStatus.RUNNING,
-)

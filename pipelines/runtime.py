@@ -24,10 +24,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from pipelines.attempts import Attempt, Outcome
 from pipelines.jobs.base import JobContext
 from pipelines.registry import get_job_type
 from pipelines.services import Services
-from resources.attempts import Attempt, Outcome
 from resources.errors import AlreadyInProgress, LeaseLost, StoredFailure
 from resources.idempotency import Completed
 from resources.retry import ErrorClass, classify

@@ -8,16 +8,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import redis
-
-from resources.attempts import AttemptRecorder
+from pipelines.attempts import AttemptRecorder
+from pipelines.domain.mail import Mailer, SmtpMailer
+from pipelines.domain.payments import HttpPaymentGateway, PaymentGateway
 from resources.cache import StampedeCache
-from resources.db import Database, shared_database
 from resources.idempotency import IdempotencyStore
-from resources.mail import Mailer, SmtpMailer
-from resources.payments import HttpPaymentGateway, PaymentGateway
 from resources.retry import RetryBudget, RetryPolicy
-from resources.settings import Settings
+from resources.storage.db import Database, shared_database
+from resources.storage.redis import redis_client
+from resources.storage.settings import Settings
 
 
 @dataclass
@@ -62,7 +61,7 @@ class Services:
         Opens no connection: pools and clients connect on first use."""
         settings = settings or Settings.from_env()
         db = shared_database(settings.database_url)
-        client = redis.Redis.from_url(settings.redis_url)
+        client = redis_client(settings.redis_url)
         return cls(
             db=db,
             store=IdempotencyStore(db, lease_seconds=lease_seconds),

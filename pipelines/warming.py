@@ -7,10 +7,13 @@ as a miss, so a warming run and a reader that misses at the same moment still ma
 call. Keys with no known loader are skipped and counted. The loaders come from the job types:
 ``report:{report}:{as_of}`` is rebuilt by the report job's loader.
 
-The ``cache_warming`` asset runs it on ``cache_warming_schedule`` (every 5 minutes, so
+The ``cache_warming`` asset (:mod:`pipelines.assets.warming`) runs it on
+``cache_warming_schedule`` (every 5 minutes, so
 ``refresh_within`` defaults to two intervals) and records keys refreshed, time taken and misses
 avoided (hot keys that would have expired, or had, before the next run) as metadata.
 """
+
+from __future__ import annotations
 
 import logging
 import time
@@ -18,9 +21,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import dagster as dg
-
-from resources.db import Database
+from pipelines.jobs.report import report_loader, validate
+from resources.storage.db import Database
 
 log = logging.getLogger(__name__)
 
@@ -30,14 +32,10 @@ LoaderFactory = Callable[[str], Loader | None]
 
 def report_loaders(db: Database) -> LoaderFactory:
     """Loaders of the known key patterns, from the job types (``report:{report}:{as_of}``)."""
-    from pipelines.jobs.report import report_loader  # noqa: PLC0415 - the job type's loader
-
     def loader_for(key: str) -> Loader | None:
         parts = key.split(":", 2)
         if len(parts) == 3 and parts[0] == "report":
             try:
-                from pipelines.jobs.report import validate  # noqa: PLC0415
-
                 p = validate({"report": parts[1], "as_of": parts[2]})
             except Exception:  # noqa: BLE001 - an unknown report: no loader
                 return None
@@ -117,41 +115,3 @@ class Warmer:
             report.misses_avoided += 1
         report.seconds = time.monotonic() - started
         return report
-
-
-class WarmingConfig(dg.Config):
-    """How many hot keys to look at, and how close to expiry a key must be to be refreshed."""
-
-    top_n: int = 50
-    refresh_within_seconds: float = 600.0
-
-
-@dg.asset(
-    name="cache_warming",
-    group_name="operations",
-    description="Refreshes the hottest cache keys before they expire, through the single flight.",
-    required_resource_keys={"cache", "app_db"},
-)
-def cache_warming(
-    context: dg.AssetExecutionContext, config: WarmingConfig
-) -> dg.MaterializeResult[Any]:
-    cache = context.resources.cache.get_cache()
-    warmer = Warmer(
-        cache,
-        report_loaders(context.resources.app_db.get_database()),
-        top_n=config.top_n,
-        refresh_within=config.refresh_within_seconds,
-    )
-    report = warmer.run()
-    if report.failed:
-        context.log.warning(f"warming failed for {len(report.failed)} keys: {report.failed}")
-    return dg.MaterializeResult(metadata=report.metadata())
-
-
-cache_warming_job = dg.define_asset_job("cache_warming_job", selection=[cache_warming])
-cache_warming_schedule = dg.ScheduleDefinition(
-    name="cache_warming_schedule",
-    job=cache_warming_job,
-    cron_schedule="*/5 * * * *",
-    default_status=dg.DefaultScheduleStatus.RUNNING,
-)

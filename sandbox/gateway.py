@@ -53,7 +53,8 @@ from sqlalchemy import (
 )
 from sqlalchemy.engine import Engine
 
-from resources.db import make_engine
+from resources.storage.db import make_engine
+from resources.storage.settings import state_dir
 
 log = logging.getLogger(__name__)
 
@@ -334,7 +335,6 @@ class GatewayServer:
         seed: int | None = None,
     ) -> None:
         if db_url is None:
-            from resources.settings import state_dir  # noqa: PLC0415
 
             db_url = f"sqlite:///{state_dir() / 'gateway.db'}"
         self.db_url = db_url

@@ -25,8 +25,9 @@ from typing import Any
 from aiosmtpd.controller import Controller
 from sqlalchemy import Column, Float, Integer, MetaData, Table, Text, insert, select
 
-from resources.db import make_engine
-from resources.redis_server import free_port
+from resources.storage.db import make_engine
+from resources.storage.settings import state_dir
+from sandbox.redis_server import free_port
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +85,6 @@ class MailSink:
         reject_domains: tuple[str, ...] = ("reject.invalid",),
     ) -> None:
         if db_url is None:
-            from resources.settings import state_dir  # noqa: PLC0415
 
             db_url = f"sqlite:///{state_dir() / 'mailsink.db'}"
         self.db_url = db_url

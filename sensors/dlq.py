@@ -32,9 +32,11 @@ import dagster as dg
 from dagster import DagsterEventType, DagsterRunStatus, RunsFilter
 from sqlalchemy import text
 
+from pipelines.ops import all_jobs
+from pipelines.registry import JOB_TYPES, get_job_type
+from resources.dagster_resources import DlqResource
 from resources.dlq import (
     DlqRecord,
-    DlqResource,
     DlqStatus,
     DlqStore,
     FailureClass,
@@ -68,10 +70,6 @@ def is_job_run(run: dg.DagsterRun) -> bool:
 
 
 def _job_type_names() -> frozenset[str]:
-    try:
-        from pipelines.registry import JOB_TYPES  # noqa: PLC0415 - sensors may import jobs
-    except ImportError:  # pragma: no cover
-        return frozenset()
     return frozenset(JOB_TYPES)
 
 
@@ -91,8 +89,6 @@ def _request_config(run_config: dict[str, Any]) -> dict[str, Any]:
 def _derived_key(job_type: str, payload: Any) -> str | None:
     """The key the job type derives from its payload (runs launched without a key tag)."""
     try:
-        from pipelines.registry import get_job_type  # noqa: PLC0415 - optional at import
-
         jt = get_job_type(job_type)
         return str(jt.key_for(jt.validate(dict(payload))))
     except Exception:  # noqa: BLE001 - bad payload or unknown type: no key to derive
@@ -562,11 +558,7 @@ def _stale_replays(instance: dg.DagsterInstance, store: DlqStore, cutoff: float)
 
 
 def _job_type_jobs() -> list[Any]:
-    try:
-        from pipelines.jobs import all_jobs  # noqa: PLC0415 - sensors may import jobs
-    except ImportError:  # pragma: no cover - the job types are not there yet
-        return []
-    return list(all_jobs() if callable(all_jobs) else all_jobs)
+    return list(all_jobs)
 
 
 dlq_replay_sensor = build_dlq_replay_sensor()

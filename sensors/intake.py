@@ -18,7 +18,7 @@ and a fresh deployment drain the intake without a click; stop it in the UI to pa
 
    Batches never mix queues; a batch's run key is ``intake-{mode}:{first}-{last}:{hash of ids}``.
 
-Modes are chosen by the ``requests`` resource (:class:`~resources.requests.RequestsResource`),
+Modes are chosen by the ``requests`` resource (:class:`~pipelines.requests.RequestsResource`),
 read at tick time: ``SEKALI_INTAKE_MODES="send_email=micro_batch,charge_payment=per_request"``
 per job type, else ``SEKALI_INTAKE_MODE`` for all, else ``per_request``. Batch size and page size
 come from ``SEKALI_INTAKE_BATCH_SIZE`` (50) and ``SEKALI_INTAKE_MAX_PER_TICK`` (200).
@@ -44,8 +44,11 @@ from typing import Any
 
 import dagster as dg
 
-from pipelines.batch import BATCH_JOBS, FAN_OUT_JOB, MICRO_BATCH_JOB
-from resources.requests import JobRequest, RequestsResource, RequestStore
+from pipelines.ops import all_jobs
+from pipelines.ops.batch import BATCH_JOBS, FAN_OUT_JOB, MICRO_BATCH_JOB
+from pipelines.profile import RequestsResource
+from pipelines.registry import get_job_type
+from pipelines.requests import JobRequest, RequestStore
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +129,6 @@ def _tags(mode: IntakeMode, requests: Sequence[JobRequest]) -> dict[str, str]:
 
 
 def _max_runtime(job_type: str) -> float:
-    from pipelines.registry import get_job_type  # noqa: PLC0415
 
     return get_job_type(job_type).max_runtime_seconds
 
@@ -325,7 +327,6 @@ def build_intake_sensor(
 
 
 def _request_jobs() -> list[dg.JobDefinition]:
-    from pipelines.jobs import all_jobs  # noqa: PLC0415
 
     return list(all_jobs)
 

@@ -2,7 +2,7 @@
 
 A sensor rather than a scheduled job: a tick costs no run (no run worker, no run history noise)
 and runs every ``minimum_interval_seconds``. Each tick publishes up to ``MAX_BATCHES`` batches
-through :class:`resources.outbox_publisher.OutboxPublisher` into the in-app consumers (cache
+through :class:`resources.outbox.publisher.OutboxPublisher` into the in-app consumers (cache
 invalidation after commit, through the inbox), and reports what it did as its skip reason.
 Several code locations or daemons running it at once is safe: claims keep one publisher per
 aggregate at a time, and the inbox drops redeliveries.
@@ -14,21 +14,10 @@ from typing import Any
 
 import dagster as dg
 
-from resources.outbox_publisher import (
-    Consumer,
-    InAppPublisher,
-    Inbox,
-    OutboxPublisher,
-    cache_invalidation_consumer,
-)
+from pipelines.consumers import default_consumers
+from resources.outbox import InAppPublisher, Inbox, OutboxPublisher
 
 MAX_BATCHES = 10
-
-
-def default_consumers(resources: Any) -> list[Consumer]:
-    """The in-app consumers: cache invalidation when a cache resource is configured."""
-    cache = getattr(resources, "cache", None)
-    return [cache_invalidation_consumer(cache.get_cache())] if cache is not None else []
 
 
 @dg.sensor(
@@ -41,7 +30,8 @@ def default_consumers(resources: Any) -> list[Consumer]:
 )
 def outbox_publisher(context: dg.SensorEvaluationContext) -> dg.SkipReason:
     db = context.resources.app_db.get_database()
-    publisher = OutboxPublisher(db, InAppPublisher(Inbox(db), default_consumers(context.resources)))
+    consumers = default_consumers(_cache(context.resources))
+    publisher = OutboxPublisher(db, InAppPublisher(Inbox(db), consumers))
     stats = publisher.publish_pending(max_batches=MAX_BATCHES)
     if stats.errors:
         context.log.warning(f"outbox: {stats.failed} events failed: {stats.errors[:5]}")
@@ -52,3 +42,8 @@ def outbox_publisher(context: dg.SensorEvaluationContext) -> dg.SkipReason:
 
 
 sensors = [outbox_publisher]
+
+
+def _cache(resources: Any) -> Any:
+    cache = getattr(resources, "cache", None)
+    return cache.get_cache() if cache is not None else None

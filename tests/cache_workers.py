@@ -13,7 +13,7 @@ from typing import Any
 
 import redis
 
-from resources.cache_core import StampedeCache
+from resources.cache.core import StampedeCache
 
 
 def calls_key(namespace: str) -> str:

@@ -21,9 +21,9 @@ import pytest
 import redis
 from sqlalchemy import create_engine, text
 
-from resources.db import Database
-from resources.migrations import upgrade
-from resources.redis_server import RedisServer, free_port
+from resources.storage.db import Database
+from resources.storage.migrations import upgrade
+from sandbox.redis_server import RedisServer, free_port
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 PG_URL = os.environ.get(

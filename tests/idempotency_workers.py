@@ -17,8 +17,8 @@ from typing import Any
 
 from sqlalchemy import text
 
-from resources.db import Database
 from resources.idempotency import Claim, Completed, IdempotencyStore
+from resources.storage.db import Database
 
 EFFECTS_DDL = "CREATE TABLE IF NOT EXISTS effects (key TEXT NOT NULL, worker TEXT NOT NULL)"
 """The side effect of the race: deliberately no unique constraint, so a duplicate would show."""
@@ -175,7 +175,7 @@ def phase_victim(url: str, key: str, stop_where: str, stop_phase: str, state_dir
 
 def migrate_worker(url: str, start_at: float) -> list[str]:
     """Apply ``sql/`` on ``url`` from wall-clock ``start_at``; return what this one applied."""
-    from resources.migrations import upgrade  # noqa: PLC0415
+    from resources.storage.migrations import upgrade  # noqa: PLC0415
 
     db = Database.from_url(url, pool_size=1, max_overflow=0)
     time.sleep(max(0.0, start_at - time.time()))

@@ -28,13 +28,14 @@ def dagster_resources(
     retry: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The resources of the per-request jobs, every endpoint explicit (no environment)."""
-    from resources.cache import CacheResource
-    from resources.database import DatabaseResource
-    from resources.idempotency import IdempotencyResource
-    from resources.locks import LockResource
-    from resources.mail import MailerResource
-    from resources.payments import PaymentGatewayResource
-    from resources.retry import RetryResource
+    from pipelines.profile import MailerResource, PaymentGatewayResource
+    from resources.dagster_resources import (
+        CacheResource,
+        DatabaseResource,
+        IdempotencyResource,
+        LockResource,
+        RetryResource,
+    )
 
     retry_cfg = {
         "max_attempts": 3,
@@ -61,9 +62,9 @@ def run_job(job_name: str, run_config: dict[str, Any], resources: dict[str, Any]
     """Run one per-request job in process on an ephemeral instance; True on success."""
     import dagster as dg
 
-    from pipelines import jobs
+    from pipelines import ops
 
-    job = next(j for j in jobs.all_jobs if j.name == job_name)
+    job = next(j for j in ops.all_jobs if j.name == job_name)
     result = job.execute_in_process(
         run_config=run_config,
         resources=resources,
@@ -83,7 +84,7 @@ def request_loop(args: dict[str, Any]) -> list[dict[str, Any]]:
     from pipelines.services import Services
     from resources.errors import AlreadyInProgress
     from resources.retry import RetryPolicy
-    from resources.settings import Settings
+    from resources.storage.settings import Settings
 
     settings = Settings(
         database_url=args["db_url"],

@@ -17,9 +17,9 @@ from typing import Any
 import redis
 from sqlalchemy import text
 
-from resources.db import Database
 from resources.errors import FencedWriteRejected, LockLost
 from resources.locks import DbLock, MemoryLockStats, RedisLock, fenced_write
+from resources.storage.db import Database
 
 COUNTER_DDL = "CREATE TABLE IF NOT EXISTS lock_counter (name TEXT PRIMARY KEY, value INTEGER)"
 BUSINESS_DDL = (

@@ -10,11 +10,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from resources.attempts import AttemptRecorder, Outcome
-from resources.db import Database
+from pipelines.attempts import AttemptRecorder, Outcome
+from pipelines.domain.payments import HttpPaymentGateway
+from pipelines.requests import RequestStore
 from resources.idempotency import Completed, IdempotencyStore
-from resources.payments import HttpPaymentGateway
-from resources.requests import RequestStore
+from resources.storage.db import Database
 
 
 class FakeClock:

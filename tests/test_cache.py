@@ -15,9 +15,10 @@ from typing import Any
 import pytest
 import redis
 
-from resources.cache import NO_VALUE, CacheResource, StampedeCache, key_pattern
-from resources.cache_core import xfetch_factor
-from resources.cache_scripts import KeyLayout
+from resources.cache import NO_VALUE, StampedeCache, key_pattern
+from resources.cache.core import xfetch_factor
+from resources.cache.scripts import KeyLayout
+from resources.dagster_resources import CacheResource
 from resources.errors import CacheLoaderFailed, CacheLoadTimeout, TransientJobError
 
 pytestmark = pytest.mark.redis
@@ -473,7 +474,7 @@ def test_resource_builds_lazily_from_settings(
 ) -> None:
     monkeypatch.setenv("REDIS_URL", "redis://127.0.0.1:1/0")  # nothing listens: must not be dialled
     resource = CacheResource(namespace=namespace, ttl=30)
-    assert resource._cache is None
+    assert resource._built is None
     monkeypatch.setenv("REDIS_URL", redis_url)
     cache = resource.get_cache()
     assert cache is resource.get_cache() and cache.ttl == 30

@@ -10,7 +10,7 @@ import pytest
 import redis
 
 from resources.cache import StampedeCache
-from resources.cache_scripts import KeyLayout
+from resources.cache.scripts import KeyLayout
 from tests.cache_workers import calls_key, release_key, stampede_callers
 
 pytestmark = pytest.mark.redis

@@ -18,7 +18,7 @@ import pytest
 from sqlalchemy import text
 
 from pipelines.cli import main as sekali
-from sandbox.chaos import (
+from proof.chaos import (
     ChaosConfig,
     ChaosReport,
     ChaosWorld,

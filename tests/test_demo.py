@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from sandbox import demo
+from proof import demo
 
 
 @pytest.mark.slow

@@ -22,10 +22,7 @@ import pytest
 import redis
 from sqlalchemy import text
 
-from pipelines.registry import JOB_TYPES
-from resources.cache_core import StampedeCache
-from resources.db import Database
-from resources.diagnosis import (
+from pipelines.diagnosis import (
     CHECKS,
     ERROR,
     WARN,
@@ -35,11 +32,14 @@ from resources.diagnosis import (
     diagnose,
     has_errors,
 )
+from pipelines.domain.payments import HttpPaymentGateway
+from pipelines.registry import JOB_TYPES
+from resources.cache.core import StampedeCache
 from resources.dlq import DlqStore, FailureClass, FailureInfo
 from resources.errors import TransientJobError
-from resources.migrations import upgrade
-from resources.payments import HttpPaymentGateway
 from resources.retry import retry_delay
+from resources.storage.db import Database
+from resources.storage.migrations import upgrade
 from sandbox.gateway import GatewayServer
 from tests.metrics_support import FakeClock, World
 

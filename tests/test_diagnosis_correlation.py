@@ -13,17 +13,17 @@ from pathlib import Path
 
 from sqlalchemy import text
 
+from pipelines.attempts import AttemptRecorder
+from pipelines.diagnosis import DiagnosisSetup, EffectLedger, check_correlation
+from pipelines.domain.payments import HttpPaymentGateway
 from pipelines.intake import enqueue
 from pipelines.registry import JOB_TYPES
 from pipelines.runtime import execute_request
 from pipelines.services import Services
-from resources.attempts import AttemptRecorder
-from resources.db import Database
-from resources.diagnosis import DiagnosisSetup, EffectLedger, check_correlation
 from resources.idempotency import IdempotencyStore
-from resources.logging_json import JsonFormatter, configure_json_logging, correlation_context
-from resources.migrations import upgrade
-from resources.payments import HttpPaymentGateway
+from resources.storage.db import Database
+from resources.storage.migrations import upgrade
+from resources.telemetry.logs import JsonFormatter, configure_json_logging, correlation_context
 from sandbox.gateway import GatewayServer
 from sensors.intake import TAG_CORRELATION, IntakeMode, _tags, per_request_run_config
 
@@ -81,7 +81,7 @@ def test_json_logs_carry_correlation_fields(sqlite_url: str) -> None:
     db = Database.from_url(sqlite_url)
     upgrade(db)
     stream = io.StringIO()
-    handler = configure_json_logging(logging.INFO, stream=stream, logger="resources.attempts")
+    handler = configure_json_logging(logging.INFO, stream=stream, logger="pipelines.attempts")
     other = logging.getLogger("tests.obs")
     other.addHandler(handler)
     other.setLevel(logging.INFO)
@@ -102,10 +102,10 @@ def test_json_logs_carry_correlation_fields(sqlite_url: str) -> None:
         for t in threads:
             t.join()
     finally:
-        logging.getLogger("resources.attempts").removeHandler(handler)
+        logging.getLogger("pipelines.attempts").removeHandler(handler)
         other.removeHandler(handler)
     lines = [json.loads(line) for line in stream.getvalue().splitlines()]
-    attempt = next(x for x in lines if x["logger"] == "resources.attempts")
+    attempt = next(x for x in lines if x["logger"] == "pipelines.attempts")
     assert attempt["correlation_id"] == "c-9" and attempt["run_id"] == "run-1"
     assert attempt["idempotency_key"] == "email:w:1:d" and attempt["outcome"] == "completed"
     work = sorted((x["correlation_id"], x["run_id"], x["request_id"])

@@ -16,10 +16,11 @@ import pytest
 from sqlalchemy import text
 
 from pipelines.cli import main as cli
-from pipelines.jobs import all_jobs
-from resources.db import Database
+from pipelines.domain.inventory import Inventory
+from pipelines.ops import all_jobs
+from pipelines.requests import RequestStore
+from resources.dagster_resources import DlqResource
 from resources.dlq import (
-    DlqResource,
     DlqStatus,
     DlqStore,
     FailureClass,
@@ -28,8 +29,7 @@ from resources.dlq import (
     normalise_message,
 )
 from resources.idempotency import IdempotencyStore
-from resources.inventory import Inventory
-from resources.requests import RequestStore
+from resources.storage.db import Database
 from sensors.dlq import build_dlq_replay_sensor, dlq_sensor, dlq_sweep_sensor, sweep
 from tests.job_workers import dagster_resources
 

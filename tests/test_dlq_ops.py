@@ -9,10 +9,11 @@ from typing import Any
 import dagster as dg
 from sqlalchemy import text
 
-from pipelines.dlq_ops import dlq_operations
-from resources.db import Database
-from resources.dlq import DlqResource, DlqStatus, DlqStore, FailureInfo
+from pipelines.ops.dlq_ops import dlq_operations
+from resources.dagster_resources import DlqResource
+from resources.dlq import DlqStatus, DlqStore, FailureInfo
 from resources.idempotency import IdempotencyStore
+from resources.storage.db import Database
 
 
 def _info(i: int, run: str, *, job_type: str = "send_email") -> FailureInfo:

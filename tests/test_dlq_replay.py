@@ -23,9 +23,10 @@ import pytest
 from sqlalchemy import text
 
 from pipelines.cli import main as cli
-from pipelines.jobs import charge_payment_job
-from resources.db import Database
-from resources.dlq import DlqResource, DlqStatus, DlqStore, FailureInfo
+from pipelines.ops import charge_payment_job
+from resources.dagster_resources import DlqResource
+from resources.dlq import DlqStatus, DlqStore, FailureInfo
+from resources.storage.db import Database
 from sandbox.gateway import GatewayServer
 from sensors.dlq import build_dlq_replay_sensor, sweep
 from tests.job_workers import dagster_resources
@@ -36,7 +37,7 @@ _CHILD = """
 import json, sys
 import dagster as dg
 from dagster._core.instance.ref import InstanceRef
-from pipelines.jobs import charge_payment_job
+from pipelines.ops import charge_payment_job
 from tests.job_workers import dagster_resources
 spec = json.loads(sys.argv[1])
 instance = dg.DagsterInstance.from_ref(InstanceRef.from_dir(spec["home"]))

@@ -16,13 +16,15 @@ from typing import Any
 
 import dagster as dg
 
-from pipelines.batch import intake_micro_batch
-from pipelines.jobs import reserve_inventory_job, send_email_job
-from resources.db import Database
-from resources.dlq import DlqResource, DlqStatus, DlqStore, FailureInfo
+from pipelines.domain.inventory import Inventory
+from pipelines.ops import reserve_inventory_job, send_email_job
+from pipelines.ops.batch import intake_micro_batch
+from pipelines.profile import RequestsResource
+from pipelines.requests import RequestStore
+from resources.dagster_resources import DlqResource
+from resources.dlq import DlqStatus, DlqStore, FailureInfo
 from resources.idempotency import IdempotencyStore
-from resources.inventory import Inventory
-from resources.requests import RequestsResource, RequestStore
+from resources.storage.db import Database
 from sensors.dlq import build_dlq_replay_sensor, sweep
 from tests.job_workers import dagster_resources
 

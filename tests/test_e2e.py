@@ -22,14 +22,14 @@ import dagster as dg
 import pytest
 from dagster_graphql import DagsterGraphQLClient
 
+from pipelines.domain.mail import message_id_for
 from pipelines.instance import prepare_dagster_home
-from resources.db import Database
-from resources.mail import message_id_for
-from resources.migrations import upgrade
-from resources.redis_server import free_port
-from resources.requests import RequestStatus, RequestStore
+from pipelines.requests import RequestStatus, RequestStore
+from resources.storage.db import Database
+from resources.storage.migrations import upgrade
 from sandbox.gateway import GatewayServer
 from sandbox.mailsink import MailSink
+from sandbox.redis_server import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.dagster, pytest.mark.timeout(420)]
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import create_engine, text
 
-from resources.redis_server import free_port
+from sandbox.redis_server import free_port
 from tests.conftest import IN_CI, PG_URL, _postgres_error, need_server
 
 ROOT = Path(__file__).resolve().parent.parent

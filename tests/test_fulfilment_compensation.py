@@ -16,12 +16,12 @@ import dagster as dg
 import pytest
 from sqlalchemy import text
 
-from pipelines import jobs
+from pipelines import ops
+from pipelines.domain.inventory import Inventory, ReservationsNotHeld
 from pipelines.reconciliation import Reconciler
-from resources.db import Database
 from resources.dlq import DlqStore, FailureClass, FailureInfo
 from resources.idempotency import IdempotencyStore, Status
-from resources.inventory import Inventory, ReservationsNotHeld
+from resources.storage.db import Database
 from tests.job_workers import dagster_resources
 
 pytestmark = pytest.mark.dagster
@@ -68,7 +68,7 @@ def _run(
         db_url=db_url, redis_url=redis_url, namespace=namespace,
         retry={"max_attempts": 1, "budget_enabled": False},  # give up at once: DLQ, replay later
     )
-    return jobs.fulfill_order_job.execute_in_process(
+    return ops.fulfill_order_job.execute_in_process(
         run_config={"ops": {"fulfill_order_op": {"config": {"payload": PAYLOAD}}}},
         resources=resources, instance=instance, raise_on_error=False,
     )

@@ -22,17 +22,17 @@ from pathlib import Path
 import pytest
 import urllib3
 
-from resources.payments import (
+from pipelines.domain.payments import (
     Charge,
     GatewayRejected,
     GatewayUnavailable,
     HttpPaymentGateway,
     PaymentGateway,
-    PaymentGatewayResource,
 )
-from resources.redis_server import free_port
+from pipelines.profile import PaymentGatewayResource
 from resources.retry import ErrorClass, classify
 from sandbox.gateway import GatewayServer
+from sandbox.redis_server import free_port
 
 
 @pytest.fixture

@@ -18,7 +18,6 @@ from typing import Any
 import pytest
 from sqlalchemy import text
 
-from resources.db import Database
 from resources.errors import PermanentJobError, SekaliError, TransientJobError
 from resources.idempotency import (
     AlreadyInProgress,
@@ -30,7 +29,8 @@ from resources.idempotency import (
     Status,
     StoredFailure,
 )
-from resources.migrations import upgrade
+from resources.storage.db import Database
+from resources.storage.migrations import upgrade
 from tests.idempotency_workers import (
     PHASE_EFFECTS_DDL,
     PHASES,

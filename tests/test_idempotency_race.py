@@ -13,8 +13,8 @@ from concurrent.futures import ProcessPoolExecutor
 
 from sqlalchemy import text
 
-from resources.db import Database
 from resources.idempotency import IdempotencyStore, Status
+from resources.storage.db import Database
 from tests.idempotency_workers import EFFECTS_DDL, race_worker
 
 PROCESSES = 4

@@ -26,7 +26,6 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from resources.db import Database
 from resources.idempotency import (
     AlreadyInProgress,
     Claim,
@@ -38,6 +37,7 @@ from resources.idempotency import (
     StoredFailure,
     payload_hash,
 )
+from resources.storage.db import Database
 
 LEASE = 10.0
 RETENTION = 30.0

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from pipelines.intake import enqueue
-from resources.db import Database
+from pipelines.requests import RequestStatus, RequestStore
 from resources.errors import IdempotencyConflict, ValidationError
-from resources.requests import RequestStatus, RequestStore
+from resources.storage.db import Database
 
 EMAIL = {"template": "welcome", "user_id": "u-1", "date": "2026-11-29", "to": "u1@example.com"}
 SEKALI = str(Path(sys.executable).with_name("sekali"))

@@ -19,11 +19,12 @@ from typing import Any
 import dagster as dg
 import pytest
 
-from pipelines.batch import FAN_OUT_JOB, MICRO_BATCH_JOB, intake_fan_out, intake_micro_batch
-from pipelines.jobs import send_email_job
-from resources.db import Database
-from resources.mail import message_id_for
-from resources.requests import RequestsResource, RequestStatus, RequestStore
+from pipelines.domain.mail import message_id_for
+from pipelines.ops import send_email_job
+from pipelines.ops.batch import FAN_OUT_JOB, MICRO_BATCH_JOB, intake_fan_out, intake_micro_batch
+from pipelines.profile import RequestsResource
+from pipelines.requests import RequestStatus, RequestStore
+from resources.storage.db import Database
 from sandbox.mailsink import MailSink
 from sensors.intake import TAG_KEY, TAG_QUEUE, TAG_REQUEST_ID, intake_sensor
 from tests.job_workers import dagster_resources

@@ -8,9 +8,9 @@ from collections.abc import Iterator
 import dagster as dg
 import pytest
 
-from pipelines.jobs import send_email_job
-from resources.db import Database
-from resources.requests import RequestStatus, RequestStore
+from pipelines.ops import send_email_job
+from pipelines.requests import RequestStatus, RequestStore
+from resources.storage.db import Database
 from sensors.intake import IntakePolicy, reconcile_finished_runs, run_requests_for
 
 pytestmark = pytest.mark.dagster
@@ -77,7 +77,7 @@ def test_a_relaunch_skips_requests_whose_batch_run_has_not_ended(
     claimed = store.claim_for_launch(10, relaunch_after=120)
     (batch,), run_keys = run_requests_for(claimed, policy)
     store.set_run_keys(run_keys)
-    from pipelines.batch import BATCH_JOBS
+    from pipelines.ops.batch import BATCH_JOBS
 
     micro_batch_job = next(j for j in BATCH_JOBS if j.name == batch.job_name)
     run = instance.create_run_for_job(

@@ -8,9 +8,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from sqlalchemy import text
 
-from resources.db import Database
+from pipelines.requests import TRANSITIONS, RequestStatus, RequestStore
 from resources.errors import IdempotencyConflict
-from resources.requests import TRANSITIONS, RequestStatus, RequestStore
+from resources.storage.db import Database
 
 N_KEYS = 60
 

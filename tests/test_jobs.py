@@ -17,16 +17,16 @@ import dagster as dg
 import pytest
 from sqlalchemy import text
 
-from pipelines import jobs
+from pipelines import ops
+from pipelines.attempts import AttemptRecorder
+from pipelines.domain.inventory import Inventory
+from pipelines.domain.mail import message_id_for
 from pipelines.jobs.payment import reference_for
 from pipelines.registry import JOB_TYPES, get_job_type
-from resources.attempts import AttemptRecorder
-from resources.db import Database
 from resources.errors import ValidationError
 from resources.idempotency import IdempotencyStore, Status
-from resources.inventory import Inventory
-from resources.mail import message_id_for
-from resources.migrations import upgrade
+from resources.storage.db import Database
+from resources.storage.migrations import upgrade
 from sandbox.gateway import GatewayServer
 from sandbox.mailsink import MailSink
 from tests.job_workers import dagster_resources
@@ -65,7 +65,7 @@ class World:
         self, job_name: str, payload: dict[str, Any], *,
         resources: dict[str, Any] | None = None, **config: Any,
     ) -> dg.ExecuteInProcessResult:
-        job = next(j for j in jobs.all_jobs if j.name == job_name)
+        job = next(j for j in ops.all_jobs if j.name == job_name)
         return job.execute_in_process(
             run_config={"ops": {f"{job_name}_op": {"config": {"payload": payload, **config}}}},
             resources=resources or self.resources(),
@@ -178,7 +178,7 @@ def test_permanent_error_runs_once_and_is_not_retried(world: World) -> None:
         ("failed_permanent", "ValidationError", "permanent")
     ]
     assert world.gateway.charges() == []
-    tags = jobs.charge_payment_job.tags
+    tags = ops.charge_payment_job.tags
     assert tags["dagster/retry_on_asset_or_op_failure"] == "false"
 
 
@@ -220,8 +220,8 @@ def test_failed_fulfilment_needs_compensation(world: World) -> None:
 
 def test_jobs_carry_queue_runtime_and_no_run_retry_tags() -> None:
     """Regression caught: a job that can stay STARTED forever or be retried by the daemon."""
-    assert {j.name for j in jobs.all_jobs} == set(JOB_NAMES)
-    for job in jobs.all_jobs:
+    assert {j.name for j in ops.all_jobs} == set(JOB_NAMES)
+    for job in ops.all_jobs:
         jt = JOB_TYPES[job.name]
         assert job.tags["sekali/queue"] == jt.queue in ("heavy", "light")
         assert float(job.tags["dagster/max_runtime"]) == jt.max_runtime_seconds > 0
@@ -274,8 +274,8 @@ def test_schema_matches_declared_tables(db: Database) -> None:
     """Regression caught: a column declared in code but missing from sql/ (or the reverse)."""
     from sqlalchemy import inspect
 
-    import pipelines.jobs.tables  # noqa: F401 - declares the business tables
-    from resources.db import metadata
+    import pipelines.domain.tables  # noqa: F401 - declares the business tables
+    from resources.storage.db import metadata
 
     inspector = inspect(db.engine)
     for name in ("orders", "stock", "reservations", "shipments", "report_snapshots", "outbox",

@@ -16,10 +16,10 @@ from typing import Any
 
 import pytest
 
+from pipelines.attempts import AttemptRecorder
+from pipelines.domain.inventory import Inventory
 from pipelines.jobs.payment import reference_for
-from resources.attempts import AttemptRecorder
-from resources.db import Database
-from resources.inventory import Inventory
+from resources.storage.db import Database
 from sandbox.gateway import GatewayServer
 from tests.job_workers import request_loop
 

@@ -22,12 +22,12 @@ import dagster as dg
 import pytest
 from sqlalchemy import text
 
-from pipelines import jobs
+from pipelines import ops
+from pipelines.attempts import AttemptRecorder
+from pipelines.domain.inventory import Inventory
 from pipelines.jobs.payment import reference_for
-from resources.attempts import AttemptRecorder
-from resources.db import Database
 from resources.idempotency import IdempotencyStore, Status
-from resources.inventory import Inventory
+from resources.storage.db import Database
 from sandbox.gateway import GatewayServer
 from tests.job_workers import dagster_resources
 
@@ -106,7 +106,7 @@ def test_sigkill_after_charge_then_retry_makes_no_second_charge(
     assert status == "payment_pending"
     wait_for_lease_expiry(db, "payment:o-k")
 
-    result = rerun(jobs.charge_payment_job, payload, spec)
+    result = rerun(ops.charge_payment_job, payload, spec)
     assert result.success
     charges = gateway.ledger.by_reference(reference)
     assert len(charges) == 1
@@ -127,7 +127,7 @@ def test_sigkill_after_recording_the_charge_resumes_without_calling_the_gateway(
 ) -> None:
     """Regression caught: a resumed attempt that ignores its recovery point."""
     db = Database.from_url(sqlite_url)
-    from resources.migrations import upgrade
+    from resources.storage.migrations import upgrade
 
     upgrade(db)
     gateway = gateway_factory(False)
@@ -136,7 +136,7 @@ def test_sigkill_after_recording_the_charge_resumes_without_calling_the_gateway(
     payload = {"order_id": "o-r", "amount_cents": 100}
     crash_run("charge_payment", payload, "after_record_charge", spec)
     wait_for_lease_expiry(db, "payment:o-r")
-    assert rerun(jobs.charge_payment_job, payload, spec).success
+    assert rerun(ops.charge_payment_job, payload, spec).success
     assert len(gateway.charges()) == 1
     last = AttemptRecorder(db).for_key("payment:o-r")[-1]
     assert last["status_before"] == "charged_not_confirmed" and last["status_after"] == "paid"
@@ -157,7 +157,7 @@ def test_sigkill_after_reservation_resumes_fulfilment_without_reserving_twice(
     crash_run("fulfill_order", payload, "after_reserve", spec)
     assert inventory.stock("box") == (10, 3)
     wait_for_lease_expiry(db, "fulfil:o-f")
-    assert rerun(jobs.fulfill_order_job, payload, spec).success
+    assert rerun(ops.fulfill_order_job, payload, spec).success
     assert inventory.stock("box") == (7, 0)
     with db.statement() as conn:
         events = conn.execute(
@@ -210,7 +210,7 @@ def test_stalled_worker_resumed_after_takeover_cannot_write(
     """Regression caught (invariant 3): a worker frozen after charging (SIGSTOP) wakes after
     another worker took the key over and finished; its late writes must be rejected (fence /
     owner token), it must record lease_lost, and the order keeps the new owner's result."""
-    from resources.migrations import upgrade
+    from resources.storage.migrations import upgrade
 
     db = Database.from_url(sqlite_url)
     upgrade(db)
@@ -218,7 +218,7 @@ def test_stalled_worker_resumed_after_takeover_cannot_write(
     spec = {"db_url": sqlite_url, "redis_url": redis_url, "namespace": namespace,
             "gateway_url": gateway.url, "lease_seconds": LEASE}
     payload = {"order_id": "o-s", "amount_cents": 250}
-    stall_and_take_over(jobs.charge_payment_job, payload, spec, db, "payment:o-s", "after_charge")
+    stall_and_take_over(ops.charge_payment_job, payload, spec, db, "payment:o-s", "after_charge")
     assert len(gateway.charges()) == 1
     rows = AttemptRecorder(db).for_key("payment:o-s")
     by_fence = {(r["fence"], r["outcome"]) for r in rows}
@@ -237,8 +237,8 @@ def test_mail_worker_resumed_after_takeover_does_not_send(
     heartbeat of a worker just resumed from a pause has not yet seen that its key was taken
     over. The job confirms its lease in the store right before sending, so the frozen worker
     records lease_lost and sends nothing; the new owner's mail is the only one."""
-    from resources.mail import message_id_for
-    from resources.migrations import upgrade
+    from pipelines.domain.mail import message_id_for
+    from resources.storage.migrations import upgrade
     from sandbox.mailsink import MailSink
 
     db = Database.from_url(sqlite_url)
@@ -249,7 +249,7 @@ def test_mail_worker_resumed_after_takeover_does_not_send(
     payload = {"template": "welcome", "user_id": "u-s", "date": "2026-11-29", "to": "s@x.test"}
     key = "email:welcome:u-s:2026-11-29"
     try:
-        stall_and_take_over(jobs.send_email_job, payload, spec, db, key, "before_send")
+        stall_and_take_over(ops.send_email_job, payload, spec, db, key, "before_send")
         assert [m["message_id"] for m in sink.messages()] == [message_id_for(key)]
     finally:
         sink.stop()

@@ -11,11 +11,11 @@ from typing import Any
 import dagster as dg
 import pytest
 
-from pipelines import jobs
+from pipelines import ops
+from pipelines.attempts import AttemptRecorder
 from pipelines.jobs.payment import reference_for
-from resources.attempts import AttemptRecorder
-from resources.db import Database
 from resources.idempotency import IdempotencyStore, Status
+from resources.storage.db import Database
 from sandbox.gateway import GatewayServer
 from tests.job_workers import dagster_resources
 
@@ -42,7 +42,7 @@ def run_payment(
         retry=retry,
     )
     with dg.DagsterInstance.ephemeral() as instance:
-        return jobs.charge_payment_job.execute_in_process(
+        return ops.charge_payment_job.execute_in_process(
             run_config={"ops": {"charge_payment_op": {"config": {
                 "payload": {"order_id": order_id, "amount_cents": 900}}}}},
             resources=resources, instance=instance, raise_on_error=False,
@@ -124,7 +124,7 @@ def test_transient_error_then_recovery_charges_once(
         )
 
         with dg.DagsterInstance.ephemeral() as instance:
-            result = jobs.charge_payment_job.execute_in_process(
+            result = ops.charge_payment_job.execute_in_process(
                 run_config={"ops": {"charge_payment_op": {"config": {
                     "payload": {"order_id": "o-d", "amount_cents": 300}}}}},
                 resources=resources, instance=instance, raise_on_error=False,

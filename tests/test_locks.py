@@ -23,13 +23,12 @@ import pytest
 import redis
 from sqlalchemy import create_engine, text
 
-from resources.db import Database
+from resources.dagster_resources import LockResource
 from resources.errors import FencedWriteRejected
 from resources.locks import (
     DbLock,
     LockLost,
     LockNotAcquired,
-    LockResource,
     MemoryLockStats,
     NoLock,
     RedisLock,
@@ -40,8 +39,9 @@ from resources.locks import (
     lock_stats,
     name_pattern,
 )
-from resources.migrations import upgrade
-from resources.redis_server import RedisServer
+from resources.storage.db import Database
+from resources.storage.migrations import upgrade
+from sandbox.redis_server import RedisServer
 from tests import lock_workers
 from tests.lock_workers import BUSINESS_DDL, COUNTER_DDL, write_business
 
@@ -633,8 +633,8 @@ def test_sql_creates_the_lock_tables_the_code_declares(db: Database) -> None:
     """Catches sql/0020_locks.sql drifting from the Table objects the lock code declares."""
     from sqlalchemy import inspect as sa_inspect
 
-    from resources.fencing import fence_registry
     from resources.locks import lock_leases
+    from resources.locks.fencing import fence_registry
 
     inspector = sa_inspect(db.engine)
     for table in (lock_leases, fence_registry):

@@ -20,17 +20,11 @@ from pathlib import Path
 
 import pytest
 
-from resources.mail import (
-    Mailer,
-    MailerResource,
-    MailRejected,
-    MailUnavailable,
-    SmtpMailer,
-    message_id_for,
-)
-from resources.redis_server import free_port
+from pipelines.domain.mail import Mailer, MailRejected, MailUnavailable, SmtpMailer, message_id_for
+from pipelines.profile import MailerResource
 from resources.retry import ErrorClass, classify
 from sandbox.mailsink import MailSink
+from sandbox.redis_server import free_port
 
 
 @pytest.fixture

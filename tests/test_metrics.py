@@ -19,13 +19,13 @@ import dagster as dg
 import pytest
 import redis
 
-from resources.cache_core import StampedeCache
-from resources.db import Database
+from pipelines.metrics import MetricsCollector, MetricsSnapshot, percentile, to_prometheus
+from resources.cache.core import StampedeCache
 from resources.dlq import DlqStore, FailureClass, FailureInfo
 from resources.errors import LockNotAcquired, TransientJobError
 from resources.locks import RedisLockStats, lock_stats
-from resources.metrics import MetricsCollector, MetricsSnapshot, percentile, to_prometheus
-from resources.migrations import upgrade
+from resources.storage.db import Database
+from resources.storage.migrations import upgrade
 from tests.metrics_support import FakeClock, World, record_attempts_worker
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,7 +37,7 @@ DURATIONS = {
 
 
 def nearest_rank(values: list[float], q: float) -> float:
-    """Independent of resources.metrics: sort, take the ceil(q*n)-th value."""
+    """Independent of pipelines.metrics: sort, take the ceil(q*n)-th value."""
     ordered = sorted(values)
     return ordered[math.ceil(q * len(ordered)) - 1]
 
@@ -288,7 +288,7 @@ def test_cli_metrics_serve_and_show(tmp_path: Path, redis_url: str) -> None:
     metrics = json.loads(shown.stdout)["metrics"]
     assert metrics["sekali_jobs_executed"] == 3
     assert metrics["sekali_duplicates_suppressed"] == 1
-    from resources.redis_server import free_port
+    from sandbox.redis_server import free_port
 
     port = free_port()
     proc = subprocess.Popen(
@@ -322,11 +322,14 @@ def test_metrics_asset_metadata_matches_workload(
 ) -> None:
     """Materialising sekali_metrics in Dagster records the workload's numbers as float metadata
     (what the UI plots), and the checklist runs as asset checks with severities."""
-    from pipelines.observability import ObservabilityResource, sekali_health, sekali_metrics
-    from resources.cache import CacheResource
-    from resources.database import DatabaseResource
-    from resources.idempotency import IdempotencyResource
-    from resources.locks import LockResource
+    from pipelines.assets.observability import sekali_health, sekali_metrics
+    from pipelines.profile import ObservabilityResource
+    from resources.dagster_resources import (
+        CacheResource,
+        DatabaseResource,
+        IdempotencyResource,
+        LockResource,
+    )
 
     url = f"sqlite:///{tmp_path / 'app.db'}"
     db = Database.from_url(url)

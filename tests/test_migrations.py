@@ -15,9 +15,9 @@ import pytest
 from sqlalchemy import inspect, text
 
 import resources
-from resources.db import Database, metadata
 from resources.errors import SekaliError
-from resources.migrations import (
+from resources.storage.db import Database, metadata
+from resources.storage.migrations import (
     MigrationDrift,
     applied,
     load_migrations,
@@ -49,7 +49,7 @@ def test_upgrade_twice_is_a_noop_and_recorded(db_url: str) -> None:
 
 
 def test_schema_matches_declared_tables(db: Database) -> None:
-    """Every Table in ``resources.db.metadata`` exists with the same column names.
+    """Every Table in ``resources.storage.db.metadata`` exists with the same column names.
     Catches: a module declaring a column that no sql/ file creates (or the reverse)."""
     import_all_resources()
     assert "idempotency_records" in metadata.tables
@@ -148,7 +148,7 @@ def test_split_statements() -> None:
 
 def test_identity_placeholder_renders_per_dialect_and_ids_auto_increment(db: Database) -> None:
     """One file serves both backends: ``{{identity}}`` becomes each dialect's auto-increment key."""
-    from resources.migrations import render
+    from resources.storage.migrations import render
 
     assert "{{" not in render("id {{identity}},", db.dialect)
     assert all("{{identity}}" not in m.sql for m in load_migrations(db.dialect))

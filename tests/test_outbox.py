@@ -24,18 +24,18 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
-from resources.db import Database
-from resources.migrations import upgrade
+from pipelines.consumers import cache_invalidation_consumer
 from resources.outbox import write_event
-from resources.outbox_publisher import (
+from resources.outbox.publisher import (
     Consumer,
     InAppPublisher,
     Inbox,
     OutboxEvent,
     OutboxPublisher,
-    cache_invalidation_consumer,
     unpublished_older_than,
 )
+from resources.storage.db import Database
+from resources.storage.migrations import upgrade
 
 ROOT = Path(__file__).resolve().parent.parent
 AGGREGATES = 8

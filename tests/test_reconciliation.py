@@ -17,15 +17,17 @@ import dagster as dg
 import pytest
 from sqlalchemy import text
 
-from pipelines.reconciliation import CHECKS, Reconciler, dlq_retention_check, reconciliation
-from resources.db import Database
-from resources.dlq import DlqResource, DlqStore, FailureInfo, RetentionTooShort
+from pipelines.assets.reconciliation import dlq_retention_check, reconciliation
+from pipelines.domain.inventory import Inventory
+from pipelines.domain.payments import HttpPaymentGateway
+from pipelines.reconciliation import CHECKS, Reconciler
+from pipelines.requests import RequestStore
+from resources.dagster_resources import DlqResource
+from resources.dlq import DlqStore, FailureInfo, RetentionTooShort
 from resources.idempotency import IdempotencyStore
-from resources.inventory import Inventory
 from resources.outbox import write_event
-from resources.outbox_publisher import Consumer, InAppPublisher, Inbox, OutboxPublisher
-from resources.payments import HttpPaymentGateway
-from resources.requests import RequestStore
+from resources.outbox.publisher import Consumer, InAppPublisher, Inbox, OutboxPublisher
+from resources.storage.db import Database
 from sandbox.gateway import GatewayServer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -250,10 +252,8 @@ def test_asset_metadata_counts_and_retention_check_warns(
 ) -> None:
     """Catches: metadata that does not carry the counts; an open DLQ record about to be dropped
     by a retention limit without a warning."""
-    from resources.cache import CacheResource
-    from resources.database import DatabaseResource
-    from resources.idempotency import IdempotencyResource
-    from resources.payments import PaymentGatewayResource
+    from pipelines.profile import PaymentGatewayResource
+    from resources.dagster_resources import CacheResource, DatabaseResource, IdempotencyResource
 
     plant(db, gateway.url)
     old = DlqStore(db, clock=lambda: time.time() - 29 * 86400)

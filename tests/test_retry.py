@@ -33,6 +33,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from sqlalchemy import create_engine, text
 
+from resources.dagster_resources import RetryResource, to_dagster
 from resources.errors import (
     AlreadyInProgress,
     IdempotencyConflict,
@@ -41,17 +42,8 @@ from resources.errors import (
     TransientJobError,
     ValidationError,
 )
-from resources.redis_server import free_port
-from resources.retry import (
-    JITTERS,
-    ErrorClass,
-    RetryBudget,
-    RetryPolicy,
-    RetryResource,
-    classify,
-    retry_delay,
-    to_dagster,
-)
+from resources.retry import JITTERS, ErrorClass, RetryBudget, RetryPolicy, classify, retry_delay
+from sandbox.redis_server import free_port
 
 # --- delays -----------------------------------------------------------------------------------
 

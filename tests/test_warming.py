@@ -13,10 +13,11 @@ from typing import Any
 import dagster as dg
 from sqlalchemy import text
 
+from pipelines.assets.warming import cache_warming
 from pipelines.jobs.report import report_loader
-from pipelines.warming import Warmer, cache_warming, report_loaders
+from pipelines.warming import Warmer, report_loaders
 from resources.cache import StampedeCache
-from resources.db import Database
+from resources.storage.db import Database
 
 HOT = [
     "report:orders_by_status:2026-11-29",
@@ -126,8 +127,7 @@ def test_warming_asset_reports_metadata(
     db: Database, db_url: str, redis_url: str, namespace: str
 ) -> None:
     """Catches: an asset that does not record keys refreshed, time taken and misses avoided."""
-    from resources.cache import CacheResource
-    from resources.database import DatabaseResource
+    from resources.dagster_resources import CacheResource, DatabaseResource
 
     cache = StampedeCache.from_url(redis_url, namespace=namespace, ttl=30.0, jitter=0.0)
     for _ in range(5):

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 
+from benchmarks.suite import add_arguments, run_from_args
+
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from benchmarks.suite import add_arguments  # noqa: PLC0415
 
     bench = sub.add_parser("bench", help="run benchmarks/ and print ratios (JSON and plots too)")
     add_arguments(bench)
@@ -14,6 +15,5 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from benchmarks.suite import run_from_args  # noqa: PLC0415
 
     return run_from_args(args)

@@ -1,5 +1,5 @@
 """``sekali chaos``: break the system on purpose and check that no effect happened twice and no
-job was lost (see :mod:`sandbox.chaos` and docs/chaos.md).
+job was lost (see :mod:`proof.chaos` and docs/chaos.md).
 
 Exit codes: 0 every invariant held (or ``--naive``, whose violations are the point: they are
 printed, not failed on), 1 a violation in guarded mode, 2 bad arguments.
@@ -12,9 +12,17 @@ import json
 import sys
 from pathlib import Path
 
+from proof.chaos import (
+    DEFAULT_FAULTS,
+    FAULTS,
+    ChaosConfig,
+    ChaosConfigError,
+    format_table,
+    run_chaos,
+)
+
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from sandbox.chaos import DEFAULT_FAULTS, FAULTS  # noqa: PLC0415
 
     p = sub.add_parser(
         "chaos",
@@ -45,7 +53,6 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 def _run(args: argparse.Namespace) -> int:
     import logging  # noqa: PLC0415
 
-    from sandbox.chaos import ChaosConfig, ChaosConfigError, format_table, run_chaos  # noqa: PLC0415
 
     if not args.verbose:  # the sandbox servers log every charge and mail
         for name in ("mail.log", "sandbox.gateway", "sandbox.mailsink", "resources"):

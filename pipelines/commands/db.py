@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from resources.db import Database
-from resources.migrations import applied, upgrade
-from resources.settings import Settings
+from resources.storage.db import Database
+from resources.storage.migrations import applied, upgrade
+from resources.storage.settings import Settings
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from proof.demo import run_demo
+
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     demo = sub.add_parser("demo", help="a two-minute before/after tour on embedded backends")
@@ -11,6 +13,5 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from sandbox.demo import run_demo  # noqa: PLC0415
 
     return run_demo()

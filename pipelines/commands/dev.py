@@ -17,10 +17,11 @@ import sys
 import time
 from pathlib import Path
 
-from resources.db import Database
-from resources.migrations import upgrade
-from resources.redis_server import RedisServer
-from resources.settings import Settings, embedded_redis_socket, state_dir
+from pipelines.instance import prepare_dagster_home
+from resources.storage.db import Database
+from resources.storage.migrations import upgrade
+from resources.storage.settings import Settings, embedded_redis_socket, state_dir
+from sandbox.redis_server import RedisServer
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 
@@ -55,7 +56,6 @@ def environment() -> dict[str, str]:
 
 
 def setup(settings: Settings) -> None:
-    from pipelines.instance import prepare_dagster_home  # noqa: PLC0415 - imports dagster
 
     applied = upgrade(Database.from_url(settings.database_url))
     print(f"schema: {'applied ' + ', '.join(applied) if applied else 'up to date'}")

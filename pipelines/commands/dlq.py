@@ -22,6 +22,11 @@ import json
 import sys
 from typing import Any
 
+from resources.dlq import DlqRecordNotFound, DlqStore, parse_age
+from resources.idempotency import IdempotencyStore
+from resources.storage.db import shared_database
+from resources.storage.settings import Settings
+
 UNRESOLVED = ["open", "replay_requested", "replaying"]
 
 
@@ -74,9 +79,6 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def _store(args: argparse.Namespace) -> Any:
-    from resources.db import shared_database  # noqa: PLC0415 - keep `sekali --help` fast
-    from resources.dlq import DlqStore  # noqa: PLC0415
-    from resources.settings import Settings  # noqa: PLC0415
 
     return DlqStore(shared_database(args.url or Settings.from_env().database_url))
 
@@ -91,7 +93,6 @@ def _actor(args: argparse.Namespace) -> str:
 
 
 def _select(args: argparse.Namespace, store: Any, statuses: list[str] | None) -> list[Any]:
-    from resources.dlq import parse_age  # noqa: PLC0415
 
     return list(
         store.list_records(
@@ -137,7 +138,6 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _show(args: argparse.Namespace) -> int:
-    from resources.dlq import DlqRecordNotFound  # noqa: PLC0415
 
     store = _store(args)
     try:
@@ -176,7 +176,6 @@ def _show(args: argparse.Namespace) -> int:
 
 
 def _replay(args: argparse.Namespace) -> int:
-    from resources.idempotency import IdempotencyStore  # noqa: PLC0415
 
     if not args.ids and not any(
         (args.job_type, args.error_class, args.fingerprint, args.older_than, args.newer_than)
@@ -220,7 +219,6 @@ def _replay(args: argparse.Namespace) -> int:
 
 
 def _discard(args: argparse.Namespace) -> int:
-    from resources.dlq import DlqRecordNotFound  # noqa: PLC0415
 
     store = _store(args)
     try:

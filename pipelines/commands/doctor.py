@@ -14,6 +14,12 @@ import sys
 import textwrap
 from typing import Any
 
+from pipelines.diagnosis import has_errors
+from pipelines.observability import build_observability
+from pipelines.profile import resource_defs
+from resources.storage.db import shared_database
+from resources.storage.settings import Settings
+
 CHECK_NAMES = (
     "real_duplicates", "lease_vs_duration", "idempotency_coverage", "lock_ttl",
     "retry_synchronisation", "cache_expiry_clusters", "ack_timing", "dlq",
@@ -35,10 +41,6 @@ def add_source_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def observability_from_args(args: argparse.Namespace) -> Any:
-    from pipelines.observability import build_observability  # noqa: PLC0415 - fast --help
-    from pipelines.profile import resource_defs  # noqa: PLC0415
-    from resources.db import shared_database  # noqa: PLC0415
-    from resources.settings import Settings  # noqa: PLC0415
 
     settings = Settings.from_env()
     res = resource_defs()
@@ -87,7 +89,6 @@ def render_table(findings: list[Any], width: int = 100) -> str:
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    from resources.diagnosis import has_errors  # noqa: PLC0415
 
     findings = observability_from_args(args).findings(args.checks)
     if args.json:

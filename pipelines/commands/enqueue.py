@@ -10,7 +10,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pipelines.intake import enqueue
 from resources.errors import IdempotencyConflict, ValidationError
+from resources.storage.db import shared_database
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -24,8 +26,6 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def _enqueue(args: argparse.Namespace) -> int:
-    from pipelines.intake import enqueue  # noqa: PLC0415 - keep `sekali --help` fast
-    from resources.db import shared_database  # noqa: PLC0415
 
     db = shared_database(args.url) if args.url else None
     try:

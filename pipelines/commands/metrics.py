@@ -16,6 +16,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from pipelines.commands.doctor import add_source_arguments, observability_from_args
+from pipelines.metrics import to_prometheus
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +65,6 @@ class MetricsServer:
         return f"http://{host_text}:{self.httpd.server_port}/metrics"
 
     def render(self) -> str:
-        from resources.metrics import to_prometheus  # noqa: PLC0415
 
         with self._lock:
             now = time.monotonic()

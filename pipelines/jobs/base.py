@@ -19,17 +19,15 @@ import signal
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from sqlalchemy import text
 from sqlalchemy.engine import Connection, Row
 
-from resources.attempts import Attempt
+from pipelines.attempts import Attempt
+from pipelines.services import Services
 from resources.errors import FencedWriteRejected, ValidationError
 from resources.idempotency import Claim, LeaseKeeper
-
-if TYPE_CHECKING:
-    from pipelines.services import Services
 
 CRASH_ENV = "SEKALI_CRASH_AT"
 STOP_ENV = "SEKALI_STOP_AT"

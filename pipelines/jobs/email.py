@@ -1,8 +1,8 @@
 """``send_email``: one mail per intent, key ``email:{template}:{user_id}:{date}``.
 
 No lock: the idempotency claim is enough, and the Message-ID is derived from the key
-(:func:`resources.mail.message_id_for`), so even the one case the claim cannot close (the worker
-dies after the SMTP server accepted the mail and before the key completes) gives a redelivery
+(:func:`pipelines.domain.mail.message_id_for`), so even the one case the claim cannot close (the
+worker dies after the SMTP server accepted the mail and before the key completes) gives a redelivery
 with the same Message-ID, which mail clients and the sink recognise as the same message.
 
 States (recorded per attempt, status before/after): ``not_sent -> sent``.
@@ -15,9 +15,9 @@ import re
 import string
 from typing import Any
 
+from pipelines.domain.mail import message_id_for
 from pipelines.jobs.base import JobContext, JobType, reject_unknown, require_str
 from resources.errors import ValidationError
-from resources.mail import message_id_for
 
 TEMPLATES: dict[str, tuple[str, str]] = {
     "welcome": ("Welcome, $name", "Hello $name,\n\nwelcome to sekali.\n"),

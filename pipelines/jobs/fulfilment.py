@@ -31,6 +31,7 @@ from typing import Any
 from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
+from pipelines.domain.inventory import Inventory
 from pipelines.jobs.base import (
     JobContext,
     JobType,
@@ -40,7 +41,6 @@ from pipelines.jobs.base import (
     require_str,
 )
 from resources.errors import FencedWriteRejected, LeaseLost
-from resources.inventory import Inventory
 from resources.outbox import write_event
 from resources.retry import ErrorClass, classify
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from pipelines.domain.inventory import Inventory
 from pipelines.jobs.base import JobContext, JobType, reject_unknown, require_items, require_str
-from resources.inventory import Inventory
 
 
 def validate(payload: dict[str, Any]) -> dict[str, Any]:

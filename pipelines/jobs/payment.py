@@ -36,6 +36,7 @@ from typing import Any
 
 from sqlalchemy import text
 
+from pipelines.domain.payments import Charge, GatewayRejected
 from pipelines.jobs.base import (
     JobContext,
     JobType,
@@ -45,7 +46,6 @@ from pipelines.jobs.base import (
     require_str,
 )
 from resources.errors import PermanentJobError, ValidationError
-from resources.payments import Charge, GatewayRejected
 
 logger = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ from typing import Any
 from sqlalchemy import text
 
 from pipelines.jobs.base import JobContext, JobType, reject_unknown, require_str
-from resources.db import Database
 from resources.errors import ValidationError
+from resources.storage.db import Database
 
 _QUERIES: dict[str, str] = {
     "orders_by_status": (

@@ -1,0 +1,1 @@
+"""The Dagster assets, asset checks and schedules of sekali."""

@@ -1,0 +1,82 @@
+"""``reconciliation``: the :class:`pipelines.reconciliation.Reconciler` as a scheduled asset,
+and the DLQ retention check beside it."""
+
+from typing import Any
+
+import dagster as dg
+
+from pipelines.consumers import default_consumers
+from pipelines.reconciliation import Reconciler
+from resources.dagster_resources import DlqResource
+from resources.idempotency import IdempotencyStore
+from resources.outbox import InAppPublisher, Inbox, OutboxPublisher
+
+
+class ReconciliationConfig(dg.Config):
+    """Thresholds: ``grace_seconds`` before an unsettled state counts as inconsistent, the
+    payment ``lookback_hours``, the outbox threshold, and the idempotency retention (>= 72 h)."""
+
+    grace_seconds: float = 600.0
+    lookback_hours: float = 48.0
+    outbox_threshold_seconds: float = 300.0
+    idempotency_retention_hours: float = 7 * 24.0
+
+
+@dg.asset(
+    name="reconciliation",
+    group_name="operations",
+    description="Finds and compensates inconsistencies (payments, fulfilment, stuck claims, "
+    "stale outbox rows, expired keys); metadata counts what it found and fixed.",
+    required_resource_keys={"app_db", "idempotency", "dlq", "gateway", "cache"},
+)
+def reconciliation(
+    context: dg.AssetExecutionContext, config: ReconciliationConfig
+) -> dg.MaterializeResult[Any]:
+    db = context.resources.app_db.get_database()
+    store = IdempotencyStore(db)
+    consumers = default_consumers(context.resources.cache.get_cache())
+    publisher = OutboxPublisher(db, InAppPublisher(Inbox(db), consumers))
+    reconciler = Reconciler(
+        db,
+        store=store,
+        dlq=context.resources.dlq.get_store(),
+        gateway=context.resources.gateway.get_client(),
+        publisher=publisher,
+        grace_seconds=config.grace_seconds,
+        lookback_seconds=config.lookback_hours * 3600,
+        outbox_threshold_seconds=config.outbox_threshold_seconds,
+        idempotency_retention_seconds=config.idempotency_retention_hours * 3600,
+    )
+    report = reconciler.run()
+    return dg.MaterializeResult(metadata=report.metadata())
+
+
+@dg.asset_check(
+    asset=reconciliation,
+    name="dlq_retention",
+    description="Warns before a retention limit would drop an unresolved DLQ record.",
+    required_resource_keys={"dlq"},
+)
+def dlq_retention_check(context: dg.AssetCheckExecutionContext) -> dg.AssetCheckResult:
+    dlq: DlqResource = context.resources.dlq
+    at_risk = dlq.get_store().at_retention_risk(dlq.retention_days * 86400, dlq.warn_days * 86400)
+    return dg.AssetCheckResult(
+        passed=not at_risk,
+        severity=dg.AssetCheckSeverity.WARN,
+        description=(
+            f"{len(at_risk)} unresolved DLQ records are within {dlq.warn_days:g} days of the "
+            f"{dlq.retention_days:g}-day retention: replay or discard them"
+            if at_risk
+            else "no unresolved DLQ record is near the retention limit"
+        ),
+        metadata={"at_risk": len(at_risk), "oldest_ids": str([r.id for r in at_risk[:20]])},
+    )
+
+
+reconciliation_job = dg.define_asset_job("reconciliation_job", selection=[reconciliation])
+reconciliation_schedule = dg.ScheduleDefinition(
+    name="reconciliation_schedule",
+    job=reconciliation_job,
+    cron_schedule="*/15 * * * *",
+    default_status=dg.DefaultScheduleStatus.RUNNING,
+)

@@ -1,0 +1,146 @@
+"""The mail downstream as sekali sees it: a ``Mailer`` interface, an SMTP client, its errors.
+
+SMTP has no idempotency key, so sekali derives the RFC 5322 ``Message-ID`` from the job's
+idempotency key (:func:`message_id_for`): a retry of the same intent sends a message with the same
+Message-ID, which receivers and the sandbox sink can deduplicate and tests can count.
+
+Error mapping (one place): connection refused/reset, timeouts, disconnects and 4xx replies ->
+:class:`MailUnavailable` (transient); 5xx replies (recipient or sender refused, message refused)
+-> :class:`MailRejected` (permanent).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import smtplib
+from email.message import EmailMessage
+from email.utils import formatdate
+from typing import Protocol, runtime_checkable
+
+from resources.errors import PermanentJobError, TransientJobError
+
+log = logging.getLogger(__name__)
+
+
+class MailUnavailable(TransientJobError):
+    """The mail server could not take the message now (unreachable, timeout, 4xx). Retry."""
+
+    def __init__(self, message: str, *, smtp_code: int | None = None) -> None:
+        super().__init__(message)
+        self.smtp_code = smtp_code
+
+
+class MailRejected(PermanentJobError):
+    """The mail server refused the message for good (5xx). Fix the address or content, replay."""
+
+    def __init__(self, message: str, *, smtp_code: int, recipient: str | None = None) -> None:
+        super().__init__(message)
+        self.smtp_code = smtp_code
+        self.recipient = recipient
+
+
+def message_id_for(key: str) -> str:
+    """A stable RFC 5322 Message-ID for an idempotency key: ``<sha256(key)[:32]@sekali>``."""
+    return f"<{hashlib.sha256(key.encode()).hexdigest()[:32]}@sekali>"
+
+
+def _text(reply: bytes | str) -> str:
+    return reply.decode(errors="replace") if isinstance(reply, bytes) else str(reply)
+
+
+@runtime_checkable
+class Mailer(Protocol):
+    """What a job type needs from a mail service."""
+
+    def send(
+        self,
+        *,
+        to: str,
+        subject: str,
+        body: str,
+        message_id: str,
+        correlation_id: str | None = None,
+    ) -> None: ...
+
+
+class SmtpMailer:
+    """:class:`Mailer` over SMTP with ``smtplib``, one connection per message (thread-safe)."""
+
+    def __init__(
+        self, host: str, port: int, sender: str = "sekali@localhost", timeout: float = 10
+    ) -> None:
+        self.host = host
+        self.port = port
+        self.sender = sender
+        self.timeout = timeout
+
+    def build(
+        self, *, to: str, subject: str, body: str, message_id: str, correlation_id: str | None
+    ) -> EmailMessage:
+        msg = EmailMessage()
+        msg["From"] = self.sender
+        msg["To"] = to
+        msg["Subject"] = subject
+        msg["Date"] = formatdate(localtime=False)
+        msg["Message-ID"] = message_id
+        if correlation_id is not None:
+            msg["X-Correlation-Id"] = correlation_id
+        msg.set_content(body)
+        return msg
+
+    def send(
+        self,
+        *,
+        to: str,
+        subject: str,
+        body: str,
+        message_id: str,
+        correlation_id: str | None = None,
+    ) -> None:
+        msg = self.build(
+            to=to, subject=subject, body=body, message_id=message_id, correlation_id=correlation_id
+        )
+        try:
+            with smtplib.SMTP(self.host, self.port, timeout=self.timeout) as smtp:
+                smtp.send_message(msg)
+        except smtplib.SMTPRecipientsRefused as exc:
+            code, reply = next(iter(exc.recipients.values()))
+            text = _text(reply)
+            if code >= 500:
+                raise MailRejected(
+                    f"mail server refused {to!r}: {code} {text}", smtp_code=code, recipient=to
+                ) from exc
+            raise MailUnavailable(
+                f"mail server deferred {to!r}: {code} {text}", smtp_code=code
+            ) from exc
+        except smtplib.SMTPResponseException as exc:
+            text = _text(exc.smtp_error)
+            if exc.smtp_code >= 500:
+                raise MailRejected(
+                    f"mail server refused the message: {exc.smtp_code} {text}",
+                    smtp_code=exc.smtp_code,
+                    recipient=to,
+                ) from exc
+            raise MailUnavailable(
+                f"mail server deferred the message: {exc.smtp_code} {text}", smtp_code=exc.smtp_code
+            ) from exc
+        except (smtplib.SMTPException, OSError) as exc:
+            raise MailUnavailable(
+                f"mail server at {self.host}:{self.port} unavailable: {exc!r}"
+            ) from exc
+        log.info(
+            "sent %s to %s",
+            message_id,
+            to,
+            extra={"message_id": message_id, "correlation_id": correlation_id},
+        )
+
+
+__all__ = [
+    "MailRejected",
+    "MailUnavailable",
+    "Mailer",
+    "SmtpMailer",
+    "message_id_for",
+]

@@ -1,0 +1,221 @@
+"""The payment downstream as sekali sees it: a small interface, an HTTP client, its errors.
+
+Job types talk to :class:`PaymentGateway` only, so a user swaps the sandbox gateway for their
+provider by writing one class. The HTTP client speaks the sandbox's protocol (Stripe-like):
+``POST /charges`` with an ``Idempotency-Key`` header, ``GET /charges?reference=R``.
+
+Error mapping (one place):
+
+- timeouts, connection errors, resets, 5xx, 409 (the same key is being processed), 429 ->
+  :class:`GatewayUnavailable` (transient; ``retry_after`` from the ``Retry-After`` header).
+  ``maybe_charged`` is True when the request may have reached the gateway (the connection broke
+  after sending, or a read timed out): the charge may have happened. With the gateway's key
+  support on, retrying with the same key is safe; without it, look up by reference first.
+- other 4xx -> :class:`GatewayRejected` (permanent: fix the request, never retry it).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+from urllib.parse import urlencode
+
+import urllib3
+
+from resources.errors import PermanentJobError, TransientJobError
+
+log = logging.getLogger(__name__)
+
+
+class GatewayUnavailable(TransientJobError):
+    """The gateway did not answer usefully (timeout, reset, 5xx, 409, 429). Retry with backoff.
+
+    ``maybe_charged`` says the charge may have happened although no answer came: retry only with
+    the same idempotency key, or look the charge up by reference before charging again.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        status: int | None = None,
+        retry_after: float | None = None,
+        maybe_charged: bool = False,
+    ) -> None:
+        super().__init__(message, retry_after=retry_after)
+        self.status = status
+        self.maybe_charged = maybe_charged
+
+
+class GatewayRejected(PermanentJobError):
+    """The gateway refused the request (4xx): retrying the same request cannot help.
+
+    Fix the payload (or the key reused with another body, 422) and replay from the DLQ.
+    """
+
+    def __init__(self, status: int, detail: str) -> None:
+        super().__init__(f"payment gateway rejected the request with {status}: {detail}")
+        self.status = status
+        self.detail = detail
+
+
+@dataclass(frozen=True)
+class Charge:
+    """One charge as the gateway recorded it."""
+
+    charge_id: str
+    reference: str
+    amount_cents: int
+    currency: str
+    idempotency_key: str | None
+    created_at: float
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Charge:
+        return cls(
+            charge_id=str(data["charge_id"]),
+            reference=str(data["reference"]),
+            amount_cents=int(data["amount_cents"]),
+            currency=str(data["currency"]),
+            idempotency_key=data.get("idempotency_key"),
+            created_at=float(data["created_at"]),
+        )
+
+
+@runtime_checkable
+class PaymentGateway(Protocol):
+    """What a job type needs from a payment provider."""
+
+    def charge(
+        self,
+        *,
+        reference: str,
+        amount_cents: int,
+        currency: str,
+        idempotency_key: str | None,
+        correlation_id: str | None = None,
+    ) -> Charge:
+        """Charge once per ``idempotency_key`` (when the provider honours keys)."""
+        ...
+
+    def find_charges(self, reference: str) -> list[Charge]:
+        """Every charge recorded for ``reference`` (the business reference, e.g. an order id)."""
+        ...
+
+
+def _retry_after(headers: Any) -> float | None:
+    value = headers.get("Retry-After") if headers is not None else None
+    if value is None:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        return None  # HTTP-date form: not used by the sandbox; fall back to our own backoff
+
+
+class HttpPaymentGateway:
+    """:class:`PaymentGateway` over HTTP with a pooled, thread-safe urllib3 client.
+
+    urllib3's own retries are off: the retry policy lives in :mod:`resources.retry`, which knows
+    the error class, the attempt count and the shared budget. ``send_idempotency_key=False``
+    simulates a provider without key support (every POST charges).
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        timeout: float = 5.0,
+        send_idempotency_key: bool = True,
+        pool_maxsize: int = 16,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.timeout = timeout
+        self.send_idempotency_key = send_idempotency_key
+        self._http = urllib3.PoolManager(
+            maxsize=pool_maxsize,
+            block=False,
+            retries=False,
+            timeout=urllib3.Timeout(connect=timeout, read=timeout),
+        )
+
+    def _request(
+        self, method: str, path: str, *, body: Any = None, headers: dict[str, str] | None = None
+    ) -> Any:
+        url = self.base_url + path
+        all_headers = {"Accept": "application/json", **(headers or {})}
+        payload = None
+        if body is not None:
+            payload = json.dumps(body).encode()
+            all_headers["Content-Type"] = "application/json"
+        try:
+            response = self._http.request(method, url, body=payload, headers=all_headers)
+        except urllib3.exceptions.NewConnectionError as exc:
+            raise GatewayUnavailable(f"payment gateway unreachable at {url}: {exc}") from exc
+        except urllib3.exceptions.ConnectTimeoutError as exc:
+            raise GatewayUnavailable(f"payment gateway connect timeout at {url}") from exc
+        except urllib3.exceptions.HTTPError as exc:
+            # Read timeout, reset or close after the request was sent: the outcome is unknown.
+            raise GatewayUnavailable(
+                f"payment gateway gave no answer to {method} {path}: {exc!r}",
+                maybe_charged=method == "POST",
+            ) from exc
+        status = response.status
+        if status >= 500 or status in (409, 429):
+            raise GatewayUnavailable(
+                f"payment gateway answered {status} to {method} {path}",
+                status=status,
+                retry_after=_retry_after(response.headers),
+            )
+        if status >= 400:
+            raise GatewayRejected(status, response.data.decode(errors="replace")[:500])
+        try:
+            return json.loads(response.data)
+        except ValueError as exc:
+            raise GatewayUnavailable(
+                f"payment gateway sent a body that is not JSON ({status})",
+                status=status,
+                maybe_charged=method == "POST",
+            ) from exc
+
+    def charge(
+        self,
+        *,
+        reference: str,
+        amount_cents: int,
+        currency: str,
+        idempotency_key: str | None,
+        correlation_id: str | None = None,
+    ) -> Charge:
+        headers: dict[str, str] = {}
+        if idempotency_key is not None and self.send_idempotency_key:
+            headers["Idempotency-Key"] = idempotency_key
+        if correlation_id is not None:
+            headers["X-Correlation-Id"] = correlation_id
+        data = self._request(
+            "POST",
+            "/charges",
+            body={"reference": reference, "amount_cents": amount_cents, "currency": currency},
+            headers=headers,
+        )
+        charge = Charge.from_json(data)
+        log.info(
+            "charged %s %d %s as %s",
+            reference,
+            amount_cents,
+            currency,
+            charge.charge_id,
+            extra={"idempotency_key": idempotency_key, "correlation_id": correlation_id},
+        )
+        return charge
+
+    def find_charges(self, reference: str) -> list[Charge]:
+        data = self._request("GET", "/charges?" + urlencode({"reference": reference}))
+        return [Charge.from_json(item) for item in data["charges"]]
+
+    def close(self) -> None:
+        self._http.clear()
+
+

@@ -1,0 +1,367 @@
+"""The numbers behind "observability gives evidence, not assumptions" (docs/design.md, invariant 6).
+
+:class:`MetricsCollector` reads the records the other parts already write and turns them into
+one :class:`MetricsSnapshot`:
+
+- ``job_requests``: queue depth (pending + launched) and lag (age of the oldest pending request);
+- ``job_attempts``: processing time p50/p95/p99 per job type, attempts by outcome, retries by
+  reason, the duplicate detection rate (suppressed duplicates per executed job), lease takeovers
+  (the redelivery rate), lock waits and lock failures;
+- ``dlq_records`` (when the DLQ is installed): inflow by error class and open records;
+- Redis: cache hit / stale / miss / rebuild counts per key pattern, and lock counters.
+
+Guarantees: every number comes from a bounded recent window (``window_seconds``, at most
+``window_limit`` rows per query), and percentiles are computed here in Python with the
+nearest-rank rule (:func:`percentile`), never by the database, so SQLite and Postgres give the
+same answer for the same rows. A source that is missing (a table not migrated yet, Redis down)
+leaves its metrics out and is named in ``snapshot.missing``; it never fails the whole snapshot.
+
+The snapshot is exposed three ways: the ``sekali_metrics`` asset's metadata (plotted by the
+Dagster UI), ``sekali metrics serve`` (Prometheus text format, :func:`to_prometheus`) and
+``sekali metrics show``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import Counter, defaultdict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import inspect, text
+
+from resources.locks import lock_stats
+from resources.storage.db import Database
+
+log = logging.getLogger(__name__)
+
+Clock = Callable[[], float]
+StatsProvider = Callable[[], Mapping[str, Mapping[str, float]]]
+"""Returns ``{group: {counter: value}}``: cache stats per key pattern, or lock stats per name."""
+
+QUANTILES = (0.5, 0.95, 0.99)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile: the smallest value with at least ``q`` of the data at or below it.
+
+    Chosen because it always returns an observed value and needs no interpolation convention
+    that two readers could disagree on. ``nan`` for no data.
+    """
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q * len(ordered)))
+    return float(ordered[min(rank, len(ordered)) - 1])
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One metric value with its labels, Prometheus style."""
+
+    name: str
+    value: float
+    labels: tuple[tuple[str, str], ...] = ()
+    help: str = ""
+
+    def key(self) -> str:
+        """A flat name for places without labels (asset metadata): ``name[a=x,b=y]``."""
+        if not self.labels:
+            return self.name
+        return self.name + "[" + ",".join(f"{k}={v}" for k, v in self.labels) + "]"
+
+
+@dataclass
+class MetricsSnapshot:
+    """Every metric at one instant. ``missing`` names sources that could not be read."""
+
+    taken_at: float
+    window_seconds: float
+    samples: list[Sample] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+
+    def add(self, name: str, value: float, help: str = "", **labels: str) -> None:
+        self.samples.append(Sample(name, float(value), tuple(sorted(labels.items())), help))
+
+    def get(self, name: str, default: float | None = None, **labels: str) -> float | None:
+        """The value of ``name`` with exactly these labels, or ``default``."""
+        wanted = tuple(sorted(labels.items()))
+        for sample in self.samples:
+            if sample.name == name and sample.labels == wanted:
+                return sample.value
+        return default
+
+    def flat(self) -> dict[str, float]:
+        """``{flat name: value}``; NaN (no data) is left out so plots have no holes of junk."""
+        return {s.key(): s.value for s in self.samples if not math.isnan(s.value)}
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "taken_at": self.taken_at,
+            "window_seconds": self.window_seconds,
+            "metrics": self.flat(),
+            "missing": list(self.missing),
+        }
+
+
+def _existing_tables(db: Database) -> set[str]:
+    with db.engine.connect() as conn:
+        return set(inspect(conn).get_table_names())
+
+
+class MetricsCollector:
+    """Computes a :class:`MetricsSnapshot` from the SQL records and the Redis stats.
+
+    ``cache_stats`` returns ``{key pattern: {hits, stale_hits, misses, loads, ...}}`` (the cache's
+    ``stats()``); ``lock_stats`` returns ``{lock name or "all": {acquired, failed, ...}}``. Both
+    are optional. Read-only: collecting never changes any record.
+    """
+
+    def __init__(
+        self,
+        db: Database,
+        *,
+        cache_stats: StatsProvider | None = None,
+        lock_stats: StatsProvider | None = None,
+        window_seconds: float = 3600.0,
+        window_limit: int = 50_000,
+        clock: Clock = time.time,
+    ) -> None:
+        self.db = db
+        self.cache_stats = cache_stats
+        self.lock_stats = lock_stats
+        self.window_seconds = window_seconds
+        self.window_limit = window_limit
+        self.clock = clock
+
+    def collect(self) -> MetricsSnapshot:
+        now = self.clock()
+        snap = MetricsSnapshot(taken_at=now, window_seconds=self.window_seconds)
+        tables = _existing_tables(self.db)
+        since = now - self.window_seconds
+        for table, part in (
+            ("job_requests", self._queue),
+            ("job_attempts", self._attempts),
+            ("dlq_records", self._dlq),
+        ):
+            if table in tables:
+                part(snap, now, since)
+            else:
+                snap.missing.append(table)
+        for name, provider, part2 in (
+            ("cache_stats", self.cache_stats, self._cache),
+            ("lock_stats", self.lock_stats, self._locks),
+        ):
+            if provider is None:
+                continue
+            try:
+                part2(snap, provider())
+            except Exception:  # noqa: BLE001 - one source down must not hide the others
+                log.warning("metrics source %s unavailable", name, exc_info=True)
+                snap.missing.append(name)
+        return snap
+
+    # -- sources ----------------------------------------------------------------------------
+
+    def _queue(self, snap: MetricsSnapshot, now: float, _since: float) -> None:
+        with self.db.statement() as conn:
+            rows = conn.execute(
+                text(
+                    "SELECT job_type, status, COUNT(*) AS n, MIN(created_at) AS oldest"
+                    " FROM job_requests WHERE status IN ('pending', 'launched')"
+                    " GROUP BY job_type, status"
+                )
+            ).all()
+        depth: Counter[str] = Counter()
+        oldest: dict[str, float] = {}
+        for row in rows:
+            depth[row.job_type] += int(row.n)
+            if row.status == "pending":
+                oldest[row.job_type] = float(row.oldest)
+        help_depth = "requests waiting for a run (pending + launched)"
+        help_lag = "age of the oldest pending request"
+        for job_type in sorted(depth):
+            snap.add("sekali_queue_depth", depth[job_type], help_depth, job_type=job_type)
+            lag = max(0.0, now - oldest[job_type]) if job_type in oldest else 0.0
+            snap.add("sekali_queue_lag_seconds", lag, help_lag, job_type=job_type)
+        snap.add("sekali_queue_depth_total", sum(depth.values()), help_depth)
+        snap.add(
+            "sekali_queue_lag_max_seconds",
+            max((now - t for t in oldest.values()), default=0.0),
+            help_lag,
+        )
+
+    def attempt_rows(self, since: float) -> list[dict[str, Any]]:
+        """The recent attempts (newest ``window_limit`` started since ``since``)."""
+        with self.db.statement() as conn:
+            rows = conn.execute(
+                text(
+                    "SELECT job_type, outcome, duration_seconds, lock_wait_seconds, takeover,"
+                    " error_class, error_kind, attempt, started_at, ended_at"
+                    " FROM job_attempts WHERE started_at >= :since"
+                    " ORDER BY started_at DESC LIMIT :limit"
+                ),
+                {"since": since, "limit": self.window_limit},
+            ).all()
+        return [dict(r._mapping) for r in rows]
+
+    def _attempts(self, snap: MetricsSnapshot, _now: float, since: float) -> None:
+        rows = self.attempt_rows(since)
+        outcomes: Counter[tuple[str, str]] = Counter()
+        durations: defaultdict[str, list[float]] = defaultdict(list)
+        for row in rows:
+            outcomes[(row["job_type"], row["outcome"])] += 1
+            if row["outcome"] == "completed" and row["duration_seconds"] is not None:
+                durations[row["job_type"]].append(float(row["duration_seconds"]))
+        for (job_type, outcome), n in sorted(outcomes.items()):
+            snap.add(
+                "sekali_attempts", n, "attempts in the window by outcome",
+                job_type=job_type, outcome=outcome,
+            )
+        for job_type in sorted({jt for jt, _ in outcomes}):
+            values = durations.get(job_type, [])
+            for q in QUANTILES:
+                snap.add(
+                    "sekali_processing_seconds", percentile(values, q),
+                    "duration of completed attempts (nearest rank)",
+                    job_type=job_type, quantile=str(q),
+                )
+            snap.add("sekali_processing_seconds_count", len(values), job_type=job_type)
+            executed = outcomes[(job_type, "completed")]
+            suppressed = outcomes[(job_type, "duplicate_suppressed")]
+            snap.add(
+                "sekali_duplicate_detection_rate", suppressed / executed if executed else 0.0,
+                "suppressed duplicates per executed job", job_type=job_type,
+            )
+        executed = sum(n for (_, o), n in outcomes.items() if o == "completed")
+        suppressed = sum(n for (_, o), n in outcomes.items() if o == "duplicate_suppressed")
+        snap.add("sekali_jobs_executed", executed, "completed attempts in the window")
+        snap.add("sekali_duplicates_suppressed", suppressed, "duplicates answered from the store")
+        snap.add(
+            "sekali_duplicate_detection_rate_total", suppressed / executed if executed else 0.0,
+            "suppressed duplicates per executed job",
+        )
+        retries = Counter(
+            row["error_class"] or "unknown" for row in rows if row["outcome"] == "retried"
+        )
+        for reason, n in sorted(retries.items()):
+            snap.add("sekali_retries", n, "retried attempts by error class", reason=reason)
+        snap.add("sekali_retries_total", sum(retries.values()), "retried attempts")
+        takeovers = sum(1 for row in rows if row["takeover"])
+        snap.add("sekali_lease_takeovers", takeovers, "attempts that took over an expired lease")
+        snap.add(
+            "sekali_lease_takeover_rate", takeovers / len(rows) if rows else 0.0,
+            "takeovers per attempt (the redelivery rate)",
+        )
+        waits = [float(r["lock_wait_seconds"]) for r in rows if r["lock_wait_seconds"] is not None]
+        lock_failed = sum(1 for r in rows if r["error_class"] == "LockNotAcquired")
+        snap.add("sekali_lock_acquired", len(waits), "attempts that got their lock")
+        snap.add("sekali_lock_failed", lock_failed, "attempts that gave up waiting for a lock")
+        for q in QUANTILES:
+            snap.add(
+                "sekali_lock_wait_seconds", percentile(waits, q), "wait for the lock",
+                quantile=str(q),
+            )
+
+    def _dlq(self, snap: MetricsSnapshot, _now: float, since: float) -> None:
+        with self.db.statement() as conn:
+            inflow = conn.execute(
+                text(
+                    "SELECT error_class, COUNT(*) AS n FROM dlq_records"
+                    " WHERE first_failed_at >= :since GROUP BY error_class"
+                ),
+                {"since": since},
+            ).all()
+            open_rows = conn.execute(
+                text(
+                    "SELECT error_class, COUNT(*) AS n FROM dlq_records"
+                    " WHERE status NOT IN ('resolved', 'discarded') GROUP BY error_class"
+                )
+            ).all()
+        for row in sorted(inflow, key=lambda r: str(r.error_class)):
+            snap.add(
+                "sekali_dlq_inflow", int(row.n), "new DLQ records in the window by class",
+                error_class=str(row.error_class),
+            )
+        snap.add("sekali_dlq_inflow_total", sum(int(r.n) for r in inflow), "new DLQ records")
+        for row in sorted(open_rows, key=lambda r: str(r.error_class)):
+            snap.add(
+                "sekali_dlq_open", int(row.n), "DLQ records not resolved or discarded",
+                error_class=str(row.error_class),
+            )
+        snap.add("sekali_dlq_open_total", sum(int(r.n) for r in open_rows), "open DLQ records")
+
+    def _cache(self, snap: MetricsSnapshot, stats: Mapping[str, Mapping[str, float]]) -> None:
+        for pattern in sorted(stats):
+            row = stats[pattern]
+            hits = float(row.get("hits", 0))
+            stale = float(row.get("stale_hits", 0))
+            misses = float(row.get("misses", 0))
+            loads = float(row.get("loads", 0))
+            reads = hits + stale + misses
+            for result, n in (("hit", hits), ("stale", stale), ("miss", misses)):
+                snap.add(
+                    "sekali_cache_reads", n, "cache reads by result", pattern=pattern,
+                    result=result,
+                )
+                snap.add(
+                    "sekali_cache_rate", n / reads if reads else 0.0,
+                    "share of reads by result", pattern=pattern, result=result,
+                )
+            snap.add("sekali_cache_rebuilds", loads, "loader calls", pattern=pattern)
+            snap.add(
+                "sekali_cache_rebuild_rate", loads / reads if reads else 0.0,
+                "loader calls per read", pattern=pattern,
+            )
+
+    def _locks(self, snap: MetricsSnapshot, stats: Mapping[str, Mapping[str, float]]) -> None:
+        for name in sorted(stats):
+            for counter, value in sorted(stats[name].items()):
+                snap.add(
+                    "sekali_lock_stat", float(value), "lock counters shared in Redis",
+                    lock=name, stat=counter,
+                )
+
+
+def to_prometheus(snapshot: MetricsSnapshot) -> str:
+    """The Prometheus text exposition format (version 0.0.4); NaN values are written as NaN."""
+    lines: list[str] = []
+    seen: set[str] = set()
+    for sample in snapshot.samples:
+        if sample.name not in seen:
+            seen.add(sample.name)
+            if sample.help:
+                lines.append(f"# HELP {sample.name} {sample.help}")
+            lines.append(f"# TYPE {sample.name} gauge")
+        labels = ""
+        if sample.labels:
+            inner = ",".join(f'{k}="{_escape(v)}"' for k, v in sample.labels)
+            labels = "{" + inner + "}"
+        lines.append(f"{sample.name}{labels} {_number(sample.value)}")
+    lines.append("# TYPE sekali_metrics_missing_sources gauge")
+    lines.append(f"sekali_metrics_missing_sources {len(snapshot.missing)}")
+    return "\n".join(lines) + "\n"
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _number(value: float) -> str:
+    if math.isnan(value):
+        return "NaN"
+    if value == int(value) and abs(value) < 1e15:
+        return str(int(value))
+    return repr(value)
+
+
+def redis_lock_stats(client: Any) -> StatsProvider:
+    """A provider of the locks' shared counters (``resources.locks.lock_stats``) per pattern."""
+
+    def provider() -> dict[str, dict[str, float]]:
+        return lock_stats(client)
+
+    return provider

@@ -1,0 +1,463 @@
+"""The intake table: one row per accepted job request, unique on its idempotency key.
+
+A request is what a producer asked for (``enqueue``); the intake sensor turns pending requests
+into Dagster runs, and the request's status follows its run. The table is the producer-facing
+record; the idempotency ledger (``resources/idempotency.py``) stays the guarantee that the effect
+happens once, so a request launched twice (a sensor tick that failed after claiming, a re-emitted
+batch) still has one effect.
+
+Guarantees (SQLite and Postgres alike):
+
+- ``enqueue`` is one conditional insert on the unique key: the same key with the same payload
+  returns the existing request (``created=False``); with another payload it raises
+  :class:`IdempotencyConflict` naming the key. Pass ``conn=`` to write it in your own transaction
+  (the transactional outbox): the request exists if and only if your business change commits.
+- ``claim_for_launch`` moves a bounded page of requests to ``launched`` in one statement
+  (``FOR UPDATE SKIP LOCKED`` on Postgres), so two sensor ticks never claim the same request in
+  the same window. A request left ``launched`` longer than ``relaunch_after`` is claimed again:
+  that heals a tick that claimed and then failed before Dagster launched its runs; deterministic
+  run keys make the re-emission a no-op when the run does exist.
+- Every status change is one conditional ``UPDATE`` checked against :data:`TRANSITIONS`.
+- Bad input is never lost: :meth:`RequestStore.reject` keeps it in ``job_rejections`` with the
+  field and the error.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from sqlalchemy import BigInteger, Column, Float, Integer, Table, Text, bindparam, text
+from sqlalchemy.engine import Connection
+
+from resources.errors import IdempotencyConflict
+from resources.idempotency import payload_hash
+from resources.storage.db import Database, metadata
+from resources.storage.json_text import canonical
+
+Clock = Callable[[], float]
+
+
+class RequestStatus(StrEnum):
+    """Status of a job request. Transitions (anything else is refused by the conditional updates):
+
+    ==========================  ==================================================  ===========
+    from                        event                                               to
+    ==========================  ==================================================  ===========
+    (absent)                    enqueue                                             pending
+    pending                     the intake sensor emits its RunRequest              launched
+    launched                    still launched after ``relaunch_after``: re-emit    launched
+    pending/launched/running/   its op starts (or a step / run retry restarts it)   running
+    failed
+    pending/launched/running/   the op finished, or the key was already done        completed
+    failed
+    pending/launched/running    permanent error, retries exhausted, run failed      failed
+    failed                      requeue (operator or DLQ replay)                    pending
+    completed                   (terminal)
+    ==========================  ==================================================  ===========
+
+    ``failed`` may still move to ``running``/``completed``: a run retry or a DLQ replay run can
+    finish a request after a failed run was recorded.
+    """
+
+    PENDING = "pending"
+    LAUNCHED = "launched"
+    RUNNING = "running"
+    COMPLETED = "completed"
+    FAILED = "failed"
+
+
+_S = RequestStatus
+TRANSITIONS: dict[RequestStatus | None, frozenset[RequestStatus]] = {
+    None: frozenset({_S.PENDING}),
+    _S.PENDING: frozenset({_S.LAUNCHED, _S.RUNNING, _S.COMPLETED, _S.FAILED}),
+    _S.LAUNCHED: frozenset({_S.LAUNCHED, _S.RUNNING, _S.COMPLETED, _S.FAILED}),
+    _S.RUNNING: frozenset({_S.RUNNING, _S.COMPLETED, _S.FAILED}),
+    _S.FAILED: frozenset({_S.PENDING, _S.RUNNING, _S.COMPLETED}),
+    _S.COMPLETED: frozenset(),
+}
+
+
+def _sources(target: RequestStatus) -> list[str]:
+    return sorted(str(s) for s, targets in TRANSITIONS.items() if s and target in targets)
+
+
+job_requests = Table(
+    "job_requests",
+    metadata,
+    Column("id", BigInteger, primary_key=True),
+    Column("job_type", Text, nullable=False),
+    Column("key", Text, nullable=False, unique=True),
+    Column("payload", Text, nullable=False),
+    Column("payload_hash", Text, nullable=False),
+    Column("status", Text, nullable=False),
+    Column("queue", Text, nullable=False),
+    Column("correlation_id", Text),
+    Column("run_key", Text),
+    Column("run_id", Text),
+    Column("created_at", Float, nullable=False),
+    Column("updated_at", Float, nullable=False),
+    Column("attempts", Integer, nullable=False),
+    Column("last_error", Text),
+)
+
+job_rejections = Table(
+    "job_rejections",
+    metadata,
+    Column("id", BigInteger, primary_key=True),
+    Column("job_type", Text, nullable=False),
+    Column("key", Text),
+    Column("payload", Text, nullable=False),
+    Column("field", Text, nullable=False),
+    Column("error", Text, nullable=False),
+    Column("created_at", Float, nullable=False),
+)
+
+_COLUMNS = (
+    "id, job_type, key, payload, payload_hash, status, queue, correlation_id, run_key, run_id,"
+    " created_at, updated_at, attempts, last_error"
+)
+
+
+@dataclass(frozen=True)
+class JobRequest:
+    """A row of ``job_requests``, as read."""
+
+    id: int
+    job_type: str
+    key: str
+    payload: dict[str, Any]
+    payload_hash: str
+    status: RequestStatus
+    queue: str
+    correlation_id: str | None
+    run_key: str | None
+    run_id: str | None
+    created_at: float
+    updated_at: float
+    attempts: int
+    last_error: str | None
+
+    @classmethod
+    def from_row(cls, row: Any) -> JobRequest:
+        m = row._mapping
+        return cls(
+            id=int(m["id"]),
+            job_type=m["job_type"],
+            key=m["key"],
+            payload=json.loads(m["payload"]),
+            payload_hash=m["payload_hash"],
+            status=RequestStatus(m["status"]),
+            queue=m["queue"],
+            correlation_id=m["correlation_id"],
+            run_key=m["run_key"],
+            run_id=m["run_id"],
+            created_at=m["created_at"],
+            updated_at=m["updated_at"],
+            attempts=int(m["attempts"]),
+            last_error=m["last_error"],
+        )
+
+
+@dataclass(frozen=True)
+class EnqueueResult:
+    """What ``enqueue`` did: ``created`` is False for a duplicate (the existing request)."""
+
+    request: JobRequest
+    created: bool
+
+    @property
+    def id(self) -> int:
+        return self.request.id
+
+    @property
+    def key(self) -> str:
+        return self.request.key
+
+    @property
+    def status(self) -> RequestStatus:
+        return self.request.status
+
+    @property
+    def duplicate(self) -> bool:
+        return not self.created
+
+
+_INSERT = f"""
+INSERT INTO job_requests
+    (job_type, key, payload, payload_hash, status, queue, correlation_id, created_at,
+     updated_at, attempts)
+VALUES (:job_type, :key, :payload, :hash, 'pending', :queue, :cid, :now, :now, 0)
+ON CONFLICT (key) DO NOTHING
+RETURNING {_COLUMNS}
+"""
+
+_CLAIM = """
+UPDATE job_requests SET status = 'launched', updated_at = :now
+WHERE id IN (
+    SELECT id FROM job_requests
+    WHERE (status = 'pending' OR (status = 'launched' AND updated_at <= :cutoff)) {types}
+    ORDER BY id LIMIT :limit
+)
+AND (status = 'pending' OR (status = 'launched' AND updated_at <= :cutoff))
+RETURNING {columns}
+"""
+
+# Postgres re-evaluates an ``IN (SELECT ... LIMIT ... FOR UPDATE SKIP LOCKED)`` subquery per
+# outer row and can claim more than the limit; a materialised CTE picks the rows exactly once.
+_CLAIM_PG = """
+WITH picked AS MATERIALIZED (
+    SELECT id FROM job_requests
+    WHERE (status = 'pending' OR (status = 'launched' AND updated_at <= :cutoff)) {types}
+    ORDER BY id LIMIT :limit FOR UPDATE SKIP LOCKED
+)
+UPDATE job_requests SET status = 'launched', updated_at = :now
+FROM picked
+WHERE job_requests.id = picked.id
+RETURNING {columns}
+"""
+
+
+class RequestStore:
+    """The intake table over a :class:`Database`. Thread-safe; share one per process."""
+
+    def __init__(self, db: Database, *, clock: Clock = time.time) -> None:
+        self.db = db
+        self.clock = clock
+
+    # -- producers ----------------------------------------------------------------------------
+
+    def enqueue(
+        self,
+        job_type: str,
+        key: str,
+        payload: dict[str, Any],
+        *,
+        queue: str,
+        correlation_id: str | None = None,
+        conn: Connection | None = None,
+    ) -> EnqueueResult:
+        """Write a pending request, or return the existing one for the same key and payload.
+
+        Raises :class:`IdempotencyConflict` when the key exists with another payload or type.
+        """
+        given = payload_hash(payload)
+        params = {
+            "job_type": job_type,
+            "key": key,
+            "payload": canonical(payload),
+            "hash": given,
+            "queue": queue,
+            "cid": correlation_id,
+            "now": self.clock(),
+        }
+        if conn is not None:
+            return self._enqueue(conn, params, given)
+        with self.db.transaction() as own:
+            return self._enqueue(own, params, given)
+
+    def _enqueue(self, conn: Connection, params: dict[str, Any], given: str) -> EnqueueResult:
+        row = conn.execute(text(_INSERT), params).first()
+        if row is not None:
+            return EnqueueResult(JobRequest.from_row(row), created=True)
+        existing = conn.execute(
+            text(f"SELECT {_COLUMNS} FROM job_requests WHERE key = :key"), {"key": params["key"]}
+        ).first()
+        if existing is None:  # pragma: no cover - the conflicting row was rolled back meanwhile
+            return self._enqueue(conn, params, given)
+        request = JobRequest.from_row(existing)
+        if request.payload_hash != given or request.job_type != params["job_type"]:
+            raise IdempotencyConflict(request.key, request.payload_hash, given)
+        return EnqueueResult(request, created=False)
+
+    def reject(
+        self,
+        job_type: str,
+        payload: Any,
+        *,
+        field: str,
+        error: str,
+        key: str | None = None,
+        conn: Connection | None = None,
+    ) -> int:
+        """Keep a rejected request with the field that was wrong; returns the rejection id."""
+        try:
+            stored = payload if isinstance(payload, str) else canonical(payload)
+        except (TypeError, ValueError):
+            stored = repr(payload)
+        params = {
+            "job_type": job_type,
+            "key": key,
+            "payload": stored,
+            "field": field,
+            "error": error,
+            "now": self.clock(),
+        }
+        sql = text(
+            "INSERT INTO job_rejections (job_type, key, payload, field, error, created_at)"
+            " VALUES (:job_type, :key, :payload, :field, :error, :now) RETURNING id"
+        )
+        if conn is not None:
+            return int(conn.execute(sql, params).scalar_one())
+        with self.db.statement() as own:
+            return int(own.execute(sql, params).scalar_one())
+
+    # -- the intake sensor ----------------------------------------------------------------------
+
+    def claim_for_launch(
+        self,
+        limit: int,
+        *,
+        relaunch_after: float = 120.0,
+        job_types: Iterable[str] | None = None,
+    ) -> list[JobRequest]:
+        """Move up to ``limit`` requests (oldest first) to ``launched`` and return them.
+
+        Claims ``pending`` ones and ``launched`` ones untouched for ``relaunch_after`` seconds.
+        """
+        now = self.clock()
+        types = sorted(job_types) if job_types is not None else None
+        if types is not None and not types:
+            return []
+        template = _CLAIM_PG if self.db.is_postgres else _CLAIM
+        columns = _COLUMNS
+        if self.db.is_postgres:
+            columns = ", ".join(f"job_requests.{c.strip()}" for c in _COLUMNS.split(","))
+        sql = text(
+            template.format(
+                types="AND job_type IN :types" if types is not None else "", columns=columns
+            )
+        )
+        params: dict[str, Any] = {"now": now, "cutoff": now - relaunch_after, "limit": limit}
+        if types is not None:
+            sql = sql.bindparams(bindparam("types", expanding=True))
+            params["types"] = types
+        with self.db.transaction() as conn:
+            rows = conn.execute(sql, params).all()
+        return sorted((JobRequest.from_row(r) for r in rows), key=lambda r: r.id)
+
+    def set_run_keys(self, run_keys: dict[int, str]) -> None:
+        """Record the run key each launched request was emitted under (for lookups in the UI)."""
+        if not run_keys:
+            return
+        with self.db.transaction() as conn:
+            conn.execute(
+                text("UPDATE job_requests SET run_key = :rk WHERE id = :id"),
+                [{"id": i, "rk": rk} for i, rk in run_keys.items()],
+            )
+
+    # -- the run ---------------------------------------------------------------------------------
+
+    def _move(
+        self,
+        request_id: int,
+        target: RequestStatus,
+        *,
+        run_id: str | None = None,
+        error: str | None = None,
+        count_attempt: bool = False,
+        run_key: str | None = None,
+    ) -> bool:
+        same_run = " AND run_key = :run_key" if run_key is not None else ""
+        sql = text(
+            "UPDATE job_requests SET status = :target, updated_at = :now,"
+            " run_id = COALESCE(:run_id, run_id),"
+            " last_error = CASE WHEN :target = 'failed' THEN :error"
+            "   WHEN :target = 'completed' THEN NULL ELSE last_error END,"
+            f" attempts = attempts + {1 if count_attempt else 0}"
+            f" WHERE id = :id AND status IN :sources{same_run}"
+        ).bindparams(bindparam("sources", expanding=True))
+        with self.db.statement() as conn:
+            result = conn.execute(
+                sql,
+                {
+                    "target": str(target),
+                    "now": self.clock(),
+                    "run_id": run_id,
+                    "error": error,
+                    "id": request_id,
+                    "sources": _sources(target),
+                    "run_key": run_key,
+                },
+            )
+        return bool(result.rowcount)
+
+    def mark_running(self, request_id: int, *, run_id: str | None = None) -> bool:
+        """The op took the request (counts an attempt). False if it is already completed."""
+        return self._move(request_id, _S.RUNNING, run_id=run_id, count_attempt=True)
+
+    def mark_completed(
+        self, request_id: int, *, run_id: str | None = None, run_key: str | None = None
+    ) -> bool:
+        """``run_key``: only if the request was launched under that run key (reconciliation)."""
+        return self._move(request_id, _S.COMPLETED, run_id=run_id, run_key=run_key)
+
+    def mark_failed(
+        self,
+        request_id: int,
+        error: str,
+        *,
+        run_id: str | None = None,
+        run_key: str | None = None,
+    ) -> bool:
+        """Record a failure; the DLQ picks failed requests up with ``last_error``."""
+        return self._move(request_id, _S.FAILED, run_id=run_id, error=error[:2000], run_key=run_key)
+
+    def requeue(self, request_id: int) -> bool:
+        """A failed request goes back to pending (operator or DLQ replay)."""
+        return self._move(request_id, _S.PENDING)
+
+    # -- reading ---------------------------------------------------------------------------------
+
+    def get(self, request_id: int) -> JobRequest | None:
+        with self.db.statement() as conn:
+            row = conn.execute(
+                text(f"SELECT {_COLUMNS} FROM job_requests WHERE id = :id"), {"id": request_id}
+            ).first()
+        return None if row is None else JobRequest.from_row(row)
+
+    def get_many(self, request_ids: Sequence[int]) -> list[JobRequest]:
+        if not request_ids:
+            return []
+        sql = text(f"SELECT {_COLUMNS} FROM job_requests WHERE id IN :ids ORDER BY id").bindparams(
+            bindparam("ids", expanding=True)
+        )
+        with self.db.statement() as conn:
+            return [JobRequest.from_row(r) for r in conn.execute(sql, {"ids": list(request_ids)})]
+
+    def get_by_key(self, key: str) -> JobRequest | None:
+        with self.db.statement() as conn:
+            row = conn.execute(
+                text(f"SELECT {_COLUMNS} FROM job_requests WHERE key = :key"), {"key": key}
+            ).first()
+        return None if row is None else JobRequest.from_row(row)
+
+    def counts(self, job_type: str | None = None) -> dict[str, int]:
+        """Requests per status (every status present, zero if none)."""
+        where = "WHERE job_type = :jt" if job_type else ""
+        with self.db.statement() as conn:
+            rows = conn.execute(
+                text(f"SELECT status, COUNT(*) AS n FROM job_requests {where} GROUP BY status"),
+                {"jt": job_type},
+            ).all()
+        out = {str(s): 0 for s in RequestStatus}
+        out.update({r.status: int(r.n) for r in rows})
+        return out
+
+    def rejections(self, job_type: str | None = None) -> list[dict[str, Any]]:
+        where = "WHERE job_type = :jt" if job_type else ""
+        with self.db.statement() as conn:
+            rows = conn.execute(
+                text(
+                    "SELECT id, job_type, key, payload, field, error, created_at"
+                    f" FROM job_rejections {where} ORDER BY id"
+                ),
+                {"jt": job_type},
+            ).all()
+        return [dict(r._mapping) for r in rows]
+
+

@@ -1,0 +1,1074 @@
+"""The chaos harness: break sekali the way production does, then check that it stayed right.
+
+One run (:func:`run_chaos`) sets up its own world in a temporary folder: the app database
+(a SQLite file, or a fresh Postgres schema dropped afterwards), a throw-away ``redis-server``
+that can be restarted, the sandbox payment gateway and mail sink, each on a free port with its
+own database. A coordinator plays an at-least-once broker for P worker processes
+(:mod:`proof.chaos_worker`, talking JSON lines over pipes): every request is delivered K
+times, copies close together so different workers get them at once; a delivery whose worker died
+or passed the visibility timeout is delivered again; a transient failure is retried after a
+jittered delay up to ``max_attempts`` and then dead-lettered with its reason; a permanent one is
+dead-lettered at once. Meanwhile the faults strike (``FAULTS``): SIGKILL at chosen points,
+SIGSTOP past the lease and the lock TTL, Redis restarted, Postgres restarted (only when asked),
+gateway answers dropped after the charge, poison payloads.
+
+The verdict (:func:`check`) comes from the sandbox's own records and the stores, never from what
+workers said: charges at the gateway and mails at the sink per request, stock per cart, the
+idempotency records, ``job_attempts``, the DLQ. Invariants checked (docs/design.md 1, 2, 3, 5):
+
+- at most one effect per key (one charge, one distinct Message-ID, one reservation);
+- none lost: each request completed (with its effect), dead-lettered with a reason, or still
+  in progress under a live lease;
+- no stale fenced write: the business row's fence equals the fence of the completing claim and
+  a key has at most one ``completed`` attempt;
+- every poison payload in the DLQ as permanent, never retried.
+
+``naive=True`` runs the same workload with the defences off (no claim, no lock, no
+``Idempotency-Key``, ack before work) to show what they prevent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+import json
+import logging
+import os
+import queue
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections import Counter, defaultdict, deque
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from sqlalchemy import create_engine, text
+from sqlalchemy.pool import NullPool
+
+from pipelines.domain.inventory import Inventory
+from pipelines.registry import get_job_type
+from proof.chaos_worker import CRASH_POINTS, STOP_POINTS, WorkerConfig
+from resources.dlq import DlqStore, FailureClass, FailureInfo, dedupe_key_for
+from resources.errors import SekaliError, ValidationError
+from resources.storage.db import Database
+from resources.storage.migrations import upgrade
+from sandbox.gateway import GatewayServer
+from sandbox.mailsink import MailSink
+from sandbox.redis_server import RedisServer, free_port
+
+logger = logging.getLogger(__name__)
+
+FAULTS = ("kill", "stop", "redis-restart", "drop-response", "poison", "pg-restart")
+DEFAULT_FAULTS = ("kill", "stop", "redis-restart", "drop-response", "poison")
+DEFAULT_PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/sekali_test"
+EMAIL_DATE = "2026-11-29"
+
+
+class ChaosConfigError(SekaliError):
+    """The chaos options do not make sense together (say which and how to fix them)."""
+
+    permanent = True
+
+
+@dataclass
+class ChaosConfig:
+    """One run's knobs. Defaults give a run of about a minute on a small machine."""
+
+    requests: int = 300
+    workers: int = 4
+    threads: int = 2  # deliveries each worker process runs at once, on its own threads
+    redelivery: int = 3
+    faults: tuple[str, ...] = DEFAULT_FAULTS
+    backend: str = "sqlite"
+    database_url: str | None = None  # Postgres: a schema of its own is created here
+    seed: int = 1
+    naive: bool = False
+    lease_seconds: float = 2.0
+    lock_ttl: float | None = None  # default: the lease
+    timeout: float = 300.0
+    max_attempts: int = 8
+    kills: int | None = None  # default: about one per 40 requests, at least 3
+    stops: int = 2
+    redis_restarts: int = 2
+    pg_restarts: int = 1
+    drop_rate: float = 0.05
+    poison_rate: float = 0.04
+    retry_base: float = 0.1
+    retry_cap: float = 1.5
+    progress: bool = False
+    keep_state: bool = False
+
+    def validate(self) -> None:
+        unknown = sorted(set(self.faults) - set(FAULTS))
+        if unknown:
+            raise ChaosConfigError(f"unknown fault(s) {unknown}; choose from {', '.join(FAULTS)}")
+        if self.backend not in ("sqlite", "postgres"):
+            raise ChaosConfigError("--backend must be sqlite or postgres")
+        if "pg-restart" in self.faults and self.backend != "postgres":
+            raise ChaosConfigError("pg-restart needs --backend postgres (a local cluster)")
+        if self.requests < 1 or self.workers < 1 or self.redelivery < 1:
+            raise ChaosConfigError("--requests, --workers and --redelivery must be >= 1")
+        if self.lease_seconds <= 0 or self.timeout <= 0:
+            raise ChaosConfigError("--lease and --timeout must be positive")
+
+    @property
+    def ttl(self) -> float:
+        return self.lock_ttl if self.lock_ttl is not None else self.lease_seconds
+
+    @property
+    def kill_count(self) -> int:
+        if "kill" not in self.faults:
+            return 0
+        return self.kills if self.kills is not None else max(3, self.requests // 40)
+
+
+# -- workload ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Request:
+    """One job request of the workload and what the run saw of it."""
+
+    id: int
+    job_type: str
+    payload: dict[str, Any]
+    poison: bool = False
+    faults: set[str] = field(default_factory=set)
+    struck: Counter[str] = field(default_factory=Counter)  # kill:/stop: point -> times
+    deliveries: int = 0  # dispatches, redeliveries included
+
+
+def build_workload(config: ChaosConfig) -> list[Request]:
+    """Mostly payments, some mails and reservations; poison payloads when asked."""
+    rng = random.Random(config.seed)
+    poison_rate = config.poison_rate if "poison" in config.faults else 0.0
+    out = []
+    for i in range(config.requests):
+        roll = rng.random()
+        poison = rng.random() < poison_rate
+        if roll < 0.7:
+            payload: dict[str, Any] = {"order_id": f"o{i}", "amount_cents": 100 + i,
+                                       "currency": "EUR"}
+            if poison:
+                payload["amount_cents"] = -1
+            job_type = "charge_payment"
+        elif roll < 0.85:
+            payload = {"template": "welcome", "user_id": f"u{i}", "date": EMAIL_DATE,
+                       "to": f"u{i}@example.com"}
+            if poison:
+                payload["to"] = "not-an-address"
+            job_type = "send_email"
+        else:
+            payload = {"cart_id": f"c{i}", "items": [{"sku": f"sku-c{i}", "quantity": 1 + i % 3}]}
+            if poison:
+                payload["items"] = [{"sku": f"sku-c{i}", "quantity": 0}]
+            job_type = "reserve_inventory"
+        out.append(Request(i, job_type, payload, poison))
+    return out
+
+
+@dataclass
+class Delivery:
+    id: int
+    request: int
+    attempts: int = 0
+    retries: int = 0  # requeued after a failure it reported (not after a death or timeout)
+    ready_at: float = 0.0
+    tok: str | None = None  # the current dispatch
+    settled: str | None = None  # "done" | "dead_lettered"
+    history: list[str] = field(default_factory=list)
+
+
+def delivery_order(requests: list[Request], redelivery: int, seed: int, workers: int) -> list[
+    tuple[int, int]
+]:
+    """``(request, copy)`` pairs in queue order: copies of a request land close together, so
+    different workers get them at the same time; a few copies come much later."""
+    rng = random.Random(seed + 1)
+    spread = max(2, workers)
+    keyed = []
+    for req in requests:
+        for copy in range(redelivery):
+            late = copy > 0 and rng.random() < 0.2
+            pos = req.id + (rng.uniform(0, len(requests) * 0.5) if late else rng.uniform(0, spread))
+            keyed.append((pos, req.id, copy))
+    keyed.sort()
+    return [(r, c) for _, r, c in keyed]
+
+
+# -- the world a run needs ---------------------------------------------------------------------
+
+
+class ChaosWorld:
+    """Everything a run stands up, and takes down again: state dir, app DB, Redis, gateway,
+    mail sink. Use as a context manager."""
+
+    def __init__(self, config: ChaosConfig) -> None:
+        self.config = config
+        self.state = Path(tempfile.mkdtemp(prefix="sekali-chaos-"))
+        self.schema: str | None = None
+        self.base_pg_url: str | None = None
+        self.database_url = ""
+        self.redis: Any = None
+        self.gateway: Any = None
+        self.sink: Any = None
+        self.db: Any = None
+
+    def __enter__(self) -> ChaosWorld:
+        try:
+            self._start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _start(self) -> None:
+
+        cfg = self.config
+        if cfg.backend == "postgres":
+            self.base_pg_url = (cfg.database_url or os.environ.get("DATABASE_URL")
+                                or os.environ.get("SEKALI_TEST_PG_URL") or DEFAULT_PG_URL)
+            self.schema = "chaos_" + uuid.uuid4().hex[:12]
+            engine = create_engine(self.base_pg_url, isolation_level="AUTOCOMMIT")
+            with engine.connect() as conn:
+                conn.execute(text(f"CREATE SCHEMA {self.schema}"))
+            engine.dispose()
+            sep = "&" if "?" in self.base_pg_url else "?"
+            self.database_url = f"{self.base_pg_url}{sep}options=-csearch_path%3D{self.schema}"
+        else:
+            self.database_url = f"sqlite:///{self.state / 'app.db'}"
+        self.db = Database.from_url(self.database_url)
+        upgrade(self.db)
+        self.redis = RedisServer(self.state / "redis", port=free_port()).start()
+        self.gateway = GatewayServer(
+            f"sqlite:///{self.state / 'gateway.db'}",
+            honour_idempotency_key=not cfg.naive,
+            drop_after_charge_rate=cfg.drop_rate if "drop-response" in cfg.faults else 0.0,
+            seed=cfg.seed,
+        ).start()
+        self.sink = MailSink(f"sqlite:///{self.state / 'mailsink.db'}").start()
+
+    def close(self) -> None:
+        for part in (self.sink, self.gateway, self.redis):
+            if part is not None:
+                with contextlib.suppress(Exception):
+                    part.stop()
+        if self.db is not None:
+            self.db.dispose()
+        if self.schema is not None and self.base_pg_url is not None:
+            with contextlib.suppress(Exception):
+                engine = create_engine(self.base_pg_url, isolation_level="AUTOCOMMIT")
+                with engine.connect() as conn:
+                    conn.execute(text(f"DROP SCHEMA IF EXISTS {self.schema} CASCADE"))
+                engine.dispose()
+            self.schema = None
+        if not self.config.keep_state:
+            shutil.rmtree(self.state, ignore_errors=True)
+
+    def seed_stock(self, requests: list[Request]) -> None:
+
+        inventory = Inventory(self.db)
+        for req in requests:
+            if req.job_type == "reserve_inventory" and not req.poison:
+                for item in req.payload["items"]:
+                    inventory.set_stock(item["sku"], 1000)
+
+    def worker_config(self, worker_id: int) -> WorkerConfig:
+        cfg = self.config
+        return WorkerConfig(
+            worker_id=worker_id,
+            database_url=self.database_url,
+            redis_url=self.redis.url,
+            gateway_url=self.gateway.url,
+            smtp_host=self.sink.host,
+            smtp_port=self.sink.port,
+            lease_seconds=cfg.lease_seconds,
+            lock_ttl=cfg.ttl,
+            lock_wait=cfg.ttl + 1.0,
+            naive=cfg.naive,
+            threads=cfg.threads,
+        )
+
+
+def restart_postgres() -> None:
+    """Restart the local cluster (``pg_ctlcluster``); only when asked with ``pg-restart``."""
+    listing = subprocess.run(["pg_lsclusters", "-h"], capture_output=True, text=True, check=True)
+    version, name = listing.stdout.split()[:2]
+    subprocess.run(
+        ["pg_ctlcluster", "--skip-systemctl-redirect", version, name, "restart"],
+        check=True, capture_output=True, timeout=60,
+    )
+
+
+# -- workers -----------------------------------------------------------------------------------
+
+
+class WorkerProcess:
+    """One ``proof.chaos_worker`` process and the thread that reads its reports."""
+
+    def __init__(self, wid: int, generation: int, config: WorkerConfig, events: queue.Queue[Any],
+                 log_dir: Path) -> None:
+        self.wid = wid
+        self.generation = generation
+        self.state = "starting"  # starting | running | stopped | dead
+        self.capacity = config.threads
+        self.inflight: dict[str, float] = {}  # tok -> when sent (or when it last woke up)
+        self.overdue: set[str] = set()  # past the visibility timeout, already redelivered
+        self.cont_at = 0.0
+        self.stopped_delivery: int | None = None
+        self.stopped_fence = 0
+        self.sent: list[str] = []
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env.pop("SEKALI_CRASH_AT", None)
+        self.log = open(log_dir / f"worker-{wid}-{generation}.log", "wb")  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "proof.chaos_worker", config.to_json()],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, env=env,
+        )
+        self._reader = threading.Thread(target=self._read, args=(events,), daemon=True)
+        self._reader.start()
+
+    def _read(self, events: queue.Queue[Any]) -> None:
+        assert self.proc.stdout is not None
+        for raw in self.proc.stdout:
+            try:
+                events.put((self.wid, self.generation, json.loads(raw)))
+            except ValueError:
+                continue
+        self.proc.wait()
+        events.put((self.wid, self.generation, None))
+
+    def send(self, msg: dict[str, Any]) -> bool:
+        stdin: IO[bytes] | None = self.proc.stdin
+        try:
+            assert stdin is not None
+            stdin.write((json.dumps(msg) + "\n").encode())
+            stdin.flush()
+            return True
+        except (BrokenPipeError, OSError, ValueError):
+            return False
+
+    def signal(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.proc.pid, sig)
+
+    def close(self, timeout: float = 5.0) -> None:
+        self.send({"t": "exit"})
+        with contextlib.suppress(Exception):
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.signal(signal.SIGCONT)
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+# -- the broker --------------------------------------------------------------------------------
+
+
+NO_ANSWER_HINT = "gave no answer"  # GatewayUnavailable after a dropped response
+
+
+class Coordinator:
+    """An at-least-once broker for the workers, with the fault schedule. Single-threaded: every
+    report arrives on one queue, so the state below needs no locks."""
+
+    def __init__(self, config: ChaosConfig, world: ChaosWorld, requests: list[Request]) -> None:
+
+        self.config = config
+        self.world = world
+        self.requests = requests
+        self.dlq = DlqStore(world.db)
+        self.rng = random.Random(config.seed + 2)
+        self.events: queue.Queue[Any] = queue.Queue()
+        order = delivery_order(requests, config.redelivery, config.seed, config.workers)
+        self.deliveries = [Delivery(i, r) for i, (r, _copy) in enumerate(order)]
+        # first deliveries in queue order; redeliveries by the time they become visible again,
+        # served first once due (a broker's visibility timeout or delay, not the queue's tail)
+        self.fresh: deque[int] = deque(range(len(order)))
+        self.ready: list[tuple[float, int, int]] = []
+        self.seq = len(order)
+        self.by_tok: dict[str, Delivery] = {}
+        self.done_requests: set[int] = set()
+        self.workers: dict[int, WorkerProcess] = {}
+        self.generation = 0
+        self.stats: Counter[str] = Counter()
+        self.late: list[dict[str, Any]] = []
+        self.dispatches = 0
+        self.t0 = time.monotonic()
+        self.visibility = config.ttl + 1.0 + 3 * config.lease_seconds + 4.0
+        # a plain read connection with a short timeout: on SQLite the app Database begins
+        # every transaction IMMEDIATE (a write lock), which a read here must not wait for
+        sqlite = world.database_url.startswith("sqlite")
+        self.probe = create_engine(
+            world.database_url, poolclass=NullPool,
+            connect_args={"timeout": 2} if sqlite else {"connect_timeout": 2},
+        )
+        self._plan_faults()
+
+    # fault schedule: fractions of the expected dispatches at which each fault strikes
+    def _plan_faults(self) -> None:
+        cfg = self.config
+        total = len(self.deliveries)
+        rng = self.rng
+        self.kill_at = sorted(int(total * rng.uniform(0.05, 0.85)) for _ in range(cfg.kill_count))
+        n_stops = cfg.stops if "stop" in cfg.faults else 0
+        self.stop_at = sorted(int(total * rng.uniform(0.1, 0.7)) for _ in range(n_stops))
+        n_redis = cfg.redis_restarts if "redis-restart" in cfg.faults else 0
+        self.redis_at = sorted(int(total * (i + 1) / (n_redis + 1)) for i in range(n_redis))
+        n_pg = cfg.pg_restarts if "pg-restart" in cfg.faults else 0
+        self.pg_at = sorted(int(total * (i + 1) / (n_pg + 1.5)) for i in range(n_pg))
+        self.scheduled = {"kills": len(self.kill_at), "stops": n_stops,
+                          "redis-restart": n_redis, "pg-restart": n_pg}
+        self.pending_kills: list[str] = []
+        self.armed: dict[str, tuple[str, str]] = {}  # tok -> (crash | stop, point)
+        self.stopped_toks: set[str] = set()
+        self.stop_log: list[dict[str, Any]] = []
+        self.pending_stops = 0
+        self.restart_windows: list[tuple[str, float, float]] = []
+        self._restarting: threading.Thread | None = None
+        self._current_restart = ""
+
+    # -- workers
+    def _spawn(self, wid: int) -> None:
+        self.generation += 1
+        self.workers[wid] = WorkerProcess(
+            wid, self.generation, self.world.worker_config(wid), self.events, self.world.state
+        )
+
+    def _dispatch(self, now: float) -> None:
+        for w in self.workers.values():
+            while w.state == "running" and len(w.inflight) < w.capacity:
+                if self.ready and self.ready[0][0] <= now:
+                    did = heapq.heappop(self.ready)[2]
+                elif self.fresh:
+                    did = self.fresh.popleft()
+                else:
+                    break
+                self._dispatch_one(w, did, now)
+
+    def _dispatch_one(self, w: WorkerProcess, did: int, now: float) -> None:
+        d = self.deliveries[did]
+        if d.settled is not None:
+            return
+        req = self.requests[d.request]
+        self._arm_faults_due()
+        d.attempts += 1
+        req.deliveries += 1
+        d.tok = f"{d.id}.{d.attempts}"
+        self.by_tok[d.tok] = d
+        msg: dict[str, Any] = {
+            "tok": d.tok, "req": req.id, "job_type": req.job_type,
+            "payload": req.payload, "attempt": d.attempts - 1,
+        }
+        fresh = req.id not in self.done_requests and not req.poison
+        if self.pending_kills and fresh:
+            msg["crash"] = self.pending_kills.pop()
+            self.armed[d.tok] = ("crash", msg["crash"])
+        elif (self.pending_stops and fresh and req.job_type != "reserve_inventory"
+              and not self._stop_under_way()):
+            self.pending_stops -= 1
+            msg["stop"] = STOP_POINTS[self.stats["stops_armed"] % len(STOP_POINTS)]
+            self.stats["stops_armed"] += 1
+            self.armed[d.tok] = ("stop", msg["stop"])
+        if self._restart_active(now):
+            req.faults.add(self._restart_active(now))
+        self.dispatches += 1
+        w.inflight[d.tok] = now
+        w.sent.append(d.tok)
+        d.history.append(f"w{w.wid}@{now - self.t0:.1f}")
+        if not w.send(msg):
+            self._worker_gone(w)
+
+    def _stop_under_way(self) -> bool:
+        """One stop at a time: a second frozen worker could hold the very redelivery that is
+        to take the first one's key over."""
+        return any(kind == "stop" for kind, _ in self.armed.values()) or any(
+            w.state == "stopped" for w in self.workers.values())
+
+    def _arm_faults_due(self) -> None:
+        n = self.dispatches
+        while self.kill_at and self.kill_at[0] <= n:
+            self.kill_at.pop(0)
+            self.pending_kills.insert(0, CRASH_POINTS[self.stats["kills_planned"] % 3])
+            self.stats["kills_planned"] += 1
+        while self.stop_at and self.stop_at[0] <= n:
+            self.stop_at.pop(0)
+            self.pending_stops += 1
+        for name, due, action in (("redis-restart", self.redis_at, self.world.redis.restart),
+                                  ("pg-restart", self.pg_at, restart_postgres)):
+            if due and due[0] <= n and self._restarting is None:
+                due.pop(0)
+                self._start_restart(name, action)
+
+    def _start_restart(self, name: str, action: Callable[[], None]) -> None:
+        began = time.monotonic()
+
+        def run() -> None:
+            try:
+                action()
+            except Exception as exc:  # noqa: BLE001 - reported, the run goes on
+                logger.error("%s failed: %s", name, exc)
+                self.stats[f"{name}_failed"] += 1
+            self.restart_windows.append((name, began, time.monotonic() + 0.5))
+            self._restarting = None
+
+        self.stats[name] += 1
+        self._current_restart = name
+        self._restarting = threading.Thread(target=run, daemon=True)
+        self._restarting.start()
+
+    def _restart_active(self, now: float) -> str:
+        if self._restarting is not None:
+            return self._current_restart
+        for name, start, end in self.restart_windows:
+            if start <= now <= end:
+                return name
+        return ""
+
+    # -- reports
+    def _on_event(self, wid: int, gen: int, msg: dict[str, Any] | None) -> None:
+        w = self.workers.get(wid)
+        if w is None or w.generation != gen:
+            return
+        if msg is None:
+            self._worker_gone(w)
+            return
+        kind = msg["t"]
+        if kind == "ready":
+            w.state = "running"
+            return
+        tok = msg.get("tok", "")
+        d = self.by_tok.get(tok)
+        if d is None:
+            return
+        current = d.tok == tok and d.settled is None
+        if kind == "start":
+            return
+        if kind == "stopping":
+            self.stats["stops"] += 1
+            self.stopped_toks.add(tok)
+            self.armed.pop(tok, None)
+            self.requests[d.request].faults.add(f"stop:{msg.get('point')}")
+            self.requests[d.request].struck[f"stop:{msg.get('point')}"] += 1
+            w.state = "stopped"
+            w.stopped_delivery = d.id
+            w.stopped_fence = self._key_state(d.request)[0]
+            now = time.monotonic()
+            w.cont_at = now + self.config.lease_seconds + self.config.ttl + 0.5
+            if current:  # the broker's visibility timeout, made to pass now
+                self._requeue(d, now + self.config.lease_seconds + 0.1, "stopped")
+            return
+        if kind == "resumed":
+            return
+        # done / fail: the worker is free again; a fault armed but not reached goes to the next
+        unfired = None if self.config.naive else self.armed.pop(tok, None)  # naive acks first
+        if unfired is not None and unfired[0] == "crash":
+            self.pending_kills.append(unfired[1])
+        elif unfired is not None:
+            self.pending_stops += 1
+        w.inflight.pop(tok, None)
+        w.overdue.discard(tok)
+        if not current:
+            self._late_report(d, msg)
+            return
+        if kind == "done":
+            self._settle(d, "done")
+            if msg.get("status") in ("completed", "duplicate", "acked_before_work"):
+                self.done_requests.add(d.request)
+            return
+        self._on_failure(d, msg)
+
+    def _late_report(self, d: Delivery, msg: dict[str, Any]) -> None:
+        self.stats["late_reports"] += 1
+        entry = {"delivery": d.id, "request": d.request, "report": msg.get("t"),
+                 "error": msg.get("error"), "status": msg.get("status"), "tok": msg.get("tok"),
+                 "stopped": msg.get("tok") in self.stopped_toks}
+        if msg.get("error") in ("LeaseLost", "FencedWriteRejected", "LockLost"):
+            self.stats["stale_writes_rejected"] += 1
+        self.late.append(entry)
+
+    def _on_failure(self, d: Delivery, msg: dict[str, Any]) -> None:
+        req = self.requests[d.request]
+        error, message = str(msg.get("error")), str(msg.get("message", ""))
+        self.stats[f"error:{error}"] += 1
+        if NO_ANSWER_HINT in message:
+            req.faults.add("drop-response")
+        if msg.get("kind") == "permanent":
+            self._dead_letter(d, msg, "permanent")
+            return
+        if d.attempts >= self.config.max_attempts:
+            self._dead_letter(d, msg, "transient" if msg.get("kind") == "transient" else "unknown")
+            return
+        cap = self.config.retry_cap
+        delay = self.rng.uniform(0, min(cap, self.config.retry_base * 2 ** d.attempts))
+        if msg.get("retry_after"):
+            delay = max(delay, min(cap, float(msg["retry_after"])))
+        d.retries += 1
+        self._requeue(d, time.monotonic() + delay, f"retry:{error}")
+
+    def _requeue(self, d: Delivery, ready_at: float, why: str) -> None:
+        d.tok = None
+        d.history.append(f"{why}@{time.monotonic() - self.t0:.1f}")
+        self.seq += 1
+        heapq.heappush(self.ready, (ready_at, self.seq, d.id))
+
+    def _settle(self, d: Delivery, how: str) -> None:
+        d.settled = how
+        d.tok = None
+
+    def _dead_letter(self, d: Delivery, msg: dict[str, Any], error_class: str) -> None:
+
+        req = self.requests[d.request]
+        info = FailureInfo(
+            job_type=req.job_type,
+            dedupe_key=dedupe_key_for(req.job_type, request_id=req.id, idempotency_key=None,
+                                      run_id="", step=""),
+            error_type=str(msg.get("error")),
+            message=str(msg.get("message", "")) or str(msg.get("error")),
+            run_id=f"chaos-{msg.get('tok')}",
+            error_class=FailureClass(error_class),
+            step=f"{req.job_type}_op",
+            request_id=req.id,
+            payload=req.payload,
+            correlation_id=f"chaos-req-{req.id}",
+            tags={"sekali/chaos": "true", "attempts": str(d.attempts)},
+        )
+        for _ in range(20):  # the app DB may itself be restarting
+            try:
+                self.dlq.record_failure(info, actor="chaos")
+                break
+            except Exception as exc:  # noqa: BLE001
+                logger.warning("DLQ write failed, retrying: %s", exc)
+                time.sleep(0.5)
+        self._settle(d, "dead_lettered")
+
+    def _worker_gone(self, w: WorkerProcess) -> None:
+        if w.state == "dead":
+            return
+        killed = [t for t in w.sent if self.armed.get(t, ("", ""))[0] == "crash"]
+        for t in killed:
+            point = self.armed.pop(t)[1]
+            self.requests[self.by_tok[t].request].faults.add(f"kill:{point}")
+            self.requests[self.by_tok[t].request].struck[f"kill:{point}"] += 1
+            self.stats["kills"] += 1
+        if not killed and w.state != "starting":
+            self.stats["unplanned_deaths"] += 1
+        for tok in w.inflight:
+            d = self.by_tok[tok]
+            if d.tok == tok and d.settled is None:
+                self._requeue(d, time.monotonic(), "worker_died")
+        w.inflight.clear()
+        w.state = "dead"
+        w.close(timeout=1.0)
+        self._spawn(w.wid)
+
+    def _watch(self, now: float) -> None:
+        for w in list(self.workers.values()):
+            if w.state == "stopped":
+                if now < w.cont_at:
+                    continue
+                d = self.deliveries[w.stopped_delivery] if w.stopped_delivery is not None else None
+                waited_enough = now >= w.cont_at + 20.0
+                if d is None or waited_enough or self._taken_over(d.request, w.stopped_fence):
+                    self.stop_log.append({"delivery": d.id if d else None,
+                                          "frozen_s": round(now - w.cont_at, 1),
+                                          "taken_over": not waited_enough,
+                                          "history": d.history if d else None})
+                    w.signal(signal.SIGCONT)
+                    w.state = "running"
+                    for tok in w.inflight:  # the clock starts again for what it holds
+                        w.inflight[tok] = max(w.inflight[tok], now - self.visibility / 2)
+                continue
+            for tok, sent in list(w.inflight.items()):
+                if tok in w.overdue:
+                    if now - sent > 120:
+                        w.signal(signal.SIGKILL)  # a worker that never answers is replaced
+                    continue
+                if now - sent > self.visibility:
+                    d = self.by_tok[tok]
+                    if d.tok == tok and d.settled is None:
+                        self.stats["visibility_timeouts"] += 1
+                        self._requeue(d, now, "visibility_timeout")
+                    w.overdue.add(tok)
+
+    def _key_state(self, request: int) -> tuple[int, str | None]:
+        """``(fence, status)`` of the request's idempotency record (``(0, None)`` if none)."""
+
+        req = self.requests[request]
+        jt = get_job_type(req.job_type)
+        try:
+            key = jt.key_for(jt.validate(dict(req.payload)))
+            with self.probe.connect() as conn:
+                rows = list(conn.execute(text(
+                    "SELECT fence, status FROM idempotency_records WHERE key = :k"), {"k": key}))
+        except Exception:  # noqa: BLE001 - no key, or the store is restarting: ask again later
+            return 0, None
+        return (int(rows[0].fence), rows[0].status) if rows else (0, None)
+
+    def _taken_over(self, request: int, stale_fence: int) -> bool:
+        """A newer claim finished the key while the stopped holder slept: now its late writes
+        are stale ones, and the checker can see whether any was accepted."""
+        if self.config.naive:
+            return True
+        fence, status = self._key_state(request)
+        return fence > stale_fence and status in ("completed", "failed", "retryable")
+
+    def unsettled(self) -> int:
+        return sum(1 for d in self.deliveries if d.settled is None)
+
+    def run(self, progress: Callable[[Coordinator], None] | None = None) -> bool:
+        """Deliver everything; True if every delivery settled before the timeout."""
+        for wid in range(self.config.workers):
+            self._spawn(wid)
+        deadline = time.monotonic() + self.config.timeout
+        last_progress = 0.0
+        finished = False
+        try:
+            while time.monotonic() < deadline:
+                now = time.monotonic()
+                self._dispatch(now)
+                try:
+                    event = self.events.get(timeout=0.02)
+                    self._on_event(*event)
+                    while True:
+                        self._on_event(*self.events.get_nowait())
+                except queue.Empty:
+                    pass
+                now = time.monotonic()
+                self._watch(now)
+                if progress is not None and now - last_progress > 1.0:
+                    progress(self)
+                    last_progress = now
+                if self.unsettled() == 0 and self._quiet():
+                    finished = True
+                    break
+            if progress is not None:
+                progress(self)
+        finally:  # an exception mid-run must not leave workers stopped or a restart running
+            self._shutdown()
+        return finished
+
+    def fault_counts(self) -> dict[str, int]:
+        """Planned vs struck per fault: a fault still pending when the run settled never struck,
+        and a run whose faults did not strike proves less than its options say."""
+        armed = Counter(kind for kind, _ in self.armed.values())
+        pending = {
+            "kills": len(self.kill_at) + len(self.pending_kills) + armed["crash"],
+            "stops": len(self.stop_at) + self.pending_stops + armed["stop"],
+            "redis-restart": len(self.redis_at),
+            "pg-restart": len(self.pg_at),
+        }
+        out: dict[str, int] = {}
+        for name, planned in self.scheduled.items():
+            if planned:
+                out[f"{name}_scheduled"] = planned
+                out[f"{name}_not_struck"] = pending[name]
+        return out
+
+    def _quiet(self) -> bool:
+        """No worker still stopped or working on an old delivery, no restart under way: their
+        late writes must happen inside the run, where the checker sees them."""
+        return self._restarting is None and all(
+            w.state != "stopped" and not w.inflight for w in self.workers.values()
+        )
+
+    def _shutdown(self) -> None:
+        for w in self.workers.values():
+            try:
+                w.signal(signal.SIGCONT)
+                w.close()
+            except Exception:  # noqa: BLE001 - one worker must not keep the others alive
+                logger.exception("closing worker %s failed", w.wid)
+        self.probe.dispose()
+        restart = self._restarting  # joined here, before the world stops Redis
+        if restart is not None:
+            restart.join(timeout=60)
+
+
+# -- the checker -------------------------------------------------------------------------------
+
+
+@dataclass
+class RequestVerdict:
+    id: int
+    job_type: str
+    poison: bool
+    faults: list[str]
+    deliveries: int
+    effects: int
+    resends: int
+    status: str | None
+    dead_lettered: bool
+    dlq_class: str | None
+    dlq_reason: str | None
+    lost: bool
+
+
+@dataclass
+class ChaosReport:
+    config: dict[str, Any]
+    finished: bool
+    seconds: float
+    deliveries: int
+    stats: dict[str, int]
+    rows: list[dict[str, Any]]
+    violations: list[str]
+    late_reports: list[dict[str, Any]]
+    state_dir: str | None = None  # kept only with keep_state (worker logs, databases)
+    # every dead-lettered request that was not poison: id, job type, class, reason, faults
+    dead_letters: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "ok": self.ok}
+
+
+def _rows(db: Any, sql: str, **params: Any) -> list[Any]:
+    with db.statement() as conn:
+        return list(conn.execute(text(sql), params).all())
+
+
+def check(world: ChaosWorld, coordinator: Coordinator) -> tuple[list[RequestVerdict], list[str]]:
+    """Judge the run from the stores and the sandbox's records. Returns verdicts, violations."""
+
+    cfg = world.config
+    db = world.db
+    now = time.time()
+    violations: list[str] = []
+
+    charges: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for ch in world.gateway.charges():
+        charges[str(ch.get("correlation_id"))].append(ch)
+    mails: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for m in world.sink.messages():
+        mails[str(m.get("correlation_id"))].append(m)
+    records = {r.key: r for r in _rows(db, "SELECT key, status, fence, lease_expires_at"
+                                           " FROM idempotency_records")}
+    dlq = {int(r.request_id): r for r in _rows(
+        db, "SELECT request_id, status, error_class, last_error, failure_count FROM dlq_records"
+            " WHERE request_id IS NOT NULL")}
+    attempts: dict[int, list[Any]] = defaultdict(list)
+    for a in _rows(db, "SELECT request_id, idempotency_key, outcome, fence FROM job_attempts"):
+        if a.request_id is not None:
+            attempts[int(a.request_id)].append(a)
+    stock = {r.sku: int(r.reserved) for r in _rows(db, "SELECT sku, reserved FROM stock")}
+    orders = {r.order_id: int(r.payment_fence) for r in _rows(
+        db, "SELECT order_id, payment_fence FROM orders")}
+    res_fences: dict[str, set[int]] = defaultdict(set)
+    for r in _rows(db, "SELECT cart_id, fence FROM reservations"):
+        res_fences[r.cart_id].add(int(r.fence))
+    retries: Counter[int] = Counter()
+    for d in coordinator.deliveries:
+        retries[d.request] += d.retries
+
+    verdicts = []
+    for req in coordinator.requests:
+        cid = f"chaos-req-{req.id}"
+        jt = get_job_type(req.job_type)
+        try:
+            key: str | None = jt.key_for(jt.validate(dict(req.payload)))
+        except ValidationError:
+            key = None
+        resends = allowed_resends = 0
+        if req.job_type == "charge_payment":
+            effects = len(charges.get(cid, []))
+        elif req.job_type == "send_email":
+            sent = mails.get(cid, [])
+            effects = len({m["message_id"] for m in sent})
+            resends = len(sent) - effects
+            # the windows for a resend, one per fault that struck there: the holder died after
+            # the SMTP server accepted and before the record (kill:after_effect), or froze
+            # after its last lease check (stop:before_effect sits inside the mailer, past
+            # confirm_lease; stop:after_effect past the send) and was taken over
+            allowed_resends = (req.struck["kill:after_effect"] + req.struck["stop:before_effect"]
+                               + req.struck["stop:after_effect"])
+        else:
+            qty = sum(i["quantity"] for i in req.payload["items"]) or 1
+            effects = sum(stock.get(i["sku"], 0) for i in req.payload["items"]) // qty
+        record = records.get(key) if key else None
+        status = record.status if record is not None else None
+        dl = dlq.get(req.id)
+        in_dlq = dl is not None and dl.status == "open" and bool(dl.last_error)
+        live = (status == "in_progress" and record is not None
+                and (record.lease_expires_at or 0) > now)
+        if cfg.naive:
+            accounted = in_dlq or effects >= 1
+        else:
+            accounted = in_dlq or live or (status == "completed" and effects >= 1)
+        lost = not accounted
+        tag = f"request {req.id} ({req.job_type}, key {key})"
+        if effects > 1:
+            violations.append(f"duplicate effect: {tag} has {effects} effects")
+        if resends > allowed_resends:
+            violations.append(f"duplicate mail: {tag} sent {resends} resend(s) of one Message-ID"
+                              f" but only {allowed_resends} after-effect fault(s) struck it")
+        if dl is not None and dl.error_class == "unknown":
+            violations.append(f"dead letter of class unknown (a worker or checker bug): {tag}:"
+                              f" {dl.last_error}")
+        if dl is not None and not dl.last_error:
+            violations.append(f"dead letter without a reason: {tag}")
+        if lost:
+            violations.append(f"lost: {tag} neither completed with its effect, dead-lettered, "
+                              f"nor live (status {status}, effects {effects})")
+        if req.poison:
+            if dl is None or dl.error_class != "permanent":
+                violations.append(f"poison not dead-lettered as permanent: {tag}")
+            retried = [a for a in attempts.get(req.id, []) if a.outcome == "retried"]
+            if retried or retries[req.id]:
+                violations.append(f"poison retried: {tag}")
+        if not cfg.naive and status == "completed" and record is not None:
+            done = [a for a in attempts.get(req.id, []) if a.outcome == "completed"]
+            if len(done) > 1:
+                violations.append(f"stale write: {tag} has {len(done)} completed attempts")
+            if any(int(a.fence) != int(record.fence) for a in done):
+                violations.append(f"stale write: {tag} completed by fence "
+                                  f"{[a.fence for a in done]}, record fence {record.fence}")
+            if req.job_type == "charge_payment":
+                fence = orders.get(req.payload["order_id"])
+                if fence != int(record.fence):
+                    violations.append(f"stale write: {tag} order fence {fence} != {record.fence}")
+            if req.job_type == "reserve_inventory":
+                fences = res_fences.get(req.payload["cart_id"], set())
+                if fences != {int(record.fence)}:
+                    violations.append(f"stale write: {tag} reservation fences {sorted(fences)}"
+                                      f" != {record.fence}")
+        verdicts.append(RequestVerdict(
+            id=req.id, job_type=req.job_type, poison=req.poison,
+            faults=sorted(req.faults | ({"poison"} if req.poison else set())),
+            deliveries=req.deliveries, effects=effects, resends=resends, status=status,
+            dead_lettered=dl is not None, dlq_class=dl.error_class if dl is not None else None,
+            dlq_reason=(dl.last_error or "")[:200] if dl is not None else None,
+            lost=lost,
+        ))
+    return verdicts, violations
+
+
+def fault_rows(verdicts: list[RequestVerdict]) -> list[dict[str, Any]]:
+    """One row per fault (a request counts under every fault that touched it), then ``none``
+    (untouched) and ``all``."""
+    groups: dict[str, list[RequestVerdict]] = defaultdict(list)
+    for v in verdicts:
+        for f in v.faults or ["none"]:
+            groups[f].append(v)
+        groups["all"].append(v)
+    order = sorted(k for k in groups if k not in ("none", "all")) + ["none", "all"]
+    rows = []
+    for name in order:
+        vs = groups.get(name, [])
+        if not vs:
+            continue
+        rows.append({
+            "fault": name,
+            "requests": len(vs),
+            "deliveries": sum(v.deliveries for v in vs),
+            "effects": sum(v.effects for v in vs),
+            "duplicates": sum(max(0, v.effects - 1) for v in vs),
+            "lost": sum(1 for v in vs if v.lost),
+            "dead_lettered": sum(1 for v in vs if v.dead_lettered),
+            "smtp_resends": sum(v.resends for v in vs),
+        })
+    return rows
+
+
+def format_table(rows: list[dict[str, Any]]) -> str:
+    cols = ["fault", "requests", "deliveries", "effects", "duplicates", "lost", "dead_lettered",
+            "smtp_resends"]
+    widths = {c: max(len(c), *(len(str(r[c])) for r in rows)) for c in cols}
+    lines = ["  ".join(c.ljust(widths[c]) for c in cols),
+             "  ".join("-" * widths[c] for c in cols)]
+    for r in rows:
+        lines.append("  ".join(str(r[c]).ljust(widths[c]) for c in cols))
+    return "\n".join(lines)
+
+
+class ProgressBar:
+    """A plain-text bar on stderr, redrawn in place."""
+
+    def __init__(self, stream: IO[str] | None = None, width: int = 30) -> None:
+        self.stream = stream or sys.stderr
+        self.width = width
+
+    def __call__(self, c: Coordinator) -> None:
+        total = len(c.deliveries)
+        done = total - c.unsettled()
+        filled = int(self.width * done / max(1, total))
+        s = c.stats
+        self.stream.write(
+            f"\r[{'#' * filled}{'.' * (self.width - filled)}] {done}/{total} deliveries"
+            f"  kills {s['kills']}  stops {s['stops']}  redis {s['redis-restart']}"
+            f"  retries {sum(v for k, v in s.items() if k.startswith('error:'))}   "
+        )
+        self.stream.flush()
+
+    def end(self) -> None:
+        self.stream.write("\n")
+        self.stream.flush()
+
+
+def run_chaos(config: ChaosConfig) -> ChaosReport:
+    """One chaos run, start to verdict. Never raises for a violation: read ``report.ok``."""
+    config.validate()
+    started = time.monotonic()
+    requests = build_workload(config)
+    with ChaosWorld(config) as world:
+        world.seed_stock(requests)
+        coordinator = Coordinator(config, world, requests)
+        bar = ProgressBar() if config.progress else None
+        finished = coordinator.run(progress=bar)
+        if bar is not None:
+            bar.end()
+        verdicts, violations = check(world, coordinator)
+        if not finished:
+            violations.insert(0, f"the run did not settle within --timeout {config.timeout}s "
+                                 f"({coordinator.unsettled()} deliveries unsettled)")
+        stats = dict(coordinator.stats)
+        stats["dispatches"] = coordinator.dispatches
+        stats["gateway_charges"] = len(world.gateway.charges())
+        stats["mails"] = len(world.sink.messages())
+        stats.update(coordinator.fault_counts())
+        # requests that should have exactly one effect: neither poison nor dead-lettered
+        clean = [v for v in verdicts if not v.poison and not v.dead_lettered]
+        stats["clean_requests"] = len(clean)
+        stats["clean_effects"] = sum(v.effects for v in clean)
+        unstruck = {k[:-len("_not_struck")]: n for k, n in stats.items()
+                    if k.endswith("_not_struck") and n}
+        if unstruck:
+            logger.warning("faults planned but never struck (the run settled first): %s "
+                           "of %s", unstruck,
+                           {k: stats[f"{k}_scheduled"] for k in unstruck})
+        cfg = asdict(config)
+        cfg["faults"] = list(config.faults)
+        return ChaosReport(
+            config=cfg,
+            finished=finished,
+            seconds=round(time.monotonic() - started, 1),
+            deliveries=len(coordinator.deliveries),
+            stats=stats,
+            rows=fault_rows(verdicts),
+            violations=violations,
+            late_reports=coordinator.late[:50] + coordinator.stop_log,
+            state_dir=str(world.state) if config.keep_state else None,
+            dead_letters=[
+                {"request": v.id, "job_type": v.job_type, "class": v.dlq_class,
+                 "reason": v.dlq_reason, "faults": v.faults, "effects": v.effects}
+                for v in verdicts if v.dead_lettered and not v.poison
+            ],
+        )

@@ -1,0 +1,610 @@
+"""The anti-stampede cache: one rebuild per expiry across all processes (invariant 4 of
+docs/design.md).
+
+What is guaranteed, for one key, across every process sharing the Redis and namespace:
+
+- **Hits cost one GET.** A fresh value is read with a plain ``GET`` and judged in Python (soft
+  and hard expiry, XFetch); anything else goes to the script below, which judges again atomically.
+- **One loader per expiry.** A miss runs one Lua script: read the envelope and, if it is missing
+  or hard-expired, ``SET NX PX`` the rebuild lock with a random token. Only the winner runs the
+  loader. The losers register as waiters in that same script and block on ``BLPOP`` of the key's
+  signal list; the winner's write script pushes one wake-up per registered waiter, so nobody polls
+  and nobody sleeps until a timeout. In one process, callers of the same key share one flight: one
+  Redis round trip and one load (:class:`SingleFlight`).
+- **Stale-while-revalidate.** Within ``stale_ttl`` after the soft expiry a caller gets the stale
+  value at once (from its one GET); a background task (thread pool, one per key per process) runs
+  the script, and the same ``NX`` lock lets at most one refresh run across all processes.
+- **Safe invalidation.** ``invalidate`` bumps a version and deletes the envelope in one script.
+  The write script checks the lock token *and* the version read when the lock was taken, so a
+  rebuild that started before the invalidation cannot store its older value after it::
+
+      t=0.0  A misses, takes the lock (version 7), starts reading the database (old row)
+      t=0.1  a job commits a new row, then calls invalidate(K): version 8, envelope deleted
+      t=0.3  A's loader returns the old row; write script sees version 8 != 7: nothing stored
+      t=0.4  B misses, takes the lock (version 8), loads and stores the new row
+
+- **Bounded waits.** A waiter gives up after ``wait_timeout`` (a stale value is never waited for:
+  it is returned at once). Each wake-up (and at least every ``safety_tick`` seconds, in case the
+  holder died; its lock expires after ``lock_ttl``) re-runs the miss script, which also tries to
+  take the lock, so the last attempt is one more bounded try to load. If that fails too the caller
+  gets :class:`CacheLoadTimeout`. Loaders must finish within ``lock_ttl`` (the lock is not
+  renewed); a slower loader's write is refused and another caller takes over.
+- **Loader failures.** The loader's own callers (in-process flight included) get its exception.
+  Waiters in other processes wake and get :class:`CacheLoaderFailed` with its class and message:
+  no second stampede. A failed background refresh keeps the stale value (stale-if-error) and
+  holds the lock for ``error_backoff`` so the refresh is not retried by every caller. With
+  ``negative_ttl`` the failure is cached: callers get :class:`CacheLoaderFailed` without loading.
+- **Jitter and early refresh.** Every write's TTL is scaled by ``1 + jitter * U(-1, 1)``. With
+  ``beta > 0`` a fresh value is refreshed early with probability ``exp(-gap / (beta * delta))``
+  (XFetch: ``now - delta * beta * ln(rand) >= expiry``; delta = the stored compute time).
+
+Time (``clock``) and randomness (``random``) are injected; workers' clocks must agree to well
+within a TTL since expiries are absolute times written by one process and read by others.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random as _random
+import threading
+import time
+import uuid
+from collections.abc import Callable, Hashable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Final, TypeVar
+
+import redis
+
+from resources.cache.scripts import (
+    FAIL,
+    FAIL_KEYS,
+    FETCH,
+    FETCH_KEYS,
+    INVALIDATE,
+    INVALIDATE_KEYS,
+    PREFIX,
+    WRITE,
+    WRITE_KEYS,
+    KeyLayout,
+    keys_for,
+)
+from resources.cache.stats import CacheRecorder
+from resources.errors import CacheLoaderFailed, CacheLoadTimeout, StoreUnavailable
+from resources.storage.redis import redis_client
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+Loader = Callable[[], Any]
+
+
+class _NoValue:
+    """The marker for "nothing cached": a cached ``None`` is a value, not a miss."""
+
+    _instance: _NoValue | None = None
+
+    def __new__(cls) -> _NoValue:
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "NO_VALUE"
+
+    def __bool__(self) -> bool:
+        return False
+
+    def __reduce__(self) -> str:
+        return "NO_VALUE"
+
+
+NO_VALUE: Final = _NoValue()
+
+
+@dataclass(frozen=True)
+class Envelope:
+    """A cached value with its soft and hard expiry, compute time, version and the TTLs used."""
+
+    value: Any
+    soft: float
+    hard: float
+    delta: float
+    version: int
+    ttl: float
+    stale_ttl: float
+
+    def encode(self) -> str:
+        # Header first and in this order: the Lua scripts read s, h, d without decoding the value.
+        return (
+            f'{{"s":{self.soft!r},"h":{self.hard!r},"d":{self.delta!r},"n":{self.version},'
+            f'"t":{self.ttl!r},"st":{self.stale_ttl!r},"v":{json.dumps(self.value)}}}'
+        )
+
+    @classmethod
+    def decode(cls, raw: bytes | str) -> Envelope:
+        d = json.loads(raw)
+        return cls(d["v"], d["s"], d["h"], d["d"], d["n"], d["t"], d["st"])
+
+
+def jittered(ttl: float, jitter: float, rand: float) -> float:
+    """``ttl`` scaled by ``1 + jitter * (2 * rand - 1)``: uniform within +/- jitter."""
+    return ttl * (1.0 + jitter * (2.0 * rand - 1.0))
+
+
+def xfetch_factor(beta: float, rand: float) -> float:
+    """``-beta * ln(rand)``; refresh early when ``now + delta * factor >= soft expiry``."""
+    if beta <= 0:
+        return 0.0
+    return -beta * math.log(max(rand, 1e-300))
+
+
+class _Call:
+    __slots__ = ("done", "error", "result")
+
+    def __init__(self) -> None:
+        self.done: threading.Event | None = None  # made only when a follower joins
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+
+class SingleFlight:
+    """Callers of one key in one process share one call of ``fn`` and its result or error.
+
+    Uncontended calls allocate no event, so the hit path stays cheap.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._calls: dict[Hashable, _Call] = {}
+
+    def run(self, key: Hashable, fn: Callable[[], T]) -> tuple[T, bool]:
+        """Return (result, led): ``led`` is True for the one caller that ran ``fn``."""
+        with self._lock:
+            call = self._calls.get(key)
+            if call is None:
+                call = self._calls[key] = _Call()
+                leader = True
+            else:
+                leader = False
+                if call.done is None:
+                    call.done = threading.Event()
+                done = call.done
+        if not leader:
+            done.wait()
+            if call.error is not None:
+                raise call.error
+            return call.result, False
+        try:
+            call.result = fn()
+        except BaseException as exc:
+            call.error = exc
+            raise
+        finally:
+            with self._lock:
+                del self._calls[key]
+                if call.done is not None:
+                    call.done.set()
+        return call.result, True
+
+
+class StampedeCache:
+    """Get-or-load over Redis with one rebuild per expiry. Thread-safe; share one per process."""
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        *,
+        namespace: str,
+        ttl: float = 60.0,
+        stale_ttl: float = 0.0,
+        jitter: float = 0.1,
+        beta: float = 0.0,
+        lock_ttl: float = 15.0,
+        wait_timeout: float = 20.0,
+        negative_ttl: float = 0.0,
+        error_backoff: float = 1.0,
+        refresh_workers: int = 2,
+        safety_tick: float = 2.0,
+        stats_flush_interval: float = 1.0,
+        hot_half_life: float = 300.0,
+        clock: Callable[[], float] = time.time,
+        random: Callable[[], float] = _random.random,
+    ) -> None:
+        if not namespace:
+            raise ValueError("namespace must be a non-empty string")
+        self.client = client
+        self.namespace = namespace
+        self.ttl = ttl
+        self.stale_ttl = stale_ttl
+        self.jitter = jitter
+        self.beta = beta
+        self.lock_ttl = lock_ttl
+        self.wait_timeout = wait_timeout
+        self.negative_ttl = negative_ttl
+        self.error_backoff = error_backoff
+        self.safety_tick = safety_tick
+        self.clock = clock
+        self.random = random
+        self.recorder = CacheRecorder(
+            client,
+            namespace,
+            flush_interval=stats_flush_interval,
+            half_life=hot_half_life,
+            clock=clock,
+        )
+        self._flight = SingleFlight()
+        self._pool = ThreadPoolExecutor(refresh_workers, thread_name_prefix="cache-refresh")
+        self._pending: set[Future[Any]] = set()
+        self._pending_lock = threading.Lock()
+        self._refreshing: set[str] = set()
+        self._fetch = client.register_script(FETCH)
+        self._write = client.register_script(WRITE)
+        self._fail = client.register_script(FAIL)
+        self._invalidate = client.register_script(INVALIDATE)
+
+    @classmethod
+    def from_url(cls, url: str, *, namespace: str, **kwargs: Any) -> StampedeCache:
+        """A cache on the Redis at ``url``; no connection is opened until the first call."""
+        return cls(redis_client(url), namespace=namespace, **kwargs)
+
+    # -- public API -------------------------------------------------------------------------
+
+    def get_or_load(
+        self,
+        key: str,
+        loader: Loader,
+        *,
+        ttl: float | None = None,
+        stale_ttl: float | None = None,
+        jitter: float | None = None,
+    ) -> Any:
+        """The value of ``key``, loading it with ``loader()`` (JSON-serialisable) on a miss.
+
+        ``ttl`` is the fresh lifetime, ``stale_ttl`` how long after it a stale value may still be
+        served while one refresh runs, ``jitter`` the +/- fraction applied to every write's TTL.
+        Raises the loader's exception (this caller loaded), :class:`CacheLoaderFailed` (another
+        caller's load failed, or negative cache) or :class:`CacheLoadTimeout`.
+        """
+        opts = self._options(ttl, stale_ttl, jitter)
+        started = time.monotonic()
+        try:
+            (value, outcome), led = self._flight.run(
+                ("get", key), lambda: self._resolve(key, loader, opts, force=False)
+            )
+        except Exception:
+            self.recorder.record(key, "misses", access=True)
+            raise
+        if not led and outcome in ("loaded", "waited"):
+            outcome = "waited"
+            self.recorder.record(key, "waits")
+            self.recorder.record(key, "wait_time", time.monotonic() - started)
+        self._count(key, outcome)
+        return value
+
+    def get(self, key: str) -> Any:
+        """The cached value (fresh or within its stale window), or ``NO_VALUE``; never loads."""
+        envelope = self.envelope(key)
+        if envelope is None or self.clock() >= envelope.hard:
+            return NO_VALUE
+        return envelope.value
+
+    def envelope(self, key: str) -> Envelope | None:
+        """The stored envelope (for inspection and tests), or None."""
+        raw = self._call(self.client.get, KeyLayout.of(self.namespace, key).env)
+        return None if raw is None else Envelope.decode(raw)
+
+    def refresh(
+        self,
+        key: str,
+        loader: Loader,
+        *,
+        ttl: float | None = None,
+        stale_ttl: float | None = None,
+        jitter: float | None = None,
+    ) -> Any:
+        """Force a rebuild now, under the same single flight as a miss.
+
+        Without ``ttl``/``stale_ttl`` the ones stored in the current envelope are reused (else the
+        cache defaults). If another caller is already rebuilding, returns the current value (or
+        waits for it, if there is none) instead of loading twice.
+        """
+        current = self.envelope(key)
+        opts = self._options(
+            ttl if ttl is not None else (current.ttl if current else None),
+            stale_ttl if stale_ttl is not None else (current.stale_ttl if current else None),
+            jitter,
+        )
+        (value, _), _ = self._flight.run(
+            ("refresh", key), lambda: self._resolve(key, loader, opts, force=True)
+        )
+        return value
+
+    def invalidate(self, key: str) -> int:
+        """Drop ``key`` and fence off rebuilds in flight; call it after the database commit.
+
+        Returns the new version. Any rebuild that took its lock before this call cannot store its
+        value afterwards; the next reader loads afresh.
+        """
+        layout = KeyLayout.of(self.namespace, key)
+        keep = str(int(max(self.lock_ttl * 4, 86400) * 1000))
+        return int(
+            self._call(self._invalidate, keys=keys_for(layout, INVALIDATE_KEYS), args=[keep])
+        )
+
+    def hot_keys(self, n: int = 10) -> list[tuple[str, float]]:
+        """The ``n`` most accessed keys (decayed counts, all processes), hottest first."""
+        return self.recorder.hot_keys(n)
+
+    def stats(self) -> dict[str, dict[str, float]]:
+        """Counters per key pattern (``user:*``), summed over all processes of the namespace."""
+        return self.recorder.stats()
+
+    def flush_stats(self) -> None:
+        """Send this process's counters to Redis now (they also go at most every second)."""
+        self.recorder.flush()
+
+    def wait_for_refreshes(self, timeout: float | None = None) -> None:
+        """Block until the background refreshes started by this instance have finished."""
+        with self._pending_lock:
+            pending = list(self._pending)
+        for future in pending:
+            future.exception(timeout=timeout)
+
+    def close(self) -> None:
+        """Finish background refreshes, flush the counters, close the connection pool."""
+        self._pool.shutdown(wait=True)
+        self.recorder.flush()
+        self.client.close()
+
+    # -- the algorithm --------------------------------------------------------------------------
+
+    def _options(
+        self, ttl: float | None, stale_ttl: float | None, jitter: float | None
+    ) -> tuple[float, float, float]:
+        opts = (
+            self.ttl if ttl is None else ttl,
+            self.stale_ttl if stale_ttl is None else stale_ttl,
+            self.jitter if jitter is None else jitter,
+        )
+        if opts[0] <= 0 or opts[1] < 0 or not 0 <= opts[2] < 1:
+            raise ValueError("need ttl > 0, stale_ttl >= 0 and 0 <= jitter < 1")
+        return opts
+
+    def _resolve(
+        self, key: str, loader: Loader, opts: tuple[float, float, float], *, force: bool
+    ) -> tuple[Any, str]:
+        """One flight's work. Returns (value, outcome): hit, stale, early, loaded or waited."""
+        factor = xfetch_factor(self.beta, 1.0 - self.random()) if self.beta > 0 else 0.0
+        if not force:
+            # The hit path is a plain GET (as cheap as a raw read); anything else runs the script,
+            # which decides again atomically. One XFetch draw per call keeps its probability exact.
+            raw = self._call(self.client.get, f"{PREFIX}{{{self.namespace}:{key}}}")
+            if raw is not None:
+                d = json.loads(raw)
+                now = self.clock()
+                if now < d["h"]:
+                    if now + d["d"] * factor < d["s"]:
+                        return d["v"], "hit"
+                    # Stale or XFetch-early: answer now; the lock attempt runs in the background.
+                    self._refresh_soon(key, loader, opts, factor, now)
+                    return d["v"], "stale" if now >= d["s"] else "early"
+        layout = KeyLayout.of(self.namespace, key)
+        deadline = time.monotonic() + self.wait_timeout
+        wait_started: float | None = None
+        waited_on: bytes | None = None
+        while True:
+            token = uuid.uuid4().hex
+            # A forced refresh that had to wait took another caller's rebuild as its own:
+            # forcing again would load a second time for one expiry.
+            forced = force and wait_started is None
+            reply = self._fetch_once(layout, token, factor, force=forced, waited_on=waited_on)
+            state = reply[0].decode()
+            if state == "fresh":
+                if wait_started is not None:
+                    self.recorder.record(key, "wait_time", time.monotonic() - wait_started)
+                    return Envelope.decode(reply[1]).value, "waited"
+                return Envelope.decode(reply[1]).value, "hit"
+            if state in ("stale", "early"):
+                envelope = Envelope.decode(reply[1])
+                if reply[2] != 1:
+                    return envelope.value, state
+                version = reply[3].decode()
+                if force:
+                    return self._load(key, layout, loader, token, version, opts, hold=0.0), "loaded"
+                if state == "early":
+                    self.recorder.record(key, "early_refreshes")
+                self._refresh_in_background(key, layout, loader, token, version, opts)
+                return envelope.value, state
+            if state in ("neg", "failed"):
+                raise _failed(key, reply[5])
+            if reply[2] == 1:
+                outcome = "loaded"
+                if wait_started is not None:
+                    outcome = "waited"
+                    self.recorder.record(key, "wait_time", time.monotonic() - wait_started)
+                value = self._load(key, layout, loader, token, reply[3].decode(), opts, hold=0.0)
+                return value, outcome
+            holder, marker = reply[4], reply[5]
+            if marker is not None and json.loads(marker)["token"].encode() in (holder, waited_on):
+                raise _failed(key, marker)
+            if holder is not None:
+                waited_on = holder
+            now = time.monotonic()
+            if wait_started is None:
+                wait_started = now
+                self.recorder.record(key, "waits")
+            if now >= deadline:
+                self.recorder.record(key, "wait_time", now - wait_started)
+                raise CacheLoadTimeout(key, now - wait_started)
+            tick = min(deadline - now, self.safety_tick)
+            self._call(self.client.blpop, [layout.signal], timeout=tick)
+
+    def _load(
+        self,
+        key: str,
+        layout: KeyLayout,
+        loader: Loader,
+        token: str,
+        version: str,
+        opts: tuple[float, float, float],
+        *,
+        hold: float,
+    ) -> Any:
+        """Run the loader as lock holder and store its value (or its failure)."""
+        ttl, stale_ttl, jitter = opts
+        started = self.clock()
+        self.recorder.record(key, "loads")
+        try:
+            value = json.loads(json.dumps(loader()))
+        except Exception as exc:
+            self.recorder.record(key, "errors")
+            marker = json.dumps(
+                {"token": token, "class": type(exc).__name__, "message": str(exc)[:500]}
+            )
+            self._call(
+                self._fail,
+                keys=keys_for(layout, FAIL_KEYS),
+                args=[
+                    token,
+                    marker,
+                    str(int((self.wait_timeout + self.lock_ttl) * 1000)),
+                    str(int(self.negative_ttl * 1000)),
+                    str(int(hold * 1000)),
+                    str(int(self.wait_timeout * 1000)),
+                ],
+            )
+            raise
+        now = self.clock()
+        soft = now + jittered(ttl, jitter, self.random())
+        envelope = Envelope(
+            value, soft, soft + stale_ttl, now - started, int(version), ttl, stale_ttl
+        )
+        result = self._call(
+            self._write,
+            keys=keys_for(layout, WRITE_KEYS),
+            args=[
+                token,
+                version,
+                envelope.encode(),
+                str(max(1, int((envelope.hard - now) * 1000))),
+                str(int(self.wait_timeout * 1000)),
+            ],
+        )
+        if result != b"ok":
+            log.info("cache write of %r refused (%s): value returned, not stored", key, result)
+        return value
+
+    def _fetch_once(
+        self,
+        layout: KeyLayout,
+        token: str,
+        factor: float,
+        *,
+        force: bool = False,
+        waited_on: bytes | None = None,
+        now: float | None = None,
+    ) -> Any:
+        return self._call(
+            self._fetch,
+            keys=keys_for(layout, FETCH_KEYS),
+            args=[
+                repr(self.clock() if now is None else now),
+                repr(factor),
+                token,
+                str(int(self.lock_ttl * 1000)),
+                str(int((self.wait_timeout + self.lock_ttl) * 1000)),
+                "1" if force else "0",
+                waited_on.decode() if waited_on else "",
+            ],
+        )
+
+    def _refresh_soon(
+        self,
+        key: str,
+        loader: Loader,
+        opts: tuple[float, float, float],
+        factor: float,
+        now: float,
+    ) -> None:
+        """Try the rebuild lock and refresh, off the caller's thread; one attempt per process."""
+        with self._pending_lock:
+            if key in self._refreshing:
+                return
+            self._refreshing.add(key)
+
+        def job() -> None:
+            try:
+                layout = KeyLayout.of(self.namespace, key)
+                token = uuid.uuid4().hex
+                reply = self._fetch_once(layout, token, factor, now=now)
+                state = reply[0].decode()
+                if reply[2] == 1 and state not in ("stale", "early"):
+                    # The value vanished (invalidated, or hard-expired while this job queued) and
+                    # the script gave us the rebuild lock: load now, or every reader would wait
+                    # on a lock nobody releases until it expires.
+                    self._load(key, layout, loader, token, reply[3].decode(), opts, hold=0.0)
+                    return
+                if state not in ("stale", "early") or reply[2] != 1:
+                    return  # fresh again, or another caller holds the lock
+                if state == "early":
+                    self.recorder.record(key, "early_refreshes")
+                version = reply[3].decode()
+                self._load(key, layout, loader, token, version, opts, hold=self.error_backoff)
+            except Exception:
+                log.warning("background refresh of %r failed; stale value kept", key, exc_info=True)
+            finally:
+                with self._pending_lock:
+                    self._refreshing.discard(key)
+
+        self._track(self._pool.submit(job))
+
+    def _track(self, future: Future[Any]) -> None:
+        with self._pending_lock:
+            self._pending.add(future)
+        future.add_done_callback(self._forget)
+
+    def _refresh_in_background(
+        self,
+        key: str,
+        layout: KeyLayout,
+        loader: Loader,
+        token: str,
+        version: str,
+        opts: tuple[float, float, float],
+    ) -> None:
+        def job() -> None:
+            try:
+                self._load(key, layout, loader, token, version, opts, hold=self.error_backoff)
+            except Exception:
+                log.warning("background refresh of %r failed; stale value kept", key, exc_info=True)
+
+        self._track(self._pool.submit(job))
+
+    def _forget(self, future: Future[Any]) -> None:
+        with self._pending_lock:
+            self._pending.discard(future)
+
+    def _count(self, key: str, outcome: str) -> None:
+        field = {
+            "hit": "hits",
+            "stale": "stale_hits",
+            "early": "hits",
+            "loaded": "misses",
+            "waited": "misses",
+        }[outcome]
+        self.recorder.record(key, field, access=True)
+
+    @staticmethod
+    def _call(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            raise StoreUnavailable(f"Redis did not answer: {exc}; retry later") from exc
+
+
+def _failed(key: str, marker: bytes) -> CacheLoaderFailed:
+    data = json.loads(marker)
+    return CacheLoaderFailed(key, data["class"], data["message"])

@@ -1,0 +1,296 @@
+"""The thin Dagster wrappers around the defences: configuration in, a plain object out.
+
+This is the one module under ``resources/`` that imports Dagster. Each resource only holds
+configuration and builds its object (a store, a lock factory, a cache, the retry policy and
+budget) on first use, from :class:`resources.storage.settings.Settings` read at that moment, so
+importing the definitions opens no socket and reads no environment. The work is done by the
+plain classes, which a web app, a test or the chaos harness use without Dagster.
+
+:func:`to_dagster` turns a retry decision into Dagster's signal (``RetryRequested`` or
+``Failure(allow_retries=False)``); the job platform's one failure path calls it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Literal
+
+import redis
+from dagster import ConfigurableResource, Failure, RetryRequested
+from pydantic import PrivateAttr
+
+from resources.cache import StampedeCache
+from resources.dlq import DlqStore
+from resources.idempotency import IdempotencyStore
+from resources.locks import DbLock, NoLock, RedisLock
+from resources.retry import RetryBudget, RetryDecision, RetryPolicy
+from resources.storage.db import Database, shared_database
+from resources.storage.migrations import upgrade
+from resources.storage.redis import redis_client
+from resources.storage.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+class SettingsResource(ConfigurableResource):
+    """The shared base: URLs left unset fall back to the environment, read when first used.
+
+    Subclasses build their object in ``_build`` and hand it out through ``_get``; the object is
+    built once per resource copy (Dagster copies resources per run, step or tick).
+    """
+
+    database_url: str | None = None
+    redis_url: str | None = None
+
+    _built: Any = PrivateAttr(default=None)
+
+    def _build(self) -> Any:
+        raise NotImplementedError
+
+    def _get(self) -> Any:
+        if self._built is None:
+            self._built = self._build()
+        return self._built
+
+    def settings(self) -> Settings:
+        return Settings.from_env()
+
+    def database(self) -> Database:
+        """The shared :class:`Database` of ``database_url`` (``DATABASE_URL`` if unset)."""
+        return shared_database(self.database_url or self.settings().database_url)
+
+    def redis(self) -> redis.Redis:
+        """A Redis client of ``redis_url`` (``REDIS_URL`` if unset), with explicit timeouts."""
+        return redis_client(self.redis_url or self.settings().redis_url)
+
+
+class DatabaseResource(SettingsResource):
+    """The app database. With ``apply_migrations`` the ``sql/`` files are applied at first use."""
+
+    apply_migrations: bool = False
+
+    def _build(self) -> Database:
+        db = self.database()
+        if self.apply_migrations:
+            upgrade(db)
+        return db
+
+    def get_database(self) -> Database:
+        return self._get()  # type: ignore[no-any-return]
+
+
+class IdempotencyResource(SettingsResource):
+    """The idempotency store on the app database."""
+
+    lease_seconds: float = 60.0
+    retention_hours: float = 7 * 24.0
+
+    def _build(self) -> IdempotencyStore:
+        return IdempotencyStore(
+            self.database(),
+            lease_seconds=self.lease_seconds,
+            retention_seconds=self.retention_hours * 3600,
+        )
+
+    def get_store(self) -> IdempotencyStore:
+        return self._get()  # type: ignore[no-any-return]
+
+
+class DlqResource(SettingsResource):
+    """The DLQ store. ``retention_days`` bounds how long resolved/discarded records are kept (open
+    ones never go); ``warn_days`` is how early the retention check warns."""
+
+    retention_days: float = 30.0
+    warn_days: float = 3.0
+
+    def _build(self) -> DlqStore:
+        return DlqStore(self.database())
+
+    def get_store(self) -> DlqStore:
+        return self._get()  # type: ignore[no-any-return]
+
+
+class CacheResource(SettingsResource):
+    """A :class:`StampedeCache` on Redis."""
+
+    namespace: str = "sekali"
+    ttl: float = 60.0
+    stale_ttl: float = 0.0
+    jitter: float = 0.1
+    beta: float = 0.0
+    lock_ttl: float = 15.0
+    wait_timeout: float = 20.0
+    negative_ttl: float = 0.0
+
+    def _build(self) -> StampedeCache:
+        return StampedeCache(
+            self.redis(),
+            namespace=self.namespace,
+            ttl=self.ttl,
+            stale_ttl=self.stale_ttl,
+            jitter=self.jitter,
+            beta=self.beta,
+            lock_ttl=self.lock_ttl,
+            wait_timeout=self.wait_timeout,
+            negative_ttl=self.negative_ttl,
+        )
+
+    def get_cache(self) -> StampedeCache:
+        return self._get()  # type: ignore[no-any-return]
+
+    def teardown_after_execution(self, context: Any) -> None:
+        if self._built is not None:
+            self._built.close()
+            self._built = None
+
+
+class LockResource(SettingsResource):
+    """``lock(name)`` returns a lock of the configured backend.
+
+    ``backend`` is ``redis`` (``redis_url``), ``db`` (``database_url``; apply ``sql/`` first) or
+    ``none``. ``wait_seconds`` bounds the wait (``None``: forever); ``max_hold_seconds`` bounds
+    renewal. No connection opens until the first ``lock()``.
+    """
+
+    backend: Literal["redis", "db", "none"] = "redis"
+    ttl_seconds: float = 30.0
+    auto_renew: bool = True
+    wait_seconds: float | None = 10.0
+    max_hold_seconds: float | None = None
+
+    def _build(self) -> redis.Redis | Database:
+        return self.redis() if self.backend == "redis" else self.database()
+
+    def lock(self, name: str) -> RedisLock | DbLock | NoLock:
+        common: dict[str, Any] = {
+            "ttl": self.ttl_seconds,
+            "auto_renew": self.auto_renew,
+            "blocking_timeout": self.wait_seconds,
+            "max_hold": self.max_hold_seconds,
+        }
+        if self.backend == "none":
+            return NoLock(name, ttl=self.ttl_seconds)
+        if self.backend == "redis":
+            return RedisLock(self._get(), name, **common)
+        return DbLock(self._get(), name, **common)
+
+
+class RetryResource(SettingsResource):
+    """The retry policy and the shared retry budget (``budget_enabled: false`` to go without)."""
+
+    max_attempts: int = 5
+    base_delay: float = 1.0
+    max_delay: float = 60.0
+    jitter: str = "full"
+    total_budget_seconds: float = 600.0
+    max_unknown_attempts: int = 2
+    budget_enabled: bool = True
+    budget_capacity: float = 100.0
+    budget_refill_per_success: float = 0.1
+    budget_namespace: str = "sekali"
+
+    def _build(self) -> RetryBudget:
+        return RetryBudget(
+            self.redis(),
+            capacity=self.budget_capacity,
+            refill_per_success=self.budget_refill_per_success,
+            namespace=self.budget_namespace,
+        )
+
+    def get_policy(self) -> RetryPolicy:
+        return RetryPolicy(
+            max_attempts=self.max_attempts,
+            base_delay=self.base_delay,
+            max_delay=self.max_delay,
+            jitter=self.jitter,
+            total_budget_seconds=self.total_budget_seconds,
+            max_unknown_attempts=self.max_unknown_attempts,
+        )
+
+    def get_budget(self) -> RetryBudget | None:
+        return self._get() if self.budget_enabled else None
+
+    def record_success(self, downstream: str) -> None:
+        """Call after each clean success against ``downstream``: refunds the shared budget."""
+        budget = self.get_budget()
+        if budget is not None:
+            budget.refund(downstream)
+
+    def to_dagster(
+        self,
+        exc: BaseException,
+        *,
+        attempt: int,
+        elapsed: float = 0.0,
+        downstream: str | None = None,
+    ) -> BaseException:
+        """:func:`to_dagster` with this resource's policy and budget."""
+        return to_dagster(
+            exc,
+            attempt=attempt,
+            policy=self.get_policy(),
+            elapsed=elapsed,
+            budget=self.get_budget() if downstream else None,
+            downstream=downstream,
+        )
+
+
+def dagster_signal(exc: BaseException, decision: RetryDecision, policy: RetryPolicy) -> Exception:
+    """What Dagster should see for ``decision``: raise the result ``from exc``.
+
+    Retry -> ``RetryRequested(max_retries=policy.max_attempts - 1, seconds_to_wait=delay)``.
+    Give up -> ``Failure(allow_retries=False)`` with metadata ``error_class``, ``reason``,
+    ``attempt``, ``error_type``. The run-retry daemon ignores ``allow_retries``: jobs that use
+    run retries must also set ``dagster/retry_on_asset_or_op_failure: false``.
+    """
+    if decision.retry:
+        log.info(
+            "retrying after attempt %d in %.3fs (%s: %s)",
+            decision.attempt,
+            decision.delay,
+            decision.error_class,
+            type(exc).__name__,
+            extra={"attempt": decision.attempt, "error_class": str(decision.error_class)},
+        )
+        return RetryRequested(max_retries=policy.max_attempts - 1, seconds_to_wait=decision.delay)
+    log.warning(
+        "giving up after attempt %d: %s (%s: %s)",
+        decision.attempt,
+        decision.reason,
+        decision.error_class,
+        type(exc).__name__,
+        extra={"attempt": decision.attempt, "error_class": str(decision.error_class)},
+    )
+    return Failure(
+        description=f"{decision.reason} after attempt {decision.attempt} "
+        f"({decision.error_class}): {type(exc).__name__}: {exc}",
+        allow_retries=False,
+        metadata={
+            "error_class": str(decision.error_class),
+            "reason": decision.reason or "",
+            "attempt": decision.attempt,
+            "error_type": type(exc).__name__,
+        },
+    )
+
+
+def to_dagster(
+    exc: BaseException,
+    *,
+    attempt: int,
+    policy: RetryPolicy,
+    elapsed: float = 0.0,
+    budget: RetryBudget | None = None,
+    downstream: str | None = None,
+    previous_delay: float | None = None,
+) -> Exception:
+    """Decide with ``policy`` (and ``budget``) and return Dagster's signal for it."""
+    decision = policy.decide(
+        exc,
+        attempt=attempt,
+        elapsed=elapsed,
+        previous_delay=previous_delay,
+        budget=budget,
+        downstream=downstream,
+    )
+    return dagster_signal(exc, decision, policy)

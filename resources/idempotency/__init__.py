@@ -1,0 +1,31 @@
+"""The idempotency ledger: a key names one business intent, and its effect happens once.
+
+The work is done by :class:`IdempotencyStore` (:mod:`resources.idempotency.store`).
+"""
+
+from resources.errors import AlreadyInProgress, IdempotencyConflict, LeaseLost, StoredFailure
+from resources.idempotency.store import (
+    Claim,
+    Completed,
+    IdempotencyStore,
+    LeaseKeeper,
+    Record,
+    Status,
+    idempotency_records,
+    payload_hash,
+)
+
+__all__ = [
+    "AlreadyInProgress",
+    "Claim",
+    "Completed",
+    "IdempotencyConflict",
+    "IdempotencyStore",
+    "LeaseKeeper",
+    "LeaseLost",
+    "Record",
+    "Status",
+    "StoredFailure",
+    "idempotency_records",
+    "payload_hash",
+]

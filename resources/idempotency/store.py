@@ -1,0 +1,559 @@
+"""The idempotency store: a key names one business intent, and its effect happens once.
+
+A record per key holds the payload hash, a status, the owner of the current lease, a fencing token
+that grows on every claim, the attempt count, a recovery point, and the stored result or failure.
+
+Guarantees (on SQLite and Postgres alike):
+
+- ``begin`` decides in one conditional statement (an upsert whose ``WHERE`` says when a claim may
+  be taken), so two workers can never both hold a live claim on one key.
+- Every later write (``heartbeat``, ``checkpoint``, ``complete``, ``fail``) is conditional on the
+  owner token: a holder whose lease was taken over changes nothing and gets :class:`LeaseLost`.
+  Pass ``conn=`` to put the write in your own transaction beside the business change; then the
+  effect and the record commit together or not at all.
+- The payload hash is checked on every path, completed keys included: the same key with another
+  payload is an :class:`IdempotencyConflict`, never a silent replay.
+
+Time comes from an injected clock (``time.time`` by default). Workers' clocks must agree to well
+within a lease; the lease should be several times the p99 duration of the work between heartbeats
+(``sekali doctor`` checks that).
+
+A timeline of the race the lease-plus-owner-token design stops::
+
+    t=0   worker A begins key K (fence 1), charges, then stalls (GC pause, SIGSTOP)
+    t=60  A's lease expires; worker B begins K: takeover, fence 2, resumes at A's checkpoint
+    t=61  B completes K
+    t=62  A wakes and calls complete(K): owner token no longer matches -> LeaseLost, nothing written
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from enum import StrEnum
+from typing import Any
+
+from sqlalchemy import BigInteger, Column, Float, Integer, Table, Text, text
+from sqlalchemy.engine import Connection
+
+from resources.errors import (
+    AlreadyInProgress,
+    IdempotencyConflict,
+    LeaseLost,
+    SekaliError,
+    StoredFailure,
+)
+from resources.storage.db import Database, metadata
+from resources.storage.json_text import canonical, from_text, to_text
+from resources.storage.migrations import upgrade
+
+__all__ = [
+    "AlreadyInProgress",
+    "Claim",
+    "Completed",
+    "IdempotencyConflict",
+    "IdempotencyStore",
+    "LeaseKeeper",
+    "LeaseLost",
+    "Record",
+    "Status",
+    "StoredFailure",
+    "payload_hash",
+]
+
+Clock = Callable[[], float]
+logger = logging.getLogger(__name__)
+
+
+class Status(StrEnum):
+    """Status of a key. Transitions (anything else is refused by the conditional statements):
+
+    ==============  =====================================================  ==================
+    from            event                                                  to
+    ==============  =====================================================  ==================
+    (absent)        begin                                                  in_progress
+    in_progress     heartbeat / checkpoint by the owner                    in_progress
+    in_progress     begin by another after the lease expired (takeover)    in_progress
+    in_progress     complete by the owner                                  completed
+    in_progress     fail(permanent) by the owner                           failed
+    in_progress     fail(transient) by the owner                           retryable
+    retryable       begin                                                  in_progress
+    failed          reset by an operator (DLQ replay)                      retryable
+    completed       purge after retention                                  (absent)
+    ==============  =====================================================  ==================
+    """
+
+    IN_PROGRESS = "in_progress"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    RETRYABLE = "retryable"
+
+
+TRANSITIONS: dict[Status | None, frozenset[Status | None]] = {
+    None: frozenset({Status.IN_PROGRESS}),
+    Status.IN_PROGRESS: frozenset(
+        {Status.IN_PROGRESS, Status.COMPLETED, Status.FAILED, Status.RETRYABLE}
+    ),
+    Status.RETRYABLE: frozenset({Status.IN_PROGRESS}),
+    Status.FAILED: frozenset({Status.RETRYABLE}),
+    Status.COMPLETED: frozenset({None}),
+}
+
+idempotency_records = Table(
+    "idempotency_records",
+    metadata,
+    Column("key", Text, primary_key=True),
+    Column("payload_hash", Text),
+    Column("status", Text, nullable=False),
+    Column("owner_token", Text),
+    Column("lease_expires_at", Float),
+    Column("fence", BigInteger, nullable=False),
+    Column("attempt", Integer, nullable=False),
+    Column("recovery_point", Text),
+    Column("recovery_data", Text),
+    Column("result", Text),
+    Column("error_class", Text),
+    Column("error_message", Text),
+    Column("created_at", Float, nullable=False),
+    Column("updated_at", Float, nullable=False),
+    Column("retention_expires_at", Float),
+)
+
+_COLUMNS = (
+    "key, payload_hash, status, owner_token, lease_expires_at, fence, attempt, recovery_point,"
+    " recovery_data, result, error_class, error_message, created_at, updated_at,"
+    " retention_expires_at"
+)
+
+_UPSERT = """
+INSERT INTO idempotency_records AS r
+    (key, payload_hash, status, owner_token, lease_expires_at, fence, attempt,
+     created_at, updated_at)
+VALUES (:key, :hash, 'in_progress', :owner, :expires, 1, 1, :now, :now)
+ON CONFLICT (key) DO UPDATE SET
+    status = 'in_progress',
+    owner_token = excluded.owner_token,
+    lease_expires_at = excluded.lease_expires_at,
+    fence = r.fence + 1,
+    attempt = r.attempt + 1,
+    updated_at = excluded.updated_at
+WHERE r.payload_hash = excluded.payload_hash
+  AND (r.status = 'retryable' OR (r.status = 'in_progress' AND r.lease_expires_at <= :now))
+"""
+
+# Postgres: the upsert is only attempted when the statement's snapshot shows the key absent or
+# claimable (ON CONFLICT's WHERE still decides, on the latest row version). Without that filter
+# every replay of a completed key would lock its row: a transaction id and a WAL flush per read,
+# and replays of one hot key queued behind each other.
+_UPSERT_PG = _UPSERT.replace(
+    "VALUES (:key, :hash, 'in_progress', :owner, :expires, 1, 1, :now, :now)",
+    """SELECT :key, :hash, 'in_progress', :owner, :expires, 1, 1, :now, :now
+WHERE NOT EXISTS (
+    SELECT 1 FROM idempotency_records x WHERE x.key = :key AND NOT (
+        x.payload_hash = :hash AND (x.status = 'retryable'
+        OR (x.status = 'in_progress' AND x.lease_expires_at <= :now))))""",
+)
+assert _UPSERT_PG != _UPSERT
+
+# Postgres: claim or read the existing record in one round trip. The second branch reads the
+# statement's snapshot, so it sees the record as it was before the upsert tried it.
+_BEGIN_PG = f"""
+WITH claimed AS ({_UPSERT_PG} RETURNING r.*)
+SELECT {_COLUMNS}, TRUE AS claimed,
+       (SELECT p.status FROM idempotency_records p WHERE p.key = :key) AS previous_status
+FROM claimed
+UNION ALL
+SELECT {_COLUMNS}, FALSE AS claimed, status AS previous_status
+FROM idempotency_records WHERE key = :key AND NOT EXISTS (SELECT 1 FROM claimed)
+"""
+
+_BEGIN_SQLITE = f"{_UPSERT} RETURNING {_COLUMNS}"
+
+
+def payload_hash(payload: Any) -> str:
+    """Stable hash of a JSON-serialisable payload (key order does not matter)."""
+    return hashlib.sha256(canonical(payload).encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class Record:
+    """A row of the ledger, as read."""
+
+    key: str
+    payload_hash: str | None
+    status: Status
+    owner_token: str | None
+    lease_expires_at: float | None
+    fence: int
+    attempt: int
+    recovery_point: str | None
+    recovery_data: Any
+    result: Any
+    error_class: str | None
+    error_message: str | None
+    created_at: float
+    updated_at: float
+    retention_expires_at: float | None
+
+    @classmethod
+    def from_row(cls, row: Any) -> Record:
+        m = row._mapping
+        return cls(
+            key=m["key"],
+            payload_hash=m["payload_hash"],
+            status=Status(m["status"]),
+            owner_token=m["owner_token"],
+            lease_expires_at=m["lease_expires_at"],
+            fence=int(m["fence"]),
+            attempt=int(m["attempt"]),
+            recovery_point=m["recovery_point"],
+            recovery_data=from_text(m["recovery_data"]),
+            result=from_text(m["result"]),
+            error_class=m["error_class"],
+            error_message=m["error_message"],
+            created_at=m["created_at"],
+            updated_at=m["updated_at"],
+            retention_expires_at=m["retention_expires_at"],
+        )
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A live claim on a key: the right to do its effect, while the lease holds.
+
+    ``fence`` grows with every claim of the key; ``takeover`` says a previous owner's lease
+    expired mid-work, and ``recovery_point`` / ``recovery_data`` say where it had got to.
+    """
+
+    key: str
+    owner_token: str
+    fence: int
+    attempt: int
+    lease_expires_at: float
+    recovery_point: str | None
+    recovery_data: Any
+    takeover: bool
+    payload_hash: str
+
+
+@dataclass(frozen=True)
+class Completed:
+    """The key was done before: this is its stored result. Do not run the effect again."""
+
+    key: str
+    result: Any
+    fence: int
+    attempt: int
+
+
+class IdempotencyStore:
+    """The ledger over a SQLAlchemy engine. Thread-safe; share one per process."""
+
+    def __init__(
+        self,
+        db: Database,
+        *,
+        lease_seconds: float = 60.0,
+        retention_seconds: float = 7 * 24 * 3600.0,
+        clock: Clock = time.time,
+    ) -> None:
+        if lease_seconds <= 0:
+            raise ValueError("lease_seconds must be positive")
+        self.db = db
+        self.lease_seconds = lease_seconds
+        self.retention_seconds = retention_seconds
+        self.clock = clock
+
+    @classmethod
+    def from_url(
+        cls, url: str, *, lease_seconds: float = 60.0, create_schema: bool = True, **kwargs: Any
+    ) -> IdempotencyStore:
+        """Open the store at a SQLAlchemy URL, applying ``sql/`` first if asked (the default)."""
+        db = Database.from_url(url)
+        if create_schema:
+            upgrade(db)
+        return cls(db, lease_seconds=lease_seconds, **kwargs)
+
+    # -- claiming ---------------------------------------------------------------------------
+
+    def begin(self, key: str, *, payload: Any = None) -> Claim | Completed:
+        """Claim ``key``, or return its stored result.
+
+        Raises :class:`IdempotencyConflict` (payload differs), :class:`AlreadyInProgress`
+        (another owner's lease is live: retry later) or :class:`StoredFailure` (failed
+        permanently before: an operator must reset it).
+        """
+        if not key:
+            raise ValueError("key must be a non-empty string")
+        digest = payload_hash(payload)
+        owner = uuid.uuid4().hex
+        for _ in range(5):
+            now = self.clock()
+            params = {
+                "key": key,
+                "hash": digest,
+                "owner": owner,
+                "now": now,
+                "expires": now + self.lease_seconds,
+            }
+            if self.db.is_postgres:
+                with self.db.statement() as conn:
+                    row = conn.execute(text(_BEGIN_PG), params).first()
+                if row is None:
+                    continue  # inserted concurrently after our snapshot: look again
+                record = Record.from_row(row)
+                claimed = bool(row._mapping["claimed"])
+                previous = row._mapping["previous_status"]
+            else:
+                with self.db.transaction() as conn:
+                    before = conn.execute(
+                        text(f"SELECT {_COLUMNS} FROM idempotency_records WHERE key = :key"),
+                        {"key": key},
+                    ).first()
+                    row = conn.execute(text(_BEGIN_SQLITE), params).first()
+                claimed = row is not None
+                if not claimed and before is None:
+                    continue
+                record = Record.from_row(row if claimed else before)
+                previous = before._mapping["status"] if before is not None else None
+            return self._outcome(record, claimed, previous, digest, now)
+        raise SekaliError(f"could not read or claim {key!r} after 5 tries; the store is unstable")
+
+    def _outcome(
+        self, record: Record, claimed: bool, previous: str | None, digest: str, now: float
+    ) -> Claim | Completed:
+        if record.payload_hash != digest:
+            raise IdempotencyConflict(record.key, record.payload_hash, digest)
+        if claimed:
+            assert record.owner_token is not None and record.lease_expires_at is not None
+            return Claim(
+                key=record.key,
+                owner_token=record.owner_token,
+                fence=record.fence,
+                attempt=record.attempt,
+                lease_expires_at=record.lease_expires_at,
+                recovery_point=record.recovery_point,
+                recovery_data=record.recovery_data,
+                takeover=previous == Status.IN_PROGRESS,
+                payload_hash=digest,
+            )
+        if record.status is Status.COMPLETED:
+            return Completed(record.key, record.result, record.fence, record.attempt)
+        if record.status is Status.FAILED:
+            raise StoredFailure(record.key, record.error_class, record.error_message)
+        expires = record.lease_expires_at or now
+        raise AlreadyInProgress(record.key, record.lease_expires_at, max(0.0, expires - now))
+
+    # -- the owner's writes -----------------------------------------------------------------
+
+    def _owner_update(
+        self, claim: Claim, assignments: str, params: dict[str, Any], conn: Connection | None
+    ) -> None:
+        sql = text(
+            f"UPDATE idempotency_records SET {assignments}, updated_at = :now "
+            "WHERE key = :key AND owner_token = :owner AND status = 'in_progress'"
+        )
+        params = {**params, "key": claim.key, "owner": claim.owner_token, "now": self.clock()}
+        if conn is not None:
+            rowcount = conn.execute(sql, params).rowcount
+        else:
+            with self.db.statement() as own:
+                rowcount = own.execute(sql, params).rowcount
+        if rowcount != 1:
+            raise LeaseLost(claim.key, claim.owner_token)
+
+    def heartbeat(self, claim: Claim, *, conn: Connection | None = None) -> float:
+        """Extend the lease; returns the new expiry. :class:`LeaseLost` if it was taken over."""
+        expires = self.clock() + self.lease_seconds
+        self._owner_update(claim, "lease_expires_at = :expires", {"expires": expires}, conn)
+        return expires
+
+    def checkpoint(
+        self, claim: Claim, point: str, data: Any = None, *, conn: Connection | None = None
+    ) -> None:
+        """Record a recovery point (and extend the lease).
+
+        Pass the ``conn`` of the transaction that made the phase's effect, so the effect and its
+        checkpoint commit together: a crash then leaves both or neither.
+        """
+        self._owner_update(
+            claim,
+            "recovery_point = :point, recovery_data = :data, lease_expires_at = :expires",
+            {"point": point, "data": to_text(data), "expires": self.clock() + self.lease_seconds},
+            conn,
+        )
+
+    def complete(self, claim: Claim, result: Any = None, *, conn: Connection | None = None) -> None:
+        """Store the result; later ``begin`` calls return it. The ack must come after this."""
+        self._owner_update(
+            claim,
+            "status = 'completed', result = :result, lease_expires_at = NULL,"
+            " error_class = NULL, error_message = NULL, retention_expires_at = :retain",
+            {"result": to_text(result), "retain": self.clock() + self.retention_seconds},
+            conn,
+        )
+
+    def fail(
+        self,
+        claim: Claim,
+        error: BaseException | str,
+        kind: str | None = None,
+        *,
+        conn: Connection | None = None,
+    ) -> None:
+        """Record a failure. ``transient`` releases the key for a retry; ``permanent`` stores it,
+        so duplicates get the stored failure until an operator resets the key.
+
+        ``kind`` defaults to the error's own classification (``SekaliError.permanent``), and to
+        transient for anything else.
+        """
+        if kind is None:
+            kind = "permanent" if getattr(error, "permanent", False) else "transient"
+        if kind not in ("permanent", "transient"):
+            raise ValueError(f"kind must be 'permanent' or 'transient', not {kind!r}")
+        status = Status.FAILED if kind == "permanent" else Status.RETRYABLE
+        error_class = type(error).__name__ if isinstance(error, BaseException) else "Error"
+        self._owner_update(
+            claim,
+            "status = :status, error_class = :eclass, error_message = :emsg,"
+            " lease_expires_at = NULL",
+            {"status": status.value, "eclass": error_class, "emsg": str(error)[:4000]},
+            conn,
+        )
+
+    # -- operators and retention ------------------------------------------------------------
+
+    def reset(self, key: str) -> bool:
+        """Operator action: a permanently failed key becomes retryable (used by DLQ replay)."""
+        with self.db.statement() as conn:
+            return (
+                conn.execute(
+                    text(
+                        "UPDATE idempotency_records SET status = 'retryable', updated_at = :now"
+                        " WHERE key = :key AND status = 'failed'"
+                    ),
+                    {"key": key, "now": self.clock()},
+                ).rowcount
+                == 1
+            )
+
+    def get(self, key: str) -> Record | None:
+        with self.db.statement() as conn:
+            row = conn.execute(
+                text(f"SELECT {_COLUMNS} FROM idempotency_records WHERE key = :key"), {"key": key}
+            ).first()
+        return None if row is None else Record.from_row(row)
+
+    def purge(self, older_than: float | timedelta | None = None) -> int:
+        """Delete completed records past retention; never in-progress, failed or retryable ones.
+
+        With ``older_than``, also completed records last updated before ``now - older_than``.
+        Returns how many were deleted.
+        """
+        now = self.clock()
+        if older_than is None:
+            where, params = "retention_expires_at <= :now", {"now": now}
+        else:
+            seconds = (
+                older_than.total_seconds() if isinstance(older_than, timedelta) else older_than
+            )
+            where = "(retention_expires_at <= :now OR updated_at <= :cutoff)"
+            params = {"now": now, "cutoff": now - seconds}
+        with self.db.statement() as conn:
+            return int(
+                conn.execute(
+                    text(f"DELETE FROM idempotency_records WHERE status = 'completed' AND {where}"),
+                    params,
+                ).rowcount
+            )
+
+    # -- convenience ------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def keep_alive(self, claim: Claim, *, interval: float | None = None) -> Iterator[LeaseKeeper]:
+        """Heartbeat in the background while the block runs; ``keeper.check()`` raises
+        :class:`LeaseLost` once a heartbeat found the lease taken over."""
+        keeper = LeaseKeeper(self, claim, interval or self.lease_seconds / 3)
+        keeper.start()
+        try:
+            yield keeper
+        finally:
+            keeper.stop()
+
+    def run_once(
+        self, key: str, fn: Callable[[], Any], *, payload: Any = None, wait: float = 0.0
+    ) -> Any:
+        """Run ``fn`` at most once per key and return its JSON-serialisable result; every later
+        caller gets the stored result. A caller that finds the key in progress waits up to
+        ``wait`` seconds for it to finish, then raises :class:`AlreadyInProgress`."""
+        deadline = time.monotonic() + wait
+        delay = 0.01
+        while True:
+            try:
+                outcome = self.begin(key, payload=payload)
+                break
+            except AlreadyInProgress:
+                if time.monotonic() >= deadline:
+                    raise
+                time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+                delay = min(delay * 2, 0.5)
+        if isinstance(outcome, Completed):
+            return outcome.result
+        with self.keep_alive(outcome) as keeper:
+            try:
+                result = fn()
+            except BaseException as exc:
+                try:
+                    self.fail(outcome, exc)
+                except Exception:  # noqa: BLE001 - the caller needs fn's error, not this one
+                    logger.warning("could not record the failure of %s", key, exc_info=True)
+                raise
+            keeper.check()
+        self.complete(outcome, result)
+        return result
+
+
+class LeaseKeeper:
+    """A daemon thread that heartbeats one claim until stopped."""
+
+    def __init__(self, store: IdempotencyStore, claim: Claim, interval: float) -> None:
+        self.store = store
+        self.claim = claim
+        self.interval = interval
+        self.lost: LeaseLost | None = None
+        self.beats = 0
+        self.failed_beats = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"lease:{claim.key}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.store.heartbeat(self.claim)
+                self.beats += 1
+            except LeaseLost as exc:
+                self.lost = exc
+                return
+            except Exception:  # noqa: BLE001 - store briefly unavailable: beat again
+                self.failed_beats += 1
+                logger.warning("heartbeat of %s failed; retrying", self.claim.key, exc_info=True)
+
+    def check(self) -> None:
+        if self.lost is not None:
+            raise self.lost
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+

@@ -1,0 +1,183 @@
+"""The database lock: a lease row on SQLite and Postgres, or a row lock inside a transaction."""
+
+from __future__ import annotations
+
+import logging
+import random
+import re
+import time
+from collections.abc import Callable
+from typing import Any
+
+from sqlalchemy import BigInteger, Column, Float, Table, Text, text
+from sqlalchemy.engine import Connection, Engine
+
+from resources.errors import LockNotAcquired
+from resources.locks.base import BaseLock
+from resources.locks.stats import LockObserver
+from resources.storage.db import Database, metadata
+
+log = logging.getLogger(__name__)
+Clock = Callable[[], float]
+
+# -- database -------------------------------------------------------------------------------
+
+lock_leases = Table(
+    "lock_leases",
+    metadata,
+    Column("name", Text, primary_key=True),
+    Column("owner_token", Text),
+    Column("expires_at", Float),
+    Column("fence", BigInteger, nullable=False),
+    Column("acquired_at", Float),
+    Column("updated_at", Float, nullable=False),
+)
+
+_DB_ACQUIRE = text(
+    "INSERT INTO lock_leases AS l (name, owner_token, expires_at, fence, acquired_at, updated_at)"
+    " VALUES (:name, :token, :expires, 1, :now, :now)"
+    " ON CONFLICT (name) DO UPDATE SET owner_token = excluded.owner_token,"
+    " expires_at = excluded.expires_at, fence = l.fence + 1,"
+    " acquired_at = excluded.acquired_at, updated_at = excluded.updated_at"
+    " WHERE l.owner_token IS NULL OR l.expires_at <= :now"
+    " RETURNING fence"
+)
+_DB_EXTEND = text(
+    "UPDATE lock_leases SET expires_at = :expires, updated_at = :now"
+    " WHERE name = :name AND owner_token = :token AND expires_at > :now"
+)
+_DB_RELEASE = text(
+    "UPDATE lock_leases SET owner_token = NULL, expires_at = NULL, updated_at = :now"
+    " WHERE name = :name AND owner_token = :token"
+)
+_DB_OWNER = text("SELECT owner_token, expires_at FROM lock_leases WHERE name = :name")
+
+_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)?$")
+
+
+class DbLock(BaseLock):
+    """A lease row in the app database: same shape as :class:`RedisLock`, no Redis needed.
+
+    Acquire is one conditional upsert on ``lock_leases`` (insert, or take over a released or
+    expired lease; the fence grows by one) on SQLite and Postgres alike. Release clears the
+    owner but keeps the row, so the fence never goes back. Waiters poll with capped, jittered
+    backoff (2 ms to 100 ms, never past the holder's expiry): the database has no wake-up list.
+
+    Expiry is judged with ``clock`` (wall time, injected for tests): workers' clocks must agree
+    to well within the TTL. For a lock that must last exactly as long as a transaction, use
+    :meth:`transactional` instead.
+    """
+
+    def __init__(
+        self,
+        engine: Engine | Database,
+        name: str,
+        *,
+        ttl: float,
+        auto_renew: bool = True,
+        blocking_timeout: float | None = None,
+        max_hold: float | None = None,
+        observer: LockObserver | None = None,
+        clock: Clock = time.time,
+    ) -> None:
+        super().__init__(
+            name,
+            ttl=ttl,
+            auto_renew=auto_renew,
+            blocking_timeout=blocking_timeout,
+            max_hold=max_hold,
+            observer=observer,
+        )
+        self.db = engine if isinstance(engine, Database) else Database(engine)
+        self.clock = clock
+        self._backoff = 0.002
+
+    def _try_acquire(self, token: str, enqueue: bool) -> tuple[int | None, float | None]:
+        now = self.clock()
+        with self.db.statement() as conn:
+            row = conn.execute(
+                _DB_ACQUIRE,
+                {"name": self.name, "token": token, "expires": now + self.ttl, "now": now},
+            ).first()
+            if row is not None:
+                self._backoff = 0.002
+                return int(row[0]), None
+            current = conn.execute(_DB_OWNER, {"name": self.name}).first()
+        hint = self._backoff * (0.5 + random.random())
+        self._backoff = min(self._backoff * 2, 0.1)
+        if current is not None and current.expires_at is not None:
+            hint = min(hint, max(0.001, float(current.expires_at) - now))
+        return None, hint
+
+    def _wait(self, token: str, seconds: float) -> None:
+        time.sleep(seconds)
+
+    def _extend_remote(self, token: str) -> bool:
+        now = self.clock()
+        with self.db.statement() as conn:
+            result = conn.execute(
+                _DB_EXTEND,
+                {"name": self.name, "token": token, "expires": now + self.ttl, "now": now},
+            )
+            return bool(result.rowcount == 1)
+
+    def _release_remote(self, token: str) -> bool:
+        with self.db.statement() as conn:
+            result = conn.execute(
+                _DB_RELEASE, {"name": self.name, "token": token, "now": self.clock()}
+            )
+            return bool(result.rowcount == 1)
+
+    def release_token(self, token: str) -> bool:
+        """Release with an explicit token; True only if ``token`` held the lease."""
+        return self._release_remote(token)
+
+    def _read_owner(self) -> str | None:
+        with self.db.statement() as conn:
+            row = conn.execute(_DB_OWNER, {"name": self.name}).first()
+        if row is None or row.owner_token is None:
+            return None
+        if row.expires_at is not None and float(row.expires_at) <= self.clock():
+            return None
+        return str(row.owner_token)
+
+    def __enter__(self) -> DbLock:
+        self.acquire()
+        return self
+
+    @staticmethod
+    def transactional(conn: Connection, name: str, *, clock: Clock = time.time) -> int:
+        """Lock ``name`` until the caller's transaction ends; return a fresh fencing token.
+
+        It is the lease upsert run inside your transaction: on Postgres the row lock it takes
+        (``FOR UPDATE`` semantics) holds until COMMIT or ROLLBACK, so a second caller waits in
+        its own upsert and then proceeds; nothing outlives the transaction, which makes it safe
+        under PgBouncer transaction pooling. On SQLite the transaction's ``BEGIN IMMEDIATE``
+        already serialises writers; this adds the fence. A live :class:`DbLock` lease on the
+        same name wins: then :class:`LockNotAcquired` is raised (waited 0).
+        """
+        now = clock()
+        row = conn.execute(
+            _DB_ACQUIRE, {"name": name, "token": None, "expires": None, "now": now}
+        ).first()
+        if row is None:
+            raise LockNotAcquired(name, 0.0)
+        return int(row[0])
+
+
+def lock_row(conn: Connection, table: str, key_column: str, key: Any) -> Any:
+    """Lock one business row for the rest of the caller's transaction and return it.
+
+    ``SELECT ... FOR UPDATE`` on Postgres; on SQLite the transaction's ``BEGIN IMMEDIATE``
+    already holds the write lock, so this is a plain read. Returns None when the row is absent
+    (nothing is locked then: insert it with a unique key instead).
+    """
+    for ident in (table, key_column):
+        if not _IDENTIFIER.match(ident):
+            raise ValueError(f"not a plain SQL identifier: {ident!r}")
+    suffix = " FOR UPDATE" if conn.dialect.name == "postgresql" else ""
+    return conn.execute(
+        text(f"SELECT * FROM {table} WHERE {key_column} = :key{suffix}"), {"key": key}
+    ).first()
+
+

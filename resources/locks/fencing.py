@@ -1,0 +1,136 @@
+"""Fenced writes: a stale lock holder's write is rejected by the database, not by hope.
+
+A lock can expire while its holder still runs (a GC pause, SIGSTOP, a slow disk). The lock alone
+cannot stop that holder's next write; the database can. Every lock grant carries a fencing token
+that only grows (``RedisLock.fence``, ``DbLock.fence``); :func:`fenced_write` opens a transaction
+whose first statement is a conditional upsert on ``fence_registry``: it applies only when the
+caller's token is at least the highest token this resource has seen. The business write then goes
+on the yielded connection, in the same transaction, so it commits only if the fence held.
+
+Timeline of the race it stops::
+
+    t=0    A acquires lock L (fence 7), starts work, is stopped (SIGSTOP / GC pause)
+    t=30   L's TTL runs out; B acquires L (fence 8) and writes resource R: highest_fence = 8
+    t=31   B commits; A resumes and writes R with fence 7 -> 7 < 8: rejected, counted,
+           FencedWriteRejected raised; nothing of A's transaction is committed
+
+Guarantees (SQLite and Postgres): the check and the business write commit together or not at
+all; on Postgres the registry row stays locked until commit, so a concurrent older holder waits
+and is then rejected. Equal tokens pass (one holder may write many times). A resource must be
+guarded by one lock name: tokens of different locks are not comparable. Rejections are counted
+in ``fence_registry.rejected`` by a separate statement, so the count survives the rollback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import BigInteger, Column, Float, Table, Text, text
+from sqlalchemy.engine import Connection
+
+from resources.errors import FencedWriteRejected
+from resources.locks.stats import LockObserver
+from resources.storage.db import Database, metadata
+
+log = logging.getLogger(__name__)
+
+fence_registry = Table(
+    "fence_registry",
+    metadata,
+    Column("resource", Text, primary_key=True),
+    Column("highest_fence", BigInteger, nullable=False),
+    Column("rejected", BigInteger, nullable=False),
+    Column("updated_at", Float, nullable=False),
+)
+
+_ADVANCE = text(
+    "INSERT INTO fence_registry AS f (resource, highest_fence, rejected, updated_at)"
+    " VALUES (:resource, :fence, 0, :now)"
+    " ON CONFLICT (resource) DO UPDATE SET"
+    " highest_fence = excluded.highest_fence, updated_at = excluded.updated_at"
+    " WHERE f.highest_fence <= excluded.highest_fence"
+    " RETURNING highest_fence"
+)
+_COUNT_REJECTION = text(
+    "UPDATE fence_registry SET rejected = rejected + 1 WHERE resource = :resource"
+    " RETURNING highest_fence"
+)
+
+
+@dataclass(frozen=True)
+class FenceStatus:
+    """What the registry knows of a resource: the highest token seen and how many were refused."""
+
+    resource: str
+    highest_fence: int
+    rejected: int
+
+
+class _Rejected(Exception):
+    """Internal: rolls the transaction back before the rejection is counted."""
+
+
+def _fence_of(fence: int | Any) -> int:
+    value = getattr(fence, "fence", fence)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"fence must be an int or a held lock, not {type(fence).__name__}")
+    return value
+
+
+@contextlib.contextmanager
+def fenced_write(
+    db: Database,
+    resource: str,
+    fence: int | Any,
+    *,
+    observer: LockObserver | None = None,
+    clock: Callable[[], float] = time.time,
+) -> Iterator[Connection]:
+    """Yield a connection inside a transaction that commits only if ``fence`` is current.
+
+    ``fence`` is an int or a held lock (its ``.fence`` is used). Raises
+    :class:`FencedWriteRejected` (nothing committed) when the resource has seen a larger token.
+    An exception in the body rolls everything back, the registry advance included.
+    """
+    token = _fence_of(fence)
+    try:
+        with db.transaction() as conn:
+            row = conn.execute(
+                _ADVANCE, {"resource": resource, "fence": token, "now": clock()}
+            ).first()
+            if row is None:
+                raise _Rejected()
+            yield conn
+        return
+    except _Rejected:
+        pass
+    with db.statement() as conn:
+        counted = conn.execute(_COUNT_REJECTION, {"resource": resource}).first()
+    highest = int(counted[0]) if counted is not None else None
+    log.warning(
+        "fenced write rejected",
+        extra={"resource": resource, "fence": token, "highest_fence": highest},
+    )
+    if observer is not None:
+        observer.record("fenced_rejected", resource)
+    raise FencedWriteRejected(resource, token, highest)
+
+
+def fence_status(db: Database, resource: str) -> FenceStatus | None:
+    """The registry row of ``resource``, or ``None`` if no fenced write ever reached it."""
+    with db.statement() as conn:
+        row = conn.execute(
+            text(
+                "SELECT resource, highest_fence, rejected FROM fence_registry"
+                " WHERE resource = :resource"
+            ),
+            {"resource": resource},
+        ).first()
+    if row is None:
+        return None
+    return FenceStatus(row.resource, int(row.highest_fence), int(row.rejected))

@@ -1,0 +1,221 @@
+"""The Redis lock: owner token, FIFO wake-ups, Lua compare-and-delete/extend, and a fence."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable
+
+import redis
+
+from resources.locks.base import BaseLock
+from resources.locks.stats import LockObserver, default_stats
+
+log = logging.getLogger(__name__)
+Clock = Callable[[], float]
+
+# -- Redis ------------------------------------------------------------------------------------
+
+# KEYS: lock, fence, queue (zset by arrival), alive (zset by waiter deadline)
+# The queue work (TIME, dropping waiters that stopped refreshing) runs only when someone waits,
+# so an uncontended grant is EXISTS, EXISTS, INCR, SET.
+_LUA_PRELUDE = """
+local function now_us()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000000 + tonumber(t[2])
+end
+local function drop_dead_waiters()
+  local dead = redis.call('ZRANGEBYSCORE', KEYS[4], '-inf', math.floor(now_us() / 1000))
+  for _, w in ipairs(dead) do
+    redis.call('ZREM', KEYS[4], w)
+    redis.call('ZREM', KEYS[3], w)
+  end
+end
+local function wake_head(prefix, ttl_ms)
+  local head = redis.call('ZRANGE', KEYS[3], 0, 0)
+  if #head > 0 then
+    redis.call('LPUSH', prefix .. head[1], '1')
+    redis.call('PEXPIRE', prefix .. head[1], ttl_ms)
+  end
+end
+"""
+
+# ARGV: token, ttl_ms, queue_ttl_ms (0: do not queue). Wake-up lists: KEYS[1]..':signal:'..token
+_ACQUIRE = (
+    _LUA_PRELUDE
+    + """
+local queued = redis.call('EXISTS', KEYS[3]) == 1
+if queued then drop_dead_waiters() end
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  local head = queued and redis.call('ZRANGE', KEYS[3], 0, 0) or {}
+  if #head == 0 or head[1] == ARGV[1] then
+    local fence = redis.call('INCR', KEYS[2])
+    if fence == 1 then
+      -- a fresh, expired or lost counter restarts from the clock, above any earlier token
+      fence = now_us()
+      redis.call('SET', KEYS[2], string.format('%d', fence), 'PX', 604800000)
+    end
+    redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+    if #head > 0 then
+      redis.call('ZREM', KEYS[3], ARGV[1])
+      redis.call('ZREM', KEYS[4], ARGV[1])
+      redis.call('DEL', KEYS[1] .. ':signal:' .. ARGV[1])
+    end
+    return {1, fence}
+  end
+end
+if ARGV[3] ~= '0' then
+  local us = now_us()
+  redis.call('ZADD', KEYS[3], 'NX', us, ARGV[1])
+  redis.call('ZADD', KEYS[4], math.floor(us / 1000) + tonumber(ARGV[3]), ARGV[1])
+  redis.call('PEXPIRE', KEYS[3], 2 * tonumber(ARGV[3]))
+  redis.call('PEXPIRE', KEYS[4], 2 * tonumber(ARGV[3]))
+end
+return {0, redis.call('PTTL', KEYS[1])}
+"""
+)
+
+# ARGV: token, signal key prefix, signal list ttl in ms
+_RELEASE = (
+    _LUA_PRELUDE
+    + """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  redis.call('DEL', KEYS[1])
+  if redis.call('EXISTS', KEYS[3]) == 1 then
+    drop_dead_waiters()
+    wake_head(ARGV[2], ARGV[3])
+  end
+  return 1
+end
+return 0
+"""
+)
+
+_LEAVE = (
+    _LUA_PRELUDE
+    + """
+redis.call('ZREM', KEYS[3], ARGV[1])
+redis.call('ZREM', KEYS[4], ARGV[1])
+redis.call('DEL', ARGV[2] .. ARGV[1])
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  drop_dead_waiters()
+  wake_head(ARGV[2], ARGV[3])
+end
+return 1
+"""
+)
+
+_EXTEND = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then
+  return redis.call('PEXPIRE', KEYS[1], ARGV[2])
+end
+return 0
+"""
+
+
+class RedisLock(BaseLock):
+    """A Redis lock with an owner token, a fencing token, renewal and a fair wait.
+
+    Keys share the hash tag ``{name}``, so every script touches one Cluster slot:
+    ``sekali:lock:{name}`` (owner token, PX ttl), ``...:fence`` (counter), ``...:queue`` and
+    ``...:alive`` (waiters by arrival and by liveness deadline) and ``...:signal:<token>`` (a
+    waiter's wake-up list, derived inside the scripts; same slot).
+
+    Acquire is one script: if the key is free and no earlier live waiter is queued, INCR the
+    fence, SET the token with PX, return the fence; otherwise queue the caller (FIFO) and return
+    the PTTL. A waiter BLPOPs its own wake-up list for at most min(PTTL, queue_ttl/3, what is
+    left of its wait): release pushes to the head waiter's list, and a holder that died is
+    noticed when its TTL runs out. A waiter that stops refreshing (it died) drops out of the
+    queue after ``queue_ttl``; until then the lock may sit free.
+
+    Fences grow per name. The counter is seeded from the server clock in microseconds and
+    expires a week after seeding; it is then reseeded the same way, which stays above every
+    earlier token (a counter gains one per grant, the clock a million per second). A Redis that
+    lost its data (restart without persistence) reseeds the same way. This assumes the Redis
+    server's clock does not step back by more than the grants it has counted.
+
+    The client's ``socket_timeout``, if set, must exceed ``queue_ttl / 3`` (the longest BLPOP).
+    """
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        name: str,
+        *,
+        ttl: float,
+        auto_renew: bool = True,
+        blocking_timeout: float | None = None,
+        max_hold: float | None = None,
+        observer: LockObserver | None = None,
+        queue_ttl: float = 3.0,
+        prefix: str = "sekali:lock:",
+    ) -> None:
+        super().__init__(
+            name,
+            ttl=ttl,
+            auto_renew=auto_renew,
+            blocking_timeout=blocking_timeout,
+            max_hold=max_hold,
+            observer=observer if observer is not None else default_stats(client),
+        )
+        self.client = client
+        self.queue_ttl = queue_ttl
+        base = f"{prefix}{{{name}}}"
+        self.key = base
+        self._keys = [base, f"{base}:fence", f"{base}:queue", f"{base}:alive"]
+        self._signal_prefix = f"{base}:signal:"
+        self._ttl_ms = max(1, int(self.ttl * 1000))
+        self._queue_ttl_ms = max(3, int(queue_ttl * 1000))
+        self._acquire_script = client.register_script(_ACQUIRE)
+        self._release_script = client.register_script(_RELEASE)
+        self._leave_script = client.register_script(_LEAVE)
+        self._extend_script = client.register_script(_EXTEND)
+
+    def _try_acquire(self, token: str, enqueue: bool) -> tuple[int | None, float | None]:
+        granted, value = self._acquire_script(
+            keys=self._keys,
+            args=[token, self._ttl_ms, self._queue_ttl_ms if enqueue else 0],
+        )
+        if granted == 1:
+            return int(value), None
+        poll = self.queue_ttl / 3
+        pttl = int(value)
+        return None, min(poll, pttl / 1000) if pttl > 0 else poll
+
+    def _wait(self, token: str, seconds: float) -> None:
+        self.client.blpop([self._signal_prefix + token], timeout=seconds)
+
+    def _leave_queue(self, token: str) -> None:
+        with contextlib.suppress(redis.RedisError):
+            self._leave_script(
+                keys=self._keys, args=[token, self._signal_prefix, self._queue_ttl_ms]
+            )
+
+    def _release_remote(self, token: str) -> bool:
+        return bool(
+            self._release_script(
+                keys=self._keys, args=[token, self._signal_prefix, self._queue_ttl_ms]
+            )
+        )
+
+    def release_token(self, token: str) -> bool:
+        """Compare-and-delete with an explicit token; True only if ``token`` held the lock.
+
+        For operators and tests: a wrong token changes nothing.
+        """
+        return self._release_remote(token)
+
+    def _extend_remote(self, token: str) -> bool:
+        return bool(self._extend_script(keys=[self.key], args=[token, self._ttl_ms]))
+
+    def _read_owner(self) -> str | None:
+        value = self.client.get(self.key)
+        if value is None:
+            return None
+        return value.decode() if isinstance(value, bytes) else str(value)
+
+    def __enter__(self) -> RedisLock:
+        self.acquire()
+        return self
+
+

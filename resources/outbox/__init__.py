@@ -1,0 +1,31 @@
+"""The transactional outbox and the inbox: events written in the business transaction, published
+at least once in order per aggregate, and consumed once per consumer.
+"""
+
+from resources.outbox.events import inbox, outbox, write_event
+from resources.outbox.publisher import (
+    Consumer,
+    Handler,
+    InAppPublisher,
+    Inbox,
+    OutboxEvent,
+    OutboxPublisher,
+    Publisher,
+    PublishStats,
+    unpublished_older_than,
+)
+
+__all__ = [
+    "Consumer",
+    "Handler",
+    "InAppPublisher",
+    "Inbox",
+    "OutboxEvent",
+    "OutboxPublisher",
+    "PublishStats",
+    "Publisher",
+    "inbox",
+    "outbox",
+    "unpublished_older_than",
+    "write_event",
+]

@@ -1,0 +1,361 @@
+"""The outbox publisher and the inbox: events leave the database at least once, in order per
+aggregate, and each consumer applies each event once.
+
+The writer (``resources/outbox.py``) puts events in the business transaction. This module
+delivers them:
+
+- :meth:`OutboxPublisher.publish_batch` claims up to ``batch_size`` unpublished rows in one short
+  transaction (``FOR UPDATE`` on Postgres, serialised by a transaction-scoped advisory lock;
+  ``BEGIN IMMEDIATE`` on SQLite), marking them with its owner id and a claim expiry. A row is
+  claimable only if no earlier unpublished row of its aggregate is under someone else's live
+  claim, so one holder at a time publishes an aggregate, in id order. Not ``SKIP LOCKED``: an
+  earlier row skipped while another publisher's release or claim extension held it would let a
+  later row of its aggregate be claimed and published first. Claim extensions and releases
+  take the advisory lock too (shared), so no claim reads a snapshot in which one in flight is
+  not yet visible, and a claim only ever waits for single-row marks (no deadlock).
+- It then publishes each row and marks it published (conditional on still owning the claim).
+  A publisher killed after publishing and before marking leaves its claim to expire; the next
+  publisher delivers the row again: at-least-once. A publish that raises stops that aggregate for
+  this batch (later events wait, so order holds) and releases its claim.
+- Consumers drop redeliveries through :class:`Inbox`: the ``inbox`` row (consumer, event id) and
+  the consumer's own database change commit in one transaction, so each event's effect is applied
+  once per consumer. Effects outside the database (a cache invalidation) must be idempotent.
+
+Timeline of the crash this design survives::
+
+    t=0  publisher A claims e1..e3 of order 7 (claim until t=30)
+    t=1  A publishes e1 (consumer commits e1 + inbox row), marks e1 published
+    t=2  A publishes e2 (consumer commits), SIGKILL before marking e2
+    t=30 A's claim expires; publisher B claims e2, e3
+    t=31 B publishes e2: the consumer's inbox already has e2 -> dropped; B marks e2 published
+    t=32 B publishes e3: applied once. The consumer saw e1, e2, e3 in order, each once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from sqlalchemy import bindparam, text
+from sqlalchemy.engine import Connection
+
+from resources.storage.db import Database
+
+log = logging.getLogger(__name__)
+
+Clock = Callable[[], float]
+_CLAIM_LOCK_ID = 0x0B0C5E  # arbitrary, constant: serialises claimers on Postgres
+
+
+@dataclass(frozen=True)
+class OutboxEvent:
+    """One outbox row, as a publisher hands it to its target."""
+
+    id: int
+    event_id: str
+    aggregate_type: str
+    aggregate_id: str
+    event_type: str
+    payload: Any
+    created_at: float
+    attempts: int
+
+    @classmethod
+    def from_row(cls, row: Any) -> OutboxEvent:
+        m = row._mapping
+        return cls(
+            id=int(m["id"]),
+            event_id=m["event_id"],
+            aggregate_type=m["aggregate_type"],
+            aggregate_id=m["aggregate_id"],
+            event_type=m["event_type"],
+            payload=json.loads(m["payload"]),
+            created_at=float(m["created_at"]),
+            attempts=int(m["attempts"]),
+        )
+
+    @property
+    def aggregate(self) -> tuple[str, str]:
+        return (self.aggregate_type, self.aggregate_id)
+
+
+@runtime_checkable
+class Publisher(Protocol):
+    """Where events go: a broker client, a webhook, or in-app consumers. ``publish`` may be
+    called more than once for one event (at-least-once); raise to have it retried later."""
+
+    def publish(self, event: OutboxEvent) -> None: ...
+
+
+Handler = Callable[[Connection, OutboxEvent], None]
+
+
+@dataclass(frozen=True)
+class Consumer:
+    """An in-app consumer: a name (its inbox), the event types it wants, and a handler that runs
+    inside the inbox transaction (``conn``) so its database change commits with the inbox row."""
+
+    name: str
+    event_types: frozenset[str]
+    handler: Handler
+
+    def wants(self, event: OutboxEvent) -> bool:
+        return not self.event_types or event.event_type in self.event_types
+
+
+class Inbox:
+    """Dedupe by event id per consumer: :meth:`process` applies an event at most once."""
+
+    def __init__(self, db: Database, *, clock: Clock = time.time) -> None:
+        self.db = db
+        self.clock = clock
+
+    def process(self, consumer: str, event: OutboxEvent, handler: Handler) -> bool:
+        """Apply ``handler`` unless ``consumer`` has processed this event; True if applied."""
+        with self.db.transaction() as conn:
+            inserted = conn.execute(
+                text(
+                    "INSERT INTO inbox (consumer, event_id, processed_at)"
+                    " VALUES (:c, :e, :now) ON CONFLICT DO NOTHING"
+                ),
+                {"c": consumer, "e": event.event_id, "now": self.clock()},
+            ).rowcount
+            if not inserted:
+                log.debug("inbox %s dropped redelivered event %s", consumer, event.event_id)
+                return False
+            handler(conn, event)
+        return True
+
+    def seen(self, consumer: str, event_id: str) -> bool:
+        with self.db.statement() as conn:
+            return (
+                conn.execute(
+                    text("SELECT 1 FROM inbox WHERE consumer = :c AND event_id = :e"),
+                    {"c": consumer, "e": event_id},
+                ).first()
+                is not None
+            )
+
+
+class InAppPublisher:
+    """The default target: hands each event to the in-app consumers that want it, each through
+    its inbox."""
+
+    def __init__(self, inbox: Inbox, consumers: Iterable[Consumer]) -> None:
+        self.inbox = inbox
+        self.consumers = list(consumers)
+        self.applied = 0
+        self.dropped = 0
+
+    def publish(self, event: OutboxEvent) -> None:
+        for consumer in self.consumers:
+            if consumer.wants(event):
+                if self.inbox.process(consumer.name, event, consumer.handler):
+                    self.applied += 1
+                else:
+                    self.dropped += 1
+
+
+@dataclass
+class PublishStats:
+    claimed: int = 0
+    published: int = 0
+    failed: int = 0
+    deferred: int = 0
+    lost_claims: int = 0
+    errors: list[str] = field(default_factory=list)
+
+    def add(self, other: PublishStats) -> None:
+        self.claimed += other.claimed
+        self.published += other.published
+        self.failed += other.failed
+        self.deferred += other.deferred
+        self.lost_claims += other.lost_claims
+        self.errors += other.errors
+
+
+_CLAIM = """
+SELECT o.id FROM outbox o
+WHERE o.published_at IS NULL
+  AND (o.claimed_until IS NULL OR o.claimed_until <= :now OR o.claimed_by = :me)
+  AND NOT EXISTS (
+    SELECT 1 FROM outbox b
+    WHERE b.aggregate_type = o.aggregate_type AND b.aggregate_id = o.aggregate_id
+      AND b.published_at IS NULL AND b.id < o.id
+      AND b.claimed_until > :now AND b.claimed_by <> :me)
+ORDER BY o.id LIMIT :limit{skip}
+"""
+
+_COLUMNS = "id, event_id, aggregate_type, aggregate_id, event_type, payload, created_at, attempts"
+
+
+class OutboxPublisher:
+    """Claims, publishes and marks outbox rows. One per process or thread is fine; many may run
+    at once on one database."""
+
+    def __init__(
+        self,
+        db: Database,
+        publisher: Publisher,
+        *,
+        batch_size: int = 100,
+        claim_seconds: float = 30.0,
+        owner: str | None = None,
+        clock: Clock = time.time,
+    ) -> None:
+        if claim_seconds <= 0 or batch_size <= 0:
+            raise ValueError("claim_seconds and batch_size must be positive")
+        self.db = db
+        self.publisher = publisher
+        self.batch_size = batch_size
+        self.claim_seconds = claim_seconds
+        self.owner = owner or uuid.uuid4().hex
+        self.clock = clock
+
+    def claim(self) -> list[OutboxEvent]:
+        """Claim up to ``batch_size`` publishable rows, oldest first."""
+        now = self.clock()
+        # FOR UPDATE waits for a row another publisher is releasing or marking, then re-reads
+        # it; claimers never wait for each other's row locks (the advisory lock comes first)
+        skip = " FOR UPDATE" if self.db.is_postgres else ""
+        with self.db.transaction() as conn:
+            if self.db.is_postgres:
+                conn.execute(text("SELECT pg_advisory_xact_lock(:id)"), {"id": _CLAIM_LOCK_ID})
+            ids = [
+                int(r.id)
+                for r in conn.execute(
+                    text(_CLAIM.format(skip=skip)),
+                    {"now": now, "me": self.owner, "limit": self.batch_size},
+                )
+            ]
+            if not ids:
+                return []
+            conn.execute(
+                text(
+                    "UPDATE outbox SET claimed_by = :me, claimed_until = :until,"
+                    " attempts = attempts + 1 WHERE id IN :ids"
+                ).bindparams(bindparam("ids", expanding=True)),
+                {"me": self.owner, "until": now + self.claim_seconds, "ids": ids},
+            )
+            rows = conn.execute(
+                text(f"SELECT {_COLUMNS} FROM outbox WHERE id IN :ids ORDER BY id").bindparams(
+                    bindparam("ids", expanding=True)
+                ),
+                {"ids": ids},
+            ).all()
+        return [OutboxEvent.from_row(r) for r in rows]
+
+    def publish_batch(self) -> PublishStats:
+        """Claim one batch and publish it in order per aggregate."""
+        events = self.claim()
+        stats = PublishStats(claimed=len(events))
+        blocked: set[tuple[str, str]] = set()
+        for event in events:
+            if event.aggregate in blocked:
+                stats.deferred += 1
+                continue
+            if not self._still_mine(event):
+                stats.lost_claims += 1
+                blocked.add(event.aggregate)
+                continue
+            try:
+                self.publisher.publish(event)
+            except Exception as exc:  # noqa: BLE001 - any target error: retry this event later
+                stats.failed += 1
+                stats.errors.append(f"{event.event_id}: {type(exc).__name__}: {exc}")
+                blocked.add(event.aggregate)
+                log.warning("publishing %s failed: %s", event.event_id, exc)
+                continue
+            if self._mark_published(event):
+                stats.published += 1
+            else:
+                stats.lost_claims += 1
+                blocked.add(event.aggregate)
+        if blocked:
+            self._release(blocked)
+        return stats
+
+    def publish_pending(self, *, max_batches: int = 10) -> PublishStats:
+        """Publish batches until nothing is claimable or ``max_batches`` were done."""
+        total = PublishStats()
+        for _ in range(max_batches):
+            stats = self.publish_batch()
+            total.add(stats)
+            if stats.claimed == 0 or stats.published == 0:
+                break
+        return total
+
+    def _still_mine(self, event: OutboxEvent) -> bool:
+        """Extend the claim on the rest of our rows; False if this one was taken over.
+
+        On Postgres under the claim lock, shared: a claim running at the same time would read
+        this row's claim as expired (its snapshot predates the extension) and take the next
+        row of the aggregate while this one is being published. Extensions do not wait for
+        each other."""
+        if not self.db.is_postgres:  # BEGIN IMMEDIATE already serialises writers on SQLite
+            with self.db.statement() as conn:
+                return self._extend(conn, event)
+        with self.db.transaction() as conn:
+            conn.execute(text("SELECT pg_advisory_xact_lock_shared(:id)"), {"id": _CLAIM_LOCK_ID})
+            return self._extend(conn, event)
+
+    def _extend(self, conn: Connection, event: OutboxEvent) -> bool:
+        return bool(
+            conn.execute(
+                text(
+                    "UPDATE outbox SET claimed_until = :until"
+                    " WHERE id = :id AND claimed_by = :me AND published_at IS NULL"
+                ),
+                {"until": self.clock() + self.claim_seconds, "id": event.id, "me": self.owner},
+            ).rowcount
+        )
+
+    def _mark_published(self, event: OutboxEvent) -> bool:
+        with self.db.statement() as conn:
+            return bool(
+                conn.execute(
+                    text(
+                        "UPDATE outbox SET published_at = :now, claimed_by = NULL,"
+                        " claimed_until = NULL"
+                        " WHERE id = :id AND claimed_by = :me AND published_at IS NULL"
+                    ),
+                    {"now": self.clock(), "id": event.id, "me": self.owner},
+                ).rowcount
+            )
+
+    def _release(self, aggregates: set[tuple[str, str]]) -> None:
+        with self.db.transaction() as conn:
+            if self.db.is_postgres:  # as in _still_mine; also no deadlock with a claim's FOR UPDATE
+                conn.execute(
+                    text("SELECT pg_advisory_xact_lock_shared(:id)"), {"id": _CLAIM_LOCK_ID}
+                )
+            for aggregate_type, aggregate_id in aggregates:
+                conn.execute(
+                    text(
+                        "UPDATE outbox SET claimed_by = NULL, claimed_until = NULL"
+                        " WHERE claimed_by = :me AND published_at IS NULL"
+                        " AND aggregate_type = :t AND aggregate_id = :a"
+                    ),
+                    {"me": self.owner, "t": aggregate_type, "a": aggregate_id},
+                )
+
+
+def unpublished_older_than(db: Database, seconds: float, *, now: float | None = None) -> list[int]:
+    """Ids of rows still unpublished ``seconds`` after they were written (a stuck publisher)."""
+    cutoff = (time.time() if now is None else now) - seconds
+    with db.statement() as conn:
+        return [
+            int(r.id)
+            for r in conn.execute(
+                text(
+                    "SELECT id FROM outbox WHERE published_at IS NULL AND created_at <= :cutoff"
+                    " ORDER BY id"
+                ),
+                {"cutoff": cutoff},
+            )
+        ]

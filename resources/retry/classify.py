@@ -1,0 +1,70 @@
+"""One classifier for every failure: does a retry have a chance to help?
+
+Retries (:class:`resources.retry.RetryPolicy`) and the dead letter queue both ask this one
+function, with the exception object itself, so a failure is never classified twice in two ways.
+
+- PERMANENT: sekali errors with ``permanent = True`` (validation, conflicts, rejected by a
+  downstream), pydantic validation errors, errors that say themselves no retry may help
+  (``allow_retries = False``, as Dagster's ``Failure`` does), SMTP 5xx replies.
+- TRANSIENT: timeouts, connection errors, ``OSError``, SQLAlchemy ``OperationalError``, Redis
+  connection/timeouts, ``AlreadyInProgress``, ``LockNotAcquired`` and every other sekali error
+  with ``permanent = False``.
+- UNKNOWN: everything else, including ``KeyError``/``ValueError``/``TypeError`` raised by our own
+  code. These are most often bugs: retried a little, then dead-lettered so a person looks at
+  them. Bad *input* must be raised as :class:`resources.errors.ValidationError` at the boundary,
+  which is permanent.
+"""
+
+from __future__ import annotations
+
+import enum
+import smtplib
+
+import pydantic
+import redis
+from sqlalchemy import exc as sa_exc
+
+from resources.errors import AlreadyInProgress, LockNotAcquired, SekaliError
+
+
+class ErrorClass(enum.StrEnum):
+    PERMANENT = "permanent"
+    TRANSIENT = "transient"
+    UNKNOWN = "unknown"
+
+
+_TRANSIENT_TYPES: tuple[type[BaseException], ...] = (
+    TimeoutError,
+    ConnectionError,
+    sa_exc.OperationalError,
+    sa_exc.InterfaceError,
+    sa_exc.DisconnectionError,
+    redis.ConnectionError,
+    redis.TimeoutError,
+    OSError,
+)
+
+
+def classify(exc: BaseException) -> ErrorClass:
+    """Say whether a retry may help. See the module docstring for the table."""
+    if isinstance(exc, SekaliError):
+        return ErrorClass.PERMANENT if exc.permanent else ErrorClass.TRANSIENT
+    allow_retries = getattr(exc, "allow_retries", None)
+    if isinstance(allow_retries, bool):
+        return ErrorClass.UNKNOWN if allow_retries else ErrorClass.PERMANENT
+    if isinstance(exc, smtplib.SMTPResponseException):
+        return ErrorClass.PERMANENT if exc.smtp_code >= 500 else ErrorClass.TRANSIENT
+    if isinstance(exc, smtplib.SMTPRecipientsRefused):
+        codes = [code for code, _msg in exc.recipients.values()]
+        return ErrorClass.PERMANENT if codes and min(codes) >= 500 else ErrorClass.TRANSIENT
+    if isinstance(exc, pydantic.ValidationError):
+        return ErrorClass.PERMANENT
+    if isinstance(exc, _TRANSIENT_TYPES):
+        return ErrorClass.TRANSIENT
+    return ErrorClass.UNKNOWN
+
+
+def is_contention(exc: BaseException) -> bool:
+    """Waiting for another worker (a live lease, a held lock) says nothing about the downstream's
+    health, so it spends no token of the downstream's retry budget."""
+    return isinstance(exc, AlreadyInProgress | LockNotAcquired)

@@ -1,0 +1,158 @@
+"""Retry delays and the decision after a failed attempt.
+
+Why sekali computes its own delays instead of using Dagster's op ``RetryPolicy``: Dagster's
+exponential backoff has no cap, and its ``PLUS_MINUS`` jitter only adds +/- the base delay, so a
+cohort that failed together stays nearly synchronised at higher attempts and hits the recovering
+downstream in waves. Here the delay is capped exponential backoff with full jitter by default
+(strategies in :mod:`resources.retry.jitter`), jitter stays effective at the cap,
+``Retry-After`` is honoured, and attempts and total time are bounded.
+
+Attempt numbering follows Dagster's ``context.retry_number``: ``attempt`` is the number of the
+attempt that just failed, counting from 0 (0 = the first run of the step failed). So the delay
+before the first retry is ``retry_delay(0)`` and a policy with ``max_attempts=3`` retries after
+attempts 0 and 1 and gives up after attempt 2.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Protocol
+
+from resources.retry.classify import ErrorClass, classify, is_contention
+from resources.retry.jitter import Jitter, jitter_named
+
+
+def retry_delay(
+    attempt: int,
+    *,
+    base: float = 1.0,
+    cap: float = 60.0,
+    jitter: str | Jitter = "full",
+    previous: float | None = None,
+    rng: random.Random | None = None,
+) -> float:
+    """Seconds to wait before retrying after attempt ``attempt`` (0-based, as ``retry_number``).
+
+    The exponential ceiling is ``min(cap, base * 2**attempt)``; ``jitter`` (a strategy from
+    :mod:`resources.retry.jitter`, or its name) draws below it. Every result lies in
+    ``[0, cap]``; jitter stays effective at the cap.
+    """
+    if attempt < 0:
+        raise ValueError(f"attempt must be >= 0 (Dagster's retry_number), got {attempt}")
+    if base < 0 or cap < 0:
+        raise ValueError("base and cap must be >= 0")
+    strategy = jitter_named(jitter)
+    return strategy(attempt, base, cap, previous, rng or random.Random())
+
+
+class SpendsRetries(Protocol):
+    """Anything that can grant or refuse one retry against a downstream (see RetryBudget)."""
+
+    def try_spend(self, downstream: str) -> bool: ...
+
+
+@dataclass(frozen=True)
+class RetryDecision:
+    """What to do after a failed attempt: retry after ``delay`` seconds, or give up with ``reason``.
+
+    ``reason`` on give-up is one of ``"permanent"``, ``"attempts exhausted"``,
+    ``"time budget exhausted"``, ``"retry budget exhausted"``.
+    """
+
+    retry: bool
+    error_class: ErrorClass
+    attempt: int
+    delay: float | None = None
+    reason: str | None = None
+
+    @property
+    def give_up(self) -> bool:
+        return not self.retry
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How often and how long to retry one job type.
+
+    ``max_attempts`` counts every run of the step including the first (so Dagster's
+    ``max_retries`` is ``max_attempts - 1``). ``max_unknown_attempts`` bounds errors of class
+    UNKNOWN, which are more likely bugs than outages. ``total_budget_seconds`` bounds the time
+    from the first attempt to the start of the last retry.
+    """
+
+    max_attempts: int = 5
+    base_delay: float = 1.0
+    max_delay: float = 60.0
+    jitter: str | Jitter = "full"
+    total_budget_seconds: float = 600.0
+    max_unknown_attempts: int = 2
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1:
+            raise ValueError("max_attempts must be >= 1")
+        jitter_named(self.jitter)
+
+    def delay(
+        self, attempt: int, *, previous: float | None = None, rng: random.Random | None = None
+    ) -> float:
+        return retry_delay(
+            attempt,
+            base=self.base_delay,
+            cap=self.max_delay,
+            jitter=self.jitter,
+            previous=previous,
+            rng=rng,
+        )
+
+    def decide(
+        self,
+        exc: BaseException,
+        *,
+        attempt: int,
+        elapsed: float,
+        previous_delay: float | None = None,
+        retry_after: float | None = None,
+        budget: SpendsRetries | None = None,
+        downstream: str | None = None,
+        rng: random.Random | None = None,
+    ) -> RetryDecision:
+        """Decide after attempt ``attempt`` (0-based) failed with ``exc``, ``elapsed`` s after the
+        first attempt began.
+
+        The delay is ``max(computed, Retry-After)`` (``retry_after`` here, else the error's own
+        ``retry_after``), cut to the time budget left. With ``budget`` and ``downstream`` a retry
+        spends one token; an empty bucket gives up with ``"retry budget exhausted"``.
+        """
+        error_class = classify(exc)
+
+        def give_up(reason: str) -> RetryDecision:
+            return RetryDecision(False, error_class, attempt, reason=reason)
+
+        if error_class is ErrorClass.PERMANENT:
+            return give_up("permanent")
+        limit = self.max_attempts
+        if error_class is ErrorClass.UNKNOWN:
+            limit = min(limit, self.max_unknown_attempts)
+        if attempt + 1 >= limit:
+            return give_up("attempts exhausted")
+        remaining = self.total_budget_seconds - elapsed
+        if remaining <= 0:
+            return give_up("time budget exhausted")
+        delay = self.delay(attempt, previous=previous_delay, rng=rng)
+        if retry_after is None:
+            retry_after = getattr(exc, "retry_after", None)
+        if retry_after is not None:
+            delay = max(delay, float(retry_after))
+        delay = min(delay, remaining)
+        if (
+            budget is not None
+            and downstream is not None
+            and not is_contention(exc)
+            and not budget.try_spend(downstream)
+        ):
+            return give_up("retry budget exhausted")
+        return RetryDecision(True, error_class, attempt, delay=delay)
+
+
+# KEYS[1] bucket; ARGV[1] capacity, ARGV[2] ttl ms. Returns 1 and the new level, or 0.

@@ -1,0 +1,1 @@
+"""Structured logs and the folding of key names into bounded patterns."""
