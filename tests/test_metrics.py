@@ -18,13 +18,19 @@ from pathlib import Path
 import dagster as dg
 import pytest
 import redis
+from prometheus_client import CollectorRegistry
 
 from resources.cache_core import StampedeCache
 from resources.db import Database
 from resources.dlq import DlqStore, FailureClass, FailureInfo
 from resources.errors import LockNotAcquired, TransientJobError
 from resources.locks import RedisLockStats, lock_stats
-from resources.metrics import MetricsCollector, MetricsSnapshot, percentile, to_prometheus
+from resources.metrics import (
+    MetricsCollector,
+    MetricsSnapshot,
+    SnapshotCollector,
+    percentile,
+)
 from resources.migrations import upgrade
 from tests.metrics_support import FakeClock, World, record_attempts_worker
 
@@ -202,7 +208,9 @@ def test_missing_sources_are_named_not_fatal(sqlite_url: str) -> None:
     db = Database.from_url(sqlite_url)
     snap = MetricsCollector(db).collect()
     assert set(snap.missing) == {"job_requests", "job_attempts", "dlq_records"}
-    assert "sekali_metrics_missing_sources 3" in to_prometheus(snap)
+    registry = CollectorRegistry()
+    registry.register(SnapshotCollector(lambda: snap))
+    assert registry.get_sample_value("sekali_metrics_missing_sources") == 3
 
 
 def test_counts_exact_under_threads_and_processes(db_url: str) -> None:
