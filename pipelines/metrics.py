@@ -17,7 +17,7 @@ same answer for the same rows. A source that is missing (a table not migrated ye
 leaves its metrics out and is named in ``snapshot.missing``; it never fails the whole snapshot.
 
 The snapshot is exposed three ways: the ``sekali_metrics`` asset's metadata (plotted by the
-Dagster UI), ``sekali metrics serve`` (Prometheus text format, :func:`to_prometheus`) and
+Dagster UI), ``sekali metrics serve`` (prometheus-client, through :class:`SnapshotCollector`) and
 ``sekali metrics show``.
 """
 
@@ -25,12 +25,15 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 from sqlalchemy import inspect, text
 
 from resources.locks import lock_stats
@@ -229,7 +232,10 @@ class MetricsCollector:
                     "duration of completed attempts (nearest rank)",
                     job_type=job_type, quantile=str(q),
                 )
-            snap.add("sekali_processing_seconds_count", len(values), job_type=job_type)
+            snap.add(
+                "sekali_processing_seconds_count", len(values),
+                "completed attempts behind the percentiles", job_type=job_type,
+            )
             executed = outcomes[(job_type, "completed")]
             suppressed = outcomes[(job_type, "duplicate_suppressed")]
             snap.add(
@@ -326,36 +332,68 @@ class MetricsCollector:
                 )
 
 
-def to_prometheus(snapshot: MetricsSnapshot) -> str:
-    """The Prometheus text exposition format (version 0.0.4); NaN values are written as NaN."""
-    lines: list[str] = []
-    seen: set[str] = set()
-    for sample in snapshot.samples:
-        if sample.name not in seen:
-            seen.add(sample.name)
-            if sample.help:
-                lines.append(f"# HELP {sample.name} {sample.help}")
-            lines.append(f"# TYPE {sample.name} gauge")
-        labels = ""
-        if sample.labels:
-            inner = ",".join(f'{k}="{_escape(v)}"' for k, v in sample.labels)
-            labels = "{" + inner + "}"
-        lines.append(f"{sample.name}{labels} {_number(sample.value)}")
-    lines.append("# TYPE sekali_metrics_missing_sources gauge")
-    lines.append(f"sekali_metrics_missing_sources {len(snapshot.missing)}")
-    return "\n".join(lines) + "\n"
+class SnapshotCollector(Collector):
+    """A prometheus-client collector that serves :class:`MetricsSnapshot` samples as gauges.
 
+    Every sample keeps its name, help and labels, so rules and dashboards see the snapshot's
+    names. Most values are counts, rates or percentiles over the snapshot's window;
+    ``sekali_cache_*`` and ``sekali_lock_stat`` are cumulative counters read from Redis (use
+    ``rate()`` on them; they restart at zero when Redis loses its data). Three gauges are added:
+    ``sekali_metrics_missing_sources`` (sources that could not be read),
+    ``sekali_metrics_window_seconds`` (so rules can turn window counts into rates) and, when
+    given, ``sekali_lease_seconds`` (so rules can compare durations with the lease).
 
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+    At most one snapshot is computed per ``min_interval`` seconds and concurrent scrapes share
+    it, so a burst of scrapes costs one set of queries. A failing snapshot raises out of
+    :meth:`collect`: the scrape fails and Prometheus's ``up`` shows it, instead of old numbers
+    passing for new ones.
+    """
 
+    def __init__(
+        self,
+        snapshot: Callable[[], MetricsSnapshot],
+        *,
+        min_interval: float = 1.0,
+        lease_seconds: float | None = None,
+        clock: Clock = time.monotonic,
+    ) -> None:
+        self._snapshot = snapshot
+        self.min_interval = min_interval
+        self.lease_seconds = lease_seconds
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._cached: tuple[float, MetricsSnapshot] | None = None
 
-def _number(value: float) -> str:
-    if math.isnan(value):
-        return "NaN"
-    if value == int(value) and abs(value) < 1e15:
-        return str(int(value))
-    return repr(value)
+    def snapshot(self) -> MetricsSnapshot:
+        """The latest snapshot, computed afresh when the cached one is ``min_interval`` old."""
+        with self._lock:
+            now = self.clock()
+            if self._cached is None or now - self._cached[0] >= self.min_interval:
+                self._cached = (now, self._snapshot())
+            return self._cached[1]
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self.snapshot()
+        families: dict[str, GaugeMetricFamily] = {}
+        for sample in snap.samples:
+            family = families.get(sample.name)
+            if family is None:
+                family = families[sample.name] = GaugeMetricFamily(sample.name, sample.help)
+            family.add_sample(sample.name, dict(sample.labels), sample.value)
+        yield from families.values()
+        yield GaugeMetricFamily(
+            "sekali_metrics_missing_sources", "metric sources that could not be read",
+            value=len(snap.missing),
+        )
+        yield GaugeMetricFamily(
+            "sekali_metrics_window_seconds", "the window the windowed metrics count over",
+            value=snap.window_seconds,
+        )
+        if self.lease_seconds is not None:
+            yield GaugeMetricFamily(
+                "sekali_lease_seconds", "the idempotency lease a claim holds",
+                value=self.lease_seconds,
+            )
 
 
 def redis_lock_stats(client: Any) -> StatsProvider:

@@ -18,8 +18,9 @@ from pathlib import Path
 import dagster as dg
 import pytest
 import redis
+from prometheus_client import CollectorRegistry
 
-from pipelines.metrics import MetricsCollector, MetricsSnapshot, percentile, to_prometheus
+from pipelines.metrics import MetricsCollector, MetricsSnapshot, SnapshotCollector, percentile
 from resources.cache.core import StampedeCache
 from resources.dlq import DlqStore, FailureClass, FailureInfo
 from resources.errors import LockNotAcquired, TransientJobError
@@ -202,7 +203,9 @@ def test_missing_sources_are_named_not_fatal(sqlite_url: str) -> None:
     db = Database.from_url(sqlite_url)
     snap = MetricsCollector(db).collect()
     assert set(snap.missing) == {"job_requests", "job_attempts", "dlq_records"}
-    assert "sekali_metrics_missing_sources 3" in to_prometheus(snap)
+    registry = CollectorRegistry()
+    registry.register(SnapshotCollector(lambda: snap))
+    assert registry.get_sample_value("sekali_metrics_missing_sources") == 3
 
 
 def test_counts_exact_under_threads_and_processes(db_url: str) -> None:

@@ -1,8 +1,10 @@
 """``sekali metrics show [--json]`` and ``sekali metrics serve --port N``.
 
-``serve`` answers ``GET /metrics`` on 127.0.0.1 with the Prometheus text format, computing a
-fresh snapshot per scrape (at most one per ``--min-interval`` seconds, so a burst of scrapes
-costs one set of queries). Only the standard library's ``http.server``: no new dependency.
+``serve`` answers ``GET /metrics`` on 127.0.0.1 (``--host`` to widen it) with prometheus-client's
+own WSGI app over a private registry holding one :class:`SnapshotCollector`, so the exposition
+(text 0.0.4 or OpenMetrics, as the scraper asks) is the library's. Every other path is 404, and
+a scrape whose snapshot cannot be computed is 503, so Prometheus's ``up`` turns 0 instead of
+recording a partial page.
 """
 
 from __future__ import annotations
@@ -11,70 +13,75 @@ import argparse
 import json
 import logging
 import threading
-import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import Callable, Iterable
+from socketserver import ThreadingMixIn
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from prometheus_client import CollectorRegistry, make_wsgi_app
 
 from pipelines.commands.doctor import add_source_arguments, observability_from_args
-from pipelines.metrics import to_prometheus
+from pipelines.metrics import MetricsSnapshot, SnapshotCollector
 
 log = logging.getLogger(__name__)
 
+StartResponse = Callable[..., Any]
+
+
+class _ThreadingServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        log.debug("metrics http: %s", format % args)
+
 
 class MetricsServer:
-    """A Prometheus endpoint over a collector: ``start()`` serves on a thread, ``stop()`` ends."""
+    """Serves a snapshot source on ``/metrics``: ``start()`` on a thread, ``stop()`` ends it."""
 
     def __init__(
-        self, collector: Any, *, host: str = "127.0.0.1", port: int = 0,
+        self,
+        collector: Any,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
         min_interval: float = 1.0,
+        lease_seconds: float | None = None,
     ) -> None:
-        self.collector = collector
-        self.min_interval = min_interval
-        self._cache: tuple[float, str] | None = None
-        self._lock = threading.Lock()
-        server = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, format: str, *args: Any) -> None:
-                log.debug("metrics http: %s", format % args)
-
-            def do_GET(self) -> None:  # noqa: N802 - http.server naming
-                if self.path.split("?")[0] != "/metrics":
-                    self.send_error(404, "only /metrics is served")
-                    return
-                try:
-                    body = server.render().encode()
-                except Exception as exc:  # noqa: BLE001 - answer 503, keep serving
-                    log.warning("metrics collection failed", exc_info=True)
-                    self.send_error(503, f"metrics unavailable: {type(exc).__name__}")
-                    return
-                self.send_response(200)
-                self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-        self.httpd = ThreadingHTTPServer((host, port), Handler)
-        self.httpd.daemon_threads = True
+        snapshot: Callable[[], MetricsSnapshot] = collector.collect
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(
+            SnapshotCollector(snapshot, min_interval=min_interval, lease_seconds=lease_seconds)
+        )
+        self._app = make_wsgi_app(self.registry)
+        self.httpd = make_server(
+            host, port, self._route, server_class=_ThreadingServer, handler_class=_QuietHandler
+        )
         self._thread: threading.Thread | None = None
 
     @property
     def url(self) -> str:
-        host = self.httpd.server_address[0]
+        host, port = self.httpd.server_address[:2]
         host_text = host.decode() if isinstance(host, bytes) else str(host)
-        return f"http://{host_text}:{self.httpd.server_port}/metrics"
+        return f"http://{host_text}:{port}/metrics"
 
-    def render(self) -> str:
-
-        with self._lock:
-            now = time.monotonic()
-            if self._cache is None or now - self._cache[0] >= self.min_interval:
-                self._cache = (now, to_prometheus(self.collector.collect()))
-            return self._cache[1]
+    def _route(self, environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
+        if environ.get("PATH_INFO") != "/metrics":
+            start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])
+            return [b"only /metrics is served\n"]
+        try:
+            return list(self._app(environ, start_response))
+        except Exception as exc:  # noqa: BLE001 - answer 503, keep serving
+            log.warning("metrics collection failed", exc_info=True)
+            start_response("503 Service Unavailable", [("Content-Type", "text/plain")])
+            return [f"metrics unavailable: {type(exc).__name__}\n".encode()]
 
     def start(self) -> MetricsServer:
-        self._thread = threading.Thread(target=self.httpd.serve_forever, daemon=True,
-                                        name="metrics-http")
+        self._thread = threading.Thread(
+            target=self.httpd.serve_forever, daemon=True, name="metrics-http"
+        )
         self._thread.start()
         return self
 
@@ -92,7 +99,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     show.add_argument("--json", action="store_true")
     add_source_arguments(show)
     show.set_defaults(func=_show)
-    serve = actions.add_parser("serve", help="serve /metrics (Prometheus text) on 127.0.0.1")
+    serve = actions.add_parser("serve", help="serve /metrics to Prometheus on 127.0.0.1")
     serve.add_argument("--port", type=int, default=9464)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--min-interval", type=float, default=1.0,
@@ -114,8 +121,10 @@ def _show(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    server = MetricsServer(observability_from_args(args).collector, host=args.host,
-                           port=args.port, min_interval=args.min_interval)
+    obs = observability_from_args(args)
+    server = MetricsServer(obs.collector, host=args.host, port=args.port,
+                           min_interval=args.min_interval,
+                           lease_seconds=obs.setup.lease_seconds)
     print(f"serving {server.url}", flush=True)
     try:
         server.httpd.serve_forever()
