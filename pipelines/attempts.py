@@ -23,11 +23,13 @@ import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import BigInteger, Column, Float, Integer, Table, Text, text
 
 from resources.storage.db import Database, metadata
+from resources.storage.queries import load_queries
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +78,7 @@ job_attempts = Table(
 )
 
 _FIELDS = [c.name for c in job_attempts.columns]
+_Q = load_queries(Path(__file__).with_suffix(".sql"))
 
 
 @dataclass
@@ -217,6 +220,35 @@ class AttemptRecorder:
                 {"key": key},
             ).all()
         return [_decode(dict(r._mapping)) for r in rows]
+
+    def recent(self, since: float, limit: int) -> list[dict[str, Any]]:
+        """The newest ``limit`` attempts started since ``since`` (the metrics window)."""
+        with self.db.statement() as conn:
+            rows = conn.execute(text(_Q["recent"]), {"since": since, "limit": limit}).all()
+        return [dict(r._mapping) for r in rows]
+
+    def since(self, since: float) -> list[dict[str, Any]]:
+        """Every attempt started since ``since``, oldest first, ``durations`` decoded."""
+        with self.db.statement() as conn:
+            rows = conn.execute(text(_Q["since"]), {"since": since}).all()
+        out = []
+        for r in rows:
+            row = dict(r._mapping)
+            row["durations"] = json.loads(row["durations"]) if row["durations"] else {}
+            out.append(row)
+        return out
+
+    def latest_for_key(self, key: str) -> dict[str, Any] | None:
+        """``job_type`` and ``run_id`` of the newest attempt of ``key``."""
+        with self.db.statement() as conn:
+            row = conn.execute(text(_Q["latest_for_key"]), {"key": key}).first()
+        return None if row is None else dict(row._mapping)
+
+    def first_started(self, run_id: str, step: str) -> float | None:
+        """When the first attempt of ``step`` in ``run_id`` began, if any was recorded."""
+        with self.db.statement() as conn:
+            value = conn.execute(text(_Q["first_started"]), {"run": run_id, "step": step}).scalar()
+        return None if value is None else float(value)
 
     def all(self, job_type: str | None = None) -> list[dict[str, Any]]:
         where, params = ("WHERE job_type = :jt", {"jt": job_type}) if job_type else ("", {})

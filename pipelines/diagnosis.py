@@ -17,7 +17,6 @@ could not read, so a broken probe is never mistaken for a healthy system.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import statistics
@@ -29,7 +28,9 @@ from typing import Any, Protocol
 
 from sqlalchemy import inspect, text
 
+from pipelines.attempts import AttemptRecorder
 from pipelines.metrics import percentile
+from pipelines.requests import RequestStore
 from resources.storage.db import Database
 
 log = logging.getLogger(__name__)
@@ -145,22 +146,7 @@ class DiagnosisSetup:
         return list(self._memo["attempts"])
 
     def _read_attempts(self) -> list[dict[str, Any]]:
-        with self.db.statement() as conn:
-            rows = conn.execute(
-                text(
-                    "SELECT attempt_id, job_type, idempotency_key, attempt, started_at, ended_at,"
-                    " duration_seconds, lock_wait_seconds, takeover, durations, outcome,"
-                    " error_class, correlation_id, request_id"
-                    " FROM job_attempts WHERE started_at >= :since ORDER BY started_at"
-                ),
-                {"since": self.since()},
-            ).all()
-        out = []
-        for r in rows:
-            row = dict(r._mapping)
-            row["durations"] = json.loads(row["durations"]) if row["durations"] else {}
-            out.append(row)
-        return out
+        return AttemptRecorder(self.db).since(self.since())
 
 
 @dataclass(frozen=True)
@@ -669,12 +655,7 @@ def check_correlation(s: DiagnosisSetup) -> Finding:
     tables = s.tables()
     requests: dict[int, str | None] = {}
     if "job_requests" in tables:
-        with s.db.statement() as conn:
-            for r in conn.execute(
-                text("SELECT id, correlation_id FROM job_requests WHERE created_at >= :since"),
-                {"since": since},
-            ):
-                requests[int(r.id)] = r.correlation_id
+        requests = RequestStore(s.db).correlation_ids_since(since)
     attempts = [a for a in s.attempts() if a["outcome"] == "completed"]
     no_request_cid = sum(1 for c in requests.values() if not c)
     no_attempt_cid = sum(1 for a in attempts if not a["correlation_id"])

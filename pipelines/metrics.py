@@ -36,6 +36,8 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from sqlalchemy import inspect, text
 
+from pipelines.attempts import AttemptRecorder
+from pipelines.requests import RequestStore
 from resources.locks import lock_stats
 from resources.storage.db import Database
 
@@ -134,6 +136,8 @@ class MetricsCollector:
         clock: Clock = time.time,
     ) -> None:
         self.db = db
+        self.requests = RequestStore(db)
+        self.attempts = AttemptRecorder(db)
         self.cache_stats = cache_stats
         self.lock_stats = lock_stats
         self.window_seconds = window_seconds
@@ -170,20 +174,13 @@ class MetricsCollector:
     # -- sources ----------------------------------------------------------------------------
 
     def _queue(self, snap: MetricsSnapshot, now: float, _since: float) -> None:
-        with self.db.statement() as conn:
-            rows = conn.execute(
-                text(
-                    "SELECT job_type, status, COUNT(*) AS n, MIN(created_at) AS oldest"
-                    " FROM job_requests WHERE status IN ('pending', 'launched')"
-                    " GROUP BY job_type, status"
-                )
-            ).all()
+        rows = self.requests.queue_stats()
         depth: Counter[str] = Counter()
         oldest: dict[str, float] = {}
         for row in rows:
-            depth[row.job_type] += int(row.n)
-            if row.status == "pending":
-                oldest[row.job_type] = float(row.oldest)
+            depth[row["job_type"]] += int(row["n"])
+            if row["status"] == "pending":
+                oldest[row["job_type"]] = float(row["oldest"])
         help_depth = "requests waiting for a run (pending + launched)"
         help_lag = "age of the oldest pending request"
         for job_type in sorted(depth):
@@ -199,17 +196,7 @@ class MetricsCollector:
 
     def attempt_rows(self, since: float) -> list[dict[str, Any]]:
         """The recent attempts (newest ``window_limit`` started since ``since``)."""
-        with self.db.statement() as conn:
-            rows = conn.execute(
-                text(
-                    "SELECT job_type, outcome, duration_seconds, lock_wait_seconds, takeover,"
-                    " error_class, error_kind, attempt, started_at, ended_at"
-                    " FROM job_attempts WHERE started_at >= :since"
-                    " ORDER BY started_at DESC LIMIT :limit"
-                ),
-                {"since": since, "limit": self.window_limit},
-            ).all()
-        return [dict(r._mapping) for r in rows]
+        return self.attempts.recent(since, self.window_limit)
 
     def _attempts(self, snap: MetricsSnapshot, _now: float, since: float) -> None:
         rows = self.attempt_rows(since)

@@ -38,8 +38,11 @@ from typing import Any
 from sqlalchemy import Column, Float, Table, Text, text
 from sqlalchemy.engine import Connection
 
+from pipelines import tags as tag
+from pipelines.attempts import AttemptRecorder
 from pipelines.domain.inventory import Inventory
 from pipelines.jobs.fulfilment import cart_for, key_for
+from pipelines.requests import RequestStore
 from resources.dlq import (
     MIN_RETENTION_SECONDS,
     DlqStore,
@@ -342,28 +345,16 @@ class Reconciler:
             )
 
     def _dead_letter_claim(self, key: str, fence: int) -> int:
-        with self.db.statement() as conn:
-            request = conn.execute(
-                text(
-                    "SELECT id, job_type, payload, correlation_id FROM job_requests WHERE key = :k"
-                ),
-                {"k": key},
-            ).first()
-            attempt = conn.execute(
-                text(
-                    "SELECT job_type, run_id FROM job_attempts WHERE idempotency_key = :k"
-                    " ORDER BY started_at DESC LIMIT 1"
-                ),
-                {"k": key},
-            ).first()
+        request = RequestStore(self.db).get_by_key(key)
+        attempt = AttemptRecorder(self.db).latest_for_key(key)
         job_type = (
             (request.job_type if request else None)
-            or (attempt.job_type if attempt else None)
+            or (attempt["job_type"] if attempt else None)
             or next(
                 (jt for prefix, jt in KEY_PREFIXES.items() if key.startswith(prefix)), "unknown"
             )
         )
-        payload = json.loads(request.payload) if request else None
+        payload = request.payload if request else None
         request_id = int(request.id) if request else None
         config: dict[str, Any] = {"payload": payload, "key": key}
         if request_id is not None:
@@ -385,8 +376,8 @@ class Reconciler:
                 payload=payload,
                 run_config=run_config,
                 tags={
-                    "sekali/key": key,
-                    **({"sekali/request_id": str(request_id)} if request_id is not None else {}),
+                    tag.KEY: key,
+                    **({tag.REQUEST_ID: str(request_id)} if request_id is not None else {}),
                 },
                 correlation_id=request.correlation_id if request else None,
             ),

@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import BigInteger, Column, Float, Integer, Table, Text, bindparam, text
@@ -38,6 +39,7 @@ from resources.errors import IdempotencyConflict
 from resources.idempotency import payload_hash
 from resources.storage.db import Database, metadata
 from resources.storage.json_text import canonical
+from resources.storage.queries import load_queries
 
 Clock = Callable[[], float]
 
@@ -103,6 +105,7 @@ job_requests = Table(
     Column("updated_at", Float, nullable=False),
     Column("attempts", Integer, nullable=False),
     Column("last_error", Text),
+    Column("error_class", Text),
 )
 
 job_rejections = Table(
@@ -119,8 +122,9 @@ job_rejections = Table(
 
 _COLUMNS = (
     "id, job_type, key, payload, payload_hash, status, queue, correlation_id, run_key, run_id,"
-    " created_at, updated_at, attempts, last_error"
+    " created_at, updated_at, attempts, last_error, error_class"
 )
+_Q = load_queries(Path(__file__).with_suffix(".sql"))
 
 
 @dataclass(frozen=True)
@@ -141,6 +145,7 @@ class JobRequest:
     updated_at: float
     attempts: int
     last_error: str | None
+    error_class: str | None = None
 
     @classmethod
     def from_row(cls, row: Any) -> JobRequest:
@@ -160,6 +165,7 @@ class JobRequest:
             updated_at=m["updated_at"],
             attempts=int(m["attempts"]),
             last_error=m["last_error"],
+            error_class=m["error_class"],
         )
 
 
@@ -359,6 +365,7 @@ class RequestStore:
         *,
         run_id: str | None = None,
         error: str | None = None,
+        error_class: str | None = None,
         count_attempt: bool = False,
         run_key: str | None = None,
     ) -> bool:
@@ -368,6 +375,8 @@ class RequestStore:
             " run_id = COALESCE(:run_id, run_id),"
             " last_error = CASE WHEN :target = 'failed' THEN :error"
             "   WHEN :target = 'completed' THEN NULL ELSE last_error END,"
+            " error_class = CASE WHEN :target = 'failed' THEN :error_class"
+            "   WHEN :target = 'completed' THEN NULL ELSE error_class END,"
             f" attempts = attempts + {1 if count_attempt else 0}"
             f" WHERE id = :id AND status IN :sources{same_run}"
         ).bindparams(bindparam("sources", expanding=True))
@@ -379,6 +388,7 @@ class RequestStore:
                     "now": self.clock(),
                     "run_id": run_id,
                     "error": error,
+                    "error_class": error_class,
                     "id": request_id,
                     "sources": _sources(target),
                     "run_key": run_key,
@@ -401,11 +411,20 @@ class RequestStore:
         request_id: int,
         error: str,
         *,
+        error_class: str | None = None,
         run_id: str | None = None,
         run_key: str | None = None,
     ) -> bool:
-        """Record a failure; the DLQ picks failed requests up with ``last_error``."""
-        return self._move(request_id, _S.FAILED, run_id=run_id, error=error[:2000], run_key=run_key)
+        """Record a failure with the class the failure path decided; the DLQ picks failed
+        requests up with ``last_error`` and ``error_class``."""
+        return self._move(
+            request_id,
+            _S.FAILED,
+            run_id=run_id,
+            error=error[:2000],
+            error_class=error_class,
+            run_key=run_key,
+        )
 
     def requeue(self, request_id: int) -> bool:
         """A failed request goes back to pending (operator or DLQ replay)."""
@@ -447,6 +466,30 @@ class RequestStore:
         out = {str(s): 0 for s in RequestStatus}
         out.update({r.status: int(r.n) for r in rows})
         return out
+
+    def failed_without_dlq_record(self, limit: int = 200) -> list[JobRequest]:
+        """Requests marked ``failed`` that no DLQ record points at: what a sensor missed, or a
+        micro-batch failure that did not fail its step (the DLQ sweep records them)."""
+        with self.db.statement() as conn:
+            rows = conn.execute(text(_Q["failed_without_dlq_record"]), {"limit": limit}).all()
+        return [JobRequest.from_row(r) for r in rows]
+
+    def failed_in_run(self, run_id: str) -> list[JobRequest]:
+        """The requests a (batch) run marked failed."""
+        with self.db.statement() as conn:
+            rows = conn.execute(text(_Q["failed_in_run"]), {"run": run_id}).all()
+        return [JobRequest.from_row(r) for r in rows]
+
+    def queue_stats(self) -> list[dict[str, Any]]:
+        """Per job type and status (pending, launched): how many, and the oldest ``created_at``."""
+        with self.db.statement() as conn:
+            return [dict(r._mapping) for r in conn.execute(text(_Q["queue_stats"]))]
+
+    def correlation_ids_since(self, since: float) -> dict[int, str | None]:
+        """Request id -> correlation id of the requests created since ``since``."""
+        with self.db.statement() as conn:
+            rows = conn.execute(text(_Q["correlation_ids_since"]), {"since": since})
+            return {int(r.id): r.correlation_id for r in rows}
 
     def rejections(self, job_type: str | None = None) -> list[dict[str, Any]]:
         where = "WHERE job_type = :jt" if job_type else ""

@@ -7,9 +7,15 @@ permanent), derives the idempotency key, claims it (a completed key returns its 
 handler complete the key inside its final business transaction, and records the attempt in
 ``job_attempts`` with its outcome. On failure it records the error on the claim
 (``store.fail(claim, exc, "permanent" | "transient")``; transient releases the key for the
-retry), records the attempt, and raises the original exception: the caller decides how to retry
-(:func:`resources.retry.to_dagster` in ops). The attempt is recorded before the step succeeds
-or fails, never after: the record is the evidence the ack relies on.
+retry), records the attempt with the outcome its :class:`pipelines.failures.FailurePath` decided,
+and raises the original exception: the caller's failure path says how it is retried. The
+attempt is recorded before the step succeeds or fails, never after: the record is the evidence
+the ack relies on.
+
+A holder whose lease was taken over while it worked (it was paused past its lease, another worker
+took the key) raises :class:`LeaseLost`, chained to whatever it was failing with: its own error
+means nothing now, the retry finds the key completed by the new owner (a suppressed duplicate)
+or still in progress, and nothing is dead-lettered in the new owner's name.
 
 Outcomes recorded: completed, duplicate_suppressed, retried, failed_permanent, dead_lettered
 (via ``decide``), lease_lost, in_progress_elsewhere.
@@ -25,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipelines.attempts import Attempt, Outcome
+from pipelines.failures import FailurePath
 from pipelines.jobs.base import JobContext
 from pipelines.registry import get_job_type
 from pipelines.services import Services
@@ -36,7 +43,7 @@ logger = logging.getLogger(__name__)
 
 Decide = Callable[[BaseException], str]
 """Maps a failure to the outcome to record: ``retried``, ``dead_lettered`` or
-``failed_permanent``. Ops pass one built on :func:`resources.retry.to_dagster`."""
+``failed_permanent``: :meth:`pipelines.failures.FailurePath.outcome`."""
 
 
 @dataclass(frozen=True)
@@ -48,12 +55,6 @@ class RequestOutcome:
     key: str
     fence: int
     attempt_id: str
-
-
-def default_decide(exc: BaseException) -> str:
-    return (
-        Outcome.FAILED_PERMANENT if classify(exc) is ErrorClass.PERMANENT else Outcome.RETRIED
-    )
 
 
 def execute_request(
@@ -71,7 +72,7 @@ def execute_request(
 ) -> RequestOutcome:
     """Run one request of ``job_type`` once per key. See the module docstring."""
     jt = get_job_type(job_type)
-    decide = decide or default_decide
+    decide = decide or FailurePath(attempt=attempt).outcome
     record = services.attempts.new(
         jt.name,
         attempt=attempt,
@@ -130,9 +131,9 @@ def execute_request(
         kind = "permanent" if classify(exc) is ErrorClass.PERMANENT else "transient"
         try:
             services.store.fail(claimed, exc, kind)
-        except LeaseLost:
+        except LeaseLost as lost:
             _finish(services, record, Outcome.LEASE_LOST, exc)
-            raise exc from None
+            raise lost from exc
         except Exception:  # noqa: BLE001 - the store is down: the lease expires on its own
             logger.exception("could not record the failure of %s on its claim", key)
         _finish(services, record, decide(exc), exc)

@@ -53,6 +53,7 @@ from typing import IO, Any
 from sqlalchemy import create_engine, text
 from sqlalchemy.pool import NullPool
 
+from pipelines import tags as tag
 from pipelines.domain.inventory import Inventory
 from pipelines.registry import get_job_type
 from proof.chaos_worker import CRASH_POINTS, STOP_POINTS, WorkerConfig
@@ -646,7 +647,7 @@ class Coordinator:
             request_id=req.id,
             payload=req.payload,
             correlation_id=f"chaos-req-{req.id}",
-            tags={"sekali/chaos": "true", "attempts": str(d.attempts)},
+            tags={tag.CHAOS: "true", "attempts": str(d.attempts)},
         )
         for _ in range(20):  # the app DB may itself be restarting
             try:

@@ -30,10 +30,11 @@ from typing import Any
 
 import dagster as dg
 from dagster import DagsterEventType, DagsterRunStatus, RunsFilter
-from sqlalchemy import text
 
+from pipelines import tags as tag
 from pipelines.ops import all_jobs
 from pipelines.registry import JOB_TYPES, get_job_type
+from pipelines.requests import RequestStore
 from resources.dagster_resources import DlqResource
 from resources.dlq import (
     DlqRecord,
@@ -42,19 +43,12 @@ from resources.dlq import (
     FailureClass,
     FailureInfo,
     RecordedFailure,
-    classify_error,
     dedupe_key_for,
     top_frame,
 )
 
 log = logging.getLogger(__name__)
 
-TAG_KEY = "sekali/key"
-TAG_REQUEST = "sekali/request_id"
-TAG_CORRELATION = "sekali/correlation_id"
-TAG_DLQ_ID = "sekali/dlq_id"
-TAG_DLQ_REPLAY = "sekali/dlq_replay"
-TAG_JOB_TYPE = "sekali/job_type"
 _WRAPPERS = {"DagsterExecutionStepExecutionError", "Failure", "DagsterUserCodeExecutionError"}
 
 
@@ -64,7 +58,7 @@ _WRAPPERS = {"DagsterExecutionStepExecutionError", "Failure", "DagsterUserCodeEx
 def is_job_run(run: dg.DagsterRun) -> bool:
     """Runs of sekali job types and intake batches (they carry ``sekali/`` tags and are not
     DLQ operations); asset runs (reconciliation, warming, metrics) are not dead-lettered."""
-    if any(tag in run.tags for tag in (TAG_KEY, TAG_REQUEST, TAG_DLQ_ID, TAG_JOB_TYPE)):
+    if any(tag in run.tags for tag in (tag.KEY, tag.REQUEST_ID, tag.DLQ_ID, tag.JOB_TYPE)):
         return True
     return run.job_name.startswith("intake_") or run.job_name in _job_type_names()
 
@@ -74,7 +68,7 @@ def _job_type_names() -> frozenset[str]:
 
 
 def will_retry(run: dg.DagsterRun) -> bool:
-    return run.tags.get("dagster/will_retry", "").lower() == "true"
+    return run.tags.get(tag.WILL_RETRY, "").lower() == "true"
 
 
 def _request_config(run_config: dict[str, Any]) -> dict[str, Any]:
@@ -128,7 +122,7 @@ def _error_fields(event: Any) -> dict[str, Any]:
         "message": message,
         "frame": top_frame(inner.stack),
         "trace": err.to_string(),
-        "error_class": classify_error(error_type, declared.get("error_class")),
+        "error_class": FailureClass.parse(declared.get("error_class")),
         "step": event.dagster_event.step_key or "",
         "failed_at": event.timestamp,
     }
@@ -150,7 +144,7 @@ def _run_failure_fields(instance: dg.DagsterInstance, run: dg.DagsterRun) -> dic
         }
     events = instance.all_logs(run.run_id, of_type=DagsterEventType.RUN_FAILURE)
     message = events[-1].message if events else "run failed"
-    reason = run.tags.get("dagster/failure_reason", "RUN_FAILURE")
+    reason = run.tags.get(tag.FAILURE_REASON, "RUN_FAILURE")
     return {
         "error_type": f"RunFailure.{reason}",
         "message": message or reason,
@@ -166,17 +160,18 @@ def failures_of_run(
     instance: dg.DagsterInstance, run: dg.DagsterRun, store: DlqStore
 ) -> list[FailureInfo]:
     """One :class:`FailureInfo` per failed request of ``run``."""
+    requests = RequestStore(store.db)
     steps = instance.all_logs(run.run_id, of_type=DagsterEventType.STEP_FAILURE)
     error = _error_fields(steps[-1]) if steps else _run_failure_fields(instance, run)
-    tags = {k: v for k, v in run.tags.items() if not k.startswith("dagster/")}
+    tags = {k: v for k, v in run.tags.items() if not k.startswith(tag.DAGSTER_PREFIX)}
     run_config = dict(run.run_config or {})
-    dlq_id = int(run.tags[TAG_DLQ_ID]) if TAG_DLQ_ID in run.tags else None
+    dlq_id = int(run.tags[tag.DLQ_ID]) if tag.DLQ_ID in run.tags else None
     config = _request_config(run_config)
-    request_id = int(run.tags[TAG_REQUEST]) if TAG_REQUEST in run.tags else None
+    request_id = int(run.tags[tag.REQUEST_ID]) if tag.REQUEST_ID in run.tags else None
     if request_id is None and config.get("request_id") is not None:
         request_id = int(config["request_id"])
     payload = _payload_of(run_config)
-    key = run.tags.get(TAG_KEY) or config.get("key")
+    key = run.tags.get(tag.KEY) or config.get("key")
     if key is None and isinstance(payload, dict):
         key = _derived_key(run.job_name, payload)
     common = {
@@ -188,22 +183,23 @@ def failures_of_run(
         **error,
     }
     if request_id is None and key is None:
-        batch = _failed_requests_of_run(store, run.run_id)
+        batch = requests.failed_in_run(run.run_id)
         if batch:
             return [
                 FailureInfo(
                     **{
                         **common,
-                        "job_type": r["job_type"],
+                        "job_type": r.job_type,
                         "run_config": {},
                         "tags": {},
-                        "message": r["last_error"] or error["message"],
+                        "message": r.last_error or error["message"],
+                        "error_class": FailureClass.parse(r.error_class or error["error_class"]),
                     },
-                    dedupe_key=f"request:{r['id']}",
-                    idempotency_key=r["key"],
-                    request_id=int(r["id"]),
-                    payload=json.loads(r["payload"]),
-                    correlation_id=r["correlation_id"],
+                    dedupe_key=f"request:{r.id}",
+                    idempotency_key=r.key,
+                    request_id=r.id,
+                    payload=r.payload,
+                    correlation_id=r.correlation_id,
                 )
                 for r in batch
             ]
@@ -220,21 +216,9 @@ def failures_of_run(
             idempotency_key=key,
             request_id=request_id,
             payload=payload,
-            correlation_id=run.tags.get(TAG_CORRELATION) or config.get("correlation_id"),
+            correlation_id=run.tags.get(tag.CORRELATION_ID) or config.get("correlation_id"),
         )
     ]
-
-
-def _failed_requests_of_run(store: DlqStore, run_id: str) -> list[dict[str, Any]]:
-    with store.db.statement() as conn:
-        rows = conn.execute(
-            text(
-                "SELECT id, job_type, key, payload, correlation_id, last_error FROM job_requests"
-                " WHERE run_id = :run AND status = 'failed' ORDER BY id"
-            ),
-            {"run": run_id},
-        ).all()
-    return [dict(r._mapping) for r in rows]
 
 
 def dead_letter_run(
@@ -267,27 +251,29 @@ def dead_letter_run(
 
 
 def dead_letter_failed_requests(store: DlqStore, *, limit: int = 200) -> list[RecordedFailure]:
-    """Records for ``job_requests`` marked failed that have none (the sweep's second half)."""
+    """Records for ``job_requests`` marked failed that have none (the sweep's second half), with
+    the class the failure path stored on the request."""
     out = []
-    for r in store.failed_requests_without_record(limit):
-        last_error = r["last_error"] or "failed"
+    for r in RequestStore(store.db).failed_without_dlq_record(limit):
+        last_error = r.last_error or "failed"
         error_type, _, message = last_error.partition(": ")
+        error_type = error_type.split(" (", 1)[0]
         if not message or " " in error_type:
             error_type, message = "RequestFailed", last_error
         out.append(
             store.record_failure(
                 FailureInfo(
-                    job_type=r["job_type"],
-                    dedupe_key=f"request:{r['id']}",
+                    job_type=r.job_type,
+                    dedupe_key=f"request:{r.id}",
                     error_type=error_type,
                     message=message,
-                    error_class=classify_error(error_type),
-                    run_id=r["run_id"] or f"request:{r['id']}",
-                    idempotency_key=r["key"],
-                    request_id=int(r["id"]),
-                    payload=json.loads(r["payload"]),
-                    correlation_id=r["correlation_id"],
-                    failed_at=float(r["updated_at"]),
+                    error_class=FailureClass.parse(r.error_class),
+                    run_id=r.run_id or f"request:{r.id}",
+                    idempotency_key=r.key,
+                    request_id=r.id,
+                    payload=r.payload,
+                    correlation_id=r.correlation_id,
+                    failed_at=r.updated_at,
                 ),
                 actor="dlq_sweep_sensor",
             )
@@ -420,14 +406,14 @@ def replay_run_request(
             raise ReplayNotBuildable(
                 f"DLQ record {record.id}: invalid run config for {record.job_type}: {exc}"
             ) from exc
-    tags = {k: v for k, v in record.tags.items() if not k.startswith("dagster/")}
-    tags.update({TAG_DLQ_ID: str(record.id), TAG_DLQ_REPLAY: str(record.replay_count)})
-    if record.idempotency_key and TAG_KEY not in tags:
-        tags[TAG_KEY] = record.idempotency_key
-    if record.request_id is not None and TAG_REQUEST not in tags:
-        tags[TAG_REQUEST] = str(record.request_id)
-    if record.correlation_id and TAG_CORRELATION not in tags:
-        tags[TAG_CORRELATION] = record.correlation_id
+    tags = {k: v for k, v in record.tags.items() if not k.startswith(tag.DAGSTER_PREFIX)}
+    tags.update({tag.DLQ_ID: str(record.id), tag.DLQ_REPLAY: str(record.replay_count)})
+    if record.idempotency_key and tag.KEY not in tags:
+        tags[tag.KEY] = record.idempotency_key
+    if record.request_id is not None and tag.REQUEST_ID not in tags:
+        tags[tag.REQUEST_ID] = str(record.request_id)
+    if record.correlation_id and tag.CORRELATION_ID not in tags:
+        tags[tag.CORRELATION_ID] = record.correlation_id
     return dg.RunRequest(
         run_key=record.replay_run_key,
         job_name=record.job_type,
@@ -458,7 +444,7 @@ def settle_replays(instance: dg.DagsterInstance, store: DlqStore) -> tuple[int, 
     by_id = {r.id: r for r in replaying}
     runs = instance.get_runs(
         filters=RunsFilter(
-            tags={TAG_DLQ_ID: [str(i) for i in by_id]},
+            tags={tag.DLQ_ID: [str(i) for i in by_id]},
             statuses=[
                 DagsterRunStatus.SUCCESS,
                 DagsterRunStatus.FAILURE,
@@ -468,8 +454,8 @@ def settle_replays(instance: dg.DagsterInstance, store: DlqStore) -> tuple[int, 
     )
     resolved = reopened = 0
     for run in runs:
-        record = by_id.get(int(run.tags[TAG_DLQ_ID]))
-        if record is None or run.tags.get(TAG_DLQ_REPLAY) != str(record.replay_count):
+        record = by_id.get(int(run.tags[tag.DLQ_ID]))
+        if record is None or run.tags.get(tag.DLQ_REPLAY) != str(record.replay_count):
             continue
         if run.status == DagsterRunStatus.SUCCESS:
             resolved += store.resolve(
@@ -549,9 +535,9 @@ def _stale_replays(instance: dg.DagsterInstance, store: DlqStore, cutoff: float)
     if not stale:
         return []
     seen = {
-        (run.tags.get(TAG_DLQ_ID), run.tags.get(TAG_DLQ_REPLAY))
+        (run.tags.get(tag.DLQ_ID), run.tags.get(tag.DLQ_REPLAY))
         for run in instance.get_runs(
-            filters=RunsFilter(tags={TAG_DLQ_ID: [str(r.id) for r in stale]})
+            filters=RunsFilter(tags={tag.DLQ_ID: [str(r.id) for r in stale]})
         )
     }
     return [r for r in stale if (str(r.id), str(r.replay_count)) not in seen]

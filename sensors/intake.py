@@ -44,6 +44,7 @@ from typing import Any
 
 import dagster as dg
 
+from pipelines import tags as tag
 from pipelines.ops import all_jobs
 from pipelines.ops.batch import BATCH_JOBS, FAN_OUT_JOB, MICRO_BATCH_JOB
 from pipelines.profile import RequestsResource
@@ -52,14 +53,6 @@ from pipelines.requests import JobRequest, RequestStore
 
 log = logging.getLogger(__name__)
 
-TAG_INTAKE = "sekali/intake"
-TAG_KEY = "sekali/key"
-TAG_REQUEST_ID = "sekali/request_id"
-TAG_REQUEST_IDS = "sekali/request_ids"
-TAG_QUEUE = "sekali/queue"
-TAG_CORRELATION = "sekali/correlation_id"
-MAX_RUNTIME_TAG = "dagster/max_runtime"
-RUN_KEY_TAG = "dagster/run_key"  # set by Dagster on runs launched from a RunRequest
 
 
 class IntakeMode(StrEnum):
@@ -113,18 +106,18 @@ def per_request_run_config(request: JobRequest) -> dict[str, Any]:
 
 def _tags(mode: IntakeMode, requests: Sequence[JobRequest]) -> dict[str, str]:
     tags = {
-        TAG_INTAKE: str(mode),
-        TAG_QUEUE: requests[0].queue,
-        TAG_REQUEST_IDS: ",".join(str(r.id) for r in requests),
+        tag.INTAKE: str(mode),
+        tag.QUEUE: requests[0].queue,
+        tag.REQUEST_IDS: ",".join(str(r.id) for r in requests),
     }
     if mode is not IntakeMode.PER_REQUEST:  # per-request jobs carry their own
-        tags[MAX_RUNTIME_TAG] = str(int(sum(_max_runtime(r.job_type) for r in requests)))
+        tags[tag.MAX_RUNTIME] = str(int(sum(_max_runtime(r.job_type) for r in requests)))
     if len(requests) == 1:
         only = requests[0]
-        tags[TAG_KEY] = only.key
-        tags[TAG_REQUEST_ID] = str(only.id)
+        tags[tag.KEY] = only.key
+        tags[tag.REQUEST_ID] = str(only.id)
         if only.correlation_id:
-            tags[TAG_CORRELATION] = only.correlation_id
+            tags[tag.CORRELATION_ID] = only.correlation_id
     return tags
 
 
@@ -217,7 +210,7 @@ def reconcile_finished_runs(
         records = instance.get_run_records(
             filters=dg.RunsFilter(
                 statuses=_TERMINAL,
-                tags={TAG_INTAKE: [str(m) for m in IntakeMode]},
+                tags={tag.INTAKE: [str(m) for m in IntakeMode]},
                 updated_after=datetime.fromtimestamp(lower, tz=UTC),
             ),
             limit=limit,
@@ -236,10 +229,10 @@ def reconcile_finished_runs(
 
 
 def _move_requests(store: RequestStore, run: dg.DagsterRun) -> int:
-    ids = [int(i) for i in run.tags.get(TAG_REQUEST_IDS, "").split(",") if i]
-    run_key = run.tags.get(RUN_KEY_TAG)  # only requests launched under this run's key
+    ids = [int(i) for i in run.tags.get(tag.REQUEST_IDS, "").split(",") if i]
+    run_key = run.tags.get(tag.RUN_KEY)  # only requests launched under this run's key
     if run.status == dg.DagsterRunStatus.SUCCESS:
-        if run.tags.get(TAG_INTAKE) != IntakeMode.PER_REQUEST:
+        if run.tags.get(tag.INTAKE) != IntakeMode.PER_REQUEST:
             return 0
         return sum(store.mark_completed(i, run_id=run.run_id, run_key=run_key) for i in ids)
     error = f"run {run.run_id} ended {run.status.value}"
@@ -277,7 +270,7 @@ def without_runs_in_flight(
         if key is not None and key not in in_flight:
             in_flight[key] = bool(
                 instance.get_run_records(
-                    dg.RunsFilter(tags={RUN_KEY_TAG: key}, statuses=_IN_FLIGHT), limit=1
+                    dg.RunsFilter(tags={tag.RUN_KEY: key}, statuses=_IN_FLIGHT), limit=1
                 )
             )
         if key is None or not in_flight[key]:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from sqlalchemy import text
 
+from pipelines import tags as tag
 from pipelines.attempts import AttemptRecorder
 from pipelines.diagnosis import DiagnosisSetup, EffectLedger, check_correlation
 from pipelines.domain.payments import HttpPaymentGateway
@@ -25,7 +26,7 @@ from resources.storage.db import Database
 from resources.storage.migrations import upgrade
 from resources.telemetry.logs import JsonFormatter, configure_json_logging, correlation_context
 from sandbox.gateway import GatewayServer
-from sensors.intake import TAG_CORRELATION, IntakeMode, _tags, per_request_run_config
+from sensors.intake import IntakeMode, _tags, per_request_run_config
 
 
 def test_correlation_id_follows_request_to_run_to_attempt_to_gateway(
@@ -51,7 +52,7 @@ def test_correlation_id_follows_request_to_run_to_attempt_to_gateway(
         for request in (given, generated):
             config = per_request_run_config(request)["ops"]["charge_payment_op"]["config"]
             tags = _tags(IntakeMode.PER_REQUEST, [request])
-            assert config["correlation_id"] == tags[TAG_CORRELATION] == request.correlation_id
+            assert config["correlation_id"] == tags[tag.CORRELATION_ID] == request.correlation_id
             outcome = execute_request(
                 "charge_payment", config["payload"], services=services, key=config["key"],
                 request_id=config["request_id"], correlation_id=config["correlation_id"],

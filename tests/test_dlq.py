@@ -17,6 +17,7 @@ from sqlalchemy import text
 
 from pipelines.cli import main as cli
 from pipelines.domain.inventory import Inventory
+from pipelines.failures import FailurePath
 from pipelines.ops import all_jobs
 from pipelines.requests import RequestStore
 from resources.dagster_resources import DlqResource
@@ -28,6 +29,7 @@ from resources.dlq import (
     fingerprint,
     normalise_message,
 )
+from resources.errors import ValidationError
 from resources.idempotency import IdempotencyStore
 from resources.storage.db import Database
 from sensors.dlq import build_dlq_replay_sensor, dlq_sensor, dlq_sweep_sensor, sweep
@@ -222,9 +224,12 @@ def test_the_sweep_dead_letters_what_the_run_failure_sensor_missed(
     ).request
     failed = _reserve(instance, s, "cart-3", request.id, key)
     assert not failed.success
-    # A batch member that failed without failing its run: only job_requests knows.
+    # A batch member that failed without failing its run: only job_requests knows (the failure
+    # path marked it failed with the class it decided).
     batch = requests.enqueue("send_email", "email:x:u1:2026-11-29", {"x": 1}, queue="light").request
-    requests.mark_failed(batch.id, "ValidationError: invalid template: missing")
+    FailurePath(retries_here=False).settle_request(
+        requests, batch.id, ValidationError("template", "missing"), run_id=None
+    )
     # The sensor never saw either (its first tick only set the cursor). One sweep tick:
     context = dg.build_sensor_context(instance=instance, resources={"dlq": s["dlq"]})
     dlq_sweep_sensor(context)

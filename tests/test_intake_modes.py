@@ -19,6 +19,7 @@ from typing import Any
 import dagster as dg
 import pytest
 
+from pipelines import tags as tag
 from pipelines.domain.mail import message_id_for
 from pipelines.ops import send_email_job
 from pipelines.ops.batch import FAN_OUT_JOB, MICRO_BATCH_JOB, intake_fan_out, intake_micro_batch
@@ -26,7 +27,7 @@ from pipelines.profile import RequestsResource
 from pipelines.requests import RequestStatus, RequestStore
 from resources.storage.db import Database
 from sandbox.mailsink import MailSink
-from sensors.intake import TAG_KEY, TAG_QUEUE, TAG_REQUEST_ID, intake_sensor
+from sensors.intake import intake_sensor
 from tests.job_workers import dagster_resources
 
 pytestmark = pytest.mark.dagster
@@ -169,20 +170,20 @@ def test_per_request_mode_emits_one_run_per_intent(
     keys = {f"email:welcome:u{i}:2026-11-29" for i in range(DISTINCT)}
     assert {r.run_key for r in runs} == {f"intake:{k}" for k in keys}
     assert {r.job_name for r in runs} == {"send_email"}
-    assert {r.tags[TAG_KEY] for r in runs} == keys
-    assert {r.tags[TAG_QUEUE] for r in runs} == {"light"}
+    assert {r.tags[tag.KEY] for r in runs} == keys
+    assert {r.tags[tag.QUEUE] for r in runs} == {"light"}
     assert world.store.counts()["launched"] == DISTINCT
 
     # Execute a sample for real; a second run of the same request adds no effect.
     sample = runs[:4]
     for request in [*sample, sample[0]]:
         assert world.execute(send_email_job, request).success
-    assert sorted(world.mails()) == sorted(message_id_for(r.tags[TAG_KEY]) for r in sample)
+    assert sorted(world.mails()) == sorted(message_id_for(r.tags[tag.KEY]) for r in sample)
 
     # The next tick reconciles the finished runs: their requests are completed.
     world.tick(cursor)
     for request in sample:
-        done = world.store.get(int(request.tags[TAG_REQUEST_ID]))
+        done = world.store.get(int(request.tags[tag.REQUEST_ID]))
         assert done is not None and done.status is RequestStatus.COMPLETED
 
 

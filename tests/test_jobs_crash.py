@@ -179,9 +179,10 @@ def _state(pid: int) -> str:
 def stall_and_take_over(
     job_def: dg.JobDefinition, payload: dict[str, Any], spec: dict[str, Any], db: Database,
     key: str, stop_at: str,
-) -> None:
+) -> int:
     """Freeze a worker of ``job_def`` (SIGSTOP) at ``stop_at``, let its lease expire, complete
-    the key with a second run, then resume the frozen worker and wait for it to end."""
+    the key with a second run, then resume the frozen worker and wait for it to end. Returns the
+    resumed worker's exit code (0 when its run succeeded)."""
     body = {"job": job_def.name, "resources": spec,
             "run_config": {"ops": {f"{job_def.name}_op": {"config": {"payload": payload}}}}}
     proc = subprocess.Popen(
@@ -197,7 +198,7 @@ def stall_and_take_over(
         wait_for_lease_expiry(db, key)
         assert rerun(job_def, payload, spec).success
         proc.send_signal(signal.SIGCONT)
-        proc.wait(timeout=120)
+        return proc.wait(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -256,3 +257,30 @@ def test_mail_worker_resumed_after_takeover_does_not_send(
     outcomes = {(r["fence"], r["outcome"]) for r in AttemptRecorder(db).for_key(key)}
     assert (1, "lease_lost") in outcomes and (2, "completed") in outcomes
     db.dispose()
+
+
+def test_stalled_fulfilment_resumed_after_takeover_is_not_dead_lettered(
+    db: Database, db_url: str, redis_url: str, namespace: str, redis_client: Any,
+) -> None:
+    """Regression caught: a fulfilment worker frozen after reserving wakes after another worker
+    took its key over and shipped the order. Its own error (the reservations it held are gone) is
+    a stale holder's, not a failure of the work: it raises LeaseLost, its retry finds the key
+    completed, and nothing lands in the DLQ as "place the order again" or marks the fulfilled
+    order for compensation."""
+    inventory = Inventory(db)
+    inventory.set_stock("box", 10)
+    spec = {"db_url": db_url, "redis_url": redis_url, "namespace": namespace,
+            "lease_seconds": LEASE}
+    payload = {"order_id": "o-t", "items": [{"sku": "box", "quantity": 3}]}
+    key = "fulfil:o-t"
+    code = stall_and_take_over(ops.fulfill_order_job, payload, spec, db, key, "after_reserve")
+    outcomes = [r["outcome"] for r in AttemptRecorder(db).for_key(key)]
+    assert "failed_permanent" not in outcomes and "dead_lettered" not in outcomes, outcomes
+    assert "lease_lost" in outcomes and "duplicate_suppressed" in outcomes, outcomes
+    assert code == 0
+    assert inventory.stock("box") == (7, 0)
+    with db.statement() as conn:
+        status = conn.execute(
+            text("SELECT fulfilment_status FROM orders WHERE order_id = 'o-t'")
+        ).scalar()
+    assert status == "fulfilled"

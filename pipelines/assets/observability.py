@@ -18,6 +18,7 @@ from typing import Any
 import dagster as dg
 from dagster import AssetCheckExecutionContext, AssetExecutionContext
 
+from pipelines import tags as tag
 from pipelines.diagnosis import CHECKS, ERROR, Finding
 from pipelines.observability import Observability, build_observability
 from resources.storage.db import shared_database
@@ -128,7 +129,7 @@ metrics_job = dg.define_asset_job(
     "sekali_metrics_job",
     selection=dg.AssetSelection.assets(METRICS_ASSET),
     executor_def=dg.in_process_executor,
-    tags={"sekali/queue": "light"},
+    tags={tag.QUEUE: "light"},
 )
 
 metrics_schedule = dg.ScheduleDefinition(

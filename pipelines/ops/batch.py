@@ -8,7 +8,8 @@ the table stays the one record of what was asked.
 - ``intake_fan_out``: ``fan_out_requests`` yields a ``DynamicOutput`` per request and
   ``execute_fanned_request`` runs once per request. A failing mapped step does not stop its
   siblings; the run ends FAILURE and the failed request is marked ``failed`` (permanent) or left
-  ``running`` for the step's own retry (transient, via ``resources.retry.to_dagster``).
+  ``running`` for the step's own retry (transient): the one failure path decides
+  (:mod:`pipelines.ops.failures`).
 - ``intake_micro_batch``: ``execute_request_batch`` handles up to N requests in one step. Each
   request is still claimed, recorded and dead-lettered on its own by ``execute_request``; an
   error is caught per request, recorded (``job_requests.status = failed`` with ``last_error``,
@@ -24,20 +25,18 @@ Both jobs run in-process (``in_process_executor``); the sensor tags their runs w
 # No `from __future__ import annotations`: Dagster reads the op config annotations at runtime.
 import json
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import dagster as dg
 
-from pipelines.attempts import Outcome
+from pipelines import tags as tag
+from pipelines.failures import FailurePath, error_text
+from pipelines.ops.failures import run_request_step
 from pipelines.profile import RequestsResource
-from pipelines.registry import get_job_type
-from pipelines.requests import JobRequest, RequestStore
+from pipelines.requests import RequestStore
 from pipelines.runtime import execute_request
 from pipelines.services import Services
-from resources.dagster_resources import to_dagster
-from resources.errors import SekaliError
-from resources.retry import ErrorClass, classify
 
 log = logging.getLogger(__name__)
 
@@ -56,63 +55,21 @@ class BatchConfig(dg.Config):
     request_ids: list[int]
 
 
-def _error_text(exc: BaseException) -> str:
-    kind = exc.kind if isinstance(exc, SekaliError) else "unknown"
-    return f"{type(exc).__name__} ({kind}): {exc}"
-
-
-def _services(context: dg.OpExecutionContext) -> Any:
-
-    return Services.from_context(context)
-
-
-def dead_letter_decide(exc: BaseException) -> str:
-    """Micro-batch does not retry inside the step: a failure is final for this run (the DLQ
-    replays it), so it is recorded as ``failed_permanent`` or ``dead_lettered``."""
-
-    if classify(exc) is ErrorClass.PERMANENT:
-        return Outcome.FAILED_PERMANENT
-    return Outcome.DEAD_LETTERED
-
-
-def run_one(
-    request: JobRequest,
-    *,
-    services: Any,
-    run_id: str | None,
-    step: str | None,
-    attempt: int,
-    decide: Callable[[BaseException], str] | None = None,
-) -> Any:
-    """Execute one request through ``execute_request``; raises what it raised."""
-
-    return execute_request(
-        request.job_type,
-        request.payload,
-        services=services,
-        key=request.key,
-        run_id=run_id,
-        step=step,
-        attempt=attempt,
-        correlation_id=request.correlation_id or run_id,
-        request_id=request.id,
-        decide=decide,
-    )
-
-
 def run_batch(
     store: RequestStore,
     request_ids: list[int],
     *,
-    services: Any,
+    services: Services,
     run_id: str | None = None,
     step: str | None = None,
     attempt: int = 0,
 ) -> dict[str, Any]:
     """Execute each request on its own; one failure never stops its neighbours.
 
-    Returns counts per outcome and the failed keys with their errors. Usable without Dagster
-    (the benchmark's floor calls it directly).
+    A failure is final for this run (retrying the step would re-run its finished neighbours): the
+    failure path records it as ``failed_permanent`` or ``dead_lettered`` and marks the request
+    failed for the DLQ, which replays it. Returns counts per outcome and the failed keys with
+    their errors. Usable without Dagster (the benchmark's floor calls it directly).
     """
     summary: dict[str, Any] = {"completed": 0, "duplicate": 0, "failed": 0, "skipped": 0}
     failures: dict[str, str] = {}
@@ -120,25 +77,28 @@ def run_batch(
         if not store.mark_running(request.id, run_id=run_id):
             summary["skipped"] += 1  # already completed by an earlier run
             continue
+        path = FailurePath(attempt=attempt, retries_here=False)
         try:
-            outcome = run_one(
-                request,
+            outcome = execute_request(
+                request.job_type,
+                request.payload,
                 services=services,
+                key=request.key,
                 run_id=run_id,
                 step=step,
                 attempt=attempt,
-                decide=dead_letter_decide,
+                correlation_id=request.correlation_id or run_id,
+                request_id=request.id,
+                decide=path.outcome,
             )
         except Exception as exc:  # noqa: BLE001 - recorded per request, the batch goes on
-            error = _error_text(exc)
-            store.mark_failed(request.id, error, run_id=run_id)
-            failures[request.key] = error
+            path.settle_request(store, request.id, exc, run_id=run_id)
+            failures[request.key] = error_text(exc)
             summary["failed"] += 1
-            log.warning("request %s (%s) failed: %s", request.id, request.key, error)
+            log.warning("request %s (%s) failed: %s", request.id, request.key, error_text(exc))
             continue
         store.mark_completed(request.id, run_id=run_id)
-        status = str(getattr(outcome, "status", "completed"))
-        summary["duplicate" if status == "duplicate" else "completed"] += 1
+        summary["duplicate" if outcome.status == "duplicate" else "completed"] += 1
     summary["failures"] = failures
     return summary
 
@@ -153,7 +113,7 @@ def execute_request_batch(context: dg.OpExecutionContext, config: BatchConfig) -
     summary = run_batch(
         requests.get_store(),
         config.request_ids,
-        services=_services(context),
+        services=Services.from_context(context),
         run_id=context.run_id,
         step=context.op.name,
         attempt=context.retry_number,
@@ -170,14 +130,10 @@ def execute_request_batch(context: dg.OpExecutionContext, config: BatchConfig) -
     return summary
 
 
-# The op gives up on its own (DLQ); the run-retry daemon must not re-run what it gave up on.
-NO_RUN_RETRY = {"dagster/retry_on_asset_or_op_failure": "false"}
-
-
 @dg.job(
     name=MICRO_BATCH_JOB,
     executor_def=dg.in_process_executor,
-    tags={"sekali/intake": "micro_batch", **NO_RUN_RETRY},
+    tags={tag.INTAKE: "micro_batch", **tag.NO_RUN_RETRY},
 )
 def intake_micro_batch() -> None:
     execute_request_batch()
@@ -204,50 +160,27 @@ def execute_fanned_request(context: dg.OpExecutionContext, request_id: int) -> s
         raise dg.Failure(f"job request {request_id} does not exist", allow_retries=False)
     if not store.mark_running(request.id, run_id=context.run_id):
         return "skipped"
-    services = _services(context)
-    downstream = get_job_type(request.job_type).downstream
-    decided: list[BaseException] = []
-
-    def decide(exc: BaseException) -> str:
-        decided.append(
-            to_dagster(
-                exc,
-                attempt=context.retry_number,
-                policy=services.retry_policy,
-                budget=services.retry_budget if downstream else None,
-                downstream=downstream,
-            )
-        )
-        if isinstance(decided[-1], dg.RetryRequested):
-            return Outcome.RETRIED
-        return dead_letter_decide(exc)
-
-    try:
-        outcome = run_one(
-            request,
-            services=services,
-            run_id=context.run_id,
-            step=f"{context.op.name}[{context.get_mapping_key()}]",
-            attempt=context.retry_number,
-            decide=decide,
-        )
-    except Exception as exc:
-        if not decided:
-            decide(exc)
-        signal = decided[-1]
-        if not isinstance(signal, dg.RetryRequested):
-            store.mark_failed(request.id, _error_text(exc), run_id=context.run_id)
-        raise signal from exc
-    store.mark_completed(request.id, run_id=context.run_id)
-    status = str(getattr(outcome, "status", "completed"))
-    context.log.info(json.dumps({"request_id": request.id, "key": request.key, "status": status}))
-    return status
+    outcome = run_request_step(
+        context,
+        Services.from_context(context),
+        job_type=request.job_type,
+        payload=request.payload,
+        key=request.key,
+        step=f"{context.op.name}[{context.get_mapping_key()}]",
+        request_id=request.id,
+        requests=store,
+        correlation_id=request.correlation_id or context.run_id,
+    )
+    context.log.info(
+        json.dumps({"request_id": request.id, "key": request.key, "status": outcome.status})
+    )
+    return outcome.status
 
 
 @dg.job(
     name=FAN_OUT_JOB,
     executor_def=dg.in_process_executor,
-    tags={"sekali/intake": "fan_out", **NO_RUN_RETRY},
+    tags={tag.INTAKE: "fan_out", **tag.NO_RUN_RETRY},
 )
 def intake_fan_out() -> None:
     fan_out_requests().map(execute_fanned_request)

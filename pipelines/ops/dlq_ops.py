@@ -12,6 +12,7 @@ from typing import Any
 
 import dagster as dg
 
+from pipelines import tags as tag
 from resources.dagster_resources import DlqResource
 from resources.dlq import parse_age
 from resources.errors import ValidationError
@@ -64,7 +65,7 @@ class DlqOperationConfig(dg.Config):
             raise ValidationError("reason", "a discard needs a reason")
 
 
-@dg.op(required_resource_keys={"dlq"}, tags={"sekali/queue": "light"})
+@dg.op(required_resource_keys={"dlq"}, tags={tag.QUEUE: "light"})
 def dlq_operation(context: dg.OpExecutionContext, config: DlqOperationConfig) -> dict[str, Any]:
     try:
         config.check()
@@ -130,7 +131,7 @@ def dlq_operation(context: dg.OpExecutionContext, config: DlqOperationConfig) ->
     name="dlq_operations",
     description="List, replay (through dlq_replay_sensor) or discard DLQ records.",
     executor_def=dg.in_process_executor,
-    tags={"sekali/queue": "light"},
+    tags={tag.QUEUE: "light"},
 )
 def dlq_operations() -> None:
     dlq_operation()

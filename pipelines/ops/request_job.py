@@ -14,26 +14,24 @@ Run config (launchable from the UI's launchpad)::
 ``payload`` is a free-form map: Dagster checks the shape of the config, and the job type's
 ``validate`` checks the payload itself, naming the bad field in a permanent failure.
 
-Failures: :func:`resources.retry.to_dagster` decides. Transient -> ``RetryRequested`` with our
-capped, jittered delay; permanent, or out of attempts/time/retry budget ->
-``Failure(allow_retries=False)``. The jobs carry ``dagster/retry_on_asset_or_op_failure:
+Failures go through the one failure path (:mod:`pipelines.ops.failures`). Transient ->
+``RetryRequested`` with our capped, jittered delay; permanent, or out of attempts/time/retry
+budget -> ``Failure(allow_retries=False)``, and the request is marked failed for the DLQ. The
+jobs carry ``dagster/retry_on_asset_or_op_failure:
 "false"`` so the run-retry daemon does not retry what the op gave up on (the DLQ does).
 """
 
 # No ``from __future__ import annotations`` here: Dagster reads the op's config annotation
 # (``RequestConfig``) at definition time and cannot resolve it from a string.
-import time
 from typing import Any
 
 import dagster as dg
 
-from pipelines.attempts import Outcome
+from pipelines import tags as tag
 from pipelines.jobs.base import JobType
+from pipelines.ops.failures import run_request_step
 from pipelines.requests import RequestStore
-from pipelines.runtime import execute_request
 from pipelines.services import Services
-from resources.dagster_resources import to_dagster
-from resources.retry import ErrorClass, classify
 
 BASE_RESOURCES = frozenset({"idempotency", "app_db", "retry"})
 EXTRA_RESOURCES: dict[str, frozenset[str]] = {
@@ -54,30 +52,11 @@ class RequestConfig(dg.Config):
 
 def job_tags(jt: JobType) -> dict[str, str]:
     return {
-        "sekali/queue": jt.queue,
-        "sekali/job_type": jt.name,
-        "dagster/max_runtime": str(int(jt.max_runtime_seconds)),
-        "dagster/retry_on_asset_or_op_failure": "false",
+        tag.QUEUE: jt.queue,
+        tag.JOB_TYPE: jt.name,
+        tag.MAX_RUNTIME: str(int(jt.max_runtime_seconds)),
+        **tag.NO_RUN_RETRY,
     }
-
-
-def _first_attempt_started(services: Any, run_id: str, step: str) -> float | None:
-    from sqlalchemy import text  # noqa: PLC0415
-
-    with services.db.statement() as conn:
-        value = conn.execute(
-            text("SELECT MIN(started_at) FROM job_attempts WHERE run_id = :r AND step = :s"),
-            {"r": run_id, "s": step},
-        ).scalar()
-    return None if value is None else float(value)
-
-
-def _request_store(services: Any) -> Any:
-    """The intake's request table on the app database: the op moves its own request's status,
-    so a request follows every run that serves it (intake, UI launch with a request id, DLQ
-    replay), not only the runs the intake sensor launched."""
-
-    return RequestStore(services.db)
 
 
 def request_op(jt: JobType) -> dg.OpDefinition:
@@ -85,65 +64,28 @@ def request_op(jt: JobType) -> dg.OpDefinition:
         name=jt.op_name,
         description=jt.description,
         required_resource_keys=set(BASE_RESOURCES | EXTRA_RESOURCES.get(jt.name, frozenset())),
-        tags={"sekali/queue": jt.queue},
+        tags={tag.QUEUE: jt.queue},
     )
     def _op(context: dg.OpExecutionContext, config: RequestConfig) -> dict[str, Any]:
-
         services = Services.from_context(context)
         run_id = context.run_id
-        step = jt.op_name
         correlation_id = (
-            config.correlation_id or context.run.tags.get("sekali/correlation_id") or run_id
+            config.correlation_id or context.run.tags.get(tag.CORRELATION_ID) or run_id
         )
-        decided: list[BaseException] = []
-
-        def decide(exc: BaseException) -> str:
-            first = _first_attempt_started(services, run_id, step)
-            decision = to_dagster(
-                exc,
-                attempt=context.retry_number,
-                policy=services.retry_policy,
-                elapsed=0.0 if first is None else max(0.0, time.time() - first),
-                budget=services.retry_budget if jt.downstream else None,
-                downstream=jt.downstream,
-            )
-            decided.append(decision)
-            if isinstance(decision, dg.RetryRequested):
-                return Outcome.RETRIED
-            if classify(exc) is ErrorClass.PERMANENT:
-                return Outcome.FAILED_PERMANENT
-            return Outcome.DEAD_LETTERED
-
-        requests = _request_store(services) if config.request_id is not None else None
-        if requests is not None:
+        requests = RequestStore(services.db) if config.request_id is not None else None
+        if requests is not None and config.request_id is not None:
             requests.mark_running(config.request_id, run_id=run_id)
-        try:
-            outcome = execute_request(
-                jt.name,
-                dict(config.payload),
-                services=services,
-                key=config.key,
-                run_id=run_id,
-                step=step,
-                attempt=context.retry_number,
-                correlation_id=correlation_id,
-                request_id=config.request_id,
-                decide=decide,
-            )
-        except Exception as exc:
-            if not decided:  # failures recorded without a decision (lease lost, unknown type)
-                decide(exc)
-            decision = decided[-1]
-            context.log.warning(
-                f"{jt.name} attempt {context.retry_number} failed: {type(exc).__name__}: {exc}"
-            )
-            if requests is not None and not isinstance(decision, dg.RetryRequested):
-                requests.mark_failed(
-                    config.request_id, f"{type(exc).__name__}: {exc}"[:2000], run_id=run_id
-                )
-            raise decision from exc
-        if requests is not None:
-            requests.mark_completed(config.request_id, run_id=run_id)
+        outcome = run_request_step(
+            context,
+            services,
+            job_type=jt.name,
+            payload=dict(config.payload),
+            key=config.key,
+            step=jt.op_name,
+            request_id=config.request_id,
+            requests=requests,
+            correlation_id=correlation_id,
+        )
         context.log.info(
             f"{jt.name} {outcome.status} key={outcome.key} fence={outcome.fence} "
             f"attempt_id={outcome.attempt_id} correlation_id={correlation_id}"

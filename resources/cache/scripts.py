@@ -55,6 +55,12 @@ def namespace_keys(namespace: str) -> tuple[str, str, str]:
 
 # The envelope starts with {"s":soft,"h":hard,"d":delta, so Lua reads the header without decoding
 # the value. XFetch: refresh early when now + delta * r >= soft, r = -beta * ln(U) from the caller.
+# KEYS[1] - envelope   KEYS[2] - rebuild lock   KEYS[3] - invalidation version
+# KEYS[4] - waiter count   KEYS[5] - last load error   KEYS[6] - negative-cache marker
+# ARGV[1] - now (s)   ARGV[2] - XFetch r   ARGV[3] - lock token   ARGV[4] - lock ttl ms
+# ARGV[5] - waiter ttl ms   ARGV[6] - '1' forces a refresh   ARGV[7] - error to wait on, or ''
+# returns {state, envelope, got_lock, version, holder, error}: state 'fresh' | 'early' | 'stale'
+# (a value, and the lock when got_lock = 1) | 'miss' (no value) | 'neg' | 'failed'
 FETCH = """
 local raw = redis.call('GET', KEYS[1])
 local now = tonumber(ARGV[1])
@@ -91,6 +97,7 @@ return {'miss', false, 0, '0', holder, redis.call('GET', KEYS[5]) or false}
 """
 FETCH_KEYS = ("env", "lock", "ver", "waiters", "err", "neg")
 
+# notify(waiters, signal, px): push one wake-up per counted waiter onto the signal list.
 _NOTIFY = """
 local function notify(waiters, signal, px)
   local n = tonumber(redis.call('GET', waiters) or '0')
@@ -102,6 +109,11 @@ end
 
 # Write only while holding the lock AND while the invalidation version is the one read when the
 # lock was taken: a rebuild that began before an invalidate can never store its older value.
+# KEYS[1] - envelope   KEYS[2] - rebuild lock   KEYS[3] - invalidation version
+# KEYS[4] - waiter count   KEYS[5] - signal list   KEYS[6] - load error   KEYS[7] - negative marker
+# ARGV[1] - lock token   ARGV[2] - version read with the lock   ARGV[3] - envelope
+# ARGV[4] - envelope ttl ms   ARGV[5] - signal ttl ms
+# returns 'ok' (stored) | 'lost' (the lock is not ours) | 'invalidated' (a newer version)
 WRITE = (
     _NOTIFY
     + """
@@ -124,6 +136,11 @@ WRITE_KEYS = ("env", "lock", "ver", "waiters", "signal", "err", "neg")
 
 # A failed load leaves a marker the waiters read, optionally a negative-cache marker, and either
 # releases the lock (miss) or keeps it for a back-off (failed refresh: the stale value stays).
+# KEYS[1] - rebuild lock   KEYS[2] - waiter count   KEYS[3] - signal list   KEYS[4] - load error
+# KEYS[5] - negative marker
+# ARGV[1] - lock token   ARGV[2] - error text   ARGV[3] - error ttl ms   ARGV[4] - negative ttl ms
+# ARGV[5] - back-off ms (0: release the lock)   ARGV[6] - signal ttl ms
+# returns 1 when recorded, 0 when the lock was not ours
 FAIL = (
     _NOTIFY
     + """
@@ -146,6 +163,9 @@ FAIL_KEYS = ("lock", "waiters", "signal", "err", "neg")
 
 # A version key that expired would restart at 1 and match a rebuild that read the old "1":
 # a fresh key is seeded from the server clock (microseconds) instead, so versions never repeat.
+# KEYS[1] - envelope   KEYS[2] - invalidation version   KEYS[3] - load error   KEYS[4] - negative
+# ARGV[1] - version ttl ms
+# returns the new version
 INVALIDATE = """
 local v = redis.call('INCR', KEYS[2])
 if v == 1 then
@@ -159,7 +179,10 @@ return v
 """
 INVALIDATE_KEYS = ("env", "ver", "err", "neg")
 
-# Decay the hot-key scores by ``factor`` once per period, whichever process flushes first.
+# Halve the hot-key scores once per period, whichever process flushes first.
+# KEYS[1] - hot-key sorted set   KEYS[2] - time of the last decay
+# ARGV[1] - now (s)   ARGV[2] - period (s)   ARGV[3] - score below which a key is dropped
+# returns the number of periods this call decayed (0: another process already did)
 DECAY = """
 local now = tonumber(ARGV[1])
 local last = redis.call('GET', KEYS[2])

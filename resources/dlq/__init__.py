@@ -6,12 +6,10 @@ from resources.dlq.store import (
     DlqRecordNotFound,
     DlqStatus,
     DlqStore,
-    FailureClass,
     FailureInfo,
     RecordedFailure,
     ReplayDecision,
     RetentionTooShort,
-    classify_error,
     dedupe_key_for,
     dlq_audit,
     dlq_failures,
@@ -22,6 +20,7 @@ from resources.dlq.store import (
     sources_of,
     top_frame,
 )
+from resources.retry.classify import FailureClass
 
 __all__ = [
     "MIN_RETENTION_SECONDS",
@@ -34,7 +33,6 @@ __all__ = [
     "RecordedFailure",
     "ReplayDecision",
     "RetentionTooShort",
-    "classify_error",
     "dedupe_key_for",
     "dlq_audit",
     "dlq_failures",

@@ -36,6 +36,7 @@ from sqlalchemy import BigInteger, Column, Float, Integer, Table, Text, bindpara
 from sqlalchemy.engine import Connection
 
 from resources.errors import SekaliError
+from resources.retry.classify import FailureClass
 from resources.storage.db import Database, metadata
 from resources.storage.json_text import from_text, to_text
 
@@ -84,15 +85,6 @@ def sources_of(target: DlqStatus) -> list[str]:
     return sorted(str(s) for s, targets in TRANSITIONS.items() if s and target in targets)
 
 
-class FailureClass(StrEnum):
-    """Why it failed, as the DLQ reports it (the retry classes plus ``data_bug``)."""
-
-    PERMANENT = "permanent"
-    TRANSIENT = "transient"
-    DATA_BUG = "data_bug"
-    UNKNOWN = "unknown"
-
-
 class DlqRecordNotFound(SekaliError):
     """No DLQ record has this id. List the records with ``sekali dlq list``."""
 
@@ -129,21 +121,6 @@ _HEX = re.compile(
 )
 _NUM = re.compile(r"(?<![A-Za-z_])-?\d+(?:\.\d+)?")
 _FRAME = re.compile(r'File "([^"]+)", line \d+, in (\S+)')
-_DATA_BUG_TYPES = frozenset(
-    {
-        "KeyError",
-        "TypeError",
-        "ValueError",
-        "AttributeError",
-        "IndexError",
-        "ZeroDivisionError",
-        "JSONDecodeError",
-        "UnicodeDecodeError",
-        "AssertionError",
-    }
-)
-
-
 def normalise_message(message: str) -> str:
     """The message with what varies between occurrences (uuids, hex ids, numbers) replaced."""
     message = _UUID.sub("<uuid>", message)
@@ -169,33 +146,6 @@ def fingerprint(error_type: str, message: str, frame: str) -> str:
     """Groups failures with one cause: exception type + normalised message + top frame."""
     raw = f"{error_type}|{normalise_message(message)}|{frame}"
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
-
-
-def classify_error(error_type: str, declared: str | None = None) -> FailureClass:
-    """The record's class: the class the job declared when it gave up (``Failure`` metadata
-    ``error_class``) wins; else sekali's own errors by name; else data bugs by type."""
-    if declared in ("permanent", "transient", "unknown"):
-        if declared == "unknown" and error_type in _DATA_BUG_TYPES:
-            return FailureClass.DATA_BUG
-        return FailureClass(declared)
-    known = _sekali_error_types()
-    if error_type in known:
-        return FailureClass.PERMANENT if known[error_type] else FailureClass.TRANSIENT
-    if error_type in _DATA_BUG_TYPES:
-        return FailureClass.DATA_BUG
-    if error_type in ("TimeoutError", "ConnectionError", "OperationalError", "OSError"):
-        return FailureClass.TRANSIENT
-    return FailureClass.UNKNOWN
-
-
-def _sekali_error_types() -> dict[str, bool]:
-    found: dict[str, bool] = {}
-    pending: list[type[SekaliError]] = [SekaliError]
-    while pending:
-        cls = pending.pop()
-        found[cls.__name__] = bool(cls.permanent)
-        pending.extend(cls.__subclasses__())
-    return found
 
 
 # -- records -----------------------------------------------------------------------------------
@@ -733,22 +683,6 @@ class DlqStore:
         out = {str(s): 0 for s in DlqStatus}
         out.update({r.status: int(r.n) for r in rows})
         return out
-
-    def failed_requests_without_record(self, limit: int = 200) -> list[dict[str, Any]]:
-        """Job requests marked ``failed`` that have no DLQ record: what a sensor missed, or a
-        micro-batch failure that did not fail its step."""
-        with self.db.statement() as conn:
-            rows = conn.execute(
-                text(
-                    "SELECT r.id, r.job_type, r.key, r.payload, r.correlation_id, r.run_id,"
-                    " r.last_error, r.updated_at FROM job_requests r"
-                    " WHERE r.status = 'failed' AND NOT EXISTS ("
-                    "   SELECT 1 FROM dlq_records d WHERE d.request_id = r.id)"
-                    " ORDER BY r.id LIMIT :limit"
-                ),
-                {"limit": limit},
-            ).all()
-        return [dict(r._mapping) for r in rows]
 
     # -- retention --------------------------------------------------------------------------
 

@@ -5,7 +5,13 @@ and jitter, up to a limit, under a retry budget per downstream shared by every w
 """
 
 from resources.retry.budget import RetryBudget
-from resources.retry.classify import ErrorClass, classify, is_contention
+from resources.retry.classify import (
+    ErrorClass,
+    FailureClass,
+    classify,
+    failure_class,
+    is_contention,
+)
 from resources.retry.jitter import (
     JITTERS,
     DecorrelatedJitter,
@@ -23,6 +29,7 @@ __all__ = [
     "DecorrelatedJitter",
     "EqualJitter",
     "ErrorClass",
+    "FailureClass",
     "FullJitter",
     "Jitter",
     "NoJitter",
@@ -32,6 +39,7 @@ __all__ = [
     "RetryPolicy",
     "SpendsRetries",
     "classify",
+    "failure_class",
     "is_contention",
     "jitter_named",
     "retry_delay",

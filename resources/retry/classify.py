@@ -28,9 +28,29 @@ from resources.errors import AlreadyInProgress, LockNotAcquired, SekaliError
 
 
 class ErrorClass(enum.StrEnum):
+    """Whether a retry may help: what the retry decision reads."""
+
     PERMANENT = "permanent"
     TRANSIENT = "transient"
     UNKNOWN = "unknown"
+
+
+class FailureClass(enum.StrEnum):
+    """Why it failed, as the DLQ reports it: the retry classes, with ``data_bug`` split out of
+    ``unknown`` (our own code met data it did not expect: fix and deploy, then replay)."""
+
+    PERMANENT = "permanent"
+    TRANSIENT = "transient"
+    DATA_BUG = "data_bug"
+    UNKNOWN = "unknown"
+
+    @classmethod
+    def parse(cls, value: object) -> FailureClass:
+        """A class stored or declared earlier; anything unrecognised is ``unknown``."""
+        try:
+            return cls(str(value))
+        except ValueError:
+            return cls.UNKNOWN
 
 
 _TRANSIENT_TYPES: tuple[type[BaseException], ...] = (
@@ -62,6 +82,28 @@ def classify(exc: BaseException) -> ErrorClass:
     if isinstance(exc, _TRANSIENT_TYPES):
         return ErrorClass.TRANSIENT
     return ErrorClass.UNKNOWN
+
+
+_DATA_BUG_TYPES: tuple[type[BaseException], ...] = (
+    KeyError,
+    TypeError,
+    ValueError,
+    AttributeError,
+    IndexError,
+    ZeroDivisionError,
+    UnicodeError,
+    AssertionError,
+)
+
+
+def failure_class(exc: BaseException) -> FailureClass:
+    """The class a failure is recorded with (attempts, the request, the DLQ): :func:`classify`,
+    with an unknown error that is one of Python's data errors (``KeyError``, ``ValueError``,
+    ...) reported as ``data_bug``."""
+    error_class = classify(exc)
+    if error_class is ErrorClass.UNKNOWN and isinstance(exc, _DATA_BUG_TYPES):
+        return FailureClass.DATA_BUG
+    return FailureClass(str(error_class))
 
 
 def is_contention(exc: BaseException) -> bool:

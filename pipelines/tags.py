@@ -1,0 +1,40 @@
+"""Every run tag sekali writes or reads, by name. Nothing else spells a tag.
+
+sekali's own tags (``sekali/...``) make runs findable by business intent in the Dagster UI's
+runs list (filter by ``sekali/key``) and carry what the DLQ sensors need to find a failed
+request again. Dagster's own tags (``dagster/...``) that sekali sets or reads are named here too.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+# sekali's own
+KEY: Final = "sekali/key"
+"""The idempotency key the run serves (one request)."""
+REQUEST_ID: Final = "sekali/request_id"
+REQUEST_IDS: Final = "sekali/request_ids"
+"""Comma-separated ``job_requests`` ids of a batch run."""
+JOB_TYPE: Final = "sekali/job_type"
+QUEUE: Final = "sekali/queue"
+"""``heavy`` or ``light``: the run queue's tag concurrency limits read it."""
+INTAKE: Final = "sekali/intake"
+"""How the intake sensor launched the run: ``per_request``, ``fan_out`` or ``micro_batch``."""
+CORRELATION_ID: Final = "sekali/correlation_id"
+DLQ_ID: Final = "sekali/dlq_id"
+"""The DLQ record a replay run serves."""
+DLQ_REPLAY: Final = "sekali/dlq_replay"
+"""Which replay of that record (its replay count)."""
+CHAOS: Final = "sekali/chaos"
+
+# Dagster's
+MAX_RUNTIME: Final = "dagster/max_runtime"
+RUN_KEY: Final = "dagster/run_key"
+"""Set by Dagster on runs launched from a RunRequest."""
+WILL_RETRY: Final = "dagster/will_retry"
+FAILURE_REASON: Final = "dagster/failure_reason"
+RETRY_ON_ASSET_OR_OP_FAILURE: Final = "dagster/retry_on_asset_or_op_failure"
+DAGSTER_PREFIX: Final = "dagster/"
+
+NO_RUN_RETRY: Final = {RETRY_ON_ASSET_OR_OP_FAILURE: "false"}
+"""The op gives up on its own (the DLQ replays it): the run-retry daemon must not re-run it."""

@@ -1,0 +1,47 @@
+"""Named SQL statements kept in a ``.sql`` file beside the store that owns their tables.
+
+The file holds blocks in procrastinate's style::
+
+    -- queue_depth --
+    -- Pending and launched requests per job type, with the oldest pending one.
+    SELECT ...;
+
+A block starts with a ``-- name --`` line; the comment lines after it describe the statement;
+everything up to the next block is the statement (a trailing ``;`` is dropped). Only the owning
+store loads its file, once, at import.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+_HEADER = re.compile(r"^--\s*([a-z_][a-z0-9_]*)\s*--\s*$")
+
+
+def load_queries(path: Path) -> dict[str, str]:
+    """``{name: statement}`` from ``path``; a duplicate or empty block is a ValueError."""
+    queries: dict[str, str] = {}
+    name: str | None = None
+    body: list[str] = []
+
+    def close() -> None:
+        if name is None:
+            return
+        statement = "\n".join(line for line in body if not line.lstrip().startswith("--"))
+        statement = statement.strip().rstrip(";").strip()
+        if not statement:
+            raise ValueError(f"{path.name}: query {name!r} is empty")
+        if name in queries:
+            raise ValueError(f"{path.name}: query {name!r} is defined twice")
+        queries[name] = statement
+
+    for line in path.read_text().splitlines():
+        match = _HEADER.match(line.strip())
+        if match:
+            close()
+            name, body = match.group(1), []
+        elif name is not None:
+            body.append(line)
+    close()
+    return queries
