@@ -12,7 +12,7 @@ uninterruptible sleep.
 Why groups and not pids: ``dagster dev`` stops its webserver and daemon politely and waits up to
 60 s for each; and when started from a non-interactive shell with ``&`` it ignores SIGINT and
 SIGTERM altogether (the shell set SIG_IGN, children inherit it, Dagster maps SIGTERM onto the
-SIGINT handler). The supervisor installs its own handlers before it spawns anything, so its
+SIGINT handler). ``sekali dev`` installs its own handlers before it spawns anything, so its
 children start with the default disposition (exec resets caught signals, not ignored ones).
 
 If the supervisor dies without stopping (SIGKILL, OOM), a watchdog ends the groups: a small
@@ -160,7 +160,9 @@ class Supervisor:
         return None
 
     def reap(self) -> None:
-        """Reap exited children: our own through Popen, adopted orphans (as subreaper) here."""
+        """Reap exited children: our own through Popen, adopted orphans (as subreaper) here.
+
+        Any other child of this process is reaped too, so spawn nothing else meanwhile."""
         own = {child.process.pid: child.process for child in self.children}
         if self._watchdog is not None:
             own[self._watchdog.pid] = self._watchdog
