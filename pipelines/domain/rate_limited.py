@@ -1,0 +1,91 @@
+"""The payment and mail clients at their downstream's shared rate: one token per call.
+
+Every worker takes its token from the same Redis bucket (:class:`resources.flow.RateLimits`),
+so the downstream sees at most ``burst + rate * t`` calls in any ``t`` seconds however many
+workers run. A call waits its turn up to the setting's ``wait``, then fails with
+:class:`resources.errors.RateLimited` (transient, ``retry_after`` set, no retry budget spent).
+An answer carrying ``Retry-After`` (a 429 or 503 from the gateway) lowers the rate for every
+worker for that long. The clients themselves stay unaware of it.
+"""
+
+from __future__ import annotations
+
+from pipelines.domain.mail import Mailer
+from pipelines.domain.payments import Charge, PaymentGateway
+from resources.flow import RateLimits
+
+PAYMENT_GATEWAY = "payment_gateway"
+"""The downstream name of the payment gateway: ``SEKALI_RATE_PAYMENT_GATEWAY``, and its
+retry-budget bucket (``charge_payment``'s ``downstream``)."""
+MAIL = "smtp"
+"""The downstream name of the mail server: ``SEKALI_RATE_SMTP`` (``send_email``'s)."""
+
+
+class RateLimitedGateway:
+    """A :class:`PaymentGateway` whose every call (charge and lookup) takes a token first."""
+
+    def __init__(self, inner: PaymentGateway, limits: RateLimits) -> None:
+        self.inner = inner
+        self.limits = limits
+
+    def charge(
+        self,
+        *,
+        reference: str,
+        amount_cents: int,
+        currency: str,
+        idempotency_key: str | None,
+        correlation_id: str | None = None,
+    ) -> Charge:
+        with self.limits.paced(PAYMENT_GATEWAY):
+            return self.inner.charge(
+                reference=reference,
+                amount_cents=amount_cents,
+                currency=currency,
+                idempotency_key=idempotency_key,
+                correlation_id=correlation_id,
+            )
+
+    def find_charges(self, reference: str) -> list[Charge]:
+        with self.limits.paced(PAYMENT_GATEWAY):
+            return self.inner.find_charges(reference)
+
+
+class RateLimitedMailer:
+    """A :class:`Mailer` whose every send takes a token first."""
+
+    def __init__(self, inner: Mailer, limits: RateLimits) -> None:
+        self.inner = inner
+        self.limits = limits
+
+    def send(
+        self,
+        *,
+        to: str,
+        subject: str,
+        body: str,
+        message_id: str,
+        correlation_id: str | None = None,
+    ) -> None:
+        with self.limits.paced(MAIL):
+            self.inner.send(
+                to=to,
+                subject=subject,
+                body=body,
+                message_id=message_id,
+                correlation_id=correlation_id,
+            )
+
+
+def limit_gateway(gateway: PaymentGateway, limits: RateLimits) -> PaymentGateway:
+    """``gateway`` at its shared rate, or ``gateway`` itself when no rate is set."""
+    if limits.limiter(PAYMENT_GATEWAY) is None:
+        return gateway
+    return RateLimitedGateway(gateway, limits)
+
+
+def limit_mailer(mailer: Mailer, limits: RateLimits) -> Mailer:
+    """``mailer`` at its shared rate, or ``mailer`` itself when no rate is set."""
+    if limits.limiter(MAIL) is None:
+        return mailer
+    return RateLimitedMailer(mailer, limits)
