@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import redis
 
+from benchmarks.flow import KEYS, gauge_keys, take_slots, take_tokens
 from resources.errors import LockLost, TransientJobError, ValidationError
 from resources.flow import (
     ConcurrencyLimiter,
@@ -28,10 +29,9 @@ from resources.flow import (
 from resources.retry import ErrorClass, classify
 from resources.retry.classify import is_contention
 from tests import flow_workers
-from tests.flow_workers import gauge_keys
 
 FORK = multiprocessing.get_context("forkserver")
-FORK.set_forkserver_preload(["resources.flow", "tests.flow_workers"])
+FORK.set_forkserver_preload(["resources.flow", "benchmarks.flow", "tests.flow_workers"])
 """Children fork from a server that imported the flow code once (a spawn costs ~1.5 s)."""
 
 
@@ -71,22 +71,23 @@ def test_limit_never_exceeded_4_processes_x_3_threads_on_2_keys(
 
     Catches a count and a grant that are not one atomic step (two callers both take the last
     slot), and fences that repeat or go back within a key."""
-    keys, limit, procs = ["a", "b"], 2, 4
+    limit, procs, threads, rounds = 2, 4, 3, 12
     barrier = FORK.Barrier(procs)
     out = FORK.Queue()
     for _ in range(procs):
-        start(processes, flow_workers.hammer, redis_url, namespace, keys, limit, 3, 12, 0.004,
+        start(processes, take_slots, redis_url, namespace, limit, threads, rounds, None, 0.004,
               barrier, out)
     results = [out.get(timeout=120) for _ in range(procs)]
     assert [e for r in results for e in r["errors"]] == []
-    for key in keys:
+    per_thread = [grants for r in results for grants in r["grants"]]
+    for key in KEYS:
         most = int(redis_client.get(gauge_keys(namespace, key)[1]) or 0)
         assert most == limit, f"{key}: {most} holders at once with limit {limit}"
-        per_thread = [seen for r in results for seen in r["fences"][key]]
-        fences = [f for seen in per_thread for f in seen]
-        assert len(fences) == len(set(fences)) == procs * 3 * 12 // len(keys)
-        assert all(seen == sorted(seen) for seen in per_thread), "a key's fences went back"
-    assert ConcurrencyLimiter(redis_client, namespace, limit=limit).holders("a") == 0
+        seen = [[fence for k, fence, _ in grants if k == key] for grants in per_thread]
+        fences = [f for fs in seen for f in fs]
+        assert len(fences) == len(set(fences)) == procs * threads * rounds // len(KEYS)
+        assert all(fs == sorted(fs) for fs in seen), "a key's fences went back"
+    assert ConcurrencyLimiter(redis_client, namespace, limit=limit).holders(KEYS[0]) == 0
 
 
 def test_a_saturated_key_never_blocks_another_key(
@@ -218,9 +219,9 @@ def test_rate_across_4_processes_is_within_5_percent_of_rate_times_time_plus_bur
     barrier = FORK.Barrier(procs)
     out = FORK.Queue()
     for _ in range(procs):
-        start(processes, flow_workers.take_tokens, redis_url, namespace, rate, burst,
-              seconds + 0.5, barrier, out)
-    grants = sorted(g for _ in range(procs) for g in out.get(timeout=120)["grants"])
+        start(processes, take_tokens, redis_url, namespace, rate, burst, seconds + 0.5, barrier,
+              out)
+    grants = sorted(g for _ in range(procs) for g in out.get(timeout=120)["turns"])
     window = [g for g in grants if g <= grants[0] + seconds]
     expected = burst + rate * seconds
     assert abs(len(window) - expected) <= 0.05 * expected, (len(window), expected)

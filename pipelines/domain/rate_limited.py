@@ -10,6 +10,8 @@ worker for that long. The clients themselves stay unaware of it.
 
 from __future__ import annotations
 
+from typing import Any
+
 from pipelines.domain.mail import Mailer
 from pipelines.domain.payments import Charge, PaymentGateway
 from resources.flow import RateLimits
@@ -28,23 +30,9 @@ class RateLimitedGateway:
         self.inner = inner
         self.limits = limits
 
-    def charge(
-        self,
-        *,
-        reference: str,
-        amount_cents: int,
-        currency: str,
-        idempotency_key: str | None,
-        correlation_id: str | None = None,
-    ) -> Charge:
+    def charge(self, **call: Any) -> Charge:
         with self.limits.paced(PAYMENT_GATEWAY):
-            return self.inner.charge(
-                reference=reference,
-                amount_cents=amount_cents,
-                currency=currency,
-                idempotency_key=idempotency_key,
-                correlation_id=correlation_id,
-            )
+            return self.inner.charge(**call)
 
     def find_charges(self, reference: str) -> list[Charge]:
         with self.limits.paced(PAYMENT_GATEWAY):
@@ -58,23 +46,9 @@ class RateLimitedMailer:
         self.inner = inner
         self.limits = limits
 
-    def send(
-        self,
-        *,
-        to: str,
-        subject: str,
-        body: str,
-        message_id: str,
-        correlation_id: str | None = None,
-    ) -> None:
+    def send(self, **call: Any) -> None:
         with self.limits.paced(MAIL):
-            self.inner.send(
-                to=to,
-                subject=subject,
-                body=body,
-                message_id=message_id,
-                correlation_id=correlation_id,
-            )
+            self.inner.send(**call)
 
 
 def limit_gateway(gateway: PaymentGateway, limits: RateLimits) -> PaymentGateway:
