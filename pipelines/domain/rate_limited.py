@@ -10,6 +10,7 @@ worker for that long. The clients themselves stay unaware of it.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from pipelines.domain.mail import Mailer
@@ -23,12 +24,12 @@ MAIL = "smtp"
 """The downstream name of the mail server: ``SEKALI_RATE_SMTP`` (``send_email``'s)."""
 
 
+@dataclass(frozen=True)
 class RateLimitedGateway:
     """A :class:`PaymentGateway` whose every call (charge and lookup) takes a token first."""
 
-    def __init__(self, inner: PaymentGateway, limits: RateLimits) -> None:
-        self.inner = inner
-        self.limits = limits
+    inner: PaymentGateway
+    limits: RateLimits
 
     def charge(self, **call: Any) -> Charge:
         with self.limits.paced(PAYMENT_GATEWAY):
@@ -39,12 +40,12 @@ class RateLimitedGateway:
             return self.inner.find_charges(reference)
 
 
+@dataclass(frozen=True)
 class RateLimitedMailer:
     """A :class:`Mailer` whose every send takes a token first."""
 
-    def __init__(self, inner: Mailer, limits: RateLimits) -> None:
-        self.inner = inner
-        self.limits = limits
+    inner: Mailer
+    limits: RateLimits
 
     def send(self, **call: Any) -> None:
         with self.limits.paced(MAIL):
