@@ -5,8 +5,7 @@ Unix socket, all under the state folder (``SEKALI_STATE_DIR``, default ``./.seka
 Production sets ``DATABASE_URL`` (Postgres) and ``REDIS_URL`` and uses the production
 ``dagster.yaml`` (``deploy/production/dagster.yaml``).
 
-Shared rate limits per downstream: ``SEKALI_RATE_<DOWNSTREAM>`` (``SEKALI_RATE_SMTP=5/s``,
-``SEKALI_RATE_PAYMENT_GATEWAY=50/s,burst=20``; the syntax is
+Shared rate limits per downstream: ``SEKALI_RATE_<DOWNSTREAM>=50/s,burst=20`` (the syntax is
 :meth:`resources.flow.RateSetting.parse`). Unset means unlimited.
 """
 
