@@ -188,3 +188,40 @@ class CacheLoaderFailed(TransientJobError):
         self.key = key
         self.error_class = error_class
         self.error_message = error_message
+
+
+class LimitNotAcquired(TransientJobError):
+    """Every slot of a concurrency limit stayed taken until the wait ran out. Retry later.
+
+    Contention, not a fault of the downstream: it spends no retry budget. If it happens often,
+    the limit is too low for the traffic of that key, or holders keep their slot too long.
+    """
+
+    def __init__(self, name: str, key: str, limit: int, waited: float) -> None:
+        super().__init__(
+            f"concurrency limit {name!r} for key {key!r}: all {limit} slot(s) stayed taken for "
+            f"{waited:.3f}s; retry later, or raise the limit if this key is always this busy"
+        )
+        self.name = name
+        self.key = key
+        self.limit = limit
+        self.waited = waited
+
+
+class RateLimited(TransientJobError):
+    """A shared rate limit has no token for this call within the wait the caller accepts.
+
+    ``retry_after`` says when enough tokens will have accrued (seconds); the retry policy waits
+    at least that long. Our own pacing, not a fault of the downstream: it spends no retry budget.
+    """
+
+    retry_after: float
+
+    def __init__(self, name: str, retry_after: float, cost: float = 1.0) -> None:
+        super().__init__(
+            f"rate limit {name!r}: no token for a call of cost {cost:g} before {retry_after:.3f}s;"
+            " retry after that, or raise the rate if the downstream allows more",
+            retry_after=retry_after,
+        )
+        self.name = name
+        self.cost = cost

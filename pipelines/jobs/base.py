@@ -1,5 +1,6 @@
 """What every job type is made of: a :class:`JobType` (validation, key, budget, handler) and the
-:class:`JobContext` its handler works through (claim, lease keeper, attempt record, timings).
+:class:`JobContext` its handler works through (claim, lease keeper, attempt record, timings,
+concurrency slot).
 
 A handler is a plain function ``handler(ctx, payload) -> result`` that needs no Dagster context,
 so the per-request op, the intake's batch ops and the chaos harness all run the same code
@@ -16,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import string
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -27,6 +29,7 @@ from sqlalchemy.engine import Connection, Row
 from pipelines.attempts import Attempt
 from pipelines.services import Services
 from resources.errors import FencedWriteRejected, ValidationError
+from resources.flow import Slot
 from resources.idempotency import Claim, LeaseKeeper
 
 CRASH_ENV = "SEKALI_CRASH_AT"
@@ -60,10 +63,32 @@ class JobType:
     lock: str  # how the resource is protected: "db-row", "db-transaction", "none"
     downstream: str | None = None  # the retry-budget bucket, when an outside service is called
     description: str = ""
+    # At most ``concurrency_limit`` side effects at once per key, across every worker: a format
+    # string over the validated payload (``"order:{order_id}"``); None for no limit. The
+    # handler holds the slot around its side effect with ``ctx.concurrency_slot(JOB_TYPE)``.
+    concurrency_key: str | None = None
+    concurrency_limit: int = 1
+
+    def __post_init__(self) -> None:
+        if self.concurrency_limit < 1:
+            raise ValueError(f"{self.name}: concurrency_limit must be >= 1")
+        if self.concurrency_key is not None:
+            fields = [f for _, f, _, _ in string.Formatter().parse(self.concurrency_key) if f]
+            if not fields:
+                raise ValueError(
+                    f"{self.name}: concurrency_key {self.concurrency_key!r} names no payload "
+                    "field, so every request would share one key"
+                )
 
     @property
     def op_name(self) -> str:
         return f"{self.name}_op"
+
+    def concurrency_key_for(self, payload: dict[str, Any]) -> str | None:
+        """The concurrency key of a validated payload, or None when the type has no limit."""
+        if self.concurrency_key is None:
+            return None
+        return self.concurrency_key.format_map(payload)
 
 
 @dataclass
@@ -139,6 +164,28 @@ class JobContext:
             ).first()
             self._add_lock_wait(time.perf_counter() - started)
             yield conn, row
+
+    @contextlib.contextmanager
+    def concurrency_slot(self, job_type: JobType) -> Iterator[Slot | None]:
+        """Hold one of ``job_type``'s concurrency slots for this payload's key around a side
+        effect: at most ``concurrency_limit`` such blocks run at once per key, across workers.
+
+        Waits in line (up to the limits' ``wait``), then :class:`LimitNotAcquired`: transient,
+        contention, so it spends no retry budget. The wait is recorded as the duration
+        ``concurrency_wait``; the lease is checked again after the wait, before the effect. A no-op
+        (yielding None) when the type declares no key or the services carry no limits.
+        """
+        key = job_type.concurrency_key_for(self.payload)
+        limits = self.services.concurrency
+        if key is None or limits is None:
+            yield None
+            return
+        self.check_lease()
+        started = time.perf_counter()
+        with limits.hold(job_type.name, key, job_type.concurrency_limit) as slot:
+            self.attempt.add_duration("concurrency_wait", time.perf_counter() - started)
+            self.check_lease()
+            yield slot
 
     def _add_lock_wait(self, seconds: float) -> None:
         self._lock_wait += seconds

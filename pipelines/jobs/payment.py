@@ -149,7 +149,7 @@ def charge_payment(ctx: JobContext, p: dict[str, Any]) -> dict[str, Any]:
             charge = found[0] if found else None
         if charge is None:
             try:
-                with ctx.timed("gateway_charge"):
+                with ctx.concurrency_slot(JOB_TYPE), ctx.timed("gateway_charge"):
                     charge = gateway.charge(
                         reference=reference,
                         amount_cents=p["amount_cents"],
@@ -206,4 +206,6 @@ JOB_TYPE = JobType(
     lock="db-row",
     downstream="payment_gateway",
     description="Charge an order once at the payment gateway (key payment:{order_id}).",
+    concurrency_key="order:{order_id}",  # no customer in the payload; an order's versions share it
+    concurrency_limit=1,
 )

