@@ -45,7 +45,7 @@ MICRO_BATCH_JOB = "intake_micro_batch"
 
 # What Services.from_context reads, plus the intake table.
 SERVICE_RESOURCE_KEYS = frozenset(
-    {"idempotency", "locks", "cache", "gateway", "mailer", "app_db", "retry"}
+    {"idempotency", "locks", "cache", "gateway", "mailer", "app_db", "retry", "concurrency"}
 )
 
 

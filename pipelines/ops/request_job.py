@@ -63,7 +63,11 @@ def request_op(jt: JobType) -> dg.OpDefinition:
     @dg.op(
         name=jt.op_name,
         description=jt.description,
-        required_resource_keys=set(BASE_RESOURCES | EXTRA_RESOURCES.get(jt.name, frozenset())),
+        required_resource_keys=set(
+            BASE_RESOURCES
+            | EXTRA_RESOURCES.get(jt.name, frozenset())
+            | ({"concurrency"} if jt.concurrency_key else set())
+        ),
         tags={tag.QUEUE: jt.queue},
     )
     def _op(context: dg.OpExecutionContext, config: RequestConfig) -> dict[str, Any]:
