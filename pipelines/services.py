@@ -17,6 +17,7 @@ from resources.retry import RetryBudget, RetryPolicy
 from resources.storage.db import Database, shared_database
 from resources.storage.redis import redis_client
 from resources.storage.settings import Settings
+from resources.telemetry.tracing import configure_tracing
 
 
 @dataclass
@@ -59,6 +60,7 @@ class Services:
     ) -> Services:
         """Build every collaborator from ``settings`` (``Settings.from_env()`` by default).
         Opens no connection: pools and clients connect on first use."""
+        configure_tracing()
         settings = settings or Settings.from_env()
         db = shared_database(settings.database_url)
         client = redis_client(settings.redis_url)
@@ -79,6 +81,7 @@ class Services:
     def from_context(cls, context: Any) -> Services:
         """From an op's resources: ``idempotency``, ``app_db`` (optional: the store's database),
         ``gateway``, ``mailer``, ``cache``, ``locks``, ``retry`` (each optional but the first)."""
+        configure_tracing()
         res = context.resources
         store: IdempotencyStore = res.idempotency.get_store()
         app_db = _optional(res, "app_db")
