@@ -30,3 +30,11 @@ LIMIT 1;
 SELECT MIN(started_at)
 FROM job_attempts
 WHERE run_id = :run AND step = :step;
+
+-- effect_traceparent --
+-- The trace context of the attempt that made the effect of one key.
+SELECT traceparent
+FROM job_attempts
+WHERE idempotency_key = :key AND outcome = 'completed'
+ORDER BY started_at
+LIMIT 1;

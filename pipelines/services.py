@@ -19,6 +19,7 @@ from resources.retry import RetryBudget, RetryPolicy
 from resources.storage.db import Database, shared_database
 from resources.storage.redis import redis_client
 from resources.storage.settings import Settings
+from resources.telemetry.tracing import configure_tracing
 
 
 @dataclass
@@ -66,6 +67,7 @@ class Services:
         take their shared rate from ``settings.rates``; a concurrency slot's lease is at most
         the idempotency lease, so a dead holder's slot is free by the time its work is taken
         over."""
+        configure_tracing()
         settings = settings or Settings.from_env()
         db = shared_database(settings.database_url)
         client = redis_client(settings.redis_url)
@@ -90,6 +92,7 @@ class Services:
         """From an op's resources: ``idempotency``, ``app_db`` (optional: the store's database),
         ``gateway``, ``mailer``, ``cache``, ``locks``, ``retry``, ``concurrency`` (each optional
         but the first)."""
+        configure_tracing()
         res = context.resources
         store: IdempotencyStore = res.idempotency.get_store()
         app_db = _optional(res, "app_db")

@@ -26,6 +26,10 @@ DLQ_ID: Final = "sekali/dlq_id"
 DLQ_REPLAY: Final = "sekali/dlq_replay"
 """Which replay of that record (its replay count)."""
 CHAOS: Final = "sekali/chaos"
+TRACEPARENT: Final = "sekali/traceparent"
+"""W3C trace context of the request the run serves: the run continues that trace."""
+TRACE_ID: Final = "sekali/trace_id"
+"""The trace's id, shown on the run page: search for it in the trace UI."""
 
 # Dagster's
 MAX_RUNTIME: Final = "dagster/max_runtime"

@@ -46,6 +46,7 @@ from resources.dlq import (
     dedupe_key_for,
     top_frame,
 )
+from resources.telemetry.tracing import trace_id_of
 
 log = logging.getLogger(__name__)
 
@@ -200,6 +201,7 @@ def failures_of_run(
                     request_id=r.id,
                     payload=r.payload,
                     correlation_id=r.correlation_id,
+                    trace_id=trace_id_of(r.traceparent),
                 )
                 for r in batch
             ]
@@ -217,6 +219,7 @@ def failures_of_run(
             request_id=request_id,
             payload=payload,
             correlation_id=run.tags.get(tag.CORRELATION_ID) or config.get("correlation_id"),
+            trace_id=run.tags.get(tag.TRACE_ID),
         )
     ]
 
@@ -274,6 +277,7 @@ def dead_letter_failed_requests(store: DlqStore, *, limit: int = 200) -> list[Re
                     payload=r.payload,
                     correlation_id=r.correlation_id,
                     failed_at=r.updated_at,
+                    trace_id=trace_id_of(r.traceparent),
                 ),
                 actor="dlq_sweep_sensor",
             )

@@ -50,6 +50,7 @@ from pipelines.ops.batch import BATCH_JOBS, FAN_OUT_JOB, MICRO_BATCH_JOB
 from pipelines.profile import RequestsResource
 from pipelines.registry import get_job_type
 from pipelines.requests import JobRequest, RequestStore
+from resources.telemetry.tracing import trace_id_of
 
 log = logging.getLogger(__name__)
 
@@ -118,6 +119,9 @@ def _tags(mode: IntakeMode, requests: Sequence[JobRequest]) -> dict[str, str]:
         tags[tag.REQUEST_ID] = str(only.id)
         if only.correlation_id:
             tags[tag.CORRELATION_ID] = only.correlation_id
+        if only.traceparent:
+            tags[tag.TRACEPARENT] = only.traceparent
+            tags[tag.TRACE_ID] = trace_id_of(only.traceparent) or ""
     return tags
 
 

@@ -31,6 +31,7 @@ from pipelines.services import Services
 from resources.errors import FencedWriteRejected, ValidationError
 from resources.flow import Slot
 from resources.idempotency import Claim, LeaseKeeper
+from resources.telemetry.tracing import span
 
 CRASH_ENV = "SEKALI_CRASH_AT"
 STOP_ENV = "SEKALI_STOP_AT"
@@ -133,9 +134,11 @@ class JobContext:
 
     @contextlib.contextmanager
     def timed(self, name: str) -> Iterator[None]:
+        """Record the duration of a critical step, as a span of the request's trace too."""
         started = time.perf_counter()
         try:
-            yield
+            with span(f"step.{name}", key=self.claim.key, fence=self.claim.fence):
+                yield
         finally:
             self.attempt.add_duration(name, time.perf_counter() - started)
 
@@ -159,9 +162,10 @@ class JobContext:
         self.check_lease()
         started = time.perf_counter()
         with self.timed(name), self.services.db.transaction() as conn:
-            row = conn.execute(
-                text(f"SELECT * FROM {table} WHERE {column} = :v{lock}"), {"v": value}
-            ).first()
+            with span("lock.row", lock=f"{table}:{value}", fence=self.fence):
+                row = conn.execute(
+                    text(f"SELECT * FROM {table} WHERE {column} = :v{lock}"), {"v": value}
+                ).first()
             self._add_lock_wait(time.perf_counter() - started)
             yield conn, row
 

@@ -90,6 +90,7 @@ def run_batch(
                 correlation_id=request.correlation_id or run_id,
                 request_id=request.id,
                 decide=path.outcome,
+                traceparent=request.traceparent,
             )
         except Exception as exc:  # noqa: BLE001 - recorded per request, the batch goes on
             path.settle_request(store, request.id, exc, run_id=run_id)

@@ -74,6 +74,7 @@ from resources.cache.scripts import (
 from resources.cache.stats import CacheRecorder
 from resources.errors import CacheLoaderFailed, CacheLoadTimeout, StoreUnavailable
 from resources.storage.redis import redis_client
+from resources.telemetry.tracing import set_attributes, span
 
 log = logging.getLogger(__name__)
 
@@ -271,9 +272,11 @@ class StampedeCache:
         opts = self._options(ttl, stale_ttl, jitter)
         started = time.monotonic()
         try:
-            (value, outcome), led = self._flight.run(
-                ("get", key), lambda: self._resolve(key, loader, opts, force=False)
-            )
+            with span("cache.get_or_load", cache_key=key, namespace=self.namespace):
+                (value, outcome), led = self._flight.run(
+                    ("get", key), lambda: self._resolve(key, loader, opts, force=False)
+                )
+                set_attributes(outcome=outcome, led=led)
         except Exception:
             self.recorder.record(key, "misses", access=True)
             raise

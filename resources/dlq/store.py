@@ -172,6 +172,7 @@ class FailureInfo:
     correlation_id: str | None = None
     failed_at: float | None = None
     dlq_id: int | None = None
+    trace_id: str | None = None
 
     @property
     def fingerprint(self) -> str:
@@ -215,6 +216,7 @@ class DlqRecord:
     status_changed_at: float
     created_at: float
     updated_at: float
+    trace_id: str | None = None
 
     @classmethod
     def from_row(cls, row: Any) -> DlqRecord:
@@ -244,6 +246,7 @@ class DlqRecord:
             status_changed_at=float(m["status_changed_at"]),
             created_at=float(m["created_at"]),
             updated_at=float(m["updated_at"]),
+            trace_id=m["trace_id"],
         )
 
     @property
@@ -267,6 +270,7 @@ class DlqRecord:
             "first_failed_at": self.first_failed_at,
             "last_failed_at": self.last_failed_at,
             "last_error": (self.last_error or "")[:200],
+            "trace_id": self.trace_id,
         }
 
 
@@ -294,7 +298,7 @@ _COLUMNS = (
     "id, dedupe_key, job_type, idempotency_key, request_id, run_id, step, payload, run_config,"
     " tags, error_class, error_type, fingerprint, last_error, trace, failure_count,"
     " replay_count, first_failed_at, last_failed_at, correlation_id, status,"
-    " status_changed_at, created_at, updated_at"
+    " status_changed_at, created_at, updated_at, trace_id"
 )
 
 dlq_records = Table(
@@ -324,6 +328,7 @@ dlq_records = Table(
     Column("status_changed_at", Float, nullable=False),
     Column("created_at", Float, nullable=False),
     Column("updated_at", Float, nullable=False),
+    Column("trace_id", Text),
 )
 
 dlq_failures = Table(
@@ -352,10 +357,10 @@ _INSERT = f"""
 INSERT INTO dlq_records (dedupe_key, job_type, idempotency_key, request_id, run_id, step, payload,
     run_config, tags, error_class, error_type, fingerprint, last_error, trace, failure_count,
     replay_count, first_failed_at, last_failed_at, correlation_id, status, status_changed_at,
-    created_at, updated_at)
+    created_at, updated_at, trace_id)
 VALUES (:dedupe_key, :job_type, :ikey, :request_id, :run_id, :step, :payload, :run_config, :tags,
     :eclass, :etype, :fp, :msg, :trace, 1, 0, :failed_at, :failed_at, :cid, 'open', :now, :now,
-    :now)
+    :now, :trace_id)
 ON CONFLICT (dedupe_key) DO NOTHING
 RETURNING {_COLUMNS}
 """
@@ -392,6 +397,7 @@ class DlqStore:
             "failed_at": failed_at,
             "cid": info.correlation_id,
             "now": now,
+            "trace_id": info.trace_id,
         }
         with self.db.transaction() as conn:
             row = None

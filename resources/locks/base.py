@@ -18,6 +18,7 @@ from sqlalchemy import exc as sa_exc
 
 from resources.errors import LockLost, LockNotAcquired, SekaliError
 from resources.locks.stats import LockObserver, NullLockObserver
+from resources.telemetry.tracing import set_attributes, span
 
 log = logging.getLogger(__name__)
 Clock = Callable[[], float]
@@ -146,7 +147,16 @@ class BaseLock:
         return self._held
 
     def acquire(self, blocking_timeout: float | None | Literal["default"] = "default") -> BaseLock:
-        """Acquire or raise :class:`LockNotAcquired`. ``0`` tries once; ``None`` waits forever."""
+        """Acquire or raise :class:`LockNotAcquired`. ``0`` tries once; ``None`` waits forever.
+
+        The wait and the grant are a ``lock.acquire`` span of the current trace (with the fence).
+        """
+        with span("lock.acquire", lock=self.name, backend=type(self).__name__):
+            self._acquire(blocking_timeout)
+            set_attributes(fence=self.fence)
+        return self
+
+    def _acquire(self, blocking_timeout: float | None | Literal["default"] = "default") -> BaseLock:
         if self._held:
             raise RuntimeError(f"lock {self.name!r} is already held by this object")
         timeout = self.blocking_timeout if blocking_timeout == "default" else blocking_timeout

@@ -29,6 +29,7 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import Connection, Engine, make_url
 
 from resources.errors import StoreUnavailable
+from resources.telemetry.tracing import trace_engine
 
 metadata = MetaData()
 """Every table the code expects, declared beside the module that uses it. ``sql/`` creates them;
@@ -44,10 +45,19 @@ def normalize_url(url: str) -> str:
     return url
 
 
-def make_engine(
+def make_engine(url: str, **options: Any) -> Engine:
+    """Create an engine with the per-backend settings sekali relies on. Opens no connection.
+
+    With tracing on (now or later in this process), its statements are spans of the trace.
+    """
+    engine = _make_engine(url, **options)
+    trace_engine(engine)
+    return engine
+
+
+def _make_engine(
     url: str, *, pool_size: int = 5, max_overflow: int = 20, echo: bool = False
 ) -> Engine:
-    """Create an engine with the per-backend settings sekali relies on. Opens no connection."""
     url = normalize_url(url)
     parsed = make_url(url)
     if parsed.get_backend_name() == "sqlite":
