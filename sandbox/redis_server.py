@@ -16,6 +16,8 @@ from pathlib import Path
 
 import redis
 
+from resources.storage.redis import redis_client
+
 RDB_FILE = "dump.rdb"  # redis-server's default ``dbfilename``; start() keeps it
 
 
@@ -58,7 +60,7 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def client(self) -> redis.Redis:
-        return redis.Redis.from_url(self.url)
+        return redis_client(self.url)
 
     def is_up(self) -> bool:
         try:

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import redis
 
+from resources.errors import StoreUnavailable
 from resources.locks.base import BaseLock
 from resources.locks.stats import LockObserver, default_stats
+from resources.storage.redis import client_timeouts
 
 log = logging.getLogger(__name__)
 Clock = Callable[[], float]
@@ -147,7 +149,13 @@ class RedisLock(BaseLock):
     writes cover; NTP-synced hosts and a failover that takes longer than their skew keep it.
     Fenced writes refuse an equal token from another holder too (:func:`fenced_write`).
 
-    The client's ``socket_timeout``, if set, must exceed ``queue_ttl / 3`` (the longest BLPOP).
+    Bounds (with a client from :func:`resources.storage.redis.redis_client`, whose commands
+    end within ``RedisTimeouts.bound``, 7 s by default): a waiter's BLPOP asks the server for at
+    most half the client's socket timeout; ``acquire`` returns or raises within its
+    ``blocking_timeout`` plus one bound; ``check()`` within one bound (a Redis that does not
+    answer means the lock is lost); a renewal that cannot reach Redis leaves the lock lost once
+    its TTL has run out (see :class:`BaseLock`). An acquire whose reply was lost may still have
+    been granted on the server: that grant is nobody's and expires after ``ttl``.
     """
 
     def __init__(
@@ -173,6 +181,7 @@ class RedisLock(BaseLock):
         )
         self.client = client
         self.queue_ttl = queue_ttl
+        self._timeouts = client_timeouts(client)
         base = f"{prefix}{{{name}}}"
         self.key = base
         self._keys = [base, f"{base}:fence", f"{base}:queue", f"{base}:alive"]
@@ -185,10 +194,11 @@ class RedisLock(BaseLock):
         self._extend_script = client.register_script(_EXTEND)
 
     def _try_acquire(self, token: str, enqueue: bool) -> tuple[int | None, float | None]:
-        granted, value = self._acquire_script(
-            keys=self._keys,
-            args=[token, self._ttl_ms, self._queue_ttl_ms if enqueue else 0],
-        )
+        with self._unavailable_as_error():
+            granted, value = self._acquire_script(
+                keys=self._keys,
+                args=[token, self._ttl_ms, self._queue_ttl_ms if enqueue else 0],
+            )
         if granted == 1:
             return int(value), None
         poll = self.queue_ttl / 3
@@ -196,7 +206,22 @@ class RedisLock(BaseLock):
         return None, min(poll, pttl / 1000) if pttl > 0 else poll
 
     def _wait(self, token: str, seconds: float) -> None:
-        self.client.blpop([self._signal_prefix + token], timeout=seconds)
+        # the server-side wait stays under half the socket timeout, so its reply always comes
+        # before the client gives up on a healthy server
+        wait = self._timeouts.blocking_wait(seconds)
+        with self._unavailable_as_error():
+            self.client.blpop([self._signal_prefix + token], timeout=wait)
+
+    @contextlib.contextmanager
+    def _unavailable_as_error(self) -> Iterator[None]:
+        """A Redis that does not answer while acquiring: :class:`StoreUnavailable` (transient).
+        If the lost reply was a grant, nobody holds it and it expires after ``ttl``."""
+        try:
+            yield
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            raise StoreUnavailable(
+                f"Redis did not answer while acquiring lock {self.name!r}: {exc}; retry later"
+            ) from exc
 
     def _leave_queue(self, token: str) -> None:
         with contextlib.suppress(redis.RedisError):
