@@ -42,12 +42,14 @@ class PaymentGatewayResource(SettingsResource):
 
 
 class MailerResource(SettingsResource):
-    """The SMTP mailer. ``host``/``port`` default to ``SEKALI_SMTP_HOST`` / ``SEKALI_SMTP_PORT``."""
+    """The SMTP mailer. ``host``/``port`` default to ``SEKALI_SMTP_HOST`` / ``SEKALI_SMTP_PORT``;
+    ``timeout`` bounds each socket operation, ``deadline`` a whole send."""
 
     host: str | None = None
     port: int | None = None
     sender: str = "sekali@localhost"
     timeout: float = 10.0
+    deadline: float = 30.0
 
     def _build(self) -> SmtpMailer:
         settings = self.settings()
@@ -56,6 +58,7 @@ class MailerResource(SettingsResource):
             self.port or settings.smtp_port,
             sender=self.sender,
             timeout=self.timeout,
+            deadline=self.deadline,
         )
 
     def get_client(self) -> SmtpMailer:
