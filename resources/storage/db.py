@@ -213,6 +213,8 @@ def _bound_round_trips(engine: Engine, t: DatabaseTimeouts) -> None:
     engine.sekali_timeouts = t  # type: ignore[attr-defined]
 
     def arm(conn: Connection) -> None:
+        if conn.invalidated or conn.closed:
+            return  # nothing will be sent (a rollback of a connection the server dropped)
         dbapi = conn.connection.dbapi_connection
         if dbapi is not None:
             round_trip_watchdog().arm(dbapi, conn.info.get(_ROUND_TRIP, t.round_trip))
@@ -225,14 +227,14 @@ def _bound_round_trips(engine: Engine, t: DatabaseTimeouts) -> None:
         arm(conn)
 
     @event.listens_for(engine, "after_cursor_execute")
-    def _after(conn: Connection, *_: Any) -> None:
-        disarm_dbapi(conn.connection.dbapi_connection)
+    def _after(conn: Connection, cursor: Any, *_: Any) -> None:
+        disarm_dbapi(cursor.connection)
 
     @event.listens_for(engine, "handle_error")
     def _error(context: Any) -> None:
-        fairy = getattr(context.connection, "connection", None)
-        if fairy is not None:
-            disarm_dbapi(fairy.dbapi_connection)
+        cursor = getattr(context, "cursor", None)  # absent when the connect itself failed
+        if cursor is not None:
+            disarm_dbapi(cursor.connection)
 
     event.listen(engine, "commit", arm)
     event.listen(engine, "rollback", arm)
@@ -241,8 +243,14 @@ def _bound_round_trips(engine: Engine, t: DatabaseTimeouts) -> None:
     def _reset(dbapi_connection: Any, *_: Any) -> None:
         round_trip_watchdog().arm(dbapi_connection, t.round_trip)  # the pool's rollback on return
 
-    for name in ("checkin", "invalidate", "soft_invalidate", "close", "close_detached"):
+    for name in ("invalidate", "soft_invalidate", "close", "close_detached"):
         event.listen(engine, name, disarm_dbapi)
+
+    @event.listens_for(engine, "checkin")
+    def _checkin(dbapi_connection: Any, record: Any) -> None:
+        disarm_dbapi(dbapi_connection)
+        if record is not None:
+            record.info.pop(_ROUND_TRIP, None)  # a transaction's own bound ends with it
 
     @event.listens_for(engine, "connect")
     def _fresh(dbapi_connection: Any, record: Any) -> None:
@@ -336,14 +344,12 @@ class Database:
         """
         with _wrap_driver_errors(), self.engine.begin() as conn:
             if statement_timeout is not None and self.timeouts is not None:
+                # kept in the pooled connection's info until it is checked in
                 ms = int(statement_timeout * 1000)
                 conn.info[_ROUND_TRIP] = statement_timeout + self.timeouts.margin
                 conn.exec_driver_sql(f"SET LOCAL statement_timeout = {ms}")
                 conn.exec_driver_sql(f"SET LOCAL lock_timeout = {ms}")
-            try:
-                yield conn
-            finally:
-                conn.info.pop(_ROUND_TRIP, None)
+            yield conn
 
     @contextlib.contextmanager
     def statement(self) -> Iterator[Connection]:
