@@ -132,12 +132,11 @@ class RoundTripWatchdog:
     """Cuts a Postgres connection whose round trip outlived its deadline.
 
     One daemon thread per process (:func:`round_trip_watchdog`), started on first use, sleeping
-    until the earliest deadline.
-    ``arm`` records (deadline, connection) before a statement, commit, rollback or ping;
-    ``disarm`` removes it when the round trip ended, and before the pool closes or invalidates
-    the connection. Both take one lock, and the thread shuts a socket down only while holding it
-    and only for a connection still armed, so it never touches a connection that has finished
-    its round trip or been handed to someone else::
+    until the earliest deadline. ``arm`` records (deadline, connection) before a statement,
+    commit, rollback or ping; ``disarm`` removes it when the round trip ended, and before the
+    pool closes or invalidates the connection. Both take one lock, and the thread shuts a socket
+    down only while holding it and only for a connection still armed, so it never touches a
+    connection that has finished its round trip or been handed to someone else::
 
         t=0    worker arms conn C (deadline t=25), sends UPDATE; the server freezes (SIGSTOP)
         t=25   the watchdog finds C still armed: shutdown(C's socket), under the lock
