@@ -58,15 +58,17 @@ class PaymentGatewayResource(SettingsResource):
 
 
 class MailerResource(SettingsResource):
-    """The SMTP mailer. ``host``/``port`` default to ``SEKALI_SMTP_HOST`` / ``SEKALI_SMTP_PORT``,
-    ``rate`` (``5/s``) to ``SEKALI_RATE_SMTP``: every send then takes a token from the rate
-    shared by all workers. Unset: unlimited."""
+    """The SMTP mailer. ``host``/``port`` default to ``SEKALI_SMTP_HOST`` / ``SEKALI_SMTP_PORT``;
+    ``timeout`` bounds each socket operation, ``deadline`` a whole send; ``rate`` (``5/s``)
+    defaults to ``SEKALI_RATE_SMTP``: every send then takes a token from the rate shared by all
+    workers. Unset: unlimited."""
 
     host: str | None = None
     port: int | None = None
     sender: str = "sekali@localhost"
     timeout: float = 10.0
     rate: str | None = None
+    deadline: float = 30.0
 
     def _build(self) -> Mailer:
         settings = self.settings()
@@ -75,6 +77,7 @@ class MailerResource(SettingsResource):
             self.port or settings.smtp_port,
             sender=self.sender,
             timeout=self.timeout,
+            deadline=self.deadline,
         )
         return limit_mailer(mailer, _rates(self, MAIL, self.rate))
 

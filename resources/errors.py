@@ -81,7 +81,8 @@ class AlreadyInProgress(TransientJobError):
 
 
 class LeaseLost(SekaliError):
-    """This holder's lease was taken over (it expired and another worker claimed the key).
+    """This holder's lease was taken over (it expired and another worker claimed the key), or
+    ran out while the holder could not renew it (the store did not answer), so it may be.
 
     Stop at once: the new owner is doing the work. Nothing this holder writes through the store
     is applied. Not retried by this holder; the new owner finishes the job.
@@ -89,13 +90,14 @@ class LeaseLost(SekaliError):
 
     permanent = False
 
-    def __init__(self, key: str, owner_token: str) -> None:
+    def __init__(self, key: str, owner_token: str, *, reason: str | None = None) -> None:
         super().__init__(
-            f"lease on {key!r} was taken over; owner {owner_token[:8]} must stop "
+            f"lease on {key!r} {reason or 'was taken over'}; owner {owner_token[:8]} must stop "
             "(the new owner continues from the last recovery point)"
         )
         self.key = key
         self.owner_token = owner_token
+        self.reason = reason
 
 
 class StoredFailure(PermanentJobError):
