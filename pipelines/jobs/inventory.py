@@ -13,7 +13,15 @@ from __future__ import annotations
 from typing import Any
 
 from pipelines.domain.inventory import Inventory
-from pipelines.jobs.base import JobContext, JobType, reject_unknown, require_items, require_str
+from pipelines.jobs.base import (
+    ITEMS,
+    JobContext,
+    JobType,
+    PayloadField,
+    reject_unknown,
+    require_items,
+    require_str,
+)
 
 
 def validate(payload: dict[str, Any]) -> dict[str, Any]:
@@ -52,4 +60,10 @@ JOB_TYPE = JobType(
     resource_id=lambda p: str(p["cart_id"]),
     lock="db-transaction",
     description="Reserve a cart's items in one transaction with row locks.",
+    fields=(
+        PayloadField("cart_id", str, "The cart; the key is inventory-reserve:{cart_id}."),
+        ITEMS,
+    ),
+    example={"cart_id": "c-example-1", "items": [{"sku": "apple", "quantity": 1}]},
+    result_fields=("cart_id", "reserved"),
 )

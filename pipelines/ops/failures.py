@@ -8,10 +8,12 @@ Used by the per-request op (:mod:`pipelines.ops.request_job`) and the fan-out st
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import dagster as dg
 
+from pipelines.attempts import Outcome
 from pipelines.failures import FailurePath
 from pipelines.registry import JOB_TYPES
 from pipelines.requests import RequestStore
@@ -48,9 +50,11 @@ def run_request_step(
     request_id: int | None = None,
     requests: RequestStore | None = None,
     correlation_id: str | None = None,
+    on_failure: Callable[[Outcome], None] | None = None,
 ) -> RequestOutcome:
     """Execute one request in this step. On failure: the request is marked ``failed`` unless a
-    retry follows, and Dagster's ``RetryRequested`` or ``Failure(allow_retries=False)`` is
+    retry follows, ``on_failure`` hears the outcome decided (retried, dead_lettered or
+    failed_permanent), and Dagster's ``RetryRequested`` or ``Failure(allow_retries=False)`` is
     raised from the error."""
     path = failure_path(context, services, job_type, step)
     try:
@@ -72,6 +76,8 @@ def run_request_step(
         )
         if requests is not None and request_id is not None:
             path.settle_request(requests, request_id, exc, run_id=context.run_id)
+        if on_failure is not None:
+            on_failure(path.outcome(exc))
         raise signal(path, exc) from exc
     if requests is not None and request_id is not None:
         requests.mark_completed(request_id, run_id=context.run_id)
