@@ -55,8 +55,12 @@ def age_text(seconds: float) -> str:
 
 
 def reason_text(record: DlqRecord, limit: int = 120) -> str:
-    """The error type and message, cut at a word boundary."""
-    text = f"{record.error_type}: {record.last_error or ''}".strip().rstrip(":")
+    """The error type and message (without the type repeated in it), cut at a word boundary."""
+    message = record.last_error or ""
+    head, sep, rest = message.partition(": ")
+    if sep and head.rsplit(".", 1)[-1] == record.error_type:
+        message = rest
+    text = f"{record.error_type}: {message}".strip().rstrip(":")
     text = " ".join(text.split())
     if len(text) <= limit:
         return text

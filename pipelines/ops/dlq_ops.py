@@ -105,16 +105,14 @@ class DlqOperationConfig(dg.Config):
 
 _TABLE = dg.TableSchema(
     columns=[
-        dg.TableColumn("id", "int"),
-        dg.TableColumn("status", "string"),
-        dg.TableColumn("job_type", "string"),
-        dg.TableColumn("class", "string"),
-        dg.TableColumn("fingerprint", "string"),
-        dg.TableColumn("failures", "int"),
-        dg.TableColumn("last_failed", "string", description="ISO-8601, UTC"),
-        dg.TableColumn("key", "string"),
-        dg.TableColumn("error", "string"),
-        dg.TableColumn("decision", "string", description="what this launch did or would do"),
+        dg.TableColumn(name, kind, description=about)
+        for name, kind, about in (
+            ("id", "int", None), ("status", "string", None), ("job_type", "string", None),
+            ("class", "string", None), ("fingerprint", "string", "one cause"),
+            ("failures", "int", None), ("last_failed", "string", "ISO-8601, UTC"),
+            ("key", "string", None), ("error", "string", None),
+            ("decision", "string", "what this launch did or would do"),
+        )
     ]
 )
 

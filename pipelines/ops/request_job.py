@@ -243,16 +243,14 @@ def request_op(jt: JobType) -> dg.OpDefinition:
             f"{jt.name} {outcome.status} key={outcome.key} fence={outcome.fence} "
             f"attempt_id={outcome.attempt_id} correlation_id={correlation_id}"
         )
-        metadata: dict[str, Any] = {
-            "outcome": run_tags[tag.OUTCOME],
-            "status": outcome.status,
-            "key": outcome.key,
-            "fence": outcome.fence,
-            "attempt_id": outcome.attempt_id,
-            **result_metadata(jt, outcome.result),
-        }
+        metadata: dict[str, Any] = {"outcome": run_tags[tag.OUTCOME]}
         if duplicate and original is not None:
             metadata["original_run"] = run_link(original)
+        metadata.update(result_metadata(jt, outcome.result))
+        metadata.update(
+            {"key": outcome.key, "status": outcome.status, "fence": outcome.fence,
+             "attempt_id": outcome.attempt_id}
+        )
         context.add_output_metadata(metadata)
         return {"status": outcome.status, "key": outcome.key, "result": outcome.result}
 
