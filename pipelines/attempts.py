@@ -251,6 +251,12 @@ class AttemptRecorder:
         with self.db.statement() as conn:
             return conn.execute(text(_Q["effect_traceparent"]), {"key": key}).scalar()
 
+    def effect_run(self, key: str) -> str | None:
+        """The run id of the attempt that made ``key``'s effect, if a run made it."""
+        with self.db.statement() as conn:
+            value = conn.execute(text(_Q["effect_run"]), {"key": key}).scalar()
+        return None if value is None else str(value)
+
     def first_started(self, run_id: str, step: str) -> float | None:
         """When the first attempt of ``step`` in ``run_id`` began, if any was recorded."""
         with self.db.statement() as conn:

@@ -25,6 +25,14 @@ WHERE idempotency_key = :key
 ORDER BY started_at DESC
 LIMIT 1;
 
+-- effect_run --
+-- The run of the attempt that made the effect of one key (its completed attempt).
+SELECT run_id
+FROM job_attempts
+WHERE idempotency_key = :key AND outcome = 'completed'
+ORDER BY started_at
+LIMIT 1;
+
 -- first_started --
 -- When the first attempt of one step of one run began (the retry policy's time budget).
 SELECT MIN(started_at)

@@ -50,6 +50,38 @@ Handler = Callable[["JobContext", dict[str, Any]], Any]
 
 
 @dataclass(frozen=True)
+class PayloadField:
+    """One field of a job type's payload, as a person launching it by hand should see it.
+
+    The declaration is the shape and the words (the Dagster layer turns a job type's fields into
+    the typed config of its launch form, so a wrong type or a missing field is refused before a
+    run starts, with the field named); the job type's ``validate`` stays the check of values.
+    ``type`` is ``str``, ``int``, ``dict`` (a map of strings) or ``list`` (of objects with the
+    ``items`` fields); ``choices`` are the only values a ``str`` may take; a field with
+    ``required=False`` takes ``default`` (``None`` for a map means empty).
+    """
+
+    name: str
+    type: type
+    description: str
+    required: bool = True
+    default: Any = None
+    choices: tuple[str, ...] = ()
+    items: tuple[PayloadField, ...] = ()
+
+
+ITEMS = PayloadField(
+    "items",
+    list,
+    "What to take from stock: a non-empty list of {sku, quantity}.",
+    items=(
+        PayloadField("sku", str, "The stock keeping unit (no spaces or ':')."),
+        PayloadField("quantity", int, "How many, 1 to 100000."),
+    ),
+)
+
+
+@dataclass(frozen=True)
 class JobType:
     """One kind of job: how to check its input, name its intent, and do its effect."""
 
@@ -80,6 +112,13 @@ class JobType:
                     f"{self.name}: concurrency_key {self.concurrency_key!r} names no payload "
                     "field, so every request would share one key"
                 )
+    fields: tuple[PayloadField, ...] = ()
+    """The payload's fields, in the order a form shows them (``validate`` accepts exactly these).
+    """
+    example: dict[str, Any] = field(default_factory=dict, hash=False)
+    """A valid payload: what the launch form opens with."""
+    result_fields: tuple[str, ...] = ()
+    """The result's fields that name the effect (charge id, message id), shown on the run."""
 
     @property
     def op_name(self) -> str:

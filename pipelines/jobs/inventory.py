@@ -13,7 +13,15 @@ from __future__ import annotations
 from typing import Any
 
 from pipelines.domain.inventory import Inventory
-from pipelines.jobs.base import JobContext, JobType, reject_unknown, require_items, require_str
+from pipelines.jobs.base import (
+    ITEMS,
+    JobContext,
+    JobType,
+    PayloadField,
+    reject_unknown,
+    require_items,
+    require_str,
+)
 
 
 def validate(payload: dict[str, Any]) -> dict[str, Any]:
@@ -55,4 +63,10 @@ JOB_TYPE = JobType(
     "cart:{cart_id}).",
     concurrency_key="cart:{cart_id}",
     concurrency_limit=1,
+    fields=(
+        PayloadField("cart_id", str, "The cart; the key is inventory-reserve:{cart_id}."),
+        ITEMS,
+    ),
+    example={"cart_id": "c-example-1", "items": [{"sku": "apple", "quantity": 1}]},
+    result_fields=("cart_id", "reserved"),
 )

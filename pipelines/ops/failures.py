@@ -9,12 +9,13 @@ Used by the per-request op (:mod:`pipelines.ops.request_job`) and the fan-out st
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import dagster as dg
 
 from pipelines import tags as tag
+from pipelines.attempts import Outcome
 from pipelines.failures import FailurePath
 from pipelines.registry import JOB_TYPES
 from pipelines.requests import RequestStore
@@ -52,14 +53,16 @@ def run_request_step(
     request_id: int | None = None,
     requests: RequestStore | None = None,
     correlation_id: str | None = None,
+    on_failure: Callable[[Outcome], None] | None = None,
 ) -> RequestOutcome:
     """Execute one request in this step. On failure: the request is marked ``failed`` unless a
-    retry follows, and Dagster's ``RetryRequested`` or ``Failure(allow_retries=False)`` is
+    retry follows, ``on_failure`` hears the outcome decided (retried, dead_lettered or
+    failed_permanent), and Dagster's ``RetryRequested`` or ``Failure(allow_retries=False)`` is
     raised from the error."""
     path = failure_path(context, services, job_type, step)
     with _run_span(context, job_type, step, request_id, requests):
         return _run(context, services, path, job_type, payload, key, step, request_id,
-                    requests, correlation_id)
+                    requests, correlation_id, on_failure)
 
 
 def _run_span(
@@ -110,6 +113,7 @@ def _run(
     request_id: int | None,
     requests: RequestStore | None,
     correlation_id: str | None,
+    on_failure: Callable[[Outcome], None] | None,
 ) -> RequestOutcome:
     try:
         outcome = execute_request(
@@ -130,6 +134,8 @@ def _run(
         )
         if requests is not None and request_id is not None:
             path.settle_request(requests, request_id, exc, run_id=context.run_id)
+        if on_failure is not None:
+            on_failure(path.outcome(exc))
         raise signal(path, exc) from exc
     if requests is not None and request_id is not None:
         requests.mark_completed(request_id, run_id=context.run_id)

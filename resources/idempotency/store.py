@@ -34,13 +34,13 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from enum import StrEnum
 from typing import Any
 
-from sqlalchemy import BigInteger, Column, Float, Integer, Table, Text, text
+from sqlalchemy import BigInteger, Column, Float, Integer, Table, Text, bindparam, text
 from sqlalchemy.engine import Connection
 
 from resources.errors import (
@@ -450,6 +450,21 @@ class IdempotencyStore:
                 text(f"SELECT {_COLUMNS} FROM idempotency_records WHERE key = :key"), {"key": key}
             ).first()
         return None if row is None else Record.from_row(row)
+
+    def completed_at(self, keys: Iterable[str]) -> dict[str, float]:
+        """``{key: when it completed}`` for those of ``keys`` that are completed."""
+        wanted = sorted(set(keys))
+        out: dict[str, float] = {}
+        statement = text(
+            "SELECT key, updated_at FROM idempotency_records"
+            " WHERE status = 'completed' AND key IN :keys"
+        ).bindparams(bindparam("keys", expanding=True))
+        with self.db.statement() as conn:
+            for start in range(0, len(wanted), 500):
+                chunk = wanted[start : start + 500]
+                for row in conn.execute(statement, {"keys": chunk}):
+                    out[str(row.key)] = float(row.updated_at)
+        return out
 
     def purge(self, older_than: float | timedelta | None = None) -> int:
         """Delete completed records past retention; never in-progress, failed or retryable ones.
