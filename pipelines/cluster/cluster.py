@@ -655,7 +655,9 @@ class Cluster:
         if not self.exists:
             return {"state_dir": str(self.state_dir), "phase": "absent", "hosts": [],
                     "leftovers": self.leftovers()}
-        health = self._health()
+        bridge = str(self.state.get("bridge", ""))
+        # no bridge, no route: a probe would follow the default route off the machine
+        health = self._health() if bridge and network.link_exists(bridge) else {}
         hosts = []
         for h in self.hosts:
             procs = [
@@ -669,9 +671,9 @@ class Cluster:
                 "health": health.get(h.name, {}),
                 "pids_in_namespace": len(network.namespace_pids(h.namespace)),
             })
-        healthy = all(all(v == "ok" for v in x["health"].values()) for x in hosts) and all(
-            p["alive"] for x in hosts for p in x["processes"]
-        )
+        healthy = bool(health) and all(
+            all(v == "ok" for v in x["health"].values()) for x in hosts
+        ) and all(p["alive"] for x in hosts for p in x["processes"])
         return {
             "state_dir": str(self.state_dir),
             "phase": self.phase,
