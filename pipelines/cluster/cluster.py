@@ -45,8 +45,9 @@ from typing import Any
 from urllib.parse import quote
 
 import psycopg
+import yaml
 
-from pipelines.cluster import network, processes
+from pipelines.cluster import cgroups, network, processes
 from pipelines.cluster.network import ClusterError, Partition
 from pipelines.cluster.processes import ProcessRecord
 from pipelines.cluster.services import (
@@ -300,10 +301,15 @@ class Cluster:
         worker_env: Mapping[str, str] | None = None,
         subnet: str | None = None,
         timeout: float = 300.0,
+        instance_overrides: Mapping[str, Any] | None = None,
         progress: Callable[[str], None] = lambda _msg: None,
     ) -> None:
         """Build the hosts, start every process and wait (at most ``timeout`` s) until the UI
-        answers, every location is loaded and the daemon is healthy."""
+        answers, every location is loaded and the daemon is healthy.
+
+        ``instance_overrides`` is merged into the copy of ``deploy/production/dagster.yaml``
+        (e.g. ``{"run_coordinator": {"config": {"dequeue_use_threads": True}}}``): for
+        measuring a setting before proposing it there."""
         require_root()
         missing = [t for t in REQUIRED_TOOLS if shutil.which(t) is None]
         if missing:
@@ -329,6 +335,7 @@ class Cluster:
             "secrets": {k: secrets.token_hex(16) for k in ("postgres", "sekali", "dagster",
                                                            "redis")},
             "worker_env": dict(worker_env or {}),
+            "instance_overrides": dict(instance_overrides or {}),
             "processes": [],
             "partitions": [],
             "root_rules": [],
@@ -380,12 +387,18 @@ class Cluster:
             self._save()
             network.create_bridge(bridge, self.state["gateway"], net.prefixlen)
         progress(f"network: bridge {bridge} {net}")
+        root = cgroups.hierarchy()
         for h in hosts:
             self.state["namespaces"].append(h.namespace)
             self.state["links"].append(h.veth)
+            if root is not None:
+                self.state.setdefault("cgroups", {})[h.name] = str(root / h.namespace)
             self._save()
             network.create_namespace(h.namespace)
             network.attach_host(h.namespace, h.veth, bridge, h.address, net.prefixlen)
+            if root is not None and cgroups.create(h.namespace) is None:
+                del self.state["cgroups"][h.name]  # not allowed here: no CPU meter, no harm
+                self._save()
         policy = network.forward_policy()
         if policy is not None and policy != "ACCEPT":
             rule = network.bridge_accept_rule(bridge)
@@ -417,10 +430,14 @@ class Cluster:
         self._put_process(record)  # recorded (pid 0) before it exists: down still looks
         processes.spawn(
             record, namespace=h.namespace, hostname=h.hostname,
-            env=self.env(host, record.extra_env), cwd=ROOT,
+            env=self.env(host, record.extra_env), cwd=ROOT, cgroup=self._cgroup(host),
         )
         self._put_process(record)
         return record
+
+    def _cgroup(self, host: str) -> str | None:
+        group = self.state.get("cgroups", {}).get(host)
+        return str(group) if group else None
 
     def _wait(self, what: str, probe: Callable[[], bool], deadline: float,
               record: ProcessRecord | None = None) -> None:
@@ -516,7 +533,15 @@ class Cluster:
         progress(f"schema: {len(applied)} migrations applied to the app database")
         with _environ({"DAGSTER_PG_URL": self.dagster_pg_url}):
             prepare_dagster_home(self.dagster_home, profile="production")
-        progress(f"dagster home: {self.dagster_home} ({PRODUCTION_INSTANCE.relative_to(ROOT)})")
+        overrides = self.state.get("instance_overrides") or {}
+        if overrides:
+            target = self.dagster_home / "dagster.yaml"
+            merged = _merge(yaml.safe_load(target.read_text()), overrides)
+            header = (f"# {PRODUCTION_INSTANCE.relative_to(ROOT)} with sekali cluster up's "
+                      f"overrides: {json.dumps(overrides, sort_keys=True)}\n")
+            target.write_text(header + yaml.safe_dump(merged, sort_keys=False))
+        progress(f"dagster home: {self.dagster_home} ({PRODUCTION_INSTANCE.relative_to(ROOT)}"
+                 f"{', overrides ' + json.dumps(overrides) if overrides else ''})")
         self.workspace_file.write_text(workspace_yaml(
             [(h.location or h.name, h.address, PORTS["code_server"]) for h in self.workers]
         ))
@@ -594,7 +619,7 @@ class Cluster:
         Returns what was removed. Raises :class:`ClusterError` if something would not go."""
         require_root()
         removed: dict[str, list[str]] = {"processes": [], "namespaces": [], "links": [],
-                                         "rules": []}
+                                         "rules": [], "cgroups": []}
         records = self.processes
         # control first (no new runs), then workers, provider, store: reverse start order
         for record in reversed(records):
@@ -626,6 +651,10 @@ class Cluster:
             if network.link_exists(link):
                 network.delete_link(link)
                 removed["links"].append(link)
+        processes.reap()
+        for group in sorted(set(self.state.get("cgroups", {}).values()) | set(self._cgroup_dirs())):
+            if cgroups.remove(group):
+                removed["cgroups"].append(group)
         left = self.leftovers()
         if any(left.values()):
             raise ClusterError(f"still present after down: {left}")
@@ -645,7 +674,14 @@ class Cluster:
             "links": network.list_links(f"sk{self.cluster_id}-"),
             "processes": [f"{r.host}/{r.name} {r.pid}" for r in self.processes
                           if processes.is_alive(r)],
+            "cgroups": self._cgroup_dirs(),
         }
+
+    def _cgroup_dirs(self) -> list[str]:
+        root = cgroups.hierarchy()
+        if root is None:
+            return []
+        return sorted(str(p) for p in root.glob(f"sekali-{self.cluster_id}-*") if p.is_dir())
 
     # -- status ----------------------------------------------------------------------------------
 
@@ -658,6 +694,7 @@ class Cluster:
         bridge = str(self.state.get("bridge", ""))
         # no bridge, no route: a probe would follow the default route off the machine
         health = self._health() if bridge and network.link_exists(bridge) else {}
+        cpu = self.cpu_seconds()
         hosts = []
         for h in self.hosts:
             procs = [
@@ -670,6 +707,7 @@ class Cluster:
                 "processes": procs,
                 "health": health.get(h.name, {}),
                 "pids_in_namespace": len(network.namespace_pids(h.namespace)),
+                "cpu_seconds": round(cpu[h.name], 2) if h.name in cpu else None,
             })
         healthy = bool(health) and all(
             all(v == "ok" for v in x["health"].values()) for x in hosts
@@ -735,8 +773,17 @@ class Cluster:
         ``env`` is added to the host's environment."""
         h = self.host(host)
         argv_ns = processes.namespace_argv(h.namespace, h.hostname, argv, user)
-        done = subprocess.run(argv_ns, env=self.env(host, env), cwd=ROOT, capture_output=True,
-                              text=True, timeout=timeout, check=False)
+        with subprocess.Popen(argv_ns, env=self.env(host, env), cwd=ROOT, text=True,
+                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE) as child:
+            cgroups.add(self._cgroup(host), child.pid)
+            try:
+                out, err = child.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.communicate()
+                raise
+        done = subprocess.CompletedProcess(argv_ns, child.returncode, out, err)
         if check and done.returncode != 0:
             raise network.CommandError(argv, done.returncode, done.stderr or done.stdout)
         return done
@@ -858,6 +905,16 @@ class Cluster:
             client.close()
         return {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in stats.items()}
 
+    def cpu_seconds(self) -> dict[str, float]:
+        """CPU seconds used on each host so far, every process counted (ended run workers
+        too); empty when this machine has no CPU accounting."""
+        out = {}
+        for host, group in self.state.get("cgroups", {}).items():
+            seconds = cgroups.cpu_seconds(group)
+            if seconds is not None:
+                out[host] = seconds
+        return out
+
     def dagster_rows(self) -> dict[str, int]:
         """Rows in Dagster's run and event-log tables (its storage cost per run)."""
         with psycopg.connect(self.admin_conninfo("dagster"), autocommit=True) as conn:
@@ -871,6 +928,16 @@ def _tail(path: str, chars: int = 2000) -> str:
         return Path(path).read_text(errors="replace")[-chars:]
     except OSError:
         return ""
+
+
+def _merge(base: Any, overrides: Mapping[str, Any]) -> Any:
+    """``base`` with ``overrides`` merged in, mappings recursively."""
+    if not isinstance(base, dict):
+        return dict(overrides)
+    out = dict(base)
+    for key, value in overrides.items():
+        out[key] = _merge(out.get(key), value) if isinstance(value, Mapping) else value
+    return out
 
 
 @contextlib.contextmanager

@@ -23,6 +23,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pipelines.cluster import cgroups
+
 _CHILDREN: dict[int, subprocess.Popen[bytes]] = {}
 """Processes started by this Python process: polled so an ended one does not stay a zombie."""
 
@@ -63,14 +65,15 @@ def start_time_of(pid: int) -> int | None:
     return int(rest[19])
 
 
-def _reap() -> None:
+def reap() -> None:
+    """Collect the exit status of ended children of this process (no zombies left)."""
     for pid, child in list(_CHILDREN.items()):
         if child.poll() is not None:
             del _CHILDREN[pid]
 
 
 def is_alive(record: ProcessRecord) -> bool:
-    _reap()
+    reap()
     return record.pid > 0 and start_time_of(record.pid) == record.start_time
 
 
@@ -96,8 +99,10 @@ def spawn(
     hostname: str,
     env: Mapping[str, str],
     cwd: Path,
+    cgroup: Path | str | None = None,
 ) -> ProcessRecord:
-    """Start ``record.argv`` in ``namespace``; fill in its pid and start time."""
+    """Start ``record.argv`` in ``namespace`` (and the CPU-accounting ``cgroup``, before it can
+    fork); fill in its pid and start time."""
     Path(record.log).parent.mkdir(parents=True, exist_ok=True)
     with open(record.log, "ab") as log_file:
         child = subprocess.Popen(
@@ -109,6 +114,7 @@ def spawn(
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
+    cgroups.add(cgroup, child.pid)
     _CHILDREN[child.pid] = child
     record.pid = child.pid
     started = None
@@ -167,7 +173,7 @@ def kill_pids(pids: Iterable[int], *, timeout: float = 5.0) -> list[int]:
                 os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        _reap()
+        reap()
         left = [p for p, s in targets.items() if s is not None and start_time_of(p) == s]
         if not left:
             return []

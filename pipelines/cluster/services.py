@@ -255,7 +255,7 @@ class GraphQL:
               runsOrError(filter: $filter, limit: $limit) {
                 ... on Runs {
                   results {
-                    runId jobName status startTime endTime
+                    runId jobName status creationTime startTime endTime
                     repositoryOrigin { repositoryLocationName }
                     tags { key value }
                   }
