@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "doctor": ("pipelines.commands.doctor", "run the production diagnosis checklist"),
     "metrics": ("pipelines.commands.metrics", "show metrics or serve them to Prometheus"),
     "chaos": ("pipelines.commands.chaos", "break the platform on purpose and check the invariants"),
+    "cluster": ("pipelines.commands.cluster", "sekali on several hosts: cluster up, down, status"),
 }
 
 
