@@ -2,8 +2,10 @@
 
 Guarantees:
 
-- The payload is validated by its job type before anything is written; a bad one raises
-  :class:`ValidationError` naming the field and is kept in ``job_rejections`` (nothing is lost).
+- The request passes the validation boundary (:func:`pipelines.validation.admit`: limits,
+  storable text, then the job type's own checks) before anything is written; a bad one raises
+  :class:`ValidationError` naming the field and the limit, and is kept, bounded, in
+  ``job_rejections`` (nothing is lost, nothing huge is stored).
 - The key defaults to the job type's ``key_for(validated payload)``: the business intent, so
   two producers sending the same intent share one request.
 - Same key, same payload: a no-op returning the existing request (``result.created`` is False).
@@ -18,7 +20,6 @@ The intake sensor (``sensors/intake.py``) turns pending requests into runs.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import uuid
@@ -26,9 +27,8 @@ from typing import Any
 
 from sqlalchemy.engine import Connection
 
-from pipelines.registry import get_job_type
 from pipelines.requests import EnqueueResult, RequestStore
-from resources.errors import ValidationError
+from pipelines.validation import admit
 from resources.storage.db import Database, shared_database
 from resources.storage.migrations import upgrade
 from resources.storage.settings import Settings
@@ -60,11 +60,13 @@ def enqueue(
     *,
     conn: Connection | None = None,
     db: Database | None = None,
+    source: str = "enqueue",
 ) -> EnqueueResult:
     """Write a job request for ``job_type``; see the module docstring for the guarantees.
 
     ``payload`` is a dict or its JSON text. ``db`` defaults to ``DATABASE_URL`` (or the
-    embedded SQLite); with ``conn=`` the database is the connection's own.
+    embedded SQLite); with ``conn=`` the database is the connection's own. ``source`` names the
+    way in on a rejection (``cli`` for ``sekali enqueue``).
     """
 
     if db is None:
@@ -72,22 +74,15 @@ def enqueue(
     if conn is None:
         _ensure_schema(db)
     store = RequestStore(db)
-    try:
-        parsed = _parse_payload(payload)
-        spec = get_job_type(job_type)
-        normalised = spec.validate(dict(parsed))
-        chosen_key = key if key is not None else spec.key_for(normalised)
-        if not chosen_key or not isinstance(chosen_key, str):
-            raise ValidationError("key", "must be a non-empty string", chosen_key)
-    except ValidationError as exc:
-        _keep_rejection(store, db, conn, job_type, payload, key, exc)
-        raise
+    admitted = admit(
+        store, job_type, payload, key, source=source, correlation_id=correlation_id, conn=conn
+    )
     correlation_id = correlation_id or uuid.uuid4().hex  # the correlation chain starts here
     result = store.enqueue(
-        job_type,
-        chosen_key,
-        normalised,
-        queue=spec.queue,
+        admitted.job_type.name,
+        admitted.key,
+        admitted.payload,
+        queue=admitted.job_type.queue,
         correlation_id=correlation_id,
         conn=conn,
     )
@@ -105,35 +100,3 @@ def enqueue(
         },
     )
     return result
-
-
-def _parse_payload(payload: dict[str, Any] | str) -> dict[str, Any]:
-    if isinstance(payload, str):
-        try:
-            payload = json.loads(payload)
-        except json.JSONDecodeError as exc:
-            raise ValidationError("payload", f"not valid JSON ({exc.msg})", payload) from exc
-    if not isinstance(payload, dict):
-        raise ValidationError("payload", "must be a JSON object", payload)
-    return payload
-
-
-def _keep_rejection(
-    store: RequestStore,
-    db: Database,
-    conn: Connection | None,
-    job_type: str,
-    payload: Any,
-    key: str | None,
-    exc: ValidationError,
-) -> None:
-    own_connection = conn is None or db.is_postgres
-    store.reject(
-        job_type,
-        payload,
-        field=exc.field,
-        error=str(exc),
-        key=key,
-        conn=None if own_connection else conn,
-    )
-    log.warning("rejected %s request: %s", job_type, exc, extra={"field": exc.field})

@@ -8,6 +8,7 @@ Used by the per-request op (:mod:`pipelines.ops.request_job`) and the fan-out st
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import dagster as dg
@@ -17,7 +18,9 @@ from pipelines.registry import JOB_TYPES
 from pipelines.requests import RequestStore
 from pipelines.runtime import RequestOutcome, execute_request
 from pipelines.services import Services
+from pipelines.validation import admit, check_id
 from resources.dagster_resources import dagster_signal
+from resources.errors import ValidationError
 from resources.retry import RetryPolicy
 
 
@@ -76,6 +79,42 @@ def run_request_step(
     if requests is not None and request_id is not None:
         requests.mark_completed(request_id, run_id=context.run_id)
     return outcome
+
+
+def admit_step_request(
+    context: dg.OpExecutionContext,
+    services: Services,
+    *,
+    job_type: str,
+    payload: Any,
+    key: Any,
+    step: str,
+    source: str,
+    request_id: Any = None,
+    correlation_id: Any = None,
+) -> None:
+    """The validation boundary before a step runs a request it did not get from ``enqueue`` (a
+    run's config, a request read back by a batch step). A refusal runs nothing: it is kept in
+    ``job_rejections``, the request (if any) is marked failed as permanent, and the step fails
+    without a retry (``Failure(allow_retries=False)`` through the one failure path)."""
+    requests = RequestStore(services.db)
+    try:
+        admit(
+            requests,
+            job_type,
+            payload,
+            key,
+            source=source,
+            request_id=request_id,
+            correlation_id=correlation_id,
+        )
+    except ValidationError as exc:
+        path = failure_path(context, services, job_type, step)
+        with contextlib.suppress(ValidationError):
+            path.settle_request(
+                requests, check_id("request_id", request_id), exc, run_id=context.run_id
+            )
+        raise signal(path, exc) from exc
 
 
 def signal(path: FailurePath, exc: BaseException) -> Exception:
