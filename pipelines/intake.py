@@ -5,7 +5,8 @@ Guarantees:
 - The request passes the validation boundary (:func:`pipelines.validation.admit`: limits,
   storable text, then the job type's own checks) before anything is written; a bad one raises
   :class:`ValidationError` naming the field and the limit, and is kept, bounded, in
-  ``job_rejections`` (nothing is lost, nothing huge is stored).
+  ``job_rejections`` (nothing is lost, nothing huge is stored) with ``source``, the way in
+  (``cli`` for ``sekali enqueue``).
 - The key defaults to the job type's ``key_for(validated payload)``: the business intent, so
   two producers sending the same intent share one request.
 - Same key, same payload: a no-op returning the existing request (``result.created`` is False).
@@ -65,8 +66,7 @@ def enqueue(
     """Write a job request for ``job_type``; see the module docstring for the guarantees.
 
     ``payload`` is a dict or its JSON text. ``db`` defaults to ``DATABASE_URL`` (or the
-    embedded SQLite); with ``conn=`` the database is the connection's own. ``source`` names the
-    way in on a rejection (``cli`` for ``sekali enqueue``).
+    embedded SQLite); with ``conn=`` the database is the connection's own.
     """
 
     if db is None:

@@ -42,6 +42,17 @@ from resources.storage.settings import InputLimits
 log = logging.getLogger(__name__)
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+__all__ = [
+    "Admitted",
+    "InputLimits",
+    "ValidationError",
+    "admit",
+    "admit_request_row",
+    "check_id",
+    "check_request",
+    "check_text",
+]
+
 SOURCES = ("enqueue", "cli", "run_config", "dlq_replay", "micro_batch", "fan_out")
 """The ways in, as a rejection records them."""
 

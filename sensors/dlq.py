@@ -37,7 +37,7 @@ from pipelines import tags as tag
 from pipelines.ops import all_jobs
 from pipelines.registry import JOB_TYPES, get_job_type
 from pipelines.requests import RequestStore
-from pipelines.validation import admit
+from pipelines.validation import ValidationError, admit
 from resources.dagster_resources import DlqResource
 from resources.dlq import (
     DlqRecord,
@@ -49,7 +49,6 @@ from resources.dlq import (
     dedupe_key_for,
     top_frame,
 )
-from resources.errors import ValidationError
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,6 @@ Used by the per-request op (:mod:`pipelines.ops.request_job`) and the fan-out st
 
 from __future__ import annotations
 
-import contextlib
 from typing import Any
 
 import dagster as dg
@@ -110,11 +109,17 @@ def admit_step_request(
         )
     except ValidationError as exc:
         path = failure_path(context, services, job_type, step)
-        with contextlib.suppress(ValidationError):
-            path.settle_request(
-                requests, check_id("request_id", request_id), exc, run_id=context.run_id
-            )
+        if request_id is not None and _is_row_id(request_id):
+            path.settle_request(requests, request_id, exc, run_id=context.run_id)
         raise signal(path, exc) from exc
+
+
+def _is_row_id(value: Any) -> bool:
+    try:
+        check_id("request_id", value)
+    except ValidationError:
+        return False
+    return True
 
 
 def signal(path: FailurePath, exc: BaseException) -> Exception:
