@@ -290,6 +290,10 @@ def test_a_launchpad_run_with_a_hostile_config_fails_once_and_is_kept(
     assert (row["source"], row["field"]) == ("run_config", "order_id")
     with db.statement() as conn:
         assert conn.execute(text("SELECT COUNT(*) FROM idempotency_records")).scalar() == 0
+    attempts = AttemptRecorder(db).all("charge_payment")
+    assert [(a["outcome"], a["error_class"]) for a in attempts] == [
+        ("failed_permanent", "ValidationError")
+    ]
 
 
 def test_a_dlq_replay_of_a_hostile_payload_is_refused_permanently_and_audited(
@@ -504,7 +508,8 @@ class Entry:
 
     def run_config(self, job_type: Any, payload: Any, key: Any, request_id: Any,
                    correlation_id: Any) -> bool:
-        name = job_type if isinstance(job_type, str) else "charge_payment"
+        known = isinstance(job_type, str) and job_type in MATCHING
+        name = job_type if known else "charge_payment"  # the op's own type, never the input
         try:
             admit_step_request(
                 self.context, self.services, job_type=name, payload=payload, key=key,

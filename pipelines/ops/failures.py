@@ -20,7 +20,7 @@ from pipelines.services import Services
 from pipelines.validation import admit, check_id
 from resources.dagster_resources import dagster_signal
 from resources.errors import ValidationError
-from resources.retry import RetryPolicy
+from resources.retry import RetryPolicy, classify
 
 
 def failure_path(
@@ -94,8 +94,9 @@ def admit_step_request(
 ) -> None:
     """The validation boundary before a step runs a request it did not get from ``enqueue`` (a
     run's config, a request read back by a batch step). A refusal runs nothing: it is kept in
-    ``job_rejections``, the request (if any) is marked failed as permanent, and the step fails
-    without a retry (``Failure(allow_retries=False)`` through the one failure path)."""
+    ``job_rejections``, recorded as a ``failed_permanent`` attempt, the request (if any) is
+    marked failed, and the step fails without a retry (``Failure(allow_retries=False)`` through
+    the one failure path). ``job_type`` is the step's own (never the caller's input)."""
     requests = RequestStore(services.db)
     try:
         admit(
@@ -109,8 +110,16 @@ def admit_step_request(
         )
     except ValidationError as exc:
         path = failure_path(context, services, job_type, step)
-        if request_id is not None and _is_row_id(request_id):
-            path.settle_request(requests, request_id, exc, run_id=context.run_id)
+        row_id = request_id if request_id is not None and _is_row_id(request_id) else None
+        record = services.attempts.new(  # the refused attempt is recorded too (invariant 6)
+            job_type, attempt=context.retry_number, run_id=context.run_id, step=step,
+            request_id=row_id,
+        )
+        services.attempts.finish(
+            record, path.outcome(exc), error=exc, error_kind=str(classify(exc))
+        )
+        if row_id is not None:
+            path.settle_request(requests, row_id, exc, run_id=context.run_id)
         raise signal(path, exc) from exc
 
 
