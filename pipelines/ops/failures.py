@@ -17,10 +17,9 @@ from pipelines.registry import JOB_TYPES
 from pipelines.requests import RequestStore
 from pipelines.runtime import RequestOutcome, execute_request
 from pipelines.services import Services
-from pipelines.validation import admit, check_id
+from pipelines.validation import ValidationError, admit, check_id
 from resources.dagster_resources import dagster_signal
-from resources.errors import ValidationError
-from resources.retry import RetryPolicy, classify
+from resources.retry import RetryPolicy
 
 
 def failure_path(
@@ -116,7 +115,7 @@ def admit_step_request(
             request_id=row_id,
         )
         services.attempts.finish(
-            record, path.outcome(exc), error=exc, error_kind=str(classify(exc))
+            record, path.outcome(exc), error=exc, error_kind=str(path.decide(exc).error_class)
         )
         if row_id is not None:
             path.settle_request(requests, row_id, exc, run_id=context.run_id)
