@@ -97,6 +97,8 @@ def admit_step_request(
     marked failed, and the step fails without a retry (``Failure(allow_retries=False)`` through
     the one failure path). ``job_type`` is the step's own (never the caller's input)."""
     requests = RequestStore(services.db)
+    if callable(getattr(payload, "model_dump", None)):  # a typed run config's payload model
+        payload = payload.model_dump(mode="json")
     try:
         admit(
             requests,
