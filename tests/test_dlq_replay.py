@@ -143,7 +143,7 @@ def test_replay_of_500_records_respects_the_rate_bound(db: Database, db_url: str
                 idempotency_key=f"email:welcome:u{i}:2026-11-29",
                 run_config={"ops": {"send_email_op": {"config": {"payload": {
                     "template": "welcome", "user_id": f"u{i}", "date": "2026-11-29",
-                    "to": f"u{i}@example.com"}}}}},
+                    "to": f"u{i}@a.example"}}}}},
             )
         )
     ids = [r.id for r in store.list_records()]

@@ -154,7 +154,7 @@ def test_a_canceled_replay_run_reopens_its_record_with_its_count_increased(
     """Catches: settling only SUCCESS and FAILURE replay runs, so a replay an operator canceled
     leaves its record ``replaying`` forever (and it can never be replayed again)."""
     store = DlqStore(db)
-    payload = {"template": "welcome", "user_id": "u5", "date": "2026-11-29", "to": "u5@e.io"}
+    payload = {"template": "welcome", "user_id": "u5", "date": "2026-11-29", "to": "u5@a.example"}
     run_config = {"ops": {"send_email_op": {"config": {"payload": payload, "request_id": 5}}}}
     recorded = store.record_failure(
         FailureInfo(
