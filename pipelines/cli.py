@@ -12,6 +12,7 @@ import importlib
 import logging
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 # name -> (module with ``register(subparsers) -> None``, one line of help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -21,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("pipelines.commands.demo", "a two-minute before/after tour on embedded backends"),
     "enqueue": ("pipelines.commands.enqueue", "write a job request for the intake sensor"),
     "dlq": ("pipelines.commands.dlq", "inspect, replay and discard dead letters"),
+    "rejections": ("pipelines.commands.rejections", "see the requests the intake refused"),
     "doctor": ("pipelines.commands.doctor", "run the production diagnosis checklist"),
     "metrics": ("pipelines.commands.metrics", "show metrics or serve them to Prometheus"),
     "chaos": ("pipelines.commands.chaos", "break the platform on purpose and check the invariants"),
@@ -28,10 +30,17 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """Bad usage is one line on stderr and exit 2 (``--help`` still prints the usage)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     """The parser; the subcommand named in ``argv`` is registered in full, the others by name and
     one line of help (enough for ``sekali --help``)."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="sekali", description="Jobs that stay right under at-least-once delivery."
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")

@@ -2,8 +2,11 @@
 
 Guarantees:
 
-- The payload is validated by its job type before anything is written; a bad one raises
-  :class:`ValidationError` naming the field and is kept in ``job_rejections`` (nothing is lost).
+- The request passes the validation boundary (:func:`pipelines.validation.admit`: limits,
+  storable text, then the job type's own checks) before anything is written; a bad one raises
+  :class:`ValidationError` naming the field and the limit, and is kept, bounded, in
+  ``job_rejections`` (nothing is lost, nothing huge is stored) with ``source``, the way in
+  (``cli`` for ``sekali enqueue``).
 - The key defaults to the job type's ``key_for(validated payload)``: the business intent, so
   two producers sending the same intent share one request.
 - Same key, same payload: a no-op returning the existing request (``result.created`` is False).
@@ -18,7 +21,6 @@ The intake sensor (``sensors/intake.py``) turns pending requests into runs.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import uuid
@@ -26,9 +28,8 @@ from typing import Any
 
 from sqlalchemy.engine import Connection
 
-from pipelines.registry import get_job_type
 from pipelines.requests import EnqueueResult, RequestStore
-from resources.errors import ValidationError
+from pipelines.validation import admit
 from resources.storage.db import Database, shared_database
 from resources.storage.migrations import upgrade
 from resources.storage.settings import Settings
@@ -61,6 +62,7 @@ def enqueue(
     *,
     conn: Connection | None = None,
     db: Database | None = None,
+    source: str = "enqueue",
 ) -> EnqueueResult:
     """Write a job request for ``job_type``; see the module docstring for the guarantees.
 
@@ -71,7 +73,7 @@ def enqueue(
     """
     configure_tracing()
     with span("sekali.enqueue", job_type=job_type, idempotency_key=key):
-        result = _enqueue(job_type, payload, key, correlation_id, conn=conn, db=db)
+        result = _enqueue(job_type, payload, key, correlation_id, conn=conn, db=db, source=source)
         set_attributes(idempotency_key=result.key, request_id=result.id, created=result.created)
         return result
 
@@ -84,28 +86,22 @@ def _enqueue(
     *,
     conn: Connection | None,
     db: Database | None,
+    source: str,
 ) -> EnqueueResult:
     if db is None:
         db = Database(conn.engine) if conn is not None else _default_db()
     if conn is None:
         _ensure_schema(db)
     store = RequestStore(db)
-    try:
-        parsed = _parse_payload(payload)
-        spec = get_job_type(job_type)
-        normalised = spec.validate(dict(parsed))
-        chosen_key = key if key is not None else spec.key_for(normalised)
-        if not chosen_key or not isinstance(chosen_key, str):
-            raise ValidationError("key", "must be a non-empty string", chosen_key)
-    except ValidationError as exc:
-        _keep_rejection(store, db, conn, job_type, payload, key, exc)
-        raise
+    admitted = admit(
+        store, job_type, payload, key, source=source, correlation_id=correlation_id, conn=conn
+    )
     correlation_id = correlation_id or uuid.uuid4().hex  # the correlation chain starts here
     result = store.enqueue(
-        job_type,
-        chosen_key,
-        normalised,
-        queue=spec.queue,
+        admitted.job_type.name,
+        admitted.key,
+        admitted.payload,
+        queue=admitted.job_type.queue,
         correlation_id=correlation_id,
         traceparent=inject(),
         conn=conn,
@@ -124,35 +120,3 @@ def _enqueue(
         },
     )
     return result
-
-
-def _parse_payload(payload: dict[str, Any] | str) -> dict[str, Any]:
-    if isinstance(payload, str):
-        try:
-            payload = json.loads(payload)
-        except json.JSONDecodeError as exc:
-            raise ValidationError("payload", f"not valid JSON ({exc.msg})", payload) from exc
-    if not isinstance(payload, dict):
-        raise ValidationError("payload", "must be a JSON object", payload)
-    return payload
-
-
-def _keep_rejection(
-    store: RequestStore,
-    db: Database,
-    conn: Connection | None,
-    job_type: str,
-    payload: Any,
-    key: str | None,
-    exc: ValidationError,
-) -> None:
-    own_connection = conn is None or db.is_postgres
-    store.reject(
-        job_type,
-        payload,
-        field=exc.field,
-        error=str(exc),
-        key=key,
-        conn=None if own_connection else conn,
-    )
-    log.warning("rejected %s request: %s", job_type, exc, extra={"field": exc.field})

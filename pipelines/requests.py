@@ -19,7 +19,8 @@ Guarantees (SQLite and Postgres alike):
   run keys make the re-emission a no-op when the run does exist.
 - Every status change is one conditional ``UPDATE`` checked against :data:`TRANSITIONS`.
 - Bad input is never lost: :meth:`RequestStore.reject` keeps it in ``job_rejections`` with the
-  field and the error.
+  field, the error and the way in, as a bounded excerpt with the size and sha256 of the whole
+  (a 10 MB refusal costs about 1 KiB).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from sqlalchemy.engine import Connection
 from resources.errors import IdempotencyConflict
 from resources.idempotency import payload_hash
 from resources.storage.db import Database, metadata
-from resources.storage.json_text import canonical
+from resources.storage.json_text import canonical, digest, storable
 from resources.storage.queries import load_queries
 
 Clock = Callable[[], float]
@@ -119,6 +120,13 @@ job_rejections = Table(
     Column("field", Text, nullable=False),
     Column("error", Text, nullable=False),
     Column("created_at", Float, nullable=False),
+    Column("payload_size", BigInteger),
+    Column("payload_sha256", Text),
+    Column("source", Text),
+)
+
+_REJECTION_COLUMNS = (
+    "id, job_type, key, payload, field, error, created_at, payload_size, payload_sha256, source"
 )
 
 _COLUMNS = (
@@ -287,31 +295,35 @@ class RequestStore:
 
     def reject(
         self,
-        job_type: str,
+        job_type: Any,
         payload: Any,
         *,
         field: str,
         error: str,
-        key: str | None = None,
+        key: Any = None,
+        source: str = "enqueue",
+        excerpt_bytes: int = 1024,
         conn: Connection | None = None,
     ) -> int:
-        """Keep a rejected request with the field that was wrong; returns the rejection id."""
-        try:
-            stored = payload if isinstance(payload, str) else canonical(payload)
-        except (TypeError, ValueError):
-            stored = repr(payload)
+        """Keep one refused request; returns the rejection id.
+
+        Whatever was sent, the row is small and storable on both databases: the first
+        ``excerpt_bytes`` of the payload's text (NUL and lone surrogates escaped) with the size
+        and sha256 of the whole, and the job type, key, field and error bounded the same way.
+        """
+        described = digest(payload, excerpt_bytes)
         params = {
-            "job_type": job_type,
-            "key": key,
-            "payload": stored,
-            "field": field,
-            "error": error,
+            "job_type": _bounded(job_type, excerpt_bytes) or "",
+            "key": _bounded(key, excerpt_bytes),
+            "payload": described.excerpt,
+            "size": described.size,
+            "sha": described.sha256,
+            "field": storable(field, excerpt_bytes),
+            "error": storable(error, excerpt_bytes),
+            "source": storable(source, 64),
             "now": self.clock(),
         }
-        sql = text(
-            "INSERT INTO job_rejections (job_type, key, payload, field, error, created_at)"
-            " VALUES (:job_type, :key, :payload, :field, :error, :now) RETURNING id"
-        )
+        sql = text(_Q["insert_rejection"])
         if conn is not None:
             return int(conn.execute(sql, params).scalar_one())
         with self.db.statement() as own:
@@ -496,16 +508,44 @@ class RequestStore:
             rows = conn.execute(text(_Q["correlation_ids_since"]), {"since": since})
             return {int(r.id): r.correlation_id for r in rows}
 
-    def rejections(self, job_type: str | None = None) -> list[dict[str, Any]]:
-        where = "WHERE job_type = :jt" if job_type else ""
+    def rejections(
+        self,
+        job_type: str | None = None,
+        *,
+        source: str | None = None,
+        limit: int | None = None,
+        newest_first: bool = False,
+    ) -> list[dict[str, Any]]:
+        """Refused requests (oldest first, or newest first), of one job type or way in."""
+        where = [f"{c} = :{c}" for c, v in (("job_type", job_type), ("source", source)) if v]
+        clause = f"WHERE {' AND '.join(where)}" if where else ""
+        order = "DESC" if newest_first else "ASC"
+        bound = f" LIMIT {int(limit)}" if limit is not None else ""
         with self.db.statement() as conn:
             rows = conn.execute(
                 text(
-                    "SELECT id, job_type, key, payload, field, error, created_at"
-                    f" FROM job_rejections {where} ORDER BY id"
+                    f"SELECT {_REJECTION_COLUMNS} FROM job_rejections {clause}"
+                    f" ORDER BY id {order}{bound}"
                 ),
-                {"jt": job_type},
+                {"job_type": job_type, "source": source},
             ).all()
         return [dict(r._mapping) for r in rows]
 
+    def rejection(self, rejection_id: int) -> dict[str, Any] | None:
+        """One refused request, or None."""
+        with self.db.statement() as conn:
+            row = conn.execute(
+                text(f"SELECT {_REJECTION_COLUMNS} FROM job_rejections WHERE id = :id"),
+                {"id": rejection_id},
+            ).first()
+        return None if row is None else dict(row._mapping)
 
+
+def _bounded(value: Any, max_bytes: int) -> str | None:
+    """A job type or key as a rejection keeps it: text bounded and storable; None stays None;
+    anything else (an int, a list) by its bounded description."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        return storable(value, max_bytes)
+    return digest(value, max_bytes).excerpt

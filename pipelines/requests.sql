@@ -30,3 +30,10 @@ GROUP BY job_type, status;
 SELECT id, correlation_id
 FROM job_requests
 WHERE created_at >= :since;
+
+-- insert_rejection --
+-- Keep one refused request (the values arrive bounded and storable: RequestStore.reject).
+INSERT INTO job_rejections
+    (job_type, key, payload, payload_size, payload_sha256, field, error, source, created_at)
+VALUES (:job_type, :key, :payload, :size, :sha, :field, :error, :source, :now)
+RETURNING id;

@@ -41,13 +41,19 @@ class PermanentJobError(SekaliError):
 
 
 class ValidationError(PermanentJobError):
-    """Bad input, naming the field. Permanent: the request is kept, never retried."""
+    """Bad input, naming the field (and ``limit``, the limit it broke, when there is one).
+    Permanent: the request is kept, never retried. Fix the input and send it again.
+    ``rejection_id``: the ``job_rejections`` row that keeps it, once the boundary wrote it."""
 
-    def __init__(self, field: str, problem: str, value: Any = None) -> None:
+    rejection_id: int | None = None
+
+    def __init__(self, field: str, problem: str, value: Any = None, *, limit: str | None = None
+                 ) -> None:
         super().__init__(f"invalid {field}: {problem}")
         self.field = field
         self.problem = problem
         self.value = value
+        self.limit = limit
 
 
 class IdempotencyConflict(PermanentJobError):

@@ -13,7 +13,9 @@
   idempotency key: an effect that already happened is not repeated) plus ``sekali/dlq_id``.
   A record stored without op config (batch failures, the sweep) is replayed as a run of its
   per-request job built from the record; a record whose run cannot be built goes back to
-  ``open`` with the reason in its audit. It also settles replays: a successful replay run
+  ``open`` with the reason in its audit; one whose request the validation boundary refuses
+  (``pipelines/validation.py``) goes back to ``open`` as ``permanent``, with a rejection row.
+  It also settles replays: a successful replay run
   resolves its record; a failed or canceled one reopens it with its count increased (the
   dlq_sensor does the same for failed runs when it sees the run first).
 """
@@ -37,6 +39,7 @@ from pipelines.ops import all_jobs
 from pipelines.ops.request_job import request_run_config
 from pipelines.registry import JOB_TYPES, get_job_type
 from pipelines.requests import RequestStore
+from pipelines.validation import ValidationError, admit
 from resources.dagster_resources import DlqResource
 from resources.dlq import (
     DlqRecord,
@@ -48,7 +51,6 @@ from resources.dlq import (
     dedupe_key_for,
     top_frame,
 )
-from resources.errors import ValidationError
 from resources.idempotency import IdempotencyStore
 from resources.telemetry.tracing import trace_id_of
 
@@ -447,17 +449,52 @@ def replay_run_request(
     )
 
 
+def admit_replay(record: DlqRecord, requests: RequestStore) -> None:
+    """The request a replay would run, through the validation boundary (way in ``dlq_replay``):
+    the job type, payload, key and ids of its run config (or of the record). A refusal keeps one
+    rejection row and raises :class:`ValidationError`."""
+    op_config = _request_config(record.run_config) or {
+        "payload": record.payload,
+        "key": record.idempotency_key,
+        "request_id": record.request_id,
+        "correlation_id": record.correlation_id,
+    }
+    admit(
+        requests,
+        record.job_type,
+        op_config.get("payload"),
+        op_config.get("key") or record.idempotency_key,
+        source="dlq_replay",
+        request_id=op_config.get("request_id"),
+        correlation_id=op_config.get("correlation_id"),
+    )
+
+
 def _replay_or_refuse(
     store: DlqStore, record: DlqRecord, jobs: Mapping[str, dg.JobDefinition] | None
 ) -> list[dg.RunRequest]:
     """The record's RunRequest, or none and the record back to ``open``: an invalid request
-    would fail the tick and leave the record ``replaying`` (re-emitted every relaunch)."""
+    would fail the tick and leave the record ``replaying`` (re-emitted every relaunch). A
+    request the validation boundary refuses is refused for good: the record becomes
+    ``permanent`` (a replay cannot help; fix and re-enqueue, or discard)."""
     try:
-        return [replay_run_request(record, jobs)]
+        run_request = replay_run_request(record, jobs)
+        admit_replay(record, RequestStore(store.db))
     except ReplayNotBuildable as exc:
         log.warning("replay of DLQ record %d refused: %s", record.id, exc)
         store.refuse_replay(record.id, actor="dlq_replay_sensor", detail=str(exc)[:2000])
         return []
+    except ValidationError as exc:
+        log.warning("replay of DLQ record %d refused (permanent): %s", record.id, exc)
+        store.refuse_replay(
+            record.id,
+            actor="dlq_replay_sensor",
+            detail=f"permanent: {exc}; fix the request and enqueue it again, or discard this"
+            " record",
+            error_class=FailureClass.PERMANENT,
+        )
+        return []
+    return [run_request]
 
 
 def settle_replays(instance: dg.DagsterInstance, store: DlqStore) -> tuple[int, int]:

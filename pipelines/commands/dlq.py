@@ -10,7 +10,8 @@
   ``--dry-run`` changes nothing and says what would be replayed.
 - ``discard ID ... --reason R``: give up on records (kept, marked discarded, audited).
 
-Exit codes: 0 done, 1 nothing matched / nothing changed, 2 bad arguments or unknown record.
+Exit codes: 0 done, 1 nothing matched / nothing changed, 2 bad arguments or unknown record
+(one line on stderr; ids are whole numbers from 1 to 2**63 - 1).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import json
 import sys
 from typing import Any
 
+from pipelines.commands.arguments import record_id
 from resources.dlq import DlqRecordNotFound, DlqStore, parse_age
 from resources.idempotency import IdempotencyStore
 from resources.storage.db import shared_database
@@ -56,13 +58,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p_list.set_defaults(func=_list)
 
     p_show = dlq_sub.add_parser("show", help="one dead letter in full")
-    p_show.add_argument("id", type=int)
+    p_show.add_argument("id", type=record_id)
     p_show.add_argument("--json", action="store_true")
     common(p_show)
     p_show.set_defaults(func=_show)
 
     p_replay = dlq_sub.add_parser("replay", help="request replays (the replay sensor runs them)")
-    p_replay.add_argument("ids", type=int, nargs="*")
+    p_replay.add_argument("ids", type=record_id, nargs="*")
     filters(p_replay)
     common(p_replay)
     p_replay.add_argument("--dry-run", action="store_true", dest="dry_run")
@@ -71,7 +73,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p_replay.set_defaults(func=_replay)
 
     p_discard = dlq_sub.add_parser("discard", help="give up on dead letters (kept, audited)")
-    p_discard.add_argument("ids", type=int, nargs="+")
+    p_discard.add_argument("ids", type=record_id, nargs="+")
     p_discard.add_argument("--reason", required=True)
     p_discard.add_argument("--actor", default=None)
     common(p_discard)

@@ -1,43 +1,83 @@
-"""``sekali enqueue JOB_TYPE --payload JSON [--key KEY] [--correlation-id ID]``.
+"""``sekali enqueue JOB_TYPE --payload JSON|@FILE|- [--key KEY] [--correlation-id ID]``.
 
-Prints the request id, key and status (``created`` or ``duplicate``). Exit codes: 0 accepted
-(new or duplicate), 2 bad input (the field is named on stderr; the request is kept in
-``job_rejections``), 3 key conflict (same key, another payload).
+``--payload`` takes the JSON text itself, ``@path`` for a file, or ``-`` for standard input
+(bytes that are not UTF-8 reach the validation boundary as lone surrogates and are refused by
+name). Prints the request id, key and status (``created`` or ``duplicate``). Exit codes: 0
+accepted (new or duplicate), 1 the store failed (retry later), 2 bad input or usage (one line on
+stderr naming the field and the limit; the request is kept in ``job_rejections``, see ``sekali
+rejections``), 3 key conflict (same key, another payload).
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
+from pathlib import Path
 
 from pipelines.intake import enqueue
-from resources.errors import IdempotencyConflict, ValidationError
+from pipelines.validation import admit
+from resources.errors import IdempotencyConflict, SekaliError, ValidationError
 from resources.storage.db import shared_database
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = sub.add_parser("enqueue", help="write a job request for the intake sensor")
     parser.add_argument("job_type", help="charge_payment, send_email, reserve_inventory, ...")
-    parser.add_argument("--payload", required=True, help="the payload as a JSON object")
+    parser.add_argument(
+        "--payload", required=True, help="the payload: JSON text, @FILE, or - for stdin"
+    )
     parser.add_argument("--key", help="idempotency key (default: the job type's key)")
     parser.add_argument("--correlation-id", dest="correlation_id")
     parser.add_argument("--url", help="app database URL (default: DATABASE_URL or embedded)")
     parser.set_defaults(func=_enqueue)
 
 
-def _enqueue(args: argparse.Namespace) -> int:
+def read_payload(value: str) -> str:
+    """The payload text ``--payload`` names: itself, a file (``@path``) or stdin (``-``).
+    Raises OSError when the file cannot be read."""
+    if value == "-":
+        data = sys.stdin.buffer.read()
+    elif value.startswith("@"):
+        data = Path(value[1:]).read_bytes()
+    else:
+        return value
+    return data.decode("utf-8", "surrogateescape")
 
+
+def _enqueue(args: argparse.Namespace) -> int:
+    try:
+        payload = read_payload(args.payload)
+    except OSError as exc:
+        print(f"error: --payload {args.payload}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
     db = shared_database(args.url) if args.url else None
+    if not getattr(args, "verbose", False):
+        # A refusal is this command's answer, printed once below, not also as a log line.
+        logging.getLogger(admit.__module__).setLevel(logging.ERROR)
     try:
         result = enqueue(
-            args.job_type, args.payload, key=args.key, correlation_id=args.correlation_id, db=db
+            args.job_type,
+            payload,
+            key=args.key,
+            correlation_id=args.correlation_id,
+            db=db,
+            source="cli",
         )
     except ValidationError as exc:
-        print(f"error: field {exc.field!r}: {exc} (kept in job_rejections)", file=sys.stderr)
+        kept = f"rejection {exc.rejection_id}" if exc.rejection_id else "job_rejections"
+        print(f"error: field {exc.field!r}: {_one_line(exc)} (kept as {kept})", file=sys.stderr)
         return 2
     except IdempotencyConflict as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {_one_line(exc)}", file=sys.stderr)
         return 3
+    except SekaliError as exc:
+        print(f"error: {_one_line(exc)}", file=sys.stderr)
+        return 1
     outcome = "created" if result.created else "duplicate"
     print(f"request {result.id} key={result.key} status={result.status} ({outcome})")
     return 0
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()).encode("utf-8", "backslashreplace").decode("utf-8")

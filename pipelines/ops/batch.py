@@ -32,11 +32,12 @@ import dagster as dg
 
 from pipelines import tags as tag
 from pipelines.failures import FailurePath, error_text
-from pipelines.ops.failures import run_request_step
+from pipelines.ops.failures import admit_step_request, run_request_step
 from pipelines.profile import RequestsResource
 from pipelines.requests import RequestStore
 from pipelines.runtime import execute_request
 from pipelines.services import Services
+from pipelines.validation import admit_request_row
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +80,7 @@ def run_batch(
             continue
         path = FailurePath(attempt=attempt, retries_here=False)
         try:
+            admit_request_row(store, request, source="micro_batch")
             outcome = execute_request(
                 request.job_type,
                 request.payload,
@@ -159,6 +161,11 @@ def execute_fanned_request(context: dg.OpExecutionContext, request_id: int) -> s
     request = store.get(request_id)
     if request is None:
         raise dg.Failure(f"job request {request_id} does not exist", allow_retries=False)
+    admit_step_request(
+        context, Services.from_context(context), job_type=request.job_type,
+        payload=request.payload, key=request.key, step=context.op.name, source="fan_out",
+        request_id=request.id, correlation_id=request.correlation_id,
+    )
     if not store.mark_running(request.id, run_id=context.run_id):
         return "skipped"
     outcome = run_request_step(

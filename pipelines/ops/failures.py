@@ -21,6 +21,7 @@ from pipelines.registry import JOB_TYPES
 from pipelines.requests import RequestStore
 from pipelines.runtime import RequestOutcome, execute_request
 from pipelines.services import Services
+from pipelines.validation import ValidationError, admit, check_id
 from resources.dagster_resources import dagster_signal
 from resources.retry import RetryPolicy
 from resources.telemetry.tracing import SpanKind, inject, span, trace_id_of, tracing_enabled
@@ -140,6 +141,63 @@ def _run(
     if requests is not None and request_id is not None:
         requests.mark_completed(request_id, run_id=context.run_id)
     return outcome
+
+
+def admit_step_request(
+    context: dg.OpExecutionContext,
+    services: Services,
+    *,
+    job_type: str,
+    payload: Any,
+    key: Any,
+    step: str,
+    source: str,
+    request_id: Any = None,
+    correlation_id: Any = None,
+) -> None:
+    """The validation boundary before a step runs a request it did not get from ``enqueue`` (a
+    run's config, a request read back by a batch step). A refusal runs nothing: it is kept in
+    ``job_rejections``, recorded as a ``failed_permanent`` attempt, the request (if any) is
+    marked failed, and the step fails without a retry (``Failure(allow_retries=False)`` through
+    the one failure path). ``job_type`` is the step's own (never the caller's input)."""
+    requests = RequestStore(services.db)
+    if callable(getattr(payload, "model_dump", None)):  # a typed run config's payload model
+        payload = payload.model_dump(mode="json")
+    try:
+        admit(
+            requests,
+            job_type,
+            payload,
+            key,
+            source=source,
+            request_id=request_id,
+            correlation_id=correlation_id,
+        )
+    except ValidationError as exc:
+        path = failure_path(context, services, job_type, step)
+        row_id = request_id if request_id is not None and _is_row_id(request_id) else None
+        record = services.attempts.new(  # the refused attempt is recorded too (invariant 6)
+            job_type, attempt=context.retry_number, run_id=context.run_id, step=step,
+            request_id=row_id,
+        )
+        services.attempts.finish(
+            record, path.outcome(exc), error=exc, error_kind=str(path.decide(exc).error_class)
+        )
+        if row_id is not None:
+            path.settle_request(requests, row_id, exc, run_id=context.run_id)
+        with contextlib.suppress(Exception):  # run history only: the refusal stands regardless
+            context.instance.add_run_tags(
+                context.run_id, {tag.OUTCOME: str(tag.RunOutcome.FAILED)}
+            )
+        raise signal(path, exc) from exc
+
+
+def _is_row_id(value: Any) -> bool:
+    try:
+        check_id("request_id", value)
+    except ValidationError:
+        return False
+    return True
 
 
 def signal(path: FailurePath, exc: BaseException) -> Exception:

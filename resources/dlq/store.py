@@ -19,10 +19,17 @@ Guarantees (SQLite and Postgres alike):
   caller with a new replay number, so ``dlq-replay:{id}:{n}`` run keys never repeat a replay.
 - Records are never dropped while open: :meth:`DlqStore.purge` deletes only resolved or discarded
   ones past their retention.
+- Whatever a failure holds, it is stored (SQLite and Postgres): NUL and lone surrogates in its
+  text are escaped, every text column is bounded (message 4,000 bytes, trace 16,000, ids and
+  keys a few hundred), and a payload, run config or tags whose JSON text is larger than
+  :data:`JSON_LIMIT_FACTOR` times ``InputLimits.payload_bytes`` (or has no JSON text) is kept as
+  a ``{"sekali_truncated": ...}`` object with its size, sha256 and excerpt. A key too long or
+  escaped is kept as a prefix and a hash of the whole, so distinct keys stay distinct.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import re
@@ -38,7 +45,8 @@ from sqlalchemy.engine import Connection
 from resources.errors import SekaliError
 from resources.retry.classify import FailureClass
 from resources.storage.db import Database, metadata
-from resources.storage.json_text import from_text, to_text
+from resources.storage.json_text import digest, from_text, storable, storable_key, to_text
+from resources.storage.settings import InputLimits
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +153,7 @@ def top_frame(stack: Sequence[str] | str | None) -> str:
 def fingerprint(error_type: str, message: str, frame: str) -> str:
     """Groups failures with one cause: exception type + normalised message + top frame."""
     raw = f"{error_type}|{normalise_message(message)}|{frame}"
-    return hashlib.sha256(raw.encode()).hexdigest()[:16]
+    return hashlib.sha256(raw.encode("utf-8", "surrogatepass")).hexdigest()[:16]
 
 
 # -- records -----------------------------------------------------------------------------------
@@ -188,6 +196,38 @@ def dedupe_key_for(
     if idempotency_key:
         return f"key:{job_type}:{idempotency_key}"
     return f"run:{run_id}:{step}"
+
+
+JSON_LIMIT_FACTOR = 4
+"""A stored payload, run config or tags may be this many times ``InputLimits.payload_bytes``:
+every payload the boundary accepts fits, even written with ASCII escapes."""
+
+_KEY_BYTES = 1024  # dedupe and idempotency keys: well under Postgres's 2,704-byte index row
+_ID_BYTES = 256  # job type, run id, step, error type, correlation id, actor
+_DETAIL_BYTES = 2000
+_MESSAGE_BYTES = 4000
+_TRACE_BYTES = 16000
+
+
+def storable_failure(info: FailureInfo) -> FailureInfo:
+    """``info`` with every text field storable on both databases and bounded."""
+
+    def ident(value: str | None, limit: int = _ID_BYTES) -> str | None:
+        return None if value is None else storable(value, limit)
+
+    return dataclasses.replace(
+        info,
+        job_type=storable(info.job_type, _ID_BYTES),
+        dedupe_key=storable_key(info.dedupe_key, _KEY_BYTES),
+        error_type=storable(info.error_type, _ID_BYTES),
+        message=storable(info.message, _MESSAGE_BYTES),
+        run_id=storable(info.run_id, _ID_BYTES),
+        step=storable(info.step, _ID_BYTES),
+        frame=storable(info.frame, _ID_BYTES),
+        trace=storable(info.trace, _TRACE_BYTES),
+        idempotency_key=ident(info.idempotency_key, _KEY_BYTES),
+        correlation_id=ident(info.correlation_id),
+    )
 
 
 @dataclass(frozen=True)
@@ -369,14 +409,19 @@ RETURNING {_COLUMNS}
 class DlqStore:
     """The DLQ over a :class:`Database`. Thread-safe; share one per process."""
 
-    def __init__(self, db: Database, *, clock: Clock = time.time) -> None:
+    def __init__(
+        self, db: Database, *, clock: Clock = time.time, limits: InputLimits | None = None
+    ) -> None:
         self.db = db
         self.clock = clock
+        self.json_limit = JSON_LIMIT_FACTOR * (limits or InputLimits.from_env()).payload_bytes
 
     # -- dead-lettering ---------------------------------------------------------------------
 
     def record_failure(self, info: FailureInfo, *, actor: str = "dlq_sensor") -> RecordedFailure:
-        """Create or update the record for ``info``; a run seen before changes nothing."""
+        """Create or update the record for ``info``; a run seen before changes nothing.
+        Any text is stored, escaped and bounded (module docstring)."""
+        info = storable_failure(info)
         now = self.clock()
         failed_at = info.failed_at if info.failed_at is not None else now
         params = {
@@ -386,14 +431,14 @@ class DlqStore:
             "request_id": info.request_id,
             "run_id": info.run_id,
             "step": info.step,
-            "payload": None if info.payload is None else to_text(info.payload),
-            "run_config": to_text(info.run_config),
-            "tags": to_text(info.tags),
+            "payload": None if info.payload is None else self._json(info.payload),
+            "run_config": self._json(info.run_config),
+            "tags": self._json(info.tags),
             "eclass": str(info.error_class),
             "etype": info.error_type,
             "fp": info.fingerprint,
-            "msg": info.message[:4000],
-            "trace": info.trace[:16000],
+            "msg": info.message,
+            "trace": info.trace,
             "failed_at": failed_at,
             "cid": info.correlation_id,
             "now": now,
@@ -578,9 +623,13 @@ class DlqStore:
             ).all()
         return sorted((DlqRecord.from_row(r) for r in rows), key=lambda r: r.id)
 
-    def refuse_replay(self, record_id: int, *, actor: str, detail: str) -> bool:
+    def refuse_replay(
+        self, record_id: int, *, actor: str, detail: str, error_class: FailureClass | None = None
+    ) -> bool:
         """A ``replaying`` record whose replay run cannot be built goes back to ``open`` (it
-        would otherwise stay ``replaying`` for good); ``detail`` says why, for the operator."""
+        would otherwise stay ``replaying`` for good); ``detail`` says why, for the operator.
+        ``error_class``: the record's class from now on (``permanent`` when the stored request
+        itself is refused: replaying it again cannot help)."""
         return self._move(
             record_id,
             _D.OPEN,
@@ -588,6 +637,7 @@ class DlqStore:
             action="replay_refused",
             detail=detail,
             sources=[str(_D.REPLAYING)],
+            error_class=error_class,
         )
 
     def resolve(self, record_id: int, *, actor: str, detail: str = "") -> bool:
@@ -605,7 +655,9 @@ class DlqStore:
 
     def find(self, dedupe_key: str) -> DlqRecord | None:
         with self.db.statement() as conn:
-            row = self._select(conn, "dedupe_key = :k", {"k": dedupe_key}, lock=False)
+            row = self._select(
+                conn, "dedupe_key = :k", {"k": storable_key(dedupe_key, _KEY_BYTES)}, lock=False
+            )
         return None if row is None else DlqRecord.from_row(row)
 
     def list_records(
@@ -738,6 +790,25 @@ class DlqStore:
 
     # -- internals --------------------------------------------------------------------------
 
+    def _json(self, value: Any) -> str:
+        """``value``'s JSON text (ASCII: escapes keep NUL and surrogates storable), or, past
+        :attr:`json_limit` or without a JSON text, a small object that says what it was."""
+        try:
+            stored = to_text(value)
+        except Exception:  # noqa: BLE001 - cycles, nesting past the recursion limit, bad keys
+            stored = None
+        if stored is not None and len(stored) <= self.json_limit:
+            return stored
+        described = digest(value, 1024)
+        return to_text(
+            {
+                "sekali_truncated": True,
+                "size": described.size,
+                "sha256": described.sha256,
+                "excerpt": described.excerpt,
+            }
+        )
+
     def _select(self, conn: Connection, where: str, params: dict[str, Any], *, lock: bool) -> Any:
         suffix = " FOR UPDATE" if lock and self.db.is_postgres else ""
         return conn.execute(
@@ -753,6 +824,7 @@ class DlqStore:
         action: str,
         detail: str = "",
         sources: Sequence[str] | None = None,
+        error_class: FailureClass | None = None,
     ) -> bool:
         now = self.clock()
         with self.db.transaction() as conn:
@@ -762,12 +834,14 @@ class DlqStore:
             moved = conn.execute(
                 text(
                     "UPDATE dlq_records SET status = :target, status_changed_at = :now,"
+                    " error_class = COALESCE(:eclass, error_class),"
                     " updated_at = :now WHERE id = :id AND status IN :sources"
                 ).bindparams(bindparam("sources", expanding=True)),
                 {
                     "target": str(target),
                     "now": now,
                     "id": record_id,
+                    "eclass": None if error_class is None else str(error_class),
                     "sources": list(sources) if sources is not None else sources_of(target),
                 },
             ).rowcount
@@ -803,10 +877,10 @@ class DlqStore:
             {
                 "rid": record_id,
                 "action": action,
-                "actor": actor,
+                "actor": storable(actor, _ID_BYTES),
                 "f": None if from_status is None else str(from_status),
                 "t": None if to_status is None else str(to_status),
-                "detail": detail,
+                "detail": None if detail is None else storable(detail, _DETAIL_BYTES),
                 "at": now,
             },
         )

@@ -164,3 +164,53 @@ class Settings:
             smtp_port=int(os.environ.get("SEKALI_SMTP_PORT", "8025")),
             rates=rate_texts(os.environ),
         )
+
+
+# -- input limits ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class InputLimits:
+    """What the validation boundary accepts (``pipelines/validation.py``); each limit is named in
+    the error that refuses it. Each is read from its environment variable (:data:`LIMIT_ENV`)
+    when asked. Why these numbers: docs/design.md, "Bad input".
+
+    - ``payload_bytes``: the payload's JSON text in UTF-8 (256 KiB; a job request names an
+      intent, it does not carry files).
+    - ``max_depth``: nesting of objects and arrays (32; the job types use 3).
+    - ``key_length``: characters of an idempotency key, and of any object key in a payload
+      (512: at 4 bytes a character, 2 KiB, under Postgres's 2,704-byte index row).
+    - ``id_length``: characters of a job type, a correlation id, a run id (128).
+    - ``string_length``: characters of one string in a payload (64 Ki).
+    - ``excerpt_bytes``: how much of a refused payload a rejection keeps (1 KiB), beside the
+      size and sha256 of the whole.
+    """
+
+    payload_bytes: int = 256 * 1024
+    max_depth: int = 32
+    key_length: int = 512
+    id_length: int = 128
+    string_length: int = 64 * 1024
+    excerpt_bytes: int = 1024
+
+    @classmethod
+    def from_env(cls) -> InputLimits:
+        defaults = cls()
+        values: dict[str, int] = {}
+        for name, variable in LIMIT_ENV.items():
+            raw = os.environ.get(variable)
+            value = int(raw) if raw else getattr(defaults, name)
+            if value < 1:
+                raise ValueError(f"{variable}={raw!r}: a limit must be a whole number >= 1")
+            values[name] = value
+        return cls(**values)
+
+
+LIMIT_ENV = {
+    "payload_bytes": "SEKALI_MAX_PAYLOAD_BYTES",
+    "max_depth": "SEKALI_MAX_DEPTH",
+    "key_length": "SEKALI_MAX_KEY_LENGTH",
+    "id_length": "SEKALI_MAX_ID_LENGTH",
+    "string_length": "SEKALI_MAX_STRING_LENGTH",
+    "excerpt_bytes": "SEKALI_REJECTION_EXCERPT_BYTES",
+}

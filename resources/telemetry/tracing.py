@@ -184,14 +184,18 @@ def set_attributes(**attributes: Any) -> None:
         trace.get_current_span().set_attributes(_attributes(attributes))
 
 
+MAX_ATTRIBUTE_CHARS = 256
+"""Attribute values are cut to this: a hostile key must not become a 10 MB span."""
+
+
 def _attributes(attributes: Mapping[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in attributes.items():
         if value is None:
             continue
-        out[key if "." in key else f"sekali.{key}"] = (
-            value if isinstance(value, str | bool | int | float) else str(value)
-        )
+        if not isinstance(value, bool | int | float):
+            value = str(value)[:MAX_ATTRIBUTE_CHARS]
+        out[key if "." in key else f"sekali.{key}"] = value
     return out
 
 

@@ -1,0 +1,113 @@
+"""``sekali rejections list | show``: the requests the validation boundary refused.
+
+- ``list [--job-type T] [--source S] [--limit N] [--json]``: newest first (50 by default), with
+  the way in (enqueue, cli, run_config, dlq_replay, micro_batch, fan_out), the field and the
+  error.
+- ``show ID [--json]``: one rejection in full: the excerpt of the payload as stored (at most
+  ``InputLimits.excerpt_bytes``), the size and sha256 of the whole payload, the key.
+
+``--json`` prints only JSON on stdout; times are ISO-8601 (UTC). Exit codes: 0 shown, 2 bad
+usage or no such rejection (one line on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import sys
+from typing import Any
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from pipelines.commands.arguments import record_id
+from pipelines.requests import RequestStore
+from resources.storage.db import shared_database
+from resources.storage.settings import Settings
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = sub.add_parser("rejections", help="see the requests the intake refused")
+    rejections_sub = parser.add_subparsers(dest="rejections_command", required=True)
+
+    p_list = rejections_sub.add_parser("list", help="refused requests, newest first")
+    p_list.add_argument("--job-type", dest="job_type")
+    p_list.add_argument("--source", help="the way in: enqueue, cli, run_config, dlq_replay, ...")
+    p_list.add_argument("--limit", type=record_id, default=50, help="at most this many (50)")
+    p_list.add_argument("--json", action="store_true")
+    p_list.add_argument("--url", help="app database URL (default: DATABASE_URL or embedded)")
+    p_list.set_defaults(func=_list)
+
+    p_show = rejections_sub.add_parser("show", help="one refused request in full")
+    p_show.add_argument("id", type=record_id)
+    p_show.add_argument("--json", action="store_true")
+    p_show.add_argument("--url", help="app database URL (default: DATABASE_URL or embedded)")
+    p_show.set_defaults(func=_show)
+
+
+def _console() -> Console:
+    """Plain output: what a refused request holds is never read as rich markup or emoji. Piped
+    or captured output gets wide lines instead of 80 columns of wrapped cells."""
+    width = None if sys.stdout.isatty() else 200
+    return Console(highlight=False, markup=False, emoji=False, width=width)
+
+
+def _store(args: argparse.Namespace) -> RequestStore:
+    return RequestStore(shared_database(args.url or Settings.from_env().database_url))
+
+
+def _view(row: dict[str, Any]) -> dict[str, Any]:
+    """A rejection as the CLI shows it: ``created_at`` in ISO-8601 (UTC)."""
+    at = dt.datetime.fromtimestamp(float(row["created_at"]), tz=dt.UTC)
+    return {**row, "created_at": at.isoformat(timespec="seconds")}
+
+
+def _list(args: argparse.Namespace) -> int:
+    rows = _store(args).rejections(
+        args.job_type, source=args.source, limit=args.limit, newest_first=True
+    )
+    views = [_view(r) for r in rows]
+    if args.json:
+        print(json.dumps([_summary(v) for v in views], indent=2))
+        return 0
+    if not views:
+        print("no rejections match")
+        return 0
+    table = Table(box=box.SIMPLE_HEAD)
+    for name in ("id", "at", "source", "job type", "field", "size"):
+        table.add_column(name, no_wrap=True, justify="right" if name in ("id", "size") else "left")
+    table.add_column("error", ratio=1)
+    for v in views:
+        table.add_row(
+            str(v["id"]), v["created_at"], v["source"] or "", v["job_type"], v["field"],
+            "" if v["payload_size"] is None else str(v["payload_size"]), v["error"][:120],
+        )
+    _console().print(table)
+    return 0
+
+
+def _summary(view: dict[str, Any]) -> dict[str, Any]:
+    return {k: view[k] for k in ("id", "created_at", "source", "job_type", "key", "field",
+                                 "error", "payload_size", "payload_sha256")}
+
+
+def _show(args: argparse.Namespace) -> int:
+    row = _store(args).rejection(args.id)
+    if row is None:
+        print(f"error: no rejection {args.id}; see `sekali rejections list`", file=sys.stderr)
+        return 2
+    view = _view(row)
+    if args.json:
+        print(json.dumps(view, indent=2))
+        return 0
+    table = Table.grid(padding=(0, 2))
+    table.add_column(justify="right", style="bold")
+    table.add_column()
+    for name in ("id", "created_at", "source", "job_type", "key", "field", "error",
+                 "payload_size", "payload_sha256", "payload"):
+        value = view[name]
+        table.add_row(name, "" if value is None else str(value))
+    _console().print(table)
+    return 0
