@@ -29,7 +29,7 @@ import dagster as dg
 
 from pipelines import tags as tag
 from pipelines.jobs.base import JobType
-from pipelines.ops.failures import admit_step_request, run_request_step
+from pipelines.ops.failures import admit_run_config, run_request_step
 from pipelines.requests import RequestStore
 from pipelines.services import Services
 
@@ -68,11 +68,7 @@ def request_op(jt: JobType) -> dg.OpDefinition:
     )
     def _op(context: dg.OpExecutionContext, config: RequestConfig) -> dict[str, Any]:
         services = Services.from_context(context)
-        admit_step_request(
-            context, services, job_type=jt.name, payload=config.payload, key=config.key,
-            step=jt.op_name, source="run_config", request_id=config.request_id,
-            correlation_id=config.correlation_id,
-        )
+        admit_run_config(context, services, jt.name, config, step=jt.op_name)
         run_id = context.run_id
         correlation_id = (
             config.correlation_id or context.run.tags.get(tag.CORRELATION_ID) or run_id
