@@ -478,8 +478,9 @@ def _replay_or_refuse(
     request the validation boundary refuses is refused for good: the record becomes
     ``permanent`` (a replay cannot help; fix and re-enqueue, or discard)."""
     try:
+        if record.job_type in JOB_TYPES:  # the request of a per-request job: the boundary first
+            admit_replay(record, RequestStore(store.db))
         run_request = replay_run_request(record, jobs)
-        admit_replay(record, RequestStore(store.db))
     except ReplayNotBuildable as exc:
         log.warning("replay of DLQ record %d refused: %s", record.id, exc)
         store.refuse_replay(record.id, actor="dlq_replay_sensor", detail=str(exc)[:2000])

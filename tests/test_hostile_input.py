@@ -36,7 +36,7 @@ from pipelines.commands import enqueue as enqueue_command
 from pipelines.domain.inventory import Inventory
 from pipelines.intake import enqueue
 from pipelines.ops.batch import run_batch
-from pipelines.ops.failures import admit_step_request
+from pipelines.ops.failures import admit_run_config
 from pipelines.requests import JobRequest, RequestStatus, RequestStore
 from pipelines.services import Services
 from pipelines.validation import admit_request_row
@@ -510,12 +510,11 @@ class Entry:
                    correlation_id: Any) -> bool:
         known = isinstance(job_type, str) and job_type in MATCHING
         name = job_type if known else "charge_payment"  # the op's own type, never the input
+        config = types.SimpleNamespace(  # what the op's config object carries
+            payload=payload, key=key, request_id=request_id, correlation_id=correlation_id
+        )
         try:
-            admit_step_request(
-                self.context, self.services, job_type=name, payload=payload, key=key,
-                step=f"{name}_op", source="run_config", request_id=request_id,
-                correlation_id=correlation_id,
-            )
+            admit_run_config(self.context, self.services, name, config, step=f"{name}_op")
         except dg.Failure as exc:
             assert isinstance(exc.__cause__, ValidationError)
             assert exc.allow_retries is False

@@ -143,6 +143,25 @@ def _run(
     return outcome
 
 
+def admit_run_config(
+    context: dg.OpExecutionContext, services: Services, job_type: str, config: Any, step: str
+) -> None:
+    """:func:`admit_step_request` for a per-request op's run config (the Launchpad's, or the
+    one a sensor built): its ``payload`` (a map, or a typed config's payload model), ``key``,
+    ``request_id`` and ``correlation_id``, whatever config class carries them."""
+    admit_step_request(
+        context,
+        services,
+        job_type=job_type,
+        payload=getattr(config, "payload", None),
+        key=getattr(config, "key", None),
+        step=step,
+        source="run_config",
+        request_id=getattr(config, "request_id", None),
+        correlation_id=getattr(config, "correlation_id", None),
+    )
+
+
 def admit_step_request(
     context: dg.OpExecutionContext,
     services: Services,

@@ -39,7 +39,7 @@ import pydantic
 from pipelines import tags as tag
 from pipelines.attempts import Outcome
 from pipelines.jobs.base import JobType, PayloadField
-from pipelines.ops.failures import admit_step_request, run_request_step
+from pipelines.ops.failures import admit_run_config, run_request_step
 from pipelines.registry import get_job_type
 from pipelines.requests import RequestStore
 from pipelines.services import Services
@@ -208,11 +208,7 @@ def request_op(jt: JobType) -> dg.OpDefinition:
     ) -> dict[str, Any]:
         request: RequestConfig = config
         services = Services.from_context(context)
-        admit_step_request(
-            context, services, job_type=jt.name, payload=payload_of(request), key=request.key,
-            step=jt.op_name, source="run_config", request_id=request.request_id,
-            correlation_id=request.correlation_id,
-        )
+        admit_run_config(context, services, jt.name, config, step=jt.op_name)
         run_id = context.run_id
         payload = payload_of(request)
         key = _key_of(jt, request, payload)
