@@ -20,7 +20,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -30,6 +30,7 @@ from sqlalchemy import BigInteger, Column, Float, Integer, Table, Text, text
 
 from resources.storage.db import Database, metadata
 from resources.storage.queries import load_queries
+from resources.storage.retention import Expiry
 
 logger = logging.getLogger(__name__)
 
@@ -249,6 +250,19 @@ class AttemptRecorder:
         with self.db.statement() as conn:
             value = conn.execute(text(_Q["first_started"]), {"run": run_id, "step": step}).scalar()
         return None if value is None else float(value)
+
+    def expired(self, older_than: float, *, keep: Sequence[str] = ()) -> Expiry:
+        """Attempts started more than ``older_than`` seconds ago, except those a ``keep``
+        condition over ``job_attempts`` holds (the attempts of a request or key still
+        unresolved: the evidence an operator reads before replaying). Purge with
+        ``.purge(db)``, count with ``.count(db)``."""
+        return Expiry.of(
+            "job_attempts",
+            "attempt_id",
+            "started_at <= :cutoff",
+            {"cutoff": self.clock() - older_than},
+            keep=keep,
+        )
 
     def all(self, job_type: str | None = None) -> list[dict[str, Any]]:
         where, params = ("WHERE job_type = :jt", {"jt": job_type}) if job_type else ("", {})

@@ -35,6 +35,7 @@ from pipelines import tags as tag
 from pipelines.ops import all_jobs
 from pipelines.registry import JOB_TYPES, get_job_type
 from pipelines.requests import RequestStore
+from pipelines.retention import resolve_completed_dead_letters
 from resources.dagster_resources import DlqResource
 from resources.dlq import (
     DlqRecord,
@@ -46,6 +47,7 @@ from resources.dlq import (
     dedupe_key_for,
     top_frame,
 )
+from resources.idempotency import IdempotencyStore
 
 log = logging.getLogger(__name__)
 
@@ -499,6 +501,16 @@ def build_dlq_replay_sensor(
     def _sensor(context: dg.SensorEvaluationContext, dlq: DlqResource) -> dg.SensorResult:
         store = dlq.get_store()
         resolved, reopened = settle_replays(context.instance, store)
+        # a requested record whose key completed meanwhile: its intent is done, launch nothing
+        resolved += len(
+            resolve_completed_dead_letters(
+                store,
+                IdempotencyStore(store.db),
+                RequestStore(store.db),
+                actor="dlq_replay_sensor",
+                statuses=[DlqStatus.REPLAY_REQUESTED],
+            )
+        )
         now = clock()
         state = json.loads(context.cursor) if context.cursor else None
         allowed, tokens = rate.allowance(state, now)

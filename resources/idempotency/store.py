@@ -34,13 +34,13 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from enum import StrEnum
 from typing import Any
 
-from sqlalchemy import BigInteger, Column, Float, Integer, Table, Text, text
+from sqlalchemy import BigInteger, Column, Float, Integer, Table, Text, bindparam, text
 from sqlalchemy.engine import Connection
 
 from resources.errors import (
@@ -50,6 +50,7 @@ from resources.errors import (
     SekaliError,
     StoredFailure,
 )
+from resources.storage import retention
 from resources.storage.db import Database, metadata
 from resources.storage.json_text import canonical, from_text, to_text
 from resources.storage.migrations import upgrade
@@ -86,7 +87,8 @@ class Status(StrEnum):
     in_progress     fail(transient) by the owner                           retryable
     retryable       begin                                                  in_progress
     failed          reset by an operator (DLQ replay)                      retryable
-    completed       purge after retention                                  (absent)
+    completed       purge after retention, unless something unresolved     (absent)
+                    still names the key (``purge(keep=...)``)
     ==============  =====================================================  ==================
     """
 
@@ -451,28 +453,66 @@ class IdempotencyStore:
             ).first()
         return None if row is None else Record.from_row(row)
 
-    def purge(self, older_than: float | timedelta | None = None) -> int:
+    def purge(
+        self,
+        older_than: float | timedelta | None = None,
+        *,
+        keep: Sequence[str] = (),
+        batch_size: int = retention.BATCH_SIZE,
+        max_batches: int = retention.MAX_BATCHES,
+    ) -> int:
         """Delete completed records past retention; never in-progress, failed or retryable ones.
+        Returns how many were deleted (in batches: :mod:`resources.storage.retention`).
 
         With ``older_than``, also completed records last updated before ``now - older_than``.
-        Returns how many were deleted.
+        ``keep`` holds SQL conditions over ``idempotency_records.key`` that keep a record
+        (written by the owners of what references a key: an open DLQ record, an unfinished
+        request), so a key that an unresolved failure may still replay is never forgotten.
         """
+        return self.expired(older_than, keep=keep).purge(
+            self.db, batch_size=batch_size, max_batches=max_batches
+        )
+
+    def expired(
+        self, older_than: float | timedelta | None = None, *, keep: Sequence[str] = ()
+    ) -> retention.Expiry:
+        """What :meth:`purge` with the same arguments deletes now."""
         now = self.clock()
-        if older_than is None:
-            where, params = "retention_expires_at <= :now", {"now": now}
-        else:
+        params = {"now": now}
+        expired = "retention_expires_at <= :now"
+        if older_than is not None:
             seconds = (
                 older_than.total_seconds() if isinstance(older_than, timedelta) else older_than
             )
-            where = "(retention_expires_at <= :now OR updated_at <= :cutoff)"
-            params = {"now": now, "cutoff": now - seconds}
-        with self.db.statement() as conn:
-            return int(
-                conn.execute(
-                    text(f"DELETE FROM idempotency_records WHERE status = 'completed' AND {where}"),
-                    params,
-                ).rowcount
-            )
+            expired = f"({expired} OR updated_at <= :cutoff)"
+            params["cutoff"] = now - seconds
+        return retention.Expiry.of(
+            "idempotency_records", "key", f"status = 'completed' AND {expired}", params, keep=keep
+        )
+
+    def completed(self, keys: Sequence[str]) -> dict[str, Record]:
+        """The records of ``keys`` that are completed, by key (absent keys are left out)."""
+        out: dict[str, Record] = {}
+        for i in range(0, len(keys), 500):
+            with self.db.statement() as conn:
+                rows = conn.execute(
+                    text(
+                        f"SELECT {_COLUMNS} FROM idempotency_records"
+                        " WHERE key IN :keys AND status = 'completed'"
+                    ).bindparams(bindparam("keys", expanding=True)),
+                    {"keys": list(keys[i : i + 500])},
+                ).all()
+            out.update({r.key: Record.from_row(r) for r in rows})
+        return out
+
+    @staticmethod
+    def unfinished_key_reference(column: str) -> str:
+        """SQL, true while the key in ``column`` is claimed and not completed (in progress,
+        retryable or failed): what its attempts and actions still explain."""
+        return (
+            "EXISTS (SELECT 1 FROM idempotency_records i"
+            f" WHERE i.key = {column} AND i.status <> 'completed')"
+        )
 
     # -- convenience ------------------------------------------------------------------------
 
