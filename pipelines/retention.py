@@ -13,8 +13,9 @@ referencing tables and passed as ``keep`` conditions. Per table (retention field
   resolved or discarded and their request (if any) has completed or is gone;
 - ``job_attempts`` after ``attempts`` since they started, unless their request has not
   completed, or their key is not completed or has an unresolved DLQ record;
-- ``idempotency_records`` after ``idempotency`` since completion, if completed and neither an
-  unresolved DLQ record nor an unfinished request names the key;
+- ``idempotency_records`` after ``idempotency`` since completion (or, for a failed or retryable
+  key, since its failure), if neither an unresolved DLQ record nor an unfinished request names
+  the key; never one in progress;
 - ``job_rejections`` after ``rejections`` and ``report_snapshots`` after ``report_snapshots``
   (nothing references them);
 - ``outbox`` rows after ``outbox`` since publication (never unpublished ones), ``inbox`` entries
@@ -22,8 +23,8 @@ referencing tables and passed as ``keep`` conditions. Per table (retention field
 - ``reconciliation_actions`` after ``reconciliation_actions``, unless a check may still look at
   their subject (:func:`pipelines.reconciliation.expired_actions`).
 
-Requests go before the DLQ records they pin, so a finished request and its record leave in the
-same run.
+The order follows the references (requests pin DLQ records; both pin keys; all three pin
+attempts), so a finished request, its record, key and attempts leave in the same run.
 
 The ledger and the DLQ also meet here the other way round: a DLQ record can stay open for a
 request whose key completed (the worker died after the key completed and before the step
@@ -45,7 +46,7 @@ from pipelines.jobs.report import expired_snapshots
 from pipelines.registry import get_job_type
 from pipelines.requests import RequestStore
 from resources.dlq import DlqRecord, DlqStatus, DlqStore
-from resources.idempotency import IdempotencyStore, Record, payload_hash
+from resources.idempotency import IdempotencyStore, Record, Status, payload_hash
 from resources.outbox import expired_inbox, expired_outbox
 from resources.storage.db import Database
 from resources.storage.retention import Expiry, count_rows
@@ -58,8 +59,8 @@ Clock = Callable[[], float]
 SETTING = {
     "job_requests": "requests",
     "dlq_records": "dlq",
-    "job_attempts": "attempts",
     "idempotency_records": "idempotency",
+    "job_attempts": "attempts",
     "job_rejections": "rejections",
     "report_snapshots": "report_snapshots",
     "outbox": "outbox",
@@ -90,19 +91,20 @@ def expiries(
         "dlq_records": dlq.expired(
             settings.dlq, keep=[requests.unfinished_request_reference("dlq_records.request_id")]
         ),
+        "idempotency_records": ledger.expired(
+            settings.idempotency,
+            include_failed=True,
+            keep=[
+                dlq.unresolved_key_reference("idempotency_records.key"),
+                requests.unfinished_key_reference("idempotency_records.key"),
+            ],
+        ),
         "job_attempts": AttemptRecorder(db, clock=clock).expired(
             settings.attempts,
             keep=[
                 requests.unfinished_request_reference("job_attempts.request_id"),
                 dlq.unresolved_key_reference("job_attempts.idempotency_key"),
                 ledger.unfinished_key_reference("job_attempts.idempotency_key"),
-            ],
-        ),
-        "idempotency_records": ledger.expired(
-            settings.idempotency,
-            keep=[
-                dlq.unresolved_key_reference("idempotency_records.key"),
-                requests.unfinished_key_reference("idempotency_records.key"),
             ],
         ),
         "job_rejections": requests.expired_rejections(settings.rejections),
@@ -161,7 +163,9 @@ def resolve_completed_dead_letters(
     completed. A record whose payload differs from the one the key completed with (a
     conflict) or cannot be checked stays for a person. Returns the ids resolved."""
     records = [r for r in dlq.list_records(status=list(statuses)) if r.idempotency_key]
-    done = ledger.completed([r.idempotency_key for r in records if r.idempotency_key])
+    done = ledger.records(
+        [r.idempotency_key for r in records if r.idempotency_key], status=Status.COMPLETED
+    )
     resolved = []
     for record in records:
         key = record.idempotency_key or ""

@@ -9,7 +9,7 @@ Production sets ``DATABASE_URL`` (Postgres) and ``REDIS_URL`` and uses the produ
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from resources.storage.db import normalize_url
@@ -89,6 +89,10 @@ class RetentionSettings:
             for name in self.__dataclass_fields__
             if name not in ("batch_size", "max_batches")
         }
+
+    def extended(self, seconds: float) -> RetentionSettings:
+        """Every table's retention ``seconds`` longer (the doctor's slack for the schedule)."""
+        return replace(self, **{n: v + seconds for n, v in self.tables().items()})  # type: ignore[arg-type]
 
     @classmethod
     def from_env(cls) -> RetentionSettings:
