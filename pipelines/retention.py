@@ -51,6 +51,7 @@ from resources.outbox import expired_inbox, expired_outbox
 from resources.storage.db import Database
 from resources.storage.retention import Expiry, count_rows
 from resources.storage.settings import RetentionSettings
+from resources.telemetry.redact import redact
 
 log = logging.getLogger(__name__)
 
@@ -178,7 +179,7 @@ def resolve_completed_dead_letters(
             resolved.append(record.id)
             if record.request_id is not None:
                 requests.mark_completed(record.request_id)
-            log.warning("resolved DLQ record %d: %s", record.id, detail)
+            log.warning("resolved DLQ record %d: %s", record.id, redact(detail))
     return resolved
 
 

@@ -33,6 +33,7 @@ from typing import Any
 from pipelines.attempts import Attempt, Outcome
 from pipelines.failures import FailurePath
 from pipelines.jobs.base import JobContext
+from pipelines.privacy import personal_values
 from pipelines.registry import get_job_type
 from pipelines.services import Services
 from resources.errors import AlreadyInProgress, LeaseLost, StoredFailure
@@ -73,6 +74,7 @@ def execute_request(
     """Run one request of ``job_type`` once per key. See the module docstring."""
     jt = get_job_type(job_type)
     decide = decide or FailurePath(attempt=attempt).outcome
+    personal = personal_values(jt, payload)
     record = services.attempts.new(
         jt.name,
         attempt=attempt,
@@ -81,6 +83,7 @@ def execute_request(
         correlation_id=correlation_id,
         request_id=request_id,
         idempotency_key=key,
+        personal=personal,
     )
     try:
         clean = jt.validate(dict(payload or {}))

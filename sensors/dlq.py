@@ -33,6 +33,7 @@ from dagster import DagsterEventType, DagsterRunStatus, RunsFilter
 
 from pipelines import tags as tag
 from pipelines.ops import all_jobs
+from pipelines.privacy import mask_failure
 from pipelines.registry import JOB_TYPES, get_job_type
 from pipelines.requests import RequestStore
 from pipelines.retention import resolve_completed_dead_letters
@@ -230,7 +231,8 @@ def dead_letter_run(
     if will_retry(run) or not is_job_run(run):
         return []
     recorded = [
-        store.record_failure(info, actor=actor) for info in failures_of_run(instance, run, store)
+        store.record_failure(mask_failure(info), actor=actor)
+        for info in failures_of_run(instance, run, store)
     ]
     for item in recorded:
         if item.new_failure:

@@ -60,6 +60,7 @@ class JobType:
     lock: str  # how the resource is protected: "db-row", "db-transaction", "none"
     downstream: str | None = None  # the retry-budget bucket, when an outside service is called
     description: str = ""
+    personal: frozenset[str] = frozenset()  # payload fields masked in logs, errors and views
 
     @property
     def op_name(self) -> str:

@@ -109,4 +109,5 @@ JOB_TYPE = JobType(
     lock="none",
     downstream="smtp",
     description="Send one templated mail per (template, user, date).",
+    personal=frozenset({"to"}),
 )

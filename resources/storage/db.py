@@ -60,13 +60,15 @@ def make_engine(
             pool_size=pool_size,
             max_overflow=max_overflow,
             connect_args={"timeout": 60, "check_same_thread": False},
+            hide_parameters=True,
         )
         _configure_sqlite(engine)
         return engine
     if parsed.get_backend_name() != "postgresql":
         raise ValueError(f"DATABASE_URL: unsupported backend {parsed.get_backend_name()!r}")
     return create_engine(
-        url, echo=echo, pool_size=pool_size, max_overflow=max_overflow, pool_pre_ping=True
+        url, echo=echo, pool_size=pool_size, max_overflow=max_overflow, pool_pre_ping=True,
+        hide_parameters=True,
     )
 
 

@@ -8,12 +8,10 @@ its locks and grows the WAL for as long as it runs, and a schedule that fell beh
 it worse. A batch is one short transaction of at most ``batch_size`` rows; a purge runs at most
 ``max_batches`` of them and leaves the rest for the next run (the doctor reports a backlog).
 
-Guarantee: a row is deleted only if the condition holds for it when it is deleted. Without
-child tables the statement repeats the condition on the rows it deletes, so a row that stopped
-matching after the batch was chosen (a request requeued) is left alone: Postgres re-checks it
-on the row's newest version, SQLite's ``BEGIN IMMEDIATE`` excludes every other writer. With
-child tables the batch is chosen ``FOR UPDATE SKIP LOCKED`` on Postgres, so no row changes
-between the choice and the deletes.
+Guarantee: a row is deleted only if the condition holds for it when it is deleted. A batch is
+chosen ``FOR UPDATE SKIP LOCKED`` on Postgres (SQLite's ``BEGIN IMMEDIATE`` excludes every other
+writer), so no chosen row changes before its delete, and the delete repeats the condition all
+the same; it goes by key, so a batch costs its own rows, not a scan of the table.
 """
 
 from __future__ import annotations
@@ -65,27 +63,26 @@ class Expiry:
         transactions; returns how many were deleted."""
         if batch_size < 1 or max_batches < 1:
             raise ValueError("batch_size and max_batches must be at least 1")
+        lock = " FOR UPDATE SKIP LOCKED" if db.is_postgres else ""
+        choose = text(
+            f"SELECT {self.key} FROM {self.table} WHERE {self.where} LIMIT :_batch_size{lock}"
+        )
+        single = "," not in self.key
         deleted = 0
         for _ in range(max_batches):
             with db.transaction() as conn:
-                params = {**self.params, "_batch_size": batch_size}
-                if not self.children:
-                    n = int(conn.execute(text(self._delete()), params).rowcount)
-                else:
-                    lock = " FOR UPDATE SKIP LOCKED" if db.is_postgres else ""
-                    chosen = f"{self._choose()}{lock}"
-                    ids = [row[0] for row in conn.execute(text(chosen), params)]
-                    for table, column in (*self.children, (self.table, self.key)):
-                        if ids:
-                            conn.execute(
-                                text(f"DELETE FROM {table} WHERE {column} IN :ids").bindparams(
-                                    bindparam("ids", expanding=True)
-                                ),
-                                {"ids": ids},
-                            )
-                    n = len(ids)
-            deleted += n
-            if n < batch_size:
+                rows = conn.execute(choose, {**self.params, "_batch_size": batch_size}).all()
+                keys = [row[0] if single else tuple(row) for row in rows]
+                if keys:
+                    for table, column in self.children:
+                        conn.execute(_in(f"DELETE FROM {table} WHERE {column}"), {"_keys": keys})
+                    delete = _in(
+                        f"DELETE FROM {self.table} WHERE ({self.key})", f" AND ({self.where})"
+                    )
+                    deleted += int(
+                        conn.execute(delete, {**self.params, "_keys": keys}).rowcount
+                    )
+            if len(keys) < batch_size:
                 break
         return deleted
 
@@ -95,14 +92,10 @@ class Expiry:
             sql = text(f"SELECT COUNT(*) FROM {self.table} WHERE {self.where}")
             return int(conn.execute(sql, dict(self.params)).scalar_one())
 
-    def _choose(self) -> str:
-        return f"SELECT {self.key} FROM {self.table} WHERE {self.where} LIMIT :_batch_size"
 
-    def _delete(self) -> str:
-        return (
-            f"DELETE FROM {self.table} WHERE ({self.key}) IN ({self._choose()})"
-            f" AND ({self.where})"
-        )
+def _in(head: str, tail: str = "") -> Any:
+    """``{head} IN (the chosen keys){tail}``: the delete goes by key (an index), not a scan."""
+    return text(f"{head} IN :_keys{tail}").bindparams(bindparam("_keys", expanding=True))
 
 
 def count_rows(db: Database, table: str) -> int:
