@@ -133,6 +133,7 @@ def _resources(db_url: str, smtp_port: int, tag: str) -> dict[str, Any]:
     from pipelines.profile import MailerResource, PaymentGatewayResource, RequestsResource
     from resources.dagster_resources import (
         CacheResource,
+        ConcurrencyResource,
         DatabaseResource,
         IdempotencyResource,
         LockResource,
@@ -147,6 +148,7 @@ def _resources(db_url: str, smtp_port: int, tag: str) -> dict[str, Any]:
         "gateway": PaymentGatewayResource(base_url="http://127.0.0.1:9"),
         "mailer": MailerResource(host="127.0.0.1", port=smtp_port),
         "retry": RetryResource(redis_url=REDIS_URL, budget_namespace=tag),
+        "concurrency": ConcurrencyResource(redis_url=REDIS_URL, prefix=f"{tag}:flow:limit:"),
         "requests": RequestsResource(database_url=db_url),
     }
 

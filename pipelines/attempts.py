@@ -79,6 +79,7 @@ job_attempts = Table(
     Column("status_after", Text),
     Column("correlation_id", Text),
     Column("request_id", BigInteger),
+    Column("traceparent", Text),
 )
 
 _FIELDS = [c.name for c in job_attempts.columns]
@@ -114,6 +115,7 @@ class Attempt:
     status_after: str | None = None
     correlation_id: str | None = None
     request_id: int | None = None
+    traceparent: str | None = None
     stored: bool = field(default=False, repr=False)
     personal: tuple[str, ...] = field(default=(), repr=False)  # values masked in errors and logs
 
@@ -249,6 +251,17 @@ class AttemptRecorder:
         with self.db.statement() as conn:
             row = conn.execute(text(_Q["latest_for_key"]), {"key": key}).first()
         return None if row is None else dict(row._mapping)
+
+    def effect_traceparent(self, key: str) -> str | None:
+        """The trace context of the attempt that completed ``key`` (a duplicate links to it)."""
+        with self.db.statement() as conn:
+            return conn.execute(text(_Q["effect_traceparent"]), {"key": key}).scalar()
+
+    def effect_run(self, key: str) -> str | None:
+        """The run id of the attempt that made ``key``'s effect, if a run made it."""
+        with self.db.statement() as conn:
+            value = conn.execute(text(_Q["effect_run"]), {"key": key}).scalar()
+        return None if value is None else str(value)
 
     def first_started(self, run_id: str, step: str) -> float | None:
         """When the first attempt of ``step`` in ``run_id`` began, if any was recorded."""

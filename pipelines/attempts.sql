@@ -25,8 +25,24 @@ WHERE idempotency_key = :key
 ORDER BY started_at DESC
 LIMIT 1;
 
+-- effect_run --
+-- The run of the attempt that made the effect of one key (its completed attempt).
+SELECT run_id
+FROM job_attempts
+WHERE idempotency_key = :key AND outcome = 'completed'
+ORDER BY started_at
+LIMIT 1;
+
 -- first_started --
 -- When the first attempt of one step of one run began (the retry policy's time budget).
 SELECT MIN(started_at)
 FROM job_attempts
 WHERE run_id = :run AND step = :step;
+
+-- effect_traceparent --
+-- The trace context of the attempt that made the effect of one key.
+SELECT traceparent
+FROM job_attempts
+WHERE idempotency_key = :key AND outcome = 'completed'
+ORDER BY started_at
+LIMIT 1;

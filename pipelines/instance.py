@@ -1,7 +1,7 @@
 """Prepare a Dagster home once, before anything starts in parallel.
 
 A fresh SQLite ``DAGSTER_HOME`` raced by several processes creating its schema can break for
-good (``alembic_version ... more than one head``, dagster issue #27390). So ``sekali dev`` and the
+good (``alembic_version ... more than one head``, a known Dagster bug). So ``sekali dev`` and the
 tests call :func:`prepare_dagster_home` first, in one process, under a file lock: it writes the
 ``dagster.yaml`` (unless one is there) and touches every storage so the schema exists before the
 webserver, the daemon and the run workers start.

@@ -32,6 +32,7 @@ from resources.errors import ValidationError
 from resources.storage.db import Database, shared_database
 from resources.storage.migrations import upgrade
 from resources.storage.settings import Settings
+from resources.telemetry.tracing import configure_tracing, inject, set_attributes, span
 
 log = logging.getLogger(__name__)
 
@@ -64,9 +65,26 @@ def enqueue(
     """Write a job request for ``job_type``; see the module docstring for the guarantees.
 
     ``payload`` is a dict or its JSON text. ``db`` defaults to ``DATABASE_URL`` (or the
-    embedded SQLite); with ``conn=`` the database is the connection's own.
+    embedded SQLite); with ``conn=`` the database is the connection's own. With tracing on, this
+    starts the request's trace (``sekali.enqueue``, a child of the caller's span if any) and the
+    request row keeps its context, so the run that serves it continues the same trace.
     """
+    configure_tracing()
+    with span("sekali.enqueue", job_type=job_type, idempotency_key=key):
+        result = _enqueue(job_type, payload, key, correlation_id, conn=conn, db=db)
+        set_attributes(idempotency_key=result.key, request_id=result.id, created=result.created)
+        return result
 
+
+def _enqueue(
+    job_type: str,
+    payload: dict[str, Any] | str,
+    key: str | None,
+    correlation_id: str | None,
+    *,
+    conn: Connection | None,
+    db: Database | None,
+) -> EnqueueResult:
     if db is None:
         db = Database(conn.engine) if conn is not None else _default_db()
     if conn is None:
@@ -89,6 +107,7 @@ def enqueue(
         normalised,
         queue=spec.queue,
         correlation_id=correlation_id,
+        traceparent=inject(),
         conn=conn,
     )
     log.info(

@@ -2,9 +2,9 @@
 
 The Dagster side (asset, checks, schedule) is :mod:`pipelines.assets.observability`:
 
-- ``sekali_metrics``: an asset whose materialisation metadata holds every metric as a number,
-  so the UI plots each one over time (asset page, "Plots"). ``metrics_schedule`` materialises it
-  every five minutes (stopped by default: start it in the UI or set the default status).
+- ``sekali_metrics``: an asset whose materialisation metadata holds the metrics under short
+  keys (numbers the UI plots, a table per labelled family). ``health_sensor`` publishes it and
+  the checks every five minutes (running by default).
 - ``sekali_health``: the checklist items as asset checks on ``sekali_metrics``, each with
   severity WARN or ERROR, the finding as description and the fix in metadata.
 

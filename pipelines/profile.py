@@ -9,59 +9,82 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipelines.domain.mail import SmtpMailer
-from pipelines.domain.payments import HttpPaymentGateway
+from pipelines.domain.mail import Mailer, SmtpMailer
+from pipelines.domain.payments import HttpPaymentGateway, PaymentGateway
+from pipelines.domain.rate_limited import MAIL, PAYMENT_GATEWAY, limit_gateway, limit_mailer
 from pipelines.requests import RequestStore
 from resources.dagster_resources import (
     CacheResource,
+    ConcurrencyResource,
     DatabaseResource,
     DlqResource,
     IdempotencyResource,
     LockResource,
+    RateLimitResource,
     RetryResource,
     SettingsResource,
 )
+from resources.flow import RateLimits
+
+
+def _rates(resource: SettingsResource, downstream: str, rate: str | None) -> RateLimits:
+    """The shared rates of settings, with ``rate`` (if set) for ``downstream``."""
+    rates = dict(resource.settings().rates)
+    if rate:
+        rates[downstream] = rate
+    return RateLimits(resource.redis(), rates)
 
 
 class PaymentGatewayResource(SettingsResource):
-    """The HTTP payment client. ``base_url`` defaults to ``SEKALI_GATEWAY_URL``."""
+    """The HTTP payment client. ``base_url`` defaults to ``SEKALI_GATEWAY_URL``; ``rate``
+    (``50/s,burst=20``) to ``SEKALI_RATE_PAYMENT_GATEWAY``: every call then takes a token from
+    the rate shared by all workers. Unset: unlimited."""
 
     base_url: str | None = None
     timeout: float = 5.0
     send_idempotency_key: bool = True
+    rate: str | None = None
 
-    def _build(self) -> HttpPaymentGateway:
-        return HttpPaymentGateway(
+    def _build(self) -> PaymentGateway:
+        client = HttpPaymentGateway(
             self.base_url or self.settings().gateway_url,
             timeout=self.timeout,
             send_idempotency_key=self.send_idempotency_key,
         )
+        return limit_gateway(client, _rates(self, PAYMENT_GATEWAY, self.rate))
 
-    def get_client(self) -> HttpPaymentGateway:
+    def get_client(self) -> PaymentGateway:
         return self._get()  # type: ignore[no-any-return]
 
 
 class MailerResource(SettingsResource):
-    """The SMTP mailer. ``host``/``port`` default to ``SEKALI_SMTP_HOST`` / ``SEKALI_SMTP_PORT``."""
+    """The SMTP mailer. ``host``/``port`` default to ``SEKALI_SMTP_HOST`` / ``SEKALI_SMTP_PORT``;
+    ``timeout`` bounds each socket operation, ``deadline`` a whole send; ``rate`` (``5/s``)
+    defaults to ``SEKALI_RATE_SMTP``: every send then takes a token from the rate shared by all
+    workers. Unset: unlimited."""
 
     host: str | None = None
     port: int | None = None
     sender: str = "sekali@localhost"
     timeout: float = 10.0
+    rate: str | None = None
+    deadline: float = 30.0
 
-    def _build(self) -> SmtpMailer:
+    def _build(self) -> Mailer:
         settings = self.settings()
-        return SmtpMailer(
+        mailer = SmtpMailer(
             self.host or settings.smtp_host,
             self.port or settings.smtp_port,
             sender=self.sender,
             timeout=self.timeout,
+            deadline=self.deadline,
         )
+        return limit_mailer(mailer, _rates(self, MAIL, self.rate))
 
-    def get_client(self) -> SmtpMailer:
+    def get_client(self) -> Mailer:
         return self._get()  # type: ignore[no-any-return]
 
-    def get_mailer(self) -> SmtpMailer:
+    def get_mailer(self) -> Mailer:
         return self.get_client()
 
 
@@ -94,6 +117,8 @@ def resource_defs() -> dict[str, Any]:
         "idempotency": IdempotencyResource(),
         "app_db": DatabaseResource(),
         "locks": LockResource(),
+        "concurrency": ConcurrencyResource(),
+        "rate_limits": RateLimitResource(),
         "cache": CacheResource(),
         "gateway": PaymentGatewayResource(),
         "mailer": MailerResource(),

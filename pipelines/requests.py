@@ -107,6 +107,7 @@ job_requests = Table(
     Column("attempts", Integer, nullable=False),
     Column("last_error", Text),
     Column("error_class", Text),
+    Column("traceparent", Text),
 )
 
 job_rejections = Table(
@@ -123,7 +124,7 @@ job_rejections = Table(
 
 _COLUMNS = (
     "id, job_type, key, payload, payload_hash, status, queue, correlation_id, run_key, run_id,"
-    " created_at, updated_at, attempts, last_error, error_class"
+    " created_at, updated_at, attempts, last_error, error_class, traceparent"
 )
 _Q = load_queries(Path(__file__).with_suffix(".sql"))
 
@@ -147,6 +148,7 @@ class JobRequest:
     attempts: int
     last_error: str | None
     error_class: str | None = None
+    traceparent: str | None = None
 
     @classmethod
     def from_row(cls, row: Any) -> JobRequest:
@@ -167,6 +169,7 @@ class JobRequest:
             attempts=int(m["attempts"]),
             last_error=m["last_error"],
             error_class=m["error_class"],
+            traceparent=m["traceparent"],
         )
 
 
@@ -197,8 +200,8 @@ class EnqueueResult:
 _INSERT = f"""
 INSERT INTO job_requests
     (job_type, key, payload, payload_hash, status, queue, correlation_id, created_at,
-     updated_at, attempts)
-VALUES (:job_type, :key, :payload, :hash, 'pending', :queue, :cid, :now, :now, 0)
+     updated_at, attempts, traceparent)
+VALUES (:job_type, :key, :payload, :hash, 'pending', :queue, :cid, :now, :now, 0, :traceparent)
 ON CONFLICT (key) DO NOTHING
 RETURNING {_COLUMNS}
 """
@@ -246,6 +249,7 @@ class RequestStore:
         *,
         queue: str,
         correlation_id: str | None = None,
+        traceparent: str | None = None,
         conn: Connection | None = None,
     ) -> EnqueueResult:
         """Write a pending request, or return the existing one for the same key and payload.
@@ -260,6 +264,7 @@ class RequestStore:
             "hash": given,
             "queue": queue,
             "cid": correlation_id,
+            "traceparent": traceparent,
             "now": self.clock(),
         }
         if conn is not None:

@@ -159,10 +159,13 @@ def resolve_completed_dead_letters(
     actor: str,
     statuses: Iterable[DlqStatus] = (DlqStatus.OPEN, DlqStatus.REPLAY_REQUESTED),
 ) -> list[int]:
-    """Resolve the records in ``statuses`` whose idempotency key completed with the record's
-    own payload (the intent is done: a replay could only repeat it), and mark their requests
-    completed. A record whose payload differs from the one the key completed with (a
-    conflict) or cannot be checked stays for a person. Returns the ids resolved."""
+    """Resolve the records in ``statuses`` whose idempotency key completed, and mark their
+    requests completed: the intent is done, a replay could only repeat it. Completed means
+    after the record's last failure (a late retry, a relaunch or a run launched by hand did the
+    work), or with the record's own payload (the worker died after the key completed and before
+    the step reported success). A key completed before the failure with another payload is a
+    conflict, and a record whose payload cannot be checked stays too: a person decides.
+    Returns the ids resolved."""
     records = [r for r in dlq.list_records(status=list(statuses)) if r.idempotency_key]
     done = ledger.records(
         [r.idempotency_key for r in records if r.idempotency_key], status=Status.COMPLETED
@@ -171,10 +174,18 @@ def resolve_completed_dead_letters(
     for record in records:
         key = record.idempotency_key or ""
         completed = done.get(key)
-        if completed is None or not _same_intent(record, completed):
+        if completed is None:
             continue
         when = dt.datetime.fromtimestamp(completed.updated_at, tz=dt.UTC).isoformat()
-        detail = f"its key {key} completed at {when}: the intent is done, nothing to replay"
+        if completed.updated_at > record.last_failed_at:
+            detail = f"key {key} completed elsewhere at {when}, after the last failure"
+        elif _same_intent(record, completed):
+            detail = (
+                f"key {key} completed at {when} with this payload (its worker stopped before "
+                "the step reported it): the intent is done, nothing to replay"
+            )
+        else:
+            continue
         if dlq.resolve(record.id, actor=actor, detail=detail):
             resolved.append(record.id)
             if record.request_id is not None:

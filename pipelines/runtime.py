@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,6 +41,7 @@ from pipelines.services import Services
 from resources.errors import AlreadyInProgress, LeaseLost, StoredFailure
 from resources.idempotency import Completed
 from resources.retry import ErrorClass, classify
+from resources.telemetry.tracing import inject, set_attributes, span, tracing_enabled
 
 logger = logging.getLogger(__name__)
 
@@ -70,8 +73,39 @@ def execute_request(
     correlation_id: str | None = None,
     request_id: int | None = None,
     decide: Decide | None = None,
+    traceparent: str | None = None,
 ) -> RequestOutcome:
-    """Run one request of ``job_type`` once per key. See the module docstring."""
+    """Run one request of ``job_type`` once per key. See the module docstring.
+
+    The whole attempt is the ``sekali.execute`` span (key, resource, attempt, worker, fence,
+    outcome): a child of ``traceparent`` (the request's own trace, in a batch of many) or else
+    of the caller's current span (the run's).
+    """
+    with span(
+        "sekali.execute", parent=traceparent, job_type=job_type, idempotency_key=key,
+        run_id=run_id, step=step, attempt=attempt, request_id=request_id,
+        correlation_id=correlation_id,
+        worker=f"{socket.gethostname()}:{os.getpid()}",
+    ):
+        return _execute_request(
+            job_type, payload, services=services, key=key, run_id=run_id, step=step,
+            attempt=attempt, correlation_id=correlation_id, request_id=request_id, decide=decide,
+        )
+
+
+def _execute_request(
+    job_type: str,
+    payload: dict[str, Any],
+    *,
+    services: Services,
+    key: str | None = None,
+    run_id: str | None = None,
+    step: str | None = None,
+    attempt: int = 0,
+    correlation_id: str | None = None,
+    request_id: int | None = None,
+    decide: Decide | None = None,
+) -> RequestOutcome:
     jt = get_job_type(job_type)
     decide = decide or FailurePath(attempt=attempt).outcome
     personal = personal_values(jt, payload)
@@ -83,6 +117,7 @@ def execute_request(
         correlation_id=correlation_id,
         request_id=request_id,
         idempotency_key=key,
+        traceparent=inject(),
         personal=personal,
     )
     try:
@@ -90,8 +125,10 @@ def execute_request(
         key = key or jt.key_for(clean)
         record.idempotency_key = key
         record.resource_id = jt.resource_id(clean)
+        set_attributes(idempotency_key=key, resource_id=record.resource_id)
         started = time.perf_counter()
-        claimed = services.store.begin(key, payload=clean)
+        with span("ledger.claim", idempotency_key=key):
+            claimed = services.store.begin(key, payload=clean)
         record.add_duration("claim", time.perf_counter() - started)
     except AlreadyInProgress as exc:
         _finish(services, record, Outcome.IN_PROGRESS_ELSEWHERE, exc)
@@ -104,6 +141,11 @@ def execute_request(
         raise
 
     if isinstance(claimed, Completed):
+        set_attributes(fence=claimed.fence)
+        if tracing_enabled():
+            original = services.attempts.effect_traceparent(key)
+            with span("sekali.duplicate", links=[original] if original else None):
+                set_attributes(fence=claimed.fence)
         record.fence = claimed.fence
         record.claim_attempt = claimed.attempt
         record.status_before = record.status_after = "completed"
@@ -113,6 +155,7 @@ def execute_request(
     record.fence = claimed.fence
     record.claim_attempt = claimed.attempt
     record.takeover = claimed.takeover
+    set_attributes(fence=claimed.fence, takeover=claimed.takeover)
     services.attempts.start(record)
     ctx = JobContext(
         services=services, claim=claimed, attempt=record, payload=clean,
@@ -125,7 +168,8 @@ def execute_request(
             if not ctx.completed:  # once completed, a late heartbeat's "lost" means nothing
                 keeper.check()
                 started = time.perf_counter()
-                services.store.complete(claimed, result)
+                with span("ledger.complete", idempotency_key=key, fence=claimed.fence):
+                    services.store.complete(claimed, result)
                 record.add_duration("complete", time.perf_counter() - started)
     except LeaseLost as exc:
         _finish(services, record, Outcome.LEASE_LOST, exc)
@@ -151,5 +195,6 @@ def execute_request(
 def _finish(
     services: Services, record: Attempt, outcome: str, error: BaseException | None = None
 ) -> None:
+    set_attributes(outcome=outcome)
     kind = str(classify(error)) if error is not None else None
     services.attempts.finish(record, outcome, error=error, error_kind=kind)

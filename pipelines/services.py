@@ -11,12 +11,15 @@ from typing import Any
 from pipelines.attempts import AttemptRecorder
 from pipelines.domain.mail import Mailer, SmtpMailer
 from pipelines.domain.payments import HttpPaymentGateway, PaymentGateway
+from pipelines.domain.rate_limited import limit_gateway, limit_mailer
 from resources.cache import StampedeCache
+from resources.flow import ConcurrencyLimits, RateLimits
 from resources.idempotency import IdempotencyStore
 from resources.retry import RetryBudget, RetryPolicy
 from resources.storage.db import Database, shared_database
 from resources.storage.redis import redis_client
 from resources.storage.settings import Settings
+from resources.telemetry.tracing import configure_tracing
 
 
 @dataclass
@@ -25,7 +28,8 @@ class Services:
 
     ``store.db`` and ``db`` must be the same database: handlers complete the key in the same
     transaction as the business change. ``gateway``, ``mailer``, ``cache`` and ``locks`` may be
-    None for job types that do not use them.
+    None for job types that do not use them. Without ``concurrency`` the job types' concurrency
+    keys are not enforced.
     """
 
     db: Database
@@ -37,6 +41,7 @@ class Services:
     locks: Callable[[str], Any] | None = None
     retry_policy: RetryPolicy = field(default_factory=RetryPolicy)
     retry_budget: RetryBudget | None = None
+    concurrency: ConcurrencyLimits | None = None
 
     def __post_init__(self) -> None:
         if str(self.store.db.engine.url) != str(self.db.engine.url):
@@ -58,27 +63,36 @@ class Services:
         send_idempotency_key: bool = True,
     ) -> Services:
         """Build every collaborator from ``settings`` (``Settings.from_env()`` by default).
-        Opens no connection: pools and clients connect on first use."""
+        Opens no connection: pools and clients connect on first use. The downstream clients
+        take their shared rate from ``settings.rates``; a concurrency slot's lease is at most
+        the idempotency lease, so a dead holder's slot is free by the time its work is taken
+        over."""
+        configure_tracing()
         settings = settings or Settings.from_env()
         db = shared_database(settings.database_url)
         client = redis_client(settings.redis_url)
+        rates = RateLimits(client, settings.rates)
         return cls(
             db=db,
             store=IdempotencyStore(db, lease_seconds=lease_seconds),
             attempts=AttemptRecorder(db),
-            gateway=HttpPaymentGateway(
-                settings.gateway_url, send_idempotency_key=send_idempotency_key
+            gateway=limit_gateway(
+                HttpPaymentGateway(settings.gateway_url, send_idempotency_key=send_idempotency_key),
+                rates,
             ),
-            mailer=SmtpMailer(settings.smtp_host, settings.smtp_port),
+            mailer=limit_mailer(SmtpMailer(settings.smtp_host, settings.smtp_port), rates),
             cache=StampedeCache(client, namespace=cache_namespace),
             retry_policy=retry_policy or RetryPolicy(),
             retry_budget=RetryBudget(client, namespace=budget_namespace),
+            concurrency=ConcurrencyLimits(client, lease=min(30.0, lease_seconds)),
         )
 
     @classmethod
     def from_context(cls, context: Any) -> Services:
         """From an op's resources: ``idempotency``, ``app_db`` (optional: the store's database),
-        ``gateway``, ``mailer``, ``cache``, ``locks``, ``retry`` (each optional but the first)."""
+        ``gateway``, ``mailer``, ``cache``, ``locks``, ``retry``, ``concurrency`` (each optional
+        but the first)."""
+        configure_tracing()
         res = context.resources
         store: IdempotencyStore = res.idempotency.get_store()
         app_db = _optional(res, "app_db")
@@ -88,6 +102,7 @@ class Services:
         mailer = _optional(res, "mailer")
         cache = _optional(res, "cache")
         locks = _optional(res, "locks")
+        concurrency = _optional(res, "concurrency")
         return cls(
             db=db,
             store=store,
@@ -98,6 +113,7 @@ class Services:
             locks=locks.lock if locks is not None else None,
             retry_policy=retry.get_policy() if retry is not None else RetryPolicy(),
             retry_budget=retry.get_budget() if retry is not None else None,
+            concurrency=concurrency.get_limits() if concurrency is not None else None,
         )
 
 

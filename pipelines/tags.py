@@ -7,6 +7,7 @@ request again. Dagster's own tags (``dagster/...``) that sekali sets or reads ar
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Final
 
 # sekali's own
@@ -26,6 +27,30 @@ DLQ_ID: Final = "sekali/dlq_id"
 DLQ_REPLAY: Final = "sekali/dlq_replay"
 """Which replay of that record (its replay count)."""
 CHAOS: Final = "sekali/chaos"
+TRACEPARENT: Final = "sekali/traceparent"
+"""W3C trace context of the request the run serves: the run continues that trace."""
+TRACE_ID: Final = "sekali/trace_id"
+"""The trace's id, shown on the run page: search for it in the trace UI."""
+OUTCOME: Final = "sekali/outcome"
+"""How the run's request ended, a :class:`RunOutcome`; set from inside the op."""
+ORIGINAL_RUN: Final = "sekali/original_run"
+"""On a ``duplicate``: the run whose attempt made the effect."""
+
+
+class RunOutcome(StrEnum):
+    """The values of ``sekali/outcome``: what a person filtering the runs list asks for."""
+
+    EFFECT = "effect"
+    """This run made the effect."""
+    DUPLICATE = "duplicate"
+    """The key was already done: no effect here, ``sekali/original_run`` names the run that did."""
+    RETRIED = "retried"
+    """The last attempt failed and a retry follows (the tag changes when it ends)."""
+    DEAD_LETTERED = "dead_lettered"
+    """A transient failure out of retries, or a run that died: in the DLQ, to be replayed."""
+    FAILED = "failed"
+    """A permanent failure (bad input, refused by the downstream): in the DLQ, never retried."""
+
 
 # Dagster's
 MAX_RUNTIME: Final = "dagster/max_runtime"

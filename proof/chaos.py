@@ -9,8 +9,9 @@ times, copies close together so different workers get them at once; a delivery w
 or passed the visibility timeout is delivered again; a transient failure is retried after a
 jittered delay up to ``max_attempts`` and then dead-lettered with its reason; a permanent one is
 dead-lettered at once. Meanwhile the faults strike (``FAULTS``): SIGKILL at chosen points,
-SIGSTOP past the lease and the lock TTL, Redis restarted, Postgres restarted (only when asked),
-gateway answers dropped after the charge, poison payloads.
+SIGSTOP past the lease and the lock TTL, Redis restarted, Postgres restarted (only when asked, and
+only the private cluster the run started for its own database), gateway answers dropped after the
+charge, poison payloads.
 
 The verdict (:func:`check`) comes from the sandbox's own records and the stores, never from what
 workers said: charges at the gateway and mails at the sink per request, stock per cart, the
@@ -50,7 +51,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from sqlalchemy import create_engine, text
+from sqlalchemy import create_engine, make_url, text
 from sqlalchemy.pool import NullPool
 
 from pipelines import tags as tag
@@ -63,6 +64,7 @@ from resources.storage.db import Database
 from resources.storage.migrations import upgrade
 from sandbox.gateway import GatewayServer
 from sandbox.mailsink import MailSink
+from sandbox.postgres_server import PostgresServer, PostgresUnavailable
 from sandbox.redis_server import RedisServer, free_port
 
 logger = logging.getLogger(__name__)
@@ -113,8 +115,18 @@ class ChaosConfig:
             raise ChaosConfigError(f"unknown fault(s) {unknown}; choose from {', '.join(FAULTS)}")
         if self.backend not in ("sqlite", "postgres"):
             raise ChaosConfigError("--backend must be sqlite or postgres")
-        if "pg-restart" in self.faults and self.backend != "postgres":
-            raise ChaosConfigError("pg-restart needs --backend postgres (a local cluster)")
+        if "pg-restart" in self.faults:
+            if self.backend != "postgres":
+                raise ChaosConfigError("pg-restart needs --backend postgres (a private cluster)")
+            given = self.database_url or os.environ.get("DATABASE_URL")
+            if given:
+                shown = make_url(given).render_as_string(hide_password=True)
+                raise ChaosConfigError(
+                    "pg-restart restarts only a private cluster this run starts itself (initdb "
+                    f"on a free port, used as the run's database); the run's database {shown} "
+                    "is on a server this run did not start, so nothing is restarted. Leave "
+                    "--database-url and DATABASE_URL unset to run pg-restart."
+                )
         if self.requests < 1 or self.workers < 1 or self.redelivery < 1:
             raise ChaosConfigError("--requests, --workers and --redelivery must be >= 1")
         if self.lease_seconds <= 0 or self.timeout <= 0:
@@ -217,6 +229,8 @@ class ChaosWorld:
         self.state = Path(tempfile.mkdtemp(prefix="sekali-chaos-"))
         self.schema: str | None = None
         self.base_pg_url: str | None = None
+        self.pg: PostgresServer | None = None  # the private cluster, with pg-restart only
+        self.pg_start_times: list[Any] = []  # pg_postmaster_start_time() after start, restarts
         self.database_url = ""
         self.redis: Any = None
         self.gateway: Any = None
@@ -240,6 +254,8 @@ class ChaosWorld:
         if cfg.backend == "postgres":
             self.base_pg_url = (cfg.database_url or os.environ.get("DATABASE_URL")
                                 or os.environ.get("SEKALI_TEST_PG_URL") or DEFAULT_PG_URL)
+            if "pg-restart" in cfg.faults:  # validate() refused an explicit database
+                self.base_pg_url = self._start_private_cluster()
             self.schema = "chaos_" + uuid.uuid4().hex[:12]
             engine = create_engine(self.base_pg_url, isolation_level="AUTOCOMMIT")
             with engine.connect() as conn:
@@ -251,6 +267,8 @@ class ChaosWorld:
             self.database_url = f"sqlite:///{self.state / 'app.db'}"
         self.db = Database.from_url(self.database_url)
         upgrade(self.db)
+        if self.pg is not None:
+            self.pg_start_times.append(self.postmaster_start_time())
         self.redis = RedisServer(self.state / "redis", port=free_port()).start()
         self.gateway = GatewayServer(
             f"sqlite:///{self.state / 'gateway.db'}",
@@ -260,6 +278,48 @@ class ChaosWorld:
         ).start()
         self.sink = MailSink(f"sqlite:///{self.state / 'mailsink.db'}").start()
 
+    def _start_private_cluster(self) -> str:
+        try:
+            self.pg = PostgresServer(prefix="sekali-chaos-pg-").start()
+        except PostgresUnavailable as exc:
+            raise ChaosConfigError(f"pg-restart needs a private PostgreSQL cluster: {exc}") from exc
+        return self.pg.url()
+
+    def _ask_database(self, sql: str) -> Any:
+        """One value from the run's own database, on a connection of its own."""
+        engine = create_engine(self.database_url, poolclass=NullPool,
+                               connect_args={"connect_timeout": 5})
+        try:
+            with engine.connect() as conn:
+                return conn.execute(text(sql)).one()
+        finally:
+            engine.dispose()
+
+    def postmaster_start_time(self) -> Any:
+        """When the server behind the run's database last started, as that server says."""
+        return self._ask_database("SELECT pg_postmaster_start_time()")[0]
+
+    def restart_postgres(self) -> None:
+        """Restart the private cluster, after proving it is the server of the run's database:
+        the data directory and port that the run's database reports must be the cluster's."""
+        if self.pg is None:
+            raise ChaosConfigError("pg-restart without the run's private cluster: refused")
+        data_dir, port = self._ask_database(
+            "SELECT current_setting('data_directory'), inet_server_port()"
+        )
+        if (os.path.realpath(data_dir), port) != (os.path.realpath(self.pg.data_dir), self.pg.port):
+            raise ChaosConfigError(
+                f"the run's database is served from {data_dir} on port {port}, not by the run's "
+                f"private cluster ({self.pg.data_dir}, port {self.pg.port}): not restarting it"
+            )
+        self.pg.restart()
+        self.pg_start_times.append(self.postmaster_start_time())
+
+    def pg_restarts_seen(self) -> int:
+        """Restarts the run's database saw: how often its postmaster start time changed."""
+        times = self.pg_start_times
+        return sum(1 for before, after in zip(times, times[1:], strict=False) if after != before)
+
     def close(self) -> None:
         for part in (self.sink, self.gateway, self.redis):
             if part is not None:
@@ -267,6 +327,10 @@ class ChaosWorld:
                     part.stop()
         if self.db is not None:
             self.db.dispose()
+        if self.pg is not None:  # the schema goes with the cluster
+            self.pg.stop()
+            self.pg = None
+            self.schema = None
         if self.schema is not None and self.base_pg_url is not None:
             with contextlib.suppress(Exception):
                 engine = create_engine(self.base_pg_url, isolation_level="AUTOCOMMIT")
@@ -300,16 +364,6 @@ class ChaosWorld:
             naive=cfg.naive,
             threads=cfg.threads,
         )
-
-
-def restart_postgres() -> None:
-    """Restart the local cluster (``pg_ctlcluster``); only when asked with ``pg-restart``."""
-    listing = subprocess.run(["pg_lsclusters", "-h"], capture_output=True, text=True, check=True)
-    version, name = listing.stdout.split()[:2]
-    subprocess.run(
-        ["pg_ctlcluster", "--skip-systemctl-redirect", version, name, "restart"],
-        check=True, capture_output=True, timeout=60,
-    )
 
 
 # -- workers -----------------------------------------------------------------------------------
@@ -511,7 +565,7 @@ class Coordinator:
             self.stop_at.pop(0)
             self.pending_stops += 1
         for name, due, action in (("redis-restart", self.redis_at, self.world.redis.restart),
-                                  ("pg-restart", self.pg_at, restart_postgres)):
+                                  ("pg-restart", self.pg_at, self.world.restart_postgres)):
             if due and due[0] <= n and self._restarting is None:
                 due.pop(0)
                 self._start_restart(name, action)
@@ -607,6 +661,10 @@ class Coordinator:
         req = self.requests[d.request]
         error, message = str(msg.get("error")), str(msg.get("message", ""))
         self.stats[f"error:{error}"] += 1
+        if error == "StoreUnavailable" and self._restart_active(time.monotonic()) == "pg-restart":
+            # the app database went away under this delivery, perhaps after its mail was
+            # accepted and before the key completed: a window for one resend, as a kill there is
+            req.struck["pg-restart:outage"] += 1
         if NO_ANSWER_HINT in message:
             req.faults.add("drop-response")
         if msg.get("kind") == "permanent":
@@ -898,9 +956,11 @@ def check(world: ChaosWorld, coordinator: Coordinator) -> tuple[list[RequestVerd
             # the windows for a resend, one per fault that struck there: the holder died after
             # the SMTP server accepted and before the record (kill:after_effect), or froze
             # after its last lease check (stop:before_effect sits inside the mailer, past
-            # confirm_lease; stop:after_effect past the send) and was taken over
+            # confirm_lease; stop:after_effect past the send) and was taken over, or the app
+            # database restarted under it (StoreUnavailable while pg-restart was under way)
             allowed_resends = (req.struck["kill:after_effect"] + req.struck["stop:before_effect"]
-                               + req.struck["stop:after_effect"])
+                               + req.struck["stop:after_effect"]
+                               + req.struck["pg-restart:outage"])
         else:
             qty = sum(i["quantity"] for i in req.payload["items"]) or 1
             effects = sum(stock.get(i["sku"], 0) for i in req.payload["items"]) // qty
@@ -1044,6 +1104,8 @@ def run_chaos(config: ChaosConfig) -> ChaosReport:
         stats["dispatches"] = coordinator.dispatches
         stats["gateway_charges"] = len(world.gateway.charges())
         stats["mails"] = len(world.sink.messages())
+        if world.pg is not None:
+            stats["pg_restarts_seen"] = world.pg_restarts_seen()
         stats.update(coordinator.fault_counts())
         # requests that should have exactly one effect: neither poison nor dead-lettered
         clean = [v for v in verdicts if not v.poison and not v.dead_lettered]

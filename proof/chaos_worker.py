@@ -45,7 +45,8 @@ from pipelines.services import Services
 from resources.errors import ValidationError
 from resources.locks import MemoryLockStats, RedisLock
 from resources.retry import classify
-from resources.storage.settings import Settings
+from resources.storage.redis import redis_client
+from resources.storage.settings import RedisTimeouts, Settings
 
 logger = logging.getLogger(__name__)
 
@@ -216,9 +217,6 @@ class Worker:
     worker would."""
 
     def __init__(self, config: WorkerConfig) -> None:
-        import redis  # noqa: PLC0415 - keep module import cheap for the coordinator
-
-
         self.config = config
         self.channel = _Channel()
         self.hooks = Hooks(self.channel)
@@ -242,9 +240,7 @@ class Worker:
         Hooks.gate.wrap(self.services.db)  # the store and the attempts share this Database
         self.services.gateway = HookedGateway(self.services.gateway, self.hooks)
         self.services.mailer = HookedMailer(self.services.mailer, self.hooks)
-        self.redis = redis.Redis.from_url(
-            config.redis_url, socket_connect_timeout=1.0, socket_timeout=5.0
-        )
+        self.redis = redis_client(config.redis_url, timeouts=RedisTimeouts(connect=1.0))
 
     def handle(self, msg: dict[str, Any]) -> None:
         self.hooks.arm(msg, job_hooks=not self.config.naive)

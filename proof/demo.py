@@ -25,8 +25,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import redis
-
 from benchmarks.retry_storm import Scenario, simulate
 from pipelines.domain.payments import HttpPaymentGateway
 from pipelines.runtime import execute_request
@@ -34,6 +32,7 @@ from pipelines.services import Services
 from resources.cache import StampedeCache
 from resources.errors import SekaliError
 from resources.storage.migrations import upgrade
+from resources.storage.redis import redis_client
 from resources.storage.settings import Settings
 from sandbox.gateway import GatewayServer
 from sandbox.redis_server import RedisServer, free_port
@@ -54,7 +53,7 @@ def _table(title: str, header: list[str], rows: list[list[Any]]) -> str:
 
 def _stampede_worker(mode: str, url: str, namespace: str, threads: int, start_at: float,
                      out: Any) -> None:
-    client = redis.Redis.from_url(url)
+    client = redis_client(url)
     counter = f"{namespace}:loader_calls"
     key = "report:daily"
 
@@ -101,7 +100,7 @@ def stampede(url: str, processes: int = 4, threads: int = 25) -> list[list[Any]]
         latencies = [x for _ in procs for x in queue.get(timeout=120)]
         for p in procs:
             p.join(30)
-        calls = int(redis.Redis.from_url(url).get(f"{namespace}:loader_calls") or 0)
+        calls = int(redis_client(url).get(f"{namespace}:loader_calls") or 0)
         latencies.sort()
         rows.append([mode, processes * threads, calls,
                      f"{statistics.median(latencies) * 1000:.0f} ms",

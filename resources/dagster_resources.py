@@ -2,9 +2,9 @@
 
 This is the one module under ``resources/`` that imports Dagster. Each resource only holds
 configuration and builds its object (a store, a lock factory, a cache, the retry policy and
-budget) on first use, from :class:`resources.storage.settings.Settings` read at that moment, so
-importing the definitions opens no socket and reads no environment. The work is done by the
-plain classes, which a web app, a test or the chaos harness use without Dagster.
+budget, the flow limits) on first use, from :class:`resources.storage.settings.Settings` read at
+that moment, so importing the definitions opens no socket and reads no environment. The work is
+done by the plain classes, which a web app, a test or the chaos harness use without Dagster.
 
 :func:`to_dagster` turns a retry decision into Dagster's signal (``RetryRequested`` or
 ``Failure(allow_retries=False)``); the job platform's one failure path calls it.
@@ -21,6 +21,7 @@ from pydantic import PrivateAttr
 
 from resources.cache import StampedeCache
 from resources.dlq import DlqStore
+from resources.flow import ConcurrencyLimits, RateLimits
 from resources.idempotency import IdempotencyStore
 from resources.locks import DbLock, NoLock, RedisLock
 from resources.retry import RetryBudget, RetryDecision, RetryPolicy
@@ -173,6 +174,46 @@ class LockResource(SettingsResource):
         if self.backend == "redis":
             return RedisLock(self._get(), name, **common)
         return DbLock(self._get(), name, **common)
+
+
+class ConcurrencyResource(SettingsResource):
+    """Per-key concurrency limits (:class:`resources.flow.ConcurrencyLimits`) on ``redis_url``.
+
+    A job type declares its key and limit; this says how long a slot's lease lasts without
+    renewal (keep it at or below the idempotency lease) and how long a job waits for a slot
+    before :class:`resources.errors.LimitNotAcquired` (``None``: as long as it takes).
+    """
+
+    lease_seconds: float = 30.0
+    wait_seconds: float | None = 30.0
+    prefix: str = "sekali:flow:limit:"
+
+    def _build(self) -> ConcurrencyLimits:
+        return ConcurrencyLimits(
+            self.redis(), lease=self.lease_seconds, wait=self.wait_seconds, prefix=self.prefix
+        )
+
+    def get_limits(self) -> ConcurrencyLimits:
+        return self._get()  # type: ignore[no-any-return]
+
+
+class RateLimitResource(SettingsResource):
+    """Shared rates per downstream (:class:`resources.flow.RateLimits`) on ``redis_url``.
+
+    The rates come from ``SEKALI_RATE_<DOWNSTREAM>`` (``50/s,burst=20``), read when first used;
+    ``rates`` here overrides them by downstream name. A downstream with no rate is unlimited.
+    """
+
+    rates: dict[str, str] = {}
+    prefix: str = "sekali:flow:rate:"
+
+    def _build(self) -> RateLimits:
+        return RateLimits(
+            self.redis(), {**self.settings().rates, **self.rates}, prefix=self.prefix
+        )
+
+    def get_limits(self) -> RateLimits:
+        return self._get()  # type: ignore[no-any-return]
 
 
 class RetryResource(SettingsResource):

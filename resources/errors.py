@@ -81,7 +81,8 @@ class AlreadyInProgress(TransientJobError):
 
 
 class LeaseLost(SekaliError):
-    """This holder's lease was taken over (it expired and another worker claimed the key).
+    """This holder's lease was taken over (it expired and another worker claimed the key), or
+    ran out while the holder could not renew it (the store did not answer), so it may be.
 
     Stop at once: the new owner is doing the work. Nothing this holder writes through the store
     is applied. Not retried by this holder; the new owner finishes the job.
@@ -89,13 +90,14 @@ class LeaseLost(SekaliError):
 
     permanent = False
 
-    def __init__(self, key: str, owner_token: str) -> None:
+    def __init__(self, key: str, owner_token: str, *, reason: str | None = None) -> None:
         super().__init__(
-            f"lease on {key!r} was taken over; owner {owner_token[:8]} must stop "
+            f"lease on {key!r} {reason or 'was taken over'}; owner {owner_token[:8]} must stop "
             "(the new owner continues from the last recovery point)"
         )
         self.key = key
         self.owner_token = owner_token
+        self.reason = reason
 
 
 class StoredFailure(PermanentJobError):
@@ -188,3 +190,40 @@ class CacheLoaderFailed(TransientJobError):
         self.key = key
         self.error_class = error_class
         self.error_message = error_message
+
+
+class LimitNotAcquired(TransientJobError):
+    """Every slot of a concurrency limit stayed taken until the wait ran out. Retry later.
+
+    Contention, not a fault of the downstream: it spends no retry budget. If it happens often,
+    the limit is too low for the traffic of that key, or holders keep their slot too long.
+    """
+
+    def __init__(self, name: str, key: str, limit: int, waited: float) -> None:
+        super().__init__(
+            f"concurrency limit {name!r} for key {key!r}: all {limit} slot(s) stayed taken for "
+            f"{waited:.3f}s; retry later, or raise the limit if this key is always this busy"
+        )
+        self.name = name
+        self.key = key
+        self.limit = limit
+        self.waited = waited
+
+
+class RateLimited(TransientJobError):
+    """A shared rate limit has no token for this call within the wait the caller accepts.
+
+    ``retry_after`` says when enough tokens will have accrued (seconds); the retry policy waits
+    at least that long. Our own pacing, not a fault of the downstream: it spends no retry budget.
+    """
+
+    retry_after: float
+
+    def __init__(self, name: str, retry_after: float, cost: float = 1.0) -> None:
+        super().__init__(
+            f"rate limit {name!r}: no token for a call of cost {cost:g} before {retry_after:.3f}s;"
+            " retry after that, or raise the rate if the downstream allows more",
+            retry_after=retry_after,
+        )
+        self.name = name
+        self.cost = cost

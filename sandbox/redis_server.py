@@ -16,6 +16,10 @@ from pathlib import Path
 
 import redis
 
+from resources.storage.redis import redis_client
+
+RDB_FILE = "dump.rdb"  # redis-server's default ``dbfilename``; start() keeps it
+
 
 def redis_server_binary() -> str:
     try:
@@ -56,7 +60,7 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}/0"
 
     def client(self) -> redis.Redis:
-        return redis.Redis.from_url(self.url)
+        return redis_client(self.url)
 
     def is_up(self) -> bool:
         try:
@@ -103,4 +107,22 @@ class RedisServer:
 
     def restart(self) -> None:
         self.stop()
+        self.start()
+
+    def snapshot(self, to: Path) -> Path:
+        """``SAVE`` now and keep a copy of the RDB file at ``to``: the state to go back to."""
+        client = self.client()
+        try:
+            client.save()
+        finally:
+            client.close()
+        shutil.copyfile(self.directory / RDB_FILE, to)
+        return to
+
+    def restart_from(self, snapshot: Path) -> None:
+        """Stop, put ``snapshot`` back as the RDB file, start: Redis restarted from an older
+        snapshot (or failed over to a replica that had not caught up). Every write since the
+        snapshot is gone; what the snapshot held comes back, with its absolute expiries."""
+        self.stop()
+        shutil.copyfile(snapshot, self.directory / RDB_FILE)
         self.start()

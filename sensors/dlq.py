@@ -32,7 +32,9 @@ import dagster as dg
 from dagster import DagsterEventType, DagsterRunStatus, RunsFilter
 
 from pipelines import tags as tag
+from pipelines.assets import dead_letters
 from pipelines.ops import all_jobs
+from pipelines.ops.request_job import request_run_config
 from pipelines.privacy import mask_failure
 from pipelines.registry import JOB_TYPES, get_job_type
 from pipelines.requests import RequestStore
@@ -48,7 +50,9 @@ from resources.dlq import (
     dedupe_key_for,
     top_frame,
 )
+from resources.errors import ValidationError
 from resources.idempotency import IdempotencyStore
+from resources.telemetry.tracing import trace_id_of
 
 log = logging.getLogger(__name__)
 
@@ -203,6 +207,7 @@ def failures_of_run(
                     request_id=r.id,
                     payload=r.payload,
                     correlation_id=r.correlation_id,
+                    trace_id=trace_id_of(r.traceparent),
                 )
                 for r in batch
             ]
@@ -220,6 +225,7 @@ def failures_of_run(
             request_id=request_id,
             payload=payload,
             correlation_id=run.tags.get(tag.CORRELATION_ID) or config.get("correlation_id"),
+            trace_id=run.tags.get(tag.TRACE_ID),
         )
     ]
 
@@ -234,6 +240,8 @@ def dead_letter_run(
         store.record_failure(mask_failure(info), actor=actor)
         for info in failures_of_run(instance, run, store)
     ]
+    if tag.KEY in run.tags and tag.OUTCOME not in run.tags:  # the op died before saying
+        instance.add_run_tags(run.run_id, {tag.OUTCOME: str(tag.RunOutcome.DEAD_LETTERED)})
     for item in recorded:
         if item.new_failure:
             log.warning(
@@ -278,6 +286,7 @@ def dead_letter_failed_requests(store: DlqStore, *, limit: int = 200) -> list[Re
                     payload=r.payload,
                     correlation_id=r.correlation_id,
                     failed_at=r.updated_at,
+                    trace_id=trace_id_of(r.traceparent),
                 ),
                 actor="dlq_sweep_sensor",
             )
@@ -297,7 +306,10 @@ def dead_letter_failed_requests(store: DlqStore, *, limit: int = 200) -> list[Re
 def dlq_sensor(context: dg.RunFailureSensorContext, dlq: DlqResource) -> None:
     # Returning None lets one tick handle up to five failed runs. An exception is not swallowed:
     # the tick shows as failed in the UI, and the sweep records the run it skipped.
-    dead_letter_run(context.instance, context.dagster_run, dlq.get_store(), actor="dlq_sensor")
+    store = dlq.get_store()
+    recorded = dead_letter_run(context.instance, context.dagster_run, store, actor="dlq_sensor")
+    if any(r.new_failure for r in recorded):
+        dead_letters.publish(context.instance, store)
 
 
 SWEEP_OVERLAP_SECONDS = 600.0
@@ -339,9 +351,12 @@ def sweep(
 )
 def dlq_sweep_sensor(context: dg.SensorEvaluationContext, dlq: DlqResource) -> dg.SkipReason:
     cursor = float(context.cursor) if context.cursor else None
-    examined, created, next_cursor = sweep(context.instance, dlq.get_store(), cursor)
+    store = dlq.get_store()
+    examined, created, next_cursor = sweep(context.instance, store, cursor)
     if next_cursor is not None:
         context.update_cursor(repr(next_cursor))
+    if created:
+        dead_letters.publish(context.instance, store)
     return dg.SkipReason(f"swept {examined} failed runs; {created} new DLQ records")
 
 
@@ -372,22 +387,31 @@ class ReplayNotBuildable(ValueError):
 
 
 def replay_run_config(record: DlqRecord) -> dict[str, Any]:
-    """The original run config when it names the request; else (batch failures and the sweep
-    store ``{}``) the per-request job's config built from the record itself."""
-    if _request_config(record.run_config):
-        return record.run_config
-    if not isinstance(record.payload, dict):
+    """The per-request job's config in its current typed form: from the original run config
+    when it names the request (also a free-form ``payload`` map stored before the typed config),
+    else (batch failures and the sweep store ``{}``) from the record itself. The original key,
+    request id and correlation id are kept."""
+    original = _request_config(record.run_config)
+    payload = _payload_of(record.run_config) if original else record.payload
+    if not isinstance(payload, dict):
         raise ReplayNotBuildable(
             f"DLQ record {record.id} ({record.job_type}) has neither a per-request run config"
             " nor a payload to build one from; fix and re-enqueue the request, or discard it"
         )
-    config = {
-        "payload": record.payload,
-        "key": record.idempotency_key,
-        "request_id": record.request_id,
-        "correlation_id": record.correlation_id,
-    }
-    return {"ops": {f"{record.job_type}_op": {"config": config}}}
+    request_id = original.get("request_id", record.request_id)
+    try:
+        return request_run_config(
+            record.job_type,
+            payload,
+            key=original.get("key") or record.idempotency_key,
+            request_id=None if request_id is None else int(request_id),
+            correlation_id=original.get("correlation_id") or record.correlation_id,
+        )
+    except ValidationError as exc:
+        raise ReplayNotBuildable(
+            f"DLQ record {record.id} ({record.job_type}): its payload is not valid ({exc});"
+            " fix and re-enqueue the request, or discard it"
+        ) from exc
 
 
 def replay_run_request(
@@ -503,14 +527,11 @@ def build_dlq_replay_sensor(
     def _sensor(context: dg.SensorEvaluationContext, dlq: DlqResource) -> dg.SensorResult:
         store = dlq.get_store()
         resolved, reopened = settle_replays(context.instance, store)
-        # a requested record whose key completed meanwhile: its intent is done, launch nothing
+        # a record whose key completed (a late retry, a relaunch, or the worker that died after
+        # completing it): its intent is done, launch nothing
         resolved += len(
             resolve_completed_dead_letters(
-                store,
-                IdempotencyStore(store.db),
-                RequestStore(store.db),
-                actor="dlq_replay_sensor",
-                statuses=[DlqStatus.REPLAY_REQUESTED],
+                store, IdempotencyStore(store.db), RequestStore(store.db), actor="dlq_replay_sensor"
             )
         )
         now = clock()
@@ -529,6 +550,7 @@ def build_dlq_replay_sensor(
         ]
         tokens -= len(requests)
         context.update_cursor(json.dumps({"tokens": tokens, "at": now}))
+        dead_letters.publish(context.instance, store)
         if not requests:
             return dg.SensorResult(
                 skip_reason=dg.SkipReason(

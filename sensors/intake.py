@@ -45,11 +45,16 @@ from typing import Any
 import dagster as dg
 
 from pipelines import tags as tag
+from pipelines.failures import error_text
 from pipelines.ops import all_jobs
 from pipelines.ops.batch import BATCH_JOBS, FAN_OUT_JOB, MICRO_BATCH_JOB
+from pipelines.ops.request_job import request_run_config
 from pipelines.profile import RequestsResource
 from pipelines.registry import get_job_type
 from pipelines.requests import JobRequest, RequestStore
+from resources.errors import ValidationError
+from resources.retry import failure_class
+from resources.telemetry.tracing import trace_id_of
 
 log = logging.getLogger(__name__)
 
@@ -93,15 +98,15 @@ class IntakePolicy:
 
 
 def per_request_run_config(request: JobRequest) -> dict[str, Any]:
-    """Run config of a per-request job: ``{"ops": {"<job type>_op": {"config": ...}}}``."""
-    config: dict[str, Any] = {
-        "payload": request.payload,  # RequestConfig.payload is a map
-        "key": request.key,
-        "request_id": request.id,
-    }
-    if request.correlation_id:
-        config["correlation_id"] = request.correlation_id
-    return {"ops": {f"{request.job_type}_op": {"config": config}}}
+    """Run config of a per-request job: ``{"ops": {"<job type>_op": {"config": ...}}}``, in
+    the job type's typed form. :class:`ValidationError` if the stored payload is not valid."""
+    return request_run_config(
+        request.job_type,
+        request.payload,
+        key=request.key,
+        request_id=request.id,
+        correlation_id=request.correlation_id or None,
+    )
 
 
 def _tags(mode: IntakeMode, requests: Sequence[JobRequest]) -> dict[str, str]:
@@ -118,6 +123,9 @@ def _tags(mode: IntakeMode, requests: Sequence[JobRequest]) -> dict[str, str]:
         tags[tag.REQUEST_ID] = str(only.id)
         if only.correlation_id:
             tags[tag.CORRELATION_ID] = only.correlation_id
+        if only.traceparent:
+            tags[tag.TRACEPARENT] = only.traceparent
+            tags[tag.TRACE_ID] = trace_id_of(only.traceparent) or ""
     return tags
 
 
@@ -132,9 +140,14 @@ def batch_run_key(mode: IntakeMode, request_ids: Sequence[int]) -> str:
 
 
 def run_requests_for(
-    requests: Sequence[JobRequest], policy: IntakePolicy
+    requests: Sequence[JobRequest],
+    policy: IntakePolicy,
+    refused: dict[int, ValidationError] | None = None,
 ) -> tuple[list[dg.RunRequest], dict[int, str]]:
-    """The RunRequests for claimed requests, and the run key each request went out under."""
+    """The RunRequests for claimed requests, and the run key each request went out under.
+
+    A per-request payload that no longer makes a valid run (stored before a rule changed) gets
+    no run: it goes into ``refused`` with its error, instead of failing the whole tick."""
     out: list[dg.RunRequest] = []
     run_keys: dict[int, str] = {}
     batches: dict[tuple[IntakeMode, str], list[JobRequest]] = {}
@@ -142,11 +155,18 @@ def run_requests_for(
         mode = policy.mode_for(request.job_type)
         if mode is IntakeMode.PER_REQUEST:
             run_key = f"intake:{request.key}"
+            try:
+                run_config = per_request_run_config(request)
+            except ValidationError as exc:
+                if refused is None:
+                    raise
+                refused[request.id] = exc
+                continue
             out.append(
                 dg.RunRequest(
                     run_key=run_key,
                     job_name=request.job_type,
-                    run_config=per_request_run_config(request),
+                    run_config=run_config,
                     tags=_tags(mode, [request]),
                 )
             )
@@ -290,8 +310,12 @@ def evaluate_intake(
         policy.max_requests_per_tick, relaunch_after=policy.relaunch_after_seconds
     )
     claimed = without_runs_in_flight(context.instance, claimed)
-    run_requests, run_keys = run_requests_for(claimed, policy)
+    refused: dict[int, ValidationError] = {}
+    run_requests, run_keys = run_requests_for(claimed, policy, refused)
     store.set_run_keys(run_keys)
+    for request_id, exc in refused.items():
+        log.warning("intake: request %d cannot make a valid run: %s", request_id, exc)
+        store.mark_failed(request_id, error_text(exc), error_class=str(failure_class(exc)))
     new_cursor = json.dumps({"runs_after": runs_after})
     if not run_requests:
         return dg.SensorResult(

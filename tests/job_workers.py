@@ -31,6 +31,7 @@ def dagster_resources(
     from pipelines.profile import MailerResource, PaymentGatewayResource
     from resources.dagster_resources import (
         CacheResource,
+        ConcurrencyResource,
         DatabaseResource,
         IdempotencyResource,
         LockResource,
@@ -55,6 +56,9 @@ def dagster_resources(
         ),
         "mailer": MailerResource(host="127.0.0.1", port=smtp_port),
         "retry": RetryResource(**retry_cfg),
+        "concurrency": ConcurrencyResource(
+            redis_url=redis_url, prefix=f"{namespace}:flow:limit:", lease_seconds=lease_seconds
+        ),
     }
 
 

@@ -561,4 +561,4 @@ def test_invalidation_versions_never_repeat_after_the_version_key_expires(
     redis_client.delete(KeyLayout.of(cache.namespace, "rep:3").ver)  # as if it expired
     second = cache.invalidate("rep:3")
     assert second != first and second > 1
-    assert cache.invalidate("rep:3") == second + 1  # and it still counts up from there
+    assert cache.invalidate("rep:3") > second  # and it still counts up from there

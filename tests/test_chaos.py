@@ -15,11 +15,12 @@ import json
 from pathlib import Path
 
 import pytest
-from sqlalchemy import text
+from sqlalchemy import create_engine, text
 
 from pipelines.cli import main as sekali
 from proof.chaos import (
     ChaosConfig,
+    ChaosConfigError,
     ChaosReport,
     ChaosWorld,
     Coordinator,
@@ -28,6 +29,7 @@ from proof.chaos import (
     format_table,
     run_chaos,
 )
+from sandbox.postgres_server import PostgresUnavailable, postgres_bindir
 from tests.conftest import PG_URL, _postgres_error, need_server
 
 pytestmark = pytest.mark.slow
@@ -144,6 +146,57 @@ def test_cli_writes_json_and_exits_zero_when_the_invariants_hold(tmp_path: Path)
 def test_cli_refuses_unknown_faults_with_exit_code_2() -> None:
     assert sekali(["chaos", "--faults", "kill,meteor"]) == 2
     assert sekali(["chaos", "--faults", "pg-restart", "--backend", "sqlite"]) == 2
+
+
+def test_pg_restart_refuses_a_database_it_did_not_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Catches a pg-restart that restarts whatever cluster ``pg_lsclusters`` lists first: with
+    the run's database on a server the run did not start (here the shared test server) it must
+    refuse before anything starts, with exit code 2, and restart nothing.
+
+    The configuration is checked before the CLI is called, so this test never restarts a shared
+    server even on code that lacks the check."""
+    shared = ChaosConfig(faults=("pg-restart",), backend="postgres", database_url=PG_URL)
+    with pytest.raises(ChaosConfigError, match="private cluster"):
+        shared.validate()
+    monkeypatch.setenv("DATABASE_URL", PG_URL)
+    with pytest.raises(ChaosConfigError, match="private cluster"):
+        ChaosConfig(faults=("pg-restart",), backend="postgres").validate()
+    assert sekali(["chaos", "--backend", "postgres", "--faults", "pg-restart", "--requests", "5",
+                   "--no-progress"]) == 2
+    monkeypatch.delenv("DATABASE_URL")
+    assert sekali(["chaos", "--backend", "postgres", "--faults", "pg-restart", "--requests", "5",
+                   "--database-url", PG_URL, "--no-progress"]) == 2
+
+
+@pytest.mark.postgres
+@pytest.mark.timeout(240)
+def test_pg_restart_restarts_the_runs_own_private_cluster() -> None:
+    """``pg-restart`` runs on a private cluster the run starts itself (initdb on a free port),
+    and each restart it reports is one the run's database saw: its postmaster start time changed
+    that many times. The shared server's start time stays as it was."""
+    error = _postgres_error()
+    if error is not None:
+        need_server("PostgreSQL", error)
+    try:
+        postgres_bindir()
+    except PostgresUnavailable as exc:
+        need_server("a private PostgreSQL cluster (initdb, pg_ctl)", exc)
+    engine = create_engine(PG_URL)
+    with engine.connect() as conn:
+        shared_started = conn.execute(text("SELECT pg_postmaster_start_time()")).scalar_one()
+    report = run_chaos(ChaosConfig(
+        requests=60, workers=2, threads=2, redelivery=2, faults=("pg-restart", "poison"),
+        backend="postgres", pg_restarts=2, seed=11, timeout=180,
+    ))
+    why = _explain(report)
+    _assert_guarded(report, min_deliveries=120)
+    assert report.stats["pg-restart"] == 2 and report.stats["pg-restart_not_struck"] == 0, why
+    assert report.stats["pg_restarts_seen"] == report.stats["pg-restart"], why
+    with engine.connect() as conn:
+        assert conn.execute(text("SELECT pg_postmaster_start_time()")).scalar_one() == (
+            shared_started
+        )
+    engine.dispose()
 
 
 @pytest.mark.timeout(120)

@@ -154,9 +154,8 @@ def test_a_canceled_replay_run_reopens_its_record_with_its_count_increased(
     """Catches: settling only SUCCESS and FAILURE replay runs, so a replay an operator canceled
     leaves its record ``replaying`` forever (and it can never be replayed again)."""
     store = DlqStore(db)
-    run_config = {
-        "ops": {"send_email_op": {"config": {"payload": {"template": "w"}, "request_id": 5}}}
-    }
+    payload = {"template": "welcome", "user_id": "u5", "date": "2026-11-29", "to": "u5@a.example"}
+    run_config = {"ops": {"send_email_op": {"config": {"payload": payload, "request_id": 5}}}}
     recorded = store.record_failure(
         FailureInfo(
             job_type="send_email",
@@ -165,7 +164,7 @@ def test_a_canceled_replay_run_reopens_its_record_with_its_count_increased(
             message="gone",
             run_id="r-first",
             request_id=5,
-            idempotency_key="email:w:5:d",
+            idempotency_key="email:welcome:u5:2026-11-29",
             run_config=run_config,
         )
     )

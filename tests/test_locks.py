@@ -344,7 +344,7 @@ def _granted_after_a_wait_longer_than_its_ttl(holder: Any, waiter: Any) -> None:
     try:
         waiter.acquire()  # queued ~1.5 s, longer than its 1 s ttl
         waiter.check()  # its ttl counts from the grant, not from the first attempt
-        assert waiter.fence == holder.fence + 1
+        assert waiter.fence > holder.fence
     finally:
         releaser.join()
         waiter.release()
@@ -403,7 +403,7 @@ def test_redis_waiter_is_woken_by_release_not_by_polling(
     time.sleep(0.5)
     holder.release()
     thread.join(30)
-    assert got == [holder.fence + 1]
+    assert len(got) == 1 and got[0] > holder.fence
 
 
 # -- Redis restart -----------------------------------------------------------------------------
@@ -483,9 +483,9 @@ def test_fenced_write_accepts_current_rejects_older_and_rolls_back(
     with db.transaction() as conn:
         conn.exec_driver_sql(BUSINESS_DDL)
     resource = f"{namespace}:acct"
-    with fenced_write(db, resource, 5) as conn:
+    with fenced_write(db, resource, 5, holder="h5") as conn:
         write_business(conn, resource, "v5", 5)
-    with fenced_write(db, resource, 5) as conn:  # same holder, second write
+    with fenced_write(db, resource, 5, holder="h5") as conn:  # same holder, second write
         write_business(conn, resource, "v5b", 5)
     with pytest.raises(FencedWriteRejected) as info, fenced_write(db, resource, 4) as conn:
         write_business(conn, resource, "stale", 4)
@@ -625,7 +625,7 @@ def test_redis_dead_or_departed_waiters_do_not_block_the_queue(
     late = RedisLock(redis_client, name, blocking_timeout=20, **quick)
     with late:
         late.check()
-        assert late.fence == holder.fence + 1
+        assert late.fence > holder.fence
     assert redis_client.zscore(f"sekali:lock:{{{name}}}:queue", "ghost-token") is None
 
 

@@ -7,12 +7,15 @@ recipient as permanent and a missing server as transient.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import smtplib
+import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -99,6 +102,53 @@ def test_no_server_is_transient() -> None:
     with pytest.raises(MailUnavailable) as info:
         mailer.send(to="a@example.com", subject="x", body="x", message_id="<b@sekali>")
     assert classify(info.value) is ErrorClass.TRANSIENT
+
+
+@pytest.fixture
+def dripping_server() -> Iterator[int]:
+    """An SMTP server that drips its greeting one byte every 0.2 s (about 40 s in all): each
+    read gets a byte well within any per-read timeout, so only a total deadline ends a send."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def serve() -> None:
+        with contextlib.suppress(OSError):
+            conn, _ = listener.accept()
+            with conn:
+                for byte in b"220 " + b"x" * 200 + b"\r\n":
+                    if stop.wait(0.2):
+                        return
+                    conn.sendall(bytes([byte]))
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield int(listener.getsockname()[1])
+    finally:
+        stop.set()
+        listener.close()
+        thread.join(5)
+
+
+def test_a_dripping_server_is_cut_at_the_total_deadline(dripping_server: int) -> None:
+    """Catches per-read timeouts only: a server that answers one byte at a time would hold the
+    job for as long as it drips (here ~40 s). The send must end, as a transient MailUnavailable,
+    at its total deadline; the test waits 8 x that before calling it unbounded."""
+    mailer = SmtpMailer("127.0.0.1", dripping_server, timeout=1.0, deadline=1.5)
+    outcome: list[BaseException] = []
+
+    def send() -> None:
+        try:
+            mailer.send(to="a@example.com", subject="x", body="x", message_id="<d@sekali>")
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            outcome.append(exc)
+
+    sender = threading.Thread(target=send, daemon=True)
+    sender.start()
+    sender.join(8 * mailer.deadline)
+    assert not sender.is_alive(), "the send outlived 8 x its deadline"
+    assert len(outcome) == 1 and isinstance(outcome[0], MailUnavailable), outcome
+    assert "deadline" in str(outcome[0]) and classify(outcome[0]) is ErrorClass.TRANSIENT
 
 
 def test_resource_reads_settings_at_use(monkeypatch: pytest.MonkeyPatch, sink: MailSink) -> None:

@@ -36,7 +36,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--backend", choices=["sqlite", "postgres"], default="sqlite")
     p.add_argument("--database-url", dest="database_url",
                    help="Postgres URL to create the run's schema in (default DATABASE_URL or the "
-                        "local test database)")
+                        "local test database); with pg-restart the run starts a private cluster "
+                        "and refuses a URL")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--json", dest="json_path", help="write the full report here")
     p.add_argument("--naive", action="store_true",
@@ -88,9 +89,11 @@ def _run(args: argparse.Namespace) -> int:
         planned = s.get(f"{name}_scheduled")
         return f"{s.get(stat, 0)}" + (f" of {planned} planned" if planned else "")
 
+    pg = (f" pg restarts {struck('pg-restart', 'pg-restart')} (seen by the run's database:"
+          f" {s['pg_restarts_seen']})," if "pg_restarts_seen" in s else "")
     print(f"\n{s.get('dispatches', 0)} dispatches in {report.seconds}s;"
           f" kills {struck('kills', 'kills')}, stops {struck('stops', 'stops')},"
-          f" redis restarts {struck('redis-restart', 'redis-restart')},"
+          f" redis restarts {struck('redis-restart', 'redis-restart')},{pg}"
           f" stale writes rejected {s.get('stale_writes_rejected', 0)},"
           f" unplanned worker deaths {s.get('unplanned_deaths', 0)}")
     if report.state_dir:

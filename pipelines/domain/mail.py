@@ -9,13 +9,23 @@ Error mapping (one place): connection refused/reset, timeouts, disconnects and 4
 -> :class:`MailRejected` (permanent). Their messages never carry the recipient's address (it is
 personal data, and the messages travel into run logs and the DLQ); ``MailRejected.recipient``
 holds it for code that needs it.
+
+Bounds: each socket operation waits at most ``timeout`` (10 s), and a whole send (connect,
+greeting, envelope, data, quit) at most ``deadline`` (30 s): per-read timeouts alone never end a
+send to a server that drips one byte at a time. When the deadline passes, the socket is shut
+down from a timer thread, which wakes the blocked read; the send raises :class:`MailUnavailable`.
+A send cut at its deadline may still have been accepted by the server: the retry sends the same
+Message-ID, which receivers (and the sandbox sink) deduplicate.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import smtplib
+import socket
+import threading
 from email.message import EmailMessage
 from email.utils import formatdate
 from typing import Protocol, runtime_checkable
@@ -48,6 +58,15 @@ def message_id_for(key: str) -> str:
     return f"<{hashlib.sha256(key.encode()).hexdigest()[:32]}@sekali>"
 
 
+def _cut(smtp: smtplib.SMTP, cut: threading.Event) -> None:
+    """The deadline passed: shut the socket down, which wakes a read blocked on it."""
+    cut.set()
+    sock = getattr(smtp, "sock", None)
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
+
+
 def _text(reply: bytes | str) -> str:
     return reply.decode(errors="replace") if isinstance(reply, bytes) else str(reply)
 
@@ -68,15 +87,26 @@ class Mailer(Protocol):
 
 
 class SmtpMailer:
-    """:class:`Mailer` over SMTP with ``smtplib``, one connection per message (thread-safe)."""
+    """:class:`Mailer` over SMTP with ``smtplib``, one connection per message (thread-safe).
+
+    ``timeout`` bounds each socket operation, ``deadline`` the whole send (see the module).
+    """
 
     def __init__(
-        self, host: str, port: int, sender: str = "sekali@localhost", timeout: float = 10
+        self,
+        host: str,
+        port: int,
+        sender: str = "sekali@localhost",
+        timeout: float = 10,
+        deadline: float = 30,
     ) -> None:
+        if timeout <= 0 or deadline <= 0:
+            raise ValueError("SMTP timeout and deadline must be positive")
         self.host = host
         self.port = port
         self.sender = sender
         self.timeout = timeout
+        self.deadline = deadline
 
     def build(
         self, *, to: str, subject: str, body: str, message_id: str, correlation_id: str | None
@@ -104,8 +134,14 @@ class SmtpMailer:
         msg = self.build(
             to=to, subject=subject, body=body, message_id=message_id, correlation_id=correlation_id
         )
+        smtp = smtplib.SMTP(timeout=min(self.timeout, self.deadline))  # connects below
+        cut = threading.Event()
+        cutter = threading.Timer(self.deadline, _cut, args=(smtp, cut))
+        cutter.daemon = True
+        cutter.start()
         try:
-            with smtplib.SMTP(self.host, self.port, timeout=self.timeout) as smtp:
+            with smtp:
+                smtp.connect(self.host, self.port)
                 smtp.send_message(msg)
         except smtplib.SMTPRecipientsRefused as exc:
             code, reply = next(iter(exc.recipients.values()))
@@ -130,9 +166,16 @@ class SmtpMailer:
                 f"mail server deferred the message: {exc.smtp_code} {text}", smtp_code=exc.smtp_code
             ) from exc
         except (smtplib.SMTPException, OSError) as exc:
+            if cut.is_set():
+                raise MailUnavailable(
+                    f"mail server at {self.host}:{self.port} gave no complete answer within "
+                    f"the {self.deadline}s deadline; retry later (the same Message-ID)"
+                ) from exc
             raise MailUnavailable(
                 f"mail server at {self.host}:{self.port} unavailable: {exc!r}"
             ) from exc
+        finally:
+            cutter.cancel()
         log.info(
             "sent %s",
             message_id,

@@ -1,5 +1,6 @@
 """What every job type is made of: a :class:`JobType` (validation, key, budget, handler) and the
-:class:`JobContext` its handler works through (claim, lease keeper, attempt record, timings).
+:class:`JobContext` its handler works through (claim, lease keeper, attempt record, timings,
+concurrency slot).
 
 A handler is a plain function ``handler(ctx, payload) -> result`` that needs no Dagster context,
 so the per-request op, the intake's batch ops and the chaos harness all run the same code
@@ -16,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import string
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -27,7 +29,9 @@ from sqlalchemy.engine import Connection, Row
 from pipelines.attempts import Attempt
 from pipelines.services import Services
 from resources.errors import FencedWriteRejected, ValidationError
+from resources.flow import Slot
 from resources.idempotency import Claim, LeaseKeeper
+from resources.telemetry.tracing import span
 
 CRASH_ENV = "SEKALI_CRASH_AT"
 STOP_ENV = "SEKALI_STOP_AT"
@@ -46,6 +50,38 @@ Handler = Callable[["JobContext", dict[str, Any]], Any]
 
 
 @dataclass(frozen=True)
+class PayloadField:
+    """One field of a job type's payload, as a person launching it by hand should see it.
+
+    The declaration is the shape and the words (the Dagster layer turns a job type's fields into
+    the typed config of its launch form, so a wrong type or a missing field is refused before a
+    run starts, with the field named); the job type's ``validate`` stays the check of values.
+    ``type`` is ``str``, ``int``, ``dict`` (a map of strings) or ``list`` (of objects with the
+    ``items`` fields); ``choices`` are the only values a ``str`` may take; a field with
+    ``required=False`` takes ``default`` (``None`` for a map means empty).
+    """
+
+    name: str
+    type: type
+    description: str
+    required: bool = True
+    default: Any = None
+    choices: tuple[str, ...] = ()
+    items: tuple[PayloadField, ...] = ()
+
+
+ITEMS = PayloadField(
+    "items",
+    list,
+    "What to take from stock: a non-empty list of {sku, quantity}.",
+    items=(
+        PayloadField("sku", str, "The stock keeping unit (no spaces or ':')."),
+        PayloadField("quantity", int, "How many, 1 to 100000."),
+    ),
+)
+
+
+@dataclass(frozen=True)
 class JobType:
     """One kind of job: how to check its input, name its intent, and do its effect."""
 
@@ -60,11 +96,40 @@ class JobType:
     lock: str  # how the resource is protected: "db-row", "db-transaction", "none"
     downstream: str | None = None  # the retry-budget bucket, when an outside service is called
     description: str = ""
+    # At most ``concurrency_limit`` side effects at once per key, across every worker: a format
+    # string over the validated payload (``"order:{order_id}"``); None for no limit. The
+    # handler holds the slot around its side effect with ``ctx.concurrency_slot(JOB_TYPE)``.
+    concurrency_key: str | None = None
+    concurrency_limit: int = 1
+
+    def __post_init__(self) -> None:
+        if self.concurrency_limit < 1:
+            raise ValueError(f"{self.name}: concurrency_limit must be >= 1")
+        if self.concurrency_key is not None:
+            fields = [f for _, f, _, _ in string.Formatter().parse(self.concurrency_key) if f]
+            if not fields:
+                raise ValueError(
+                    f"{self.name}: concurrency_key {self.concurrency_key!r} names no payload "
+                    "field, so every request would share one key"
+                )
+    fields: tuple[PayloadField, ...] = ()
+    """The payload's fields, in the order a form shows them (``validate`` accepts exactly these).
+    """
+    example: dict[str, Any] = field(default_factory=dict, hash=False)
+    """A valid payload: what the launch form opens with."""
+    result_fields: tuple[str, ...] = ()
+    """The result's fields that name the effect (charge id, message id), shown on the run."""
     personal: frozenset[str] = frozenset()  # payload fields masked in logs, errors and views
 
     @property
     def op_name(self) -> str:
         return f"{self.name}_op"
+
+    def concurrency_key_for(self, payload: dict[str, Any]) -> str | None:
+        """The concurrency key of a validated payload, or None when the type has no limit."""
+        if self.concurrency_key is None:
+            return None
+        return self.concurrency_key.format_map(payload)
 
 
 @dataclass
@@ -109,9 +174,11 @@ class JobContext:
 
     @contextlib.contextmanager
     def timed(self, name: str) -> Iterator[None]:
+        """Record the duration of a critical step, as a span of the request's trace too."""
         started = time.perf_counter()
         try:
-            yield
+            with span(f"step.{name}", key=self.claim.key, fence=self.claim.fence):
+                yield
         finally:
             self.attempt.add_duration(name, time.perf_counter() - started)
 
@@ -135,11 +202,34 @@ class JobContext:
         self.check_lease()
         started = time.perf_counter()
         with self.timed(name), self.services.db.transaction() as conn:
-            row = conn.execute(
-                text(f"SELECT * FROM {table} WHERE {column} = :v{lock}"), {"v": value}
-            ).first()
+            with span("lock.row", lock=f"{table}:{value}", fence=self.fence):
+                row = conn.execute(
+                    text(f"SELECT * FROM {table} WHERE {column} = :v{lock}"), {"v": value}
+                ).first()
             self._add_lock_wait(time.perf_counter() - started)
             yield conn, row
+
+    @contextlib.contextmanager
+    def concurrency_slot(self, job_type: JobType) -> Iterator[Slot | None]:
+        """Hold one of ``job_type``'s concurrency slots for this payload's key around a side
+        effect: at most ``concurrency_limit`` such blocks run at once per key, across workers.
+
+        Waits in line (up to the limits' ``wait``), then :class:`LimitNotAcquired`: transient,
+        contention, so it spends no retry budget. The wait is recorded as the duration
+        ``concurrency_wait``; the lease is checked again after the wait, before the effect. A no-op
+        (yielding None) when the type declares no key or the services carry no limits.
+        """
+        key = job_type.concurrency_key_for(self.payload)
+        limits = self.services.concurrency
+        if key is None or limits is None:
+            yield None
+            return
+        self.check_lease()
+        started = time.perf_counter()
+        with limits.hold(job_type.name, key, job_type.concurrency_limit) as slot:
+            self.attempt.add_duration("concurrency_wait", time.perf_counter() - started)
+            self.check_lease()
+            yield slot
 
     def _add_lock_wait(self, seconds: float) -> None:
         self._lock_wait += seconds

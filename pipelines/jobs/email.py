@@ -16,7 +16,13 @@ import string
 from typing import Any
 
 from pipelines.domain.mail import message_id_for
-from pipelines.jobs.base import JobContext, JobType, reject_unknown, require_str
+from pipelines.jobs.base import (
+    JobContext,
+    JobType,
+    PayloadField,
+    reject_unknown,
+    require_str,
+)
 from resources.errors import ValidationError
 
 TEMPLATES: dict[str, tuple[str, str]] = {
@@ -109,5 +115,21 @@ JOB_TYPE = JobType(
     lock="none",
     downstream="smtp",
     description="Send one templated mail per (template, user, date).",
+    fields=(
+        PayloadField(
+            "template", str, "Which mail; part of the key email:{template}:{user_id}:{date}.",
+            choices=tuple(sorted(TEMPLATES)),
+        ),
+        PayloadField("user_id", str, "The recipient's user id (no spaces or ':')."),
+        PayloadField("date", str, "The day the mail is for, YYYY-MM-DD: one mail per day."),
+        PayloadField("to", str, "The recipient's e-mail address."),
+        PayloadField(
+            "context", dict, "Template variables (strings), e.g. order_id for receipt.",
+            required=False,
+        ),
+    ),
+    example={"template": "welcome", "user_id": "u-example-1", "date": "2026-11-29",
+             "to": "u-example-1@example.com", "context": {}},
+    result_fields=("message_id",),
     personal=frozenset({"to"}),
 )

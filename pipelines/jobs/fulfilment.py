@@ -33,8 +33,10 @@ from sqlalchemy.engine import Connection
 
 from pipelines.domain.inventory import Inventory
 from pipelines.jobs.base import (
+    ITEMS,
     JobContext,
     JobType,
+    PayloadField,
     fenced_update,
     reject_unknown,
     require_items,
@@ -183,4 +185,10 @@ JOB_TYPE = JobType(
     resource_id=lambda p: str(p["order_id"]),
     lock="db-row",
     description="Start, reserve and ship an order, resuming from recovery points.",
+    fields=(
+        PayloadField("order_id", str, "The order to fulfil; the key is fulfil:{order_id}."),
+        ITEMS,
+    ),
+    example={"order_id": "o-example-2", "items": [{"sku": "apple", "quantity": 1}]},
+    result_fields=("order_id", "status"),
 )

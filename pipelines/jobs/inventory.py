@@ -13,7 +13,15 @@ from __future__ import annotations
 from typing import Any
 
 from pipelines.domain.inventory import Inventory
-from pipelines.jobs.base import JobContext, JobType, reject_unknown, require_items, require_str
+from pipelines.jobs.base import (
+    ITEMS,
+    JobContext,
+    JobType,
+    PayloadField,
+    reject_unknown,
+    require_items,
+    require_str,
+)
 
 
 def validate(payload: dict[str, Any]) -> dict[str, Any]:
@@ -27,7 +35,7 @@ def key_for(payload: dict[str, Any]) -> str:
 
 def reserve_inventory(ctx: JobContext, p: dict[str, Any]) -> dict[str, Any]:
     inventory = Inventory(ctx.services.db)
-    with ctx.transaction("reserve") as conn:
+    with ctx.concurrency_slot(JOB_TYPE), ctx.transaction("reserve") as conn:
         before = inventory.reservations(p["cart_id"], conn)
         ctx.attempt.status_before = "reserved" if before else "unreserved"
         reservations = inventory.reserve(conn, p["cart_id"], p["items"], fence=ctx.fence)
@@ -51,5 +59,14 @@ JOB_TYPE = JobType(
     handler=reserve_inventory,
     resource_id=lambda p: str(p["cart_id"]),
     lock="db-transaction",
-    description="Reserve a cart's items in one transaction with row locks.",
+    description="Reserve a cart's items in one transaction with row locks (one at a time per "
+    "cart:{cart_id}).",
+    concurrency_key="cart:{cart_id}",
+    concurrency_limit=1,
+    fields=(
+        PayloadField("cart_id", str, "The cart; the key is inventory-reserve:{cart_id}."),
+        ITEMS,
+    ),
+    example={"cart_id": "c-example-1", "items": [{"sku": "apple", "quantity": 1}]},
+    result_fields=("cart_id", "reserved"),
 )

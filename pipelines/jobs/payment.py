@@ -40,6 +40,7 @@ from pipelines.domain.payments import Charge, GatewayRejected
 from pipelines.jobs.base import (
     JobContext,
     JobType,
+    PayloadField,
     fenced_update,
     reject_unknown,
     require_int,
@@ -149,7 +150,7 @@ def charge_payment(ctx: JobContext, p: dict[str, Any]) -> dict[str, Any]:
             charge = found[0] if found else None
         if charge is None:
             try:
-                with ctx.timed("gateway_charge"):
+                with ctx.concurrency_slot(JOB_TYPE), ctx.timed("gateway_charge"):
                     charge = gateway.charge(
                         reference=reference,
                         amount_cents=p["amount_cents"],
@@ -206,4 +207,15 @@ JOB_TYPE = JobType(
     lock="db-row",
     downstream="payment_gateway",
     description="Charge an order once at the payment gateway (key payment:{order_id}).",
+    concurrency_key="order:{order_id}",  # no customer in the payload; an order's versions share it
+    concurrency_limit=1,
+    fields=(
+        PayloadField("order_id", str, "The order to charge; the key is payment:{order_id}."),
+        PayloadField("amount_cents", int, "The amount in cents, 1 to 10^9."),
+        PayloadField(
+            "currency", str, "A three-letter ISO code.", required=False, default="EUR"
+        ),
+    ),
+    example={"order_id": "o-example-1", "amount_cents": 1250, "currency": "EUR"},
+    result_fields=("charge_id", "reference"),
 )

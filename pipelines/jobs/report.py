@@ -19,7 +19,7 @@ from typing import Any
 
 from sqlalchemy import text
 
-from pipelines.jobs.base import JobContext, JobType, reject_unknown, require_str
+from pipelines.jobs.base import JobContext, JobType, PayloadField, reject_unknown, require_str
 from resources.errors import ValidationError
 from resources.storage.db import Database
 from resources.storage.retention import Expiry
@@ -107,4 +107,10 @@ JOB_TYPE = JobType(
     resource_id=lambda p: str(p["report"]),
     lock="none",
     description="Rebuild a report into the cache through the single flight.",
+    fields=(
+        PayloadField("report", str, "Which report to rebuild.", choices=tuple(sorted(_QUERIES))),
+        PayloadField("as_of", str, "The version it is for (e.g. 2026-11-29T10), part of the key."),
+    ),
+    example={"report": "stock_levels", "as_of": "2026-11-29T10"},
+    result_fields=("cache_key", "rows"),
 )

@@ -45,7 +45,7 @@ MICRO_BATCH_JOB = "intake_micro_batch"
 
 # What Services.from_context reads, plus the intake table.
 SERVICE_RESOURCE_KEYS = frozenset(
-    {"idempotency", "locks", "cache", "gateway", "mailer", "app_db", "retry"}
+    {"idempotency", "locks", "cache", "gateway", "mailer", "app_db", "retry", "concurrency"}
 )
 
 
@@ -90,6 +90,7 @@ def run_batch(
                 correlation_id=request.correlation_id or run_id,
                 request_id=request.id,
                 decide=path.outcome,
+                traceparent=request.traceparent,
             )
         except Exception as exc:  # noqa: BLE001 - recorded per request, the batch goes on
             path.settle_request(store, request.id, exc, run_id=run_id)

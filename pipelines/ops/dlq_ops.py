@@ -1,20 +1,26 @@
 """``dlq_operations``: list, replay and discard dead letters from the Dagster UI (launchpad).
 
-The config is validated twice: by Dagster (the action and the error class are enums, ids are
-integers) and by the op (a replay or discard needs ids or a filter; a discard needs a reason;
-ages parse), which fails permanently with the field named. ``dry_run`` defaults to true, so a
-launch with the defaults only says what would happen. A replay requested here is launched by
-``dlq_replay_sensor`` at its rate bound, exactly as one requested from ``sekali dlq replay``.
+The config is validated twice: by Dagster (the action, the error class, the job type and the
+statuses are enums, ids are integers) and by the op (a replay or discard needs ids or a filter;
+a discard needs a reason; ages parse), which fails permanently with the field named.
+``dry_run`` defaults to true, so a launch with the defaults only says what would happen: the
+output's ``records`` table has a ``decision`` per record (``would replay``, ``would discard``,
+or why not). A replay requested here is launched by ``dlq_replay_sensor`` at its rate bound,
+exactly as one requested from ``sekali dlq replay``.
 """
 
 import enum
+import time
 from typing import Any
 
 import dagster as dg
+import pydantic
 
 from pipelines import tags as tag
+from pipelines.ops.batch import BATCH_JOBS
+from pipelines.registry import JOB_TYPES
 from resources.dagster_resources import DlqResource
-from resources.dlq import parse_age
+from resources.dlq import DlqRecord, DlqStatus, parse_age
 from resources.errors import ValidationError
 from resources.idempotency import IdempotencyStore
 
@@ -34,20 +40,52 @@ class DlqClassChoice(enum.Enum):
     unknown = "unknown"
 
 
+DlqJobTypeChoice = enum.Enum(  # type: ignore[misc]
+    "DlqJobTypeChoice", {name: name for name in [*JOB_TYPES, *(j.name for j in BATCH_JOBS)]}
+)
+"""The job types a record can name: every per-request job and the two intake batch jobs."""
+
+DlqStatusChoice = enum.Enum(  # type: ignore[misc]
+    "DlqStatusChoice", {str(s): str(s) for s in DlqStatus}
+)
+
+
+UNRESOLVED: Any = ["open", "replay_requested", "replaying"]  # Dagster wants the enum names
+
+
 class DlqOperationConfig(dg.Config):
     """What to do with which records. Filters combine with AND; ``ids`` select records directly."""
 
-    action: DlqAction = DlqAction.list
-    ids: list[int] = []
-    job_type: str | None = None
-    error_class: DlqClassChoice | None = None
-    fingerprint: str | None = None
-    older_than: str | None = None
-    newer_than: str | None = None
-    status: list[str] = ["open", "replay_requested", "replaying"]
-    dry_run: bool = True
-    reason: str = ""
-    actor: str = "dagster-ui"
+    action: DlqAction = pydantic.Field(
+        default=DlqAction.list, description="list, replay or discard the selected records."
+    )
+    ids: list[int] = pydantic.Field(default=[], description="Record ids (sekali dlq list).")
+    job_type: DlqJobTypeChoice | None = pydantic.Field(
+        default=None, description="Only records of this job type."
+    )
+    error_class: DlqClassChoice | None = pydantic.Field(
+        default=None, description="Only records of this failure class."
+    )
+    fingerprint: str | None = pydantic.Field(
+        default=None, description="Only records with this fingerprint (one cause)."
+    )
+    older_than: str | None = pydantic.Field(
+        default=None, description="Only records whose last failure is older, e.g. 90s, 15m, 2h."
+    )
+    newer_than: str | None = pydantic.Field(
+        default=None, description="Only records whose last failure is newer, e.g. 1d."
+    )
+    status: list[DlqStatusChoice] = pydantic.Field(
+        default=UNRESOLVED,
+        description="Only records in these statuses (a replay by filter takes open ones).",
+    )
+    dry_run: bool = pydantic.Field(
+        default=True, description="Only say what would happen (the default). Set false to act."
+    )
+    reason: str = pydantic.Field(
+        default="", description="Why (kept in the audit); a discard needs one."
+    )
+    actor: str = pydantic.Field(default="dagster-ui", description="Who acts (kept in the audit).")
 
     def check(self) -> None:
         """Raise :class:`ValidationError` naming the field when the request cannot be right."""
@@ -65,6 +103,42 @@ class DlqOperationConfig(dg.Config):
             raise ValidationError("reason", "a discard needs a reason")
 
 
+_TABLE = dg.TableSchema(
+    columns=[
+        dg.TableColumn(name, kind, description=about)
+        for name, kind, about in (
+            ("id", "int", None), ("status", "string", None), ("job_type", "string", None),
+            ("class", "string", None), ("fingerprint", "string", "one cause"),
+            ("failures", "int", None), ("last_failed", "string", "ISO-8601, UTC"),
+            ("key", "string", None), ("error", "string", None),
+            ("decision", "string", "what this launch did or would do"),
+        )
+    ]
+)
+
+
+def records_table(records: list[DlqRecord], decision: dict[int, str]) -> dg.MetadataValue:
+    """The selected records (at most 200) with what happens to each."""
+    rows = [
+        dg.TableRecord(
+            {
+                "id": r.id,
+                "status": str(r.status),
+                "job_type": r.job_type,
+                "class": r.error_class,
+                "fingerprint": r.fingerprint,
+                "failures": r.failure_count,
+                "last_failed": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(r.last_failed_at)),
+                "key": r.idempotency_key or "",
+                "error": " ".join((r.last_error or "").split())[:120],
+                "decision": decision.get(r.id, "listed"),
+            }
+        )
+        for r in records[:200]
+    ]
+    return dg.MetadataValue.table(rows, _TABLE)
+
+
 @dg.op(required_resource_keys={"dlq"}, tags={tag.QUEUE: "light"})
 def dlq_operation(context: dg.OpExecutionContext, config: DlqOperationConfig) -> dict[str, Any]:
     try:
@@ -77,9 +151,12 @@ def dlq_operation(context: dg.OpExecutionContext, config: DlqOperationConfig) ->
     store = dlq.get_store()
     action = config.action.value
     records = store.list_records(
-        status=["open"] if action == "replay" and not config.ids else config.status,
+        status=(
+            ["open"] if action == "replay" and not config.ids
+            else [DlqStatusChoice(s).value for s in config.status]
+        ),
         ids=config.ids or None,
-        job_type=config.job_type,
+        job_type=config.job_type.value if config.job_type else None,
         error_class=config.error_class.value if config.error_class else None,
         fingerprint=config.fingerprint,
         older_than=parse_age(config.older_than),
@@ -87,6 +164,7 @@ def dlq_operation(context: dg.OpExecutionContext, config: DlqOperationConfig) ->
     )
     ids = [r.id for r in records]
     changed: list[int] = []
+    decision: dict[int, str] = {}
     if action == "replay":
         decisions = store.request_replay(
             ids,
@@ -96,19 +174,24 @@ def dlq_operation(context: dg.OpExecutionContext, config: DlqOperationConfig) ->
             dry_run=config.dry_run,
         )
         changed = [d.record.id for d in decisions if d.replay]
+        decision = {
+            d.record.id: ("would replay" if config.dry_run else "replay requested")
+            if d.replay else f"not replayed: {d.reason}"
+            for d in decisions
+        }
     elif action == "discard" and not config.dry_run:
-        changed = [
-            d.record.id
-            for d in store.discard(ids, actor=config.actor, reason=config.reason)
-            if d.replay
-        ]
+        discarded = store.discard(ids, actor=config.actor, reason=config.reason)
+        changed = [d.record.id for d in discarded if d.replay]
+        decision = {
+            d.record.id: "discarded" if d.replay else f"not discarded: {d.reason}"
+            for d in discarded
+        }
     elif action == "discard":
         changed = [r.id for r in records if r.status in ("open", "replay_requested")]
-    rows = "\n".join(
-        f"| {r.id} | {r.status} | {r.job_type} | {r.error_class} | {r.fingerprint} | "
-        f"{r.failure_count} | {(r.last_error or '')[:60]} |"
-        for r in records[:200]
-    )
+        decision = {
+            r.id: "would discard" if r.id in changed else f"not discarded: status is {r.status}"
+            for r in records
+        }
     verb = {"list": "listed", "replay": "replay requested", "discard": "discarded"}[action]
     if config.dry_run and action != "list":
         verb = "would be discarded" if action == "discard" else "would replay"
@@ -117,10 +200,7 @@ def dlq_operation(context: dg.OpExecutionContext, config: DlqOperationConfig) ->
             "selected": len(records),
             "changed": 0 if config.dry_run else len(changed),
             "action": f"{action}{' (dry run)' if config.dry_run else ''}",
-            "records": dg.MetadataValue.md(
-                "| id | status | job | class | fingerprint | fails | error |\n"
-                "|---|---|---|---|---|---|---|\n" + rows
-            ),
+            "records": records_table(records, decision),
         }
     )
     context.log.info(f"{len(changed)} of {len(records)} selected records: {verb}")

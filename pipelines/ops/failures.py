@@ -8,10 +8,14 @@ Used by the per-request op (:mod:`pipelines.ops.request_job`) and the fan-out st
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import dagster as dg
 
+from pipelines import tags as tag
+from pipelines.attempts import Outcome
 from pipelines.failures import FailurePath
 from pipelines.registry import JOB_TYPES
 from pipelines.requests import RequestStore
@@ -19,6 +23,7 @@ from pipelines.runtime import RequestOutcome, execute_request
 from pipelines.services import Services
 from resources.dagster_resources import dagster_signal
 from resources.retry import RetryPolicy
+from resources.telemetry.tracing import SpanKind, inject, span, trace_id_of, tracing_enabled
 
 
 def failure_path(
@@ -48,11 +53,68 @@ def run_request_step(
     request_id: int | None = None,
     requests: RequestStore | None = None,
     correlation_id: str | None = None,
+    on_failure: Callable[[Outcome], None] | None = None,
 ) -> RequestOutcome:
     """Execute one request in this step. On failure: the request is marked ``failed`` unless a
-    retry follows, and Dagster's ``RetryRequested`` or ``Failure(allow_retries=False)`` is
+    retry follows, ``on_failure`` hears the outcome decided (retried, dead_lettered or
+    failed_permanent), and Dagster's ``RetryRequested`` or ``Failure(allow_retries=False)`` is
     raised from the error."""
     path = failure_path(context, services, job_type, step)
+    with _run_span(context, job_type, step, request_id, requests):
+        return _run(context, services, path, job_type, payload, key, step, request_id,
+                    requests, correlation_id, on_failure)
+
+
+def _run_span(
+    context: dg.OpExecutionContext,
+    job_type: str,
+    step: str,
+    request_id: int | None,
+    requests: RequestStore | None,
+) -> Any:
+    """The run's span: it continues the request's trace (the run tag the intake set, else the
+    request row), and a run that starts a trace of its own gets its id as a run tag, so the run
+    page shows the trace id."""
+    if not tracing_enabled():
+        return span("sekali.run")
+    parent = context.run.tags.get(tag.TRACEPARENT)
+    if parent is None and requests is not None and request_id is not None:
+        request = requests.get(request_id)
+        parent = request.traceparent if request is not None else None
+    run_span = span(
+        "sekali.run", parent=parent, kind=SpanKind.CONSUMER, run_id=context.run_id,
+        job_type=job_type, step=step, attempt=context.retry_number,
+    )
+    if tag.TRACE_ID not in context.run.tags:
+        trace_id = trace_id_of(parent)
+        if trace_id is None:
+            return _tagged(context, run_span)
+        context.instance.add_run_tags(context.run_id, {tag.TRACE_ID: trace_id})
+    return run_span
+
+
+@contextlib.contextmanager
+def _tagged(context: dg.OpExecutionContext, run_span: Any) -> Iterator[Any]:
+    with run_span as current:
+        trace_id = trace_id_of(inject())
+        if trace_id:
+            context.instance.add_run_tags(context.run_id, {tag.TRACE_ID: trace_id})
+        yield current
+
+
+def _run(
+    context: dg.OpExecutionContext,
+    services: Services,
+    path: FailurePath,
+    job_type: str,
+    payload: dict[str, Any],
+    key: str | None,
+    step: str,
+    request_id: int | None,
+    requests: RequestStore | None,
+    correlation_id: str | None,
+    on_failure: Callable[[Outcome], None] | None,
+) -> RequestOutcome:
     try:
         outcome = execute_request(
             job_type,
@@ -72,6 +134,8 @@ def run_request_step(
         )
         if requests is not None and request_id is not None:
             path.settle_request(requests, request_id, exc, run_id=context.run_id)
+        if on_failure is not None:
+            on_failure(path.outcome(exc))
         raise signal(path, exc) from exc
     if requests is not None and request_id is not None:
         requests.mark_completed(request_id, run_id=context.run_id)

@@ -1,18 +1,25 @@
 """The per-request Dagster job of a job type: one op that runs
 :func:`pipelines.runtime.execute_request` and turns its failures into Dagster retries.
 
-Run config (launchable from the UI's launchpad)::
+Run config (the UI's launchpad opens on the job type's example)::
 
     ops:
       charge_payment_op:
         config:
-          payload: {order_id: o-1, amount_cents: 1250, currency: EUR}   # an object (map)
+          payload: {order_id: o-1, amount_cents: 1250, currency: EUR}
           key: null            # optional; default derived from the payload
           request_id: null     # optional; the intake's job_requests.id
           correlation_id: null # optional; default the run tag sekali/correlation_id, else run id
 
-``payload`` is a free-form map: Dagster checks the shape of the config, and the job type's
-``validate`` checks the payload itself, naming the bad field in a permanent failure.
+``payload`` is typed per job type (:func:`config_class`, built from the job type's declared
+fields): Dagster refuses a missing field, an unknown one or a wrong type before the run is
+launched, naming the field. The job type's ``validate`` still checks the values in the op,
+naming the bad field in a permanent failure.
+
+The op tags its run ``sekali/key`` and, when it ends, ``sekali/outcome`` (effect, duplicate,
+retried, dead_lettered, failed) and, for a duplicate, ``sekali/original_run``: the runs list
+filters on them. Its output metadata names the business result with a link to the run that made
+it.
 
 Failures go through the one failure path (:mod:`pipelines.ops.failures`). Transient ->
 ``RetryRequested`` with our capped, jittered delay; permanent, or out of attempts/time/retry
@@ -22,16 +29,21 @@ jobs carry ``dagster/retry_on_asset_or_op_failure:
 """
 
 # No ``from __future__ import annotations`` here: Dagster reads the op's config annotation
-# (``RequestConfig``) at definition time and cannot resolve it from a string.
-from typing import Any
+# (the job type's config class) at definition time and cannot resolve it from a string.
+import enum
+from typing import Any, cast
 
 import dagster as dg
+import pydantic
 
 from pipelines import tags as tag
-from pipelines.jobs.base import JobType
+from pipelines.attempts import Outcome
+from pipelines.jobs.base import JobType, PayloadField
 from pipelines.ops.failures import run_request_step
+from pipelines.registry import get_job_type
 from pipelines.requests import RequestStore
 from pipelines.services import Services
+from resources.errors import ValidationError
 
 BASE_RESOURCES = frozenset({"idempotency", "app_db", "retry"})
 EXTRA_RESOURCES: dict[str, frozenset[str]] = {
@@ -40,14 +52,100 @@ EXTRA_RESOURCES: dict[str, frozenset[str]] = {
     "rebuild_report_cache": frozenset({"cache"}),
 }
 
+RUN_OUTCOMES: dict[Outcome, tag.RunOutcome] = {
+    Outcome.COMPLETED: tag.RunOutcome.EFFECT,
+    Outcome.DUPLICATE_SUPPRESSED: tag.RunOutcome.DUPLICATE,
+    Outcome.RETRIED: tag.RunOutcome.RETRIED,
+    Outcome.DEAD_LETTERED: tag.RunOutcome.DEAD_LETTERED,
+    Outcome.FAILED_PERMANENT: tag.RunOutcome.FAILED,
+}
+
 
 class RequestConfig(dg.Config):
-    """One request: the payload (a map) and optional key, request id and correlation id."""
+    """What every request carries besides its payload."""
 
-    payload: dict[str, Any]
-    key: str | None = None
-    request_id: int | None = None
-    correlation_id: str | None = None
+    key: str | None = pydantic.Field(
+        default=None, description="The idempotency key; default derived from the payload."
+    )
+    request_id: int | None = pydantic.Field(
+        default=None, description="The intake's job_requests id (set by the intake sensor)."
+    )
+    correlation_id: str | None = pydantic.Field(
+        default=None,
+        description="Follows the request across services; default the sekali/correlation_id tag,"
+        " else the run id.",
+    )
+
+
+def _camel(name: str) -> str:
+    return "".join(part.capitalize() for part in name.split("_"))
+
+
+def _annotation(owner: str, spec: PayloadField) -> Any:
+    if spec.choices:
+        return enum.Enum(owner + _camel(spec.name), {c: c for c in spec.choices})
+    if spec.type is list:
+        return list[_model(owner + _camel(spec.name), spec.items)]  # type: ignore[misc]
+    if spec.type is dict:
+        return dict[str, str]
+    return spec.type
+
+
+def _model(name: str, fields: tuple[PayloadField, ...]) -> type[dg.Config]:
+    definitions: dict[str, Any] = {}
+    for spec in fields:
+        if spec.required:
+            info = pydantic.Field(description=spec.description)
+        elif spec.type is dict and spec.default is None:
+            info = pydantic.Field(default_factory=dict, description=spec.description)
+        else:
+            info = pydantic.Field(default=spec.default, description=spec.description)
+        definitions[spec.name] = (_annotation(name, spec), info)
+    return pydantic.create_model(name, __base__=dg.Config, **definitions)
+
+
+def config_class(jt: JobType) -> type[RequestConfig]:
+    """The typed run config of ``jt``'s op: ``payload`` with the job type's declared fields,
+    plus :class:`RequestConfig`'s optional key, request id and correlation id."""
+    name = _camel(jt.name)
+    payload = _model(f"{name}Payload", jt.fields)
+    return pydantic.create_model(
+        f"{name}Config",
+        __base__=RequestConfig,
+        payload=(payload, pydantic.Field(description=f"The {jt.name} request. {jt.description}")),
+    )
+
+
+def payload_of(config: dg.Config) -> dict[str, Any]:
+    """The payload of a typed config as the plain dict the job type validates."""
+    payload = cast(pydantic.BaseModel, getattr(config, "payload"))  # noqa: B009
+    return payload.model_dump(mode="json")
+
+
+def request_run_config(
+    job_type: str,
+    payload: Any,
+    *,
+    key: str | None = None,
+    request_id: int | None = None,
+    correlation_id: str | None = None,
+) -> dict[str, Any]:
+    """Run config of ``job_type``'s per-request job for ``payload``, fitting its config class.
+
+    The payload goes through the job type's ``validate`` first, so a payload stored in an older
+    form (a free-form map from before the typed config, a number where a string is wanted)
+    comes out in the form the class takes. Raises :class:`ValidationError` (naming the field)
+    when the payload is not valid at all: such a request cannot make a valid run.
+    """
+    jt = get_job_type(job_type)
+    if not isinstance(payload, dict):
+        raise ValidationError("payload", "must be an object", payload)
+    config: dict[str, Any] = {"payload": jt.validate(dict(payload))}
+    for name, value in (("key", key), ("request_id", request_id),
+                        ("correlation_id", correlation_id)):
+        if value is not None:
+            config[name] = value
+    return {"ops": {jt.op_name: {"config": config}}}
 
 
 def job_tags(jt: JobType) -> dict[str, str]:
@@ -59,48 +157,113 @@ def job_tags(jt: JobType) -> dict[str, str]:
     }
 
 
+def _key_of(jt: JobType, config: RequestConfig, payload: dict[str, Any]) -> str | None:
+    if config.key:
+        return config.key
+    try:
+        return jt.key_for(jt.validate(dict(payload)))
+    except ValidationError:
+        return None  # the op's own run of validate fails the step, naming the field
+
+
+def run_link(run_id: str) -> dg.MetadataValue:
+    """A link to a run's page, relative to the webserver the UI is served from."""
+    return dg.MetadataValue.url(f"/runs/{run_id}")
+
+
+def result_metadata(jt: JobType, result: Any) -> dict[str, Any]:
+    """The result's fields that name the effect (``jt.result_fields``), as metadata."""
+    if not isinstance(result, dict):
+        return {}
+    out: dict[str, Any] = {}
+    for name in jt.result_fields:
+        value = result.get(name)
+        if isinstance(value, bool) or value is None:
+            continue
+        if isinstance(value, int):
+            out[name] = dg.MetadataValue.int(value)
+        elif isinstance(value, (dict, list)):
+            out[name] = dg.MetadataValue.json(value)
+        else:
+            out[name] = dg.MetadataValue.text(str(value))
+    return out
+
+
 def request_op(jt: JobType) -> dg.OpDefinition:
+    config_cls = config_class(jt)
+
     @dg.op(
         name=jt.op_name,
         description=jt.description,
-        required_resource_keys=set(BASE_RESOURCES | EXTRA_RESOURCES.get(jt.name, frozenset())),
+        required_resource_keys=set(
+            BASE_RESOURCES
+            | EXTRA_RESOURCES.get(jt.name, frozenset())
+            | ({"concurrency"} if jt.concurrency_key else set())
+        ),
         tags={tag.QUEUE: jt.queue},
     )
-    def _op(context: dg.OpExecutionContext, config: RequestConfig) -> dict[str, Any]:
+    def _op(
+        context: dg.OpExecutionContext,
+        config: config_cls,  # type: ignore[valid-type]
+    ) -> dict[str, Any]:
+        request: RequestConfig = config
         services = Services.from_context(context)
         run_id = context.run_id
+        payload = payload_of(request)
+        key = _key_of(jt, request, payload)
+        if key is not None and context.run.tags.get(tag.KEY) != key:
+            context.instance.add_run_tags(run_id, {tag.KEY: key})
         correlation_id = (
-            config.correlation_id or context.run.tags.get(tag.CORRELATION_ID) or run_id
+            request.correlation_id or context.run.tags.get(tag.CORRELATION_ID) or run_id
         )
-        requests = RequestStore(services.db) if config.request_id is not None else None
-        if requests is not None and config.request_id is not None:
-            requests.mark_running(config.request_id, run_id=run_id)
+        requests = RequestStore(services.db) if request.request_id is not None else None
+        if requests is not None and request.request_id is not None:
+            requests.mark_running(request.request_id, run_id=run_id)
+
+        def tag_failure(outcome: Outcome) -> None:
+            context.instance.add_run_tags(run_id, {tag.OUTCOME: str(RUN_OUTCOMES[outcome])})
+
         outcome = run_request_step(
             context,
             services,
             job_type=jt.name,
-            payload=dict(config.payload),
-            key=config.key,
+            payload=payload,
+            key=request.key,
             step=jt.op_name,
-            request_id=config.request_id,
+            request_id=request.request_id,
             requests=requests,
             correlation_id=correlation_id,
+            on_failure=tag_failure,
         )
+        duplicate = outcome.status == "duplicate"
+        run_tags = {
+            tag.OUTCOME: str(tag.RunOutcome.DUPLICATE if duplicate else tag.RunOutcome.EFFECT)
+        }
+        original = services.attempts.effect_run(outcome.key) if duplicate else None
+        if duplicate and original is not None:
+            run_tags[tag.ORIGINAL_RUN] = original
+        context.instance.add_run_tags(run_id, run_tags)
         context.log.info(
             f"{jt.name} {outcome.status} key={outcome.key} fence={outcome.fence} "
             f"attempt_id={outcome.attempt_id} correlation_id={correlation_id}"
         )
-        context.add_output_metadata(
-            {"status": outcome.status, "key": outcome.key, "fence": outcome.fence,
+        metadata: dict[str, Any] = {"outcome": run_tags[tag.OUTCOME]}
+        if duplicate and original is not None:
+            metadata["original_run"] = run_link(original)
+        metadata.update(result_metadata(jt, outcome.result))
+        metadata.update(
+            {"key": outcome.key, "status": outcome.status, "fence": outcome.fence,
              "attempt_id": outcome.attempt_id}
         )
+        context.add_output_metadata(metadata)
         return {"status": outcome.status, "key": outcome.key, "result": outcome.result}
 
     return _op
 
 
 def request_job(jt: JobType) -> dg.JobDefinition:
-    """The Dagster job ``jt.name``: one op, in-process executor, queue and runtime tags."""
+    """The Dagster job ``jt.name``: one op, in-process executor, queue and runtime tags, and the
+    job type's example as the launch form's default config."""
     op_def = request_op(jt)
 
     @dg.job(
@@ -108,6 +271,7 @@ def request_job(jt: JobType) -> dg.JobDefinition:
         description=jt.description,
         executor_def=dg.in_process_executor,
         tags=job_tags(jt),
+        config={"ops": {jt.op_name: {"config": {"payload": dict(jt.example)}}}},
     )
     def _job() -> None:
         op_def()

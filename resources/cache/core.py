@@ -27,8 +27,12 @@ What is guaranteed, for one key, across every process sharing the Redis and name
   it is returned at once). Each wake-up (and at least every ``safety_tick`` seconds, in case the
   holder died; its lock expires after ``lock_ttl``) re-runs the miss script, which also tries to
   take the lock, so the last attempt is one more bounded try to load. If that fails too the caller
-  gets :class:`CacheLoadTimeout`. Loaders must finish within ``lock_ttl`` (the lock is not
-  renewed); a slower loader's write is refused and another caller takes over.
+  gets :class:`CacheLoadTimeout`. Each BLPOP asks the server for at most half the client's
+  socket timeout, so a healthy server always answers first; a Redis that does not answer makes
+  any call raise :class:`StoreUnavailable` within the client's bound (``RedisTimeouts.bound``,
+  7 s by default), and ``get_or_load`` within ``wait_timeout`` plus that bound. Loaders must
+  finish within ``lock_ttl`` (the lock is not renewed); a slower loader's write is refused and
+  another caller takes over.
 - **Loader failures.** The loader's own callers (in-process flight included) get its exception.
   Waiters in other processes wake and get :class:`CacheLoaderFailed` with its class and message:
   no second stampede. A failed background refresh keeps the stale value (stale-if-error) and
@@ -73,7 +77,8 @@ from resources.cache.scripts import (
 )
 from resources.cache.stats import CacheRecorder
 from resources.errors import CacheLoaderFailed, CacheLoadTimeout, StoreUnavailable
-from resources.storage.redis import redis_client
+from resources.storage.redis import client_timeouts, redis_client
+from resources.telemetry.tracing import set_attributes, span
 
 log = logging.getLogger(__name__)
 
@@ -216,6 +221,7 @@ class StampedeCache:
         if not namespace:
             raise ValueError("namespace must be a non-empty string")
         self.client = client
+        self._timeouts = client_timeouts(client)
         self.namespace = namespace
         self.ttl = ttl
         self.stale_ttl = stale_ttl
@@ -271,9 +277,11 @@ class StampedeCache:
         opts = self._options(ttl, stale_ttl, jitter)
         started = time.monotonic()
         try:
-            (value, outcome), led = self._flight.run(
-                ("get", key), lambda: self._resolve(key, loader, opts, force=False)
-            )
+            with span("cache.get_or_load", cache_key=key, namespace=self.namespace):
+                (value, outcome), led = self._flight.run(
+                    ("get", key), lambda: self._resolve(key, loader, opts, force=False)
+                )
+                set_attributes(outcome=outcome, led=led)
         except Exception:
             self.recorder.record(key, "misses", access=True)
             raise
@@ -356,7 +364,7 @@ class StampedeCache:
     def close(self) -> None:
         """Finish background refreshes, flush the counters, close the connection pool."""
         self._pool.shutdown(wait=True)
-        self.recorder.flush()
+        self.recorder.close()
         self.client.close()
 
     # -- the algorithm --------------------------------------------------------------------------
@@ -439,7 +447,7 @@ class StampedeCache:
             if now >= deadline:
                 self.recorder.record(key, "wait_time", now - wait_started)
                 raise CacheLoadTimeout(key, now - wait_started)
-            tick = min(deadline - now, self.safety_tick)
+            tick = self._timeouts.blocking_wait(min(deadline - now, self.safety_tick))
             self._call(self.client.blpop, [layout.signal], timeout=tick)
 
     def _load(

@@ -11,7 +11,7 @@ Key layout for cache key K in namespace N (tag T = ``{N:K}``)::
 
     sekali:cache:T          envelope JSON, Redis TTL = hard expiry
     sekali:cache:T:lock     rebuild lock, value = the rebuilder's random token (SET NX PX)
-    sekali:cache:T:ver      invalidation version (INCR by invalidate)
+    sekali:cache:T:ver      invalidation version (max(INCR, server clock in us) by invalidate)
     sekali:cache:T:waiters  how many callers registered to wait for the current rebuild
     sekali:cache:T:signal   wake-up list: the rebuilder LPUSHes one token per registered waiter
     sekali:cache:T:err      marker of the last failed load (token, class, message), short-lived
@@ -165,19 +165,17 @@ return 1
 )
 FAIL_KEYS = ("lock", "waiters", "signal", "err", "neg")
 
-# A version key that expired would restart at 1 and match a rebuild that read the old "1":
-# a fresh key is seeded from the server clock (microseconds) instead, so versions never repeat.
-# KEYS[1] - envelope   KEYS[2] - invalidation version   KEYS[3] - load error   KEYS[4] - negative
-# ARGV[1] - version ttl ms
+# A version counter that expired, or lost its recent values (Redis restarted from an older
+# snapshot, a failover to a lagging replica), would hand out versions again, and one could match
+# a rebuild that read it before. Each version is max(counter + 1, server clock in microseconds),
+# written back, so versions only grow (the clock gains a million a second; see RedisLock).
+# KEYS[1] - envelope   KEYS[2] - version counter   KEYS[3] - error marker   KEYS[4] - negative
+# ARGV[1] - how long the version counter is kept, in ms
 # returns the new version
 INVALIDATE = """
-local v = redis.call('INCR', KEYS[2])
-if v == 1 then
-  local t = redis.call('TIME')
-  v = tonumber(t[1]) * 1000000 + tonumber(t[2])
-  redis.call('SET', KEYS[2], string.format('%.0f', v))
-end
-redis.call('PEXPIRE', KEYS[2], ARGV[1])
+local t = redis.call('TIME')
+local v = math.max(redis.call('INCR', KEYS[2]), tonumber(t[1]) * 1000000 + tonumber(t[2]))
+redis.call('SET', KEYS[2], string.format('%.0f', v), 'PX', ARGV[1])
 redis.call('DEL', KEYS[1], KEYS[3], KEYS[4])
 return v
 """

@@ -45,7 +45,8 @@ FIELDS = (
 
 
 class CacheRecorder:
-    """Thread-safe local counters with a periodic flush to Redis."""
+    """Thread-safe local counters, flushed to Redis at most every ``flush_interval`` seconds on
+    a short-lived thread (and on :meth:`flush`), never on the caller's thread."""
 
     def __init__(
         self,
@@ -73,6 +74,7 @@ class CacheRecorder:
         self._counts: dict[tuple[str, str], float] = {}
         self._access: dict[str, int] = {}
         self._last_flush = time.monotonic()
+        self._flusher: threading.Thread | None = None
         self._decay = client.register_script(DECAY)
 
     def record(self, key: str, field: str, amount: float = 1.0, *, access: bool = False) -> None:
@@ -82,7 +84,19 @@ class CacheRecorder:
             if access:
                 hits[key] = hits.get(key, 0) + 1
         if time.monotonic() - self._last_flush >= self.flush_interval:
-            self.flush(block=False)
+            self._flush_soon()
+
+    def _flush_soon(self) -> None:
+        """Flush on a short-lived thread: a Redis that does not answer must not make the
+        caller that happened to be due wait a second time. One flush at a time."""
+        with self._lock:
+            if self._flusher is not None and self._flusher.is_alive():
+                return
+            self._last_flush = time.monotonic()
+            self._flusher = threading.Thread(
+                target=self.flush, kwargs={"block": False}, name="cache-stats-flush", daemon=True
+            )
+            self._flusher.start()
 
     def flush(self, *, block: bool = True) -> None:
         """Send the local counts to Redis. With ``block=False`` skip if another thread flushes."""
@@ -110,10 +124,18 @@ class CacheRecorder:
                 pipe.pexpire(self.hot_key, self.counters.ttl_ms)
                 pipe.execute()
             self.decay()
-        except redis.RedisError:
+        except (redis.RedisError, OSError, ValueError):  # ValueError: the client was closed
             log.warning("cache stats flush failed; counts of this interval are lost", exc_info=True)
         finally:
             self._flushing.release()
+
+    def close(self) -> None:
+        """Wait for a flush under way, then flush what is left (before the client closes)."""
+        with self._lock:
+            flusher = self._flusher
+        if flusher is not None:
+            flusher.join()
+        self.flush()
 
     def decay(self) -> int:
         """Halve the access counts once per elapsed half-life; returns the periods applied."""

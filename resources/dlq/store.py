@@ -176,6 +176,7 @@ class FailureInfo:
     correlation_id: str | None = None
     failed_at: float | None = None
     dlq_id: int | None = None
+    trace_id: str | None = None
 
     @property
     def fingerprint(self) -> str:
@@ -219,6 +220,7 @@ class DlqRecord:
     status_changed_at: float
     created_at: float
     updated_at: float
+    trace_id: str | None = None
 
     @classmethod
     def from_row(cls, row: Any) -> DlqRecord:
@@ -248,6 +250,7 @@ class DlqRecord:
             status_changed_at=float(m["status_changed_at"]),
             created_at=float(m["created_at"]),
             updated_at=float(m["updated_at"]),
+            trace_id=m["trace_id"],
         )
 
     @property
@@ -271,6 +274,7 @@ class DlqRecord:
             "first_failed_at": self.first_failed_at,
             "last_failed_at": self.last_failed_at,
             "last_error": (self.last_error or "")[:200],
+            "trace_id": self.trace_id,
         }
 
 
@@ -298,7 +302,7 @@ _COLUMNS = (
     "id, dedupe_key, job_type, idempotency_key, request_id, run_id, step, payload, run_config,"
     " tags, error_class, error_type, fingerprint, last_error, trace, failure_count,"
     " replay_count, first_failed_at, last_failed_at, correlation_id, status,"
-    " status_changed_at, created_at, updated_at"
+    " status_changed_at, created_at, updated_at, trace_id"
 )
 
 dlq_records = Table(
@@ -328,6 +332,7 @@ dlq_records = Table(
     Column("status_changed_at", Float, nullable=False),
     Column("created_at", Float, nullable=False),
     Column("updated_at", Float, nullable=False),
+    Column("trace_id", Text),
 )
 
 dlq_failures = Table(
@@ -356,10 +361,10 @@ _INSERT = f"""
 INSERT INTO dlq_records (dedupe_key, job_type, idempotency_key, request_id, run_id, step, payload,
     run_config, tags, error_class, error_type, fingerprint, last_error, trace, failure_count,
     replay_count, first_failed_at, last_failed_at, correlation_id, status, status_changed_at,
-    created_at, updated_at)
+    created_at, updated_at, trace_id)
 VALUES (:dedupe_key, :job_type, :ikey, :request_id, :run_id, :step, :payload, :run_config, :tags,
     :eclass, :etype, :fp, :msg, :trace, 1, 0, :failed_at, :failed_at, :cid, 'open', :now, :now,
-    :now)
+    :now, :trace_id)
 ON CONFLICT (dedupe_key) DO NOTHING
 RETURNING {_COLUMNS}
 """
@@ -396,6 +401,7 @@ class DlqStore:
             "failed_at": failed_at,
             "cid": info.correlation_id,
             "now": now,
+            "trace_id": info.trace_id,
         }
         with self.db.transaction() as conn:
             row = None

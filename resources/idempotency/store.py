@@ -34,7 +34,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from enum import StrEnum
@@ -454,6 +454,21 @@ class IdempotencyStore:
             ).first()
         return None if row is None else Record.from_row(row)
 
+    def completed_at(self, keys: Iterable[str]) -> dict[str, float]:
+        """``{key: when it completed}`` for those of ``keys`` that are completed."""
+        wanted = sorted(set(keys))
+        out: dict[str, float] = {}
+        statement = text(
+            "SELECT key, updated_at FROM idempotency_records"
+            " WHERE status = 'completed' AND key IN :keys"
+        ).bindparams(bindparam("keys", expanding=True))
+        with self.db.statement() as conn:
+            for start in range(0, len(wanted), 500):
+                chunk = wanted[start : start + 500]
+                for row in conn.execute(statement, {"keys": chunk}):
+                    out[str(row.key)] = float(row.updated_at)
+        return out
+
     def purge(
         self,
         older_than: float | timedelta | None = None,
@@ -572,13 +587,29 @@ class IdempotencyStore:
 
 
 class LeaseKeeper:
-    """A daemon thread that heartbeats one claim until stopped."""
+    """A daemon thread that heartbeats one claim until stopped, and tells its holder to stop.
+
+    Each heartbeat extends the lease from the moment it was sent; the keeper remembers the
+    expiry of the last one the store confirmed. :meth:`check` raises :class:`LeaseLost` once a
+    heartbeat found the lease taken over, or once that confirmed expiry has passed: from then on
+    another worker may take the key over, so the holder must stop before its next effect, even
+    while a heartbeat is still stuck on a database that does not answer. A failed heartbeat
+    (``StoreUnavailable``: every store call gives up within ``DatabaseTimeouts.bound``) is tried
+    again after a quarter of the interval; once the confirmed expiry has passed the keeper stops
+    beating, so a database that comes back does not revive a lease its holder gave up::
+
+        t=0    A claims K (lease 60 s, heartbeat every 20 s); the database freezes at t=5
+        t=20   A's heartbeat: no answer; StoreUnavailable at t=55 at the latest (35 s bound)
+        t=60   the lease A last confirmed (t=0 + 60) runs out: A's check() raises LeaseLost
+        later  the database answers again; B's begin(K) takes over; A writes nothing more
+    """
 
     def __init__(self, store: IdempotencyStore, claim: Claim, interval: float) -> None:
         self.store = store
         self.claim = claim
         self.interval = interval
         self.lost: LeaseLost | None = None
+        self.expires = claim.lease_expires_at
         self.beats = 0
         self.failed_beats = 0
         self._stop = threading.Event()
@@ -588,23 +619,41 @@ class LeaseKeeper:
         self._thread.start()
 
     def _run(self) -> None:
-        while not self._stop.wait(self.interval):
+        delay = self.interval
+        while not self._stop.wait(delay):
             try:
-                self.store.heartbeat(self.claim)
+                self.expires = self.store.heartbeat(self.claim)
                 self.beats += 1
+                delay = self.interval
             except LeaseLost as exc:
                 self.lost = exc
                 return
-            except Exception:  # noqa: BLE001 - store briefly unavailable: beat again
+            except Exception:  # noqa: BLE001 - store briefly unavailable: beat again soon
                 self.failed_beats += 1
+                if self._expired():
+                    logger.warning("lease of %s ran out unrenewed; the holder must stop",
+                                   self.claim.key, exc_info=True)
+                    return
                 logger.warning("heartbeat of %s failed; retrying", self.claim.key, exc_info=True)
+                delay = self.interval / 4
+
+    def _expired(self) -> bool:
+        if self.store.clock() < self.expires:
+            return False
+        if self.lost is None:
+            self.lost = LeaseLost(
+                self.claim.key,
+                self.claim.owner_token,
+                reason="ran out before a heartbeat could renew it (the store did not answer)",
+            )
+        return True
 
     def check(self) -> None:
-        if self.lost is not None:
+        """Raise :class:`LeaseLost` if the lease was taken over or may have run out."""
+        if self.lost is not None or self._expired():
+            assert self.lost is not None
             raise self.lost
 
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
-
-

@@ -18,6 +18,7 @@ from sqlalchemy import exc as sa_exc
 
 from resources.errors import LockLost, LockNotAcquired, SekaliError
 from resources.locks.stats import LockObserver, NullLockObserver
+from resources.telemetry.tracing import set_attributes, span
 
 log = logging.getLogger(__name__)
 Clock = Callable[[], float]
@@ -146,7 +147,16 @@ class BaseLock:
         return self._held
 
     def acquire(self, blocking_timeout: float | None | Literal["default"] = "default") -> BaseLock:
-        """Acquire or raise :class:`LockNotAcquired`. ``0`` tries once; ``None`` waits forever."""
+        """Acquire or raise :class:`LockNotAcquired`. ``0`` tries once; ``None`` waits forever.
+
+        The wait and the grant are a ``lock.acquire`` span of the current trace (with the fence).
+        """
+        with span("lock.acquire", lock=self.name, backend=type(self).__name__):
+            self._acquire(blocking_timeout)
+            set_attributes(fence=self.fence)
+        return self
+
+    def _acquire(self, blocking_timeout: float | None | Literal["default"] = "default") -> BaseLock:
         if self._held:
             raise RuntimeError(f"lock {self.name!r} is already held by this object")
         timeout = self.blocking_timeout if blocking_timeout == "default" else blocking_timeout
@@ -224,7 +234,9 @@ class BaseLock:
 
         Local checks first (no round trip): renewal saw the lock gone, the TTL ran out without
         a renewal, or the hold exceeded ``max_hold``. Then, if ``remote``, one read of the store
-        (a GET on Redis, a SELECT on the database); a store that does not answer counts as lost.
+        (a GET on Redis, a SELECT on the database), bounded by the client's timeouts; a store
+        that does not answer counts as lost, and so does an answer that came back after the TTL
+        ran out.
         """
         if not self._held:
             raise LockLost(self.name, "not held")
@@ -244,6 +256,10 @@ class BaseLock:
         if owner != self.token:
             reason = "the lock is gone" if owner is None else "another holder has it"
             raise self._mark_lost(reason)
+        if self.monotonic() >= self._valid_until:
+            # the answer says the lock was ours when the store read it, but the read was slow
+            # enough for the TTL to run out since: nothing says it is still ours
+            raise self._mark_lost("ttl ran out while the store was being asked")
 
     def _mark_lost(self, reason: str) -> LockLost:
         first = self._lost is None
@@ -254,7 +270,13 @@ class BaseLock:
         return LockLost(self.name, reason)
 
     def _renew(self, generation: int) -> float | None:
-        """Called by the watchdog. Returns when to run again, or None to stop renewing."""
+        """Called by the watchdog. Returns when to run again, or None to stop renewing.
+
+        A renewal that fails (the store does not answer within the client's bound) is tried
+        again every ``min(ttl / 10, 0.5)`` s; once the TTL counted from the last successful
+        renewal has run out the lock is lost, for good: the holder's next ``check()`` raises
+        :class:`LockLost`, and a later answer from the store does not bring it back.
+        """
         if not self._held or generation != self._generation or self._lost is not None:
             return None
         now = self.monotonic()

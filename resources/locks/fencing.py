@@ -4,8 +4,9 @@ A lock can expire while its holder still runs (a GC pause, SIGSTOP, a slow disk)
 cannot stop that holder's next write; the database can. Every lock grant carries a fencing token
 that only grows (``RedisLock.fence``, ``DbLock.fence``); :func:`fenced_write` opens a transaction
 whose first statement is a conditional upsert on ``fence_registry``: it applies only when the
-caller's token is at least the highest token this resource has seen. The business write then goes
-on the yielded connection, in the same transaction, so it commits only if the fence held.
+caller's token is above the highest token this resource has seen, or equal to it and the caller
+is the holder recorded with it. The business write then goes on the yielded connection, in the
+same transaction, so it commits only if the fence held.
 
 Timeline of the race it stops::
 
@@ -16,9 +17,18 @@ Timeline of the race it stops::
 
 Guarantees (SQLite and Postgres): the check and the business write commit together or not at
 all; on Postgres the registry row stays locked until commit, so a concurrent older holder waits
-and is then rejected. Equal tokens pass (one holder may write many times). A resource must be
-guarded by one lock name: tokens of different locks are not comparable. Rejections are counted
-in ``fence_registry.rejected`` by a separate statement, so the count survives the rollback.
+and is then rejected. An equal token passes only for the holder recorded with it (one holder may
+write many times; a held lock passes its owner token as the holder): two holders handed the same
+token, which a Redis that lost recent writes could once do, cannot both write::
+
+    t=0    A acquires L (fence 7, token a), stalls; Redis restarts from an older snapshot
+    t=5    a broken counter hands B fence 7 too (token b); B writes R: (7, b) recorded
+    t=6    A wakes and writes R with (7, a): equal fence, other holder -> rejected
+
+A write without a holder (a bare int) never matches the recorded one, so it passes only with a
+token above the highest. A resource must be guarded by one lock name: tokens of different locks
+are not comparable. Rejections are counted in ``fence_registry.rejected`` by a separate
+statement, so the count survives the rollback.
 """
 
 from __future__ import annotations
@@ -46,14 +56,17 @@ fence_registry = Table(
     Column("highest_fence", BigInteger, nullable=False),
     Column("rejected", BigInteger, nullable=False),
     Column("updated_at", Float, nullable=False),
+    Column("holder", Text),
 )
 
 _ADVANCE = text(
-    "INSERT INTO fence_registry AS f (resource, highest_fence, rejected, updated_at)"
-    " VALUES (:resource, :fence, 0, :now)"
+    "INSERT INTO fence_registry AS f (resource, highest_fence, holder, rejected, updated_at)"
+    " VALUES (:resource, :fence, :holder, 0, :now)"
     " ON CONFLICT (resource) DO UPDATE SET"
-    " highest_fence = excluded.highest_fence, updated_at = excluded.updated_at"
-    " WHERE f.highest_fence <= excluded.highest_fence"
+    " highest_fence = excluded.highest_fence, holder = excluded.holder,"
+    " updated_at = excluded.updated_at"
+    " WHERE f.highest_fence < excluded.highest_fence"
+    " OR (f.highest_fence = excluded.highest_fence AND f.holder = excluded.holder)"
     " RETURNING highest_fence"
 )
 _COUNT_REJECTION = text(
@@ -82,27 +95,37 @@ def _fence_of(fence: int | Any) -> int:
     return value
 
 
+def _holder_of(fence: int | Any, holder: str | None) -> str | None:
+    if holder is not None:
+        return holder
+    token = getattr(fence, "token", None)
+    return token if isinstance(token, str) else None
+
+
 @contextlib.contextmanager
 def fenced_write(
     db: Database,
     resource: str,
     fence: int | Any,
     *,
+    holder: str | None = None,
     observer: LockObserver | None = None,
     clock: Callable[[], float] = time.time,
 ) -> Iterator[Connection]:
     """Yield a connection inside a transaction that commits only if ``fence`` is current.
 
-    ``fence`` is an int or a held lock (its ``.fence`` is used). Raises
-    :class:`FencedWriteRejected` (nothing committed) when the resource has seen a larger token.
-    An exception in the body rolls everything back, the registry advance included.
+    ``fence`` is an int or a held lock (its ``.fence`` is used, and its owner token is the
+    ``holder`` unless one is given). Raises :class:`FencedWriteRejected` (nothing committed) when
+    the resource has seen a larger token, or the same token from another holder. An exception in
+    the body rolls everything back, the registry advance included.
     """
     token = _fence_of(fence)
+    params = {
+        "resource": resource, "fence": token, "holder": _holder_of(fence, holder), "now": clock()
+    }
     try:
         with db.transaction() as conn:
-            row = conn.execute(
-                _ADVANCE, {"resource": resource, "fence": token, "now": clock()}
-            ).first()
+            row = conn.execute(_ADVANCE, params).first()
             if row is None:
                 raise _Rejected()
             yield conn

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import redis
 
+from resources.errors import StoreUnavailable
 from resources.locks.base import BaseLock
 from resources.locks.stats import LockObserver, default_stats
+from resources.storage.redis import client_timeouts
 
 log = logging.getLogger(__name__)
 Clock = Callable[[], float]
@@ -17,8 +19,8 @@ Clock = Callable[[], float]
 # -- Redis ------------------------------------------------------------------------------------
 
 # KEYS: lock, fence, queue (zset by arrival), alive (zset by waiter deadline)
-# The queue work (TIME, dropping waiters that stopped refreshing) runs only when someone waits,
-# so an uncontended grant is EXISTS, EXISTS, INCR, SET.
+# Dropping waiters that stopped refreshing runs only when someone waits, so an uncontended grant
+# is EXISTS, EXISTS, INCR, TIME, SET (fence), SET (lock).
 _LUA_PRELUDE = """
 local function now_us()
   local t = redis.call('TIME')
@@ -40,7 +42,10 @@ local function wake_head(prefix, ttl_ms)
 end
 """
 
-# ARGV: token, ttl_ms, queue_ttl_ms (0: do not queue). Wake-up lists: KEYS[1]..':signal:'..token
+# KEYS[1] - lock name    KEYS[2] - fence counter    KEYS[3] - queue    KEYS[4] - alive
+# ARGV[1] - owner token  ARGV[2] - ttl in ms        ARGV[3] - queue ttl in ms (0: do not queue)
+# returns {1, fence} when granted, {0, PTTL of the lock} otherwise (the caller is queued)
+# Wake-up lists: KEYS[1]..':signal:'..token
 _ACQUIRE = (
     _LUA_PRELUDE
     + """
@@ -49,12 +54,10 @@ if queued then drop_dead_waiters() end
 if redis.call('EXISTS', KEYS[1]) == 0 then
   local head = queued and redis.call('ZRANGE', KEYS[3], 0, 0) or {}
   if #head == 0 or head[1] == ARGV[1] then
-    local fence = redis.call('INCR', KEYS[2])
-    if fence == 1 then
-      -- a fresh, expired or lost counter restarts from the clock, above any earlier token
-      fence = now_us()
-      redis.call('SET', KEYS[2], string.format('%d', fence), 'PX', 604800000)
-    end
+    -- max(counter + 1, server clock in us), written back: a counter that lost recent grants
+    -- (an older snapshot, a lagging replica, an expired key) still issues a larger token
+    local fence = math.max(redis.call('INCR', KEYS[2]), now_us())
+    redis.call('SET', KEYS[2], string.format('%d', fence), 'PX', 604800000)
     redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
     if #head > 0 then
       redis.call('ZREM', KEYS[3], ARGV[1])
@@ -128,13 +131,31 @@ class RedisLock(BaseLock):
     noticed when its TTL runs out. A waiter that stops refreshing (it died) drops out of the
     queue after ``queue_ttl``; until then the lock may sit free.
 
-    Fences grow per name. The counter is seeded from the server clock in microseconds and
-    expires a week after seeding; it is then reseeded the same way, which stays above every
-    earlier token (a counter gains one per grant, the clock a million per second). A Redis that
-    lost its data (restart without persistence) reseeds the same way. This assumes the Redis
-    server's clock does not step back by more than the grants it has counted.
+    Fences grow per name, even when Redis loses recent writes. Each grant's fence is
+    ``max(counter + 1, server clock in microseconds)``, written back to the counter (which
+    expires a week after the last grant). A counter that lost grants (a restart without
+    persistence or from an older RDB snapshot, a failover to a replica that had not caught up,
+    an expired key) still issues a token above every earlier one, because each earlier token
+    was at most the clock of its grant plus the grants issued in the same microsecond::
 
-    The client's ``socket_timeout``, if set, must exceed ``queue_ttl / 3`` (the longest BLPOP).
+        t=0.0  grant: fence 1_000_000 (clock); SAVE           counter = 1_000_000
+        t=1.0  A acquires: fence 2_000_000, then stalls         (this write is lost below)
+        t=2.0  Redis restarts from the t=0 snapshot             counter = 1_000_000 again
+        t=2.5  B acquires: max(1_000_001, 3_500_000) = 3_500_000 > A's 2_000_000
+        t=3.0  A wakes; its fenced write carries 2_000_000 < 3_500_000: refused
+
+    This assumes the clock of the server that grants (the primary, or the replica promoted in
+    its place) never runs behind a clock that granted earlier by more than the time the lost
+    writes cover; NTP-synced hosts and a failover that takes longer than their skew keep it.
+    Fenced writes refuse an equal token from another holder too (:func:`fenced_write`).
+
+    Bounds (with a client from :func:`resources.storage.redis.redis_client`, whose commands
+    end within ``RedisTimeouts.bound``, 7 s by default): a waiter's BLPOP asks the server for at
+    most half the client's socket timeout; ``acquire`` returns or raises within its
+    ``blocking_timeout`` plus one bound; ``check()`` within one bound (a Redis that does not
+    answer means the lock is lost); a renewal that cannot reach Redis leaves the lock lost once
+    its TTL has run out (see :class:`BaseLock`). An acquire whose reply was lost may still have
+    been granted on the server: that grant is nobody's and expires after ``ttl``.
     """
 
     def __init__(
@@ -160,6 +181,7 @@ class RedisLock(BaseLock):
         )
         self.client = client
         self.queue_ttl = queue_ttl
+        self._timeouts = client_timeouts(client)
         base = f"{prefix}{{{name}}}"
         self.key = base
         self._keys = [base, f"{base}:fence", f"{base}:queue", f"{base}:alive"]
@@ -172,10 +194,11 @@ class RedisLock(BaseLock):
         self._extend_script = client.register_script(_EXTEND)
 
     def _try_acquire(self, token: str, enqueue: bool) -> tuple[int | None, float | None]:
-        granted, value = self._acquire_script(
-            keys=self._keys,
-            args=[token, self._ttl_ms, self._queue_ttl_ms if enqueue else 0],
-        )
+        with self._unavailable_as_error():
+            granted, value = self._acquire_script(
+                keys=self._keys,
+                args=[token, self._ttl_ms, self._queue_ttl_ms if enqueue else 0],
+            )
         if granted == 1:
             return int(value), None
         poll = self.queue_ttl / 3
@@ -183,7 +206,22 @@ class RedisLock(BaseLock):
         return None, min(poll, pttl / 1000) if pttl > 0 else poll
 
     def _wait(self, token: str, seconds: float) -> None:
-        self.client.blpop([self._signal_prefix + token], timeout=seconds)
+        # the server-side wait stays under half the socket timeout, so its reply always comes
+        # before the client gives up on a healthy server
+        wait = self._timeouts.blocking_wait(seconds)
+        with self._unavailable_as_error():
+            self.client.blpop([self._signal_prefix + token], timeout=wait)
+
+    @contextlib.contextmanager
+    def _unavailable_as_error(self) -> Iterator[None]:
+        """A Redis that does not answer while acquiring: :class:`StoreUnavailable` (transient).
+        If the lost reply was a grant, nobody holds it and it expires after ``ttl``."""
+        try:
+            yield
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            raise StoreUnavailable(
+                f"Redis did not answer while acquiring lock {self.name!r}: {exc}; retry later"
+            ) from exc
 
     def _leave_queue(self, token: str) -> None:
         with contextlib.suppress(redis.RedisError):

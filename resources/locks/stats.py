@@ -76,9 +76,12 @@ class RedisLockStats:
 
     Fields are ``<pattern>:<event>``. Events are summed in memory and flushed in one script
     at most every ``flush_interval`` seconds (and at exit, and on :meth:`flush`), so metrics
-    cost no extra round trip on the lock's hot path. A failed flush is logged and dropped:
-    metrics never break a lock. The hash is bounded: at most ``max_fields`` fields (new ones past
-    that count under the ``~overflow`` pattern) and it expires ``ttl_seconds`` after the last flush
+    cost no extra round trip on the lock's hot path: a flush that falls due while recording
+    runs on a short-lived thread of its own, so a Redis that does not answer never makes a
+    ``check()`` or a renewal wait twice. A failed flush is logged and dropped: metrics never
+    break a lock.
+    The hash is bounded: at most ``max_fields`` fields (new ones past that count under the
+    ``~overflow`` pattern) and it expires ``ttl_seconds`` after the last flush
     (:mod:`resources.telemetry.counters`).
     """
 
@@ -100,14 +103,19 @@ class RedisLockStats:
         self._pending: dict[str, float] = defaultdict(float)
         self._lock = threading.Lock()
         self._last_flush = time.monotonic()
+        self._flusher: threading.Thread | None = None
         _live_stats.add(self)
 
     def record(self, event: str, name: str, value: float = 1.0) -> None:
         with self._lock:
             self._pending[f"{name_pattern(name)}:{event}"] += value
             due = time.monotonic() - self._last_flush >= self.flush_interval
-        if due:
-            self.flush()
+            if due and (self._flusher is None or not self._flusher.is_alive()):
+                self._last_flush = time.monotonic()
+                self._flusher = threading.Thread(
+                    target=self.flush, name="lock-stats-flush", daemon=True
+                )
+                self._flusher.start()
 
     def flush(self) -> None:
         with self._lock:
@@ -120,7 +128,7 @@ class RedisLockStats:
                 (field, f"{counters.OVERFLOW}:{field.rpartition(':')[2]}", value)
                 for field, value in pending.items()
             )
-        except redis.RedisError as exc:
+        except (redis.RedisError, OSError, ValueError) as exc:  # ValueError: client closed
             log.warning("lock stats flush failed: %s", exc, extra={"stats_key": self.key})
 
 

@@ -20,6 +20,7 @@ from sqlalchemy.engine import Connection
 
 from resources.storage.db import metadata
 from resources.storage.json_text import to_text
+from resources.telemetry.tracing import inject
 
 outbox = Table(
     "outbox",
@@ -35,6 +36,7 @@ outbox = Table(
     Column("claimed_by", Text),
     Column("claimed_until", Float),
     Column("attempts", Integer, nullable=False),
+    Column("traceparent", Text),
 )
 
 inbox = Table(
@@ -47,8 +49,9 @@ inbox = Table(
 
 _INSERT = text(
     "INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload,"
-    " created_at, attempts)"
-    " VALUES (:event_id, :aggregate_type, :aggregate_id, :event_type, :payload, :now, 0)"
+    " created_at, attempts, traceparent)"
+    " VALUES (:event_id, :aggregate_type, :aggregate_id, :event_type, :payload, :now, 0,"
+    " :traceparent)"
     " ON CONFLICT (event_id) DO NOTHING"
 )
 
@@ -66,7 +69,8 @@ def write_event(
     """Insert one event inside the caller's transaction ``conn``; returns its event id.
 
     With a deterministic ``event_id`` (e.g. ``f"{key}:shipped"``) writing twice is a no-op, so a
-    phase resumed after a crash does not emit the event again.
+    phase resumed after a crash does not emit the event again. The current trace context goes
+    with the row, so its publication joins the trace that wrote it.
     """
     event_id = event_id or uuid.uuid4().hex
     conn.execute(
@@ -78,6 +82,7 @@ def write_event(
             "event_type": event_type,
             "payload": to_text(payload),
             "now": time.time() if now is None else now,
+            "traceparent": inject(),
         },
     )
     return event_id

@@ -45,6 +45,7 @@ from sqlalchemy import bindparam, text
 from sqlalchemy.engine import Connection
 
 from resources.storage.db import Database
+from resources.telemetry.tracing import SpanKind, span
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,7 @@ class OutboxEvent:
     payload: Any
     created_at: float
     attempts: int
+    traceparent: str | None = None
 
     @classmethod
     def from_row(cls, row: Any) -> OutboxEvent:
@@ -77,6 +79,7 @@ class OutboxEvent:
             payload=json.loads(m["payload"]),
             created_at=float(m["created_at"]),
             attempts=int(m["attempts"]),
+            traceparent=m["traceparent"],
         )
 
     @property
@@ -191,7 +194,10 @@ WHERE o.published_at IS NULL
 ORDER BY o.id LIMIT :limit{skip}
 """
 
-_COLUMNS = "id, event_id, aggregate_type, aggregate_id, event_type, payload, created_at, attempts"
+_COLUMNS = (
+    "id, event_id, aggregate_type, aggregate_id, event_type, payload, created_at, attempts,"
+    " traceparent"
+)
 
 
 class OutboxPublisher:
@@ -264,7 +270,12 @@ class OutboxPublisher:
                 blocked.add(event.aggregate)
                 continue
             try:
-                self.publisher.publish(event)
+                with span(
+                    "outbox.publish", parent=event.traceparent, kind=SpanKind.PRODUCER,
+                    event_id=event.event_id, event_type=event.event_type,
+                    aggregate=f"{event.aggregate_type}:{event.aggregate_id}",
+                ):
+                    self.publisher.publish(event)
             except Exception as exc:  # noqa: BLE001 - any target error: retry this event later
                 stats.failed += 1
                 stats.errors.append(f"{event.event_id}: {type(exc).__name__}: {exc}")

@@ -6,7 +6,16 @@ Why a wrapper at all: the two backends need different care for the same guarante
   writers never deadlock on a read-to-write upgrade (which SQLite reports at once as "database is
   locked", skipping the busy timeout).
 - Postgres: single-statement operations run in autocommit, so a conditional upsert costs one round
-  trip instead of three (BEGIN, statement, COMMIT).
+  trip instead of three (BEGIN, statement, COMMIT). Every call is bounded
+  (:class:`DatabaseTimeouts`): libpq ``connect_timeout``, TCP keepalives and
+  ``tcp_user_timeout``; the server's ``statement_timeout``, ``lock_timeout`` and
+  ``idle_in_transaction_session_timeout`` for every session (startup options, no extra round
+  trip); a ping before a pooled connection is reused; and a client-side deadline per round trip,
+  because nothing server-side fires while the server is frozen (SIGSTOP, a paused VM): the kernel
+  still acknowledges every packet. When a round trip passes ``statement + margin`` seconds,
+  :class:`RoundTripWatchdog` shuts the connection's socket down, the driver reports the
+  connection closed, and the caller gets :class:`StoreUnavailable`. A store call thus returns or
+  raises within ``DatabaseTimeouts.bound`` (35 s by default), inside the default 60 s lease.
 
 ``Database.transaction()`` is for several statements that must commit together;
 ``Database.statement()`` is for one statement that is atomic on its own. Driver errors that mean
@@ -16,7 +25,9 @@ Why a wrapper at all: the two backends need different care for the same guarante
 from __future__ import annotations
 
 import contextlib
+import os
 import random
+import socket
 import sqlite3
 import threading
 import time
@@ -27,27 +38,48 @@ from typing import Any
 from sqlalchemy import MetaData, create_engine, event
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import Connection, Engine, make_url
+from sqlalchemy.engine.url import URL
 
 from resources.errors import StoreUnavailable
+from resources.storage.settings import DatabaseTimeouts, normalize_url
+from resources.telemetry.tracing import trace_engine
 
 metadata = MetaData()
 """Every table the code expects, declared beside the module that uses it. ``sql/`` creates them;
 a test checks that what ``sql/`` creates matches this."""
 
+__all__ = [
+    "Database",
+    "RoundTripWatchdog",
+    "make_engine",
+    "metadata",
+    "normalize_url",
+    "round_trip_watchdog",
+    "shared_database",
+]
 
-def normalize_url(url: str) -> str:
-    """Spell the driver out: a bare ``postgresql://`` means psycopg 3 on SQLAlchemy 2.1 only."""
-    if url.startswith("postgres://"):
-        url = "postgresql://" + url[len("postgres://") :]
-    if url.startswith("postgresql://"):
-        url = "postgresql+psycopg://" + url[len("postgresql://") :]
-    return url
+
+def make_engine(url: str, **options: Any) -> Engine:
+    """Create an engine with the per-backend settings sekali relies on (see
+    :func:`_make_engine`). Opens no connection. With tracing on (now or later in this process),
+    its statements are spans of the trace."""
+    engine = _make_engine(url, **options)
+    trace_engine(engine)
+    return engine
 
 
-def make_engine(
-    url: str, *, pool_size: int = 5, max_overflow: int = 20, echo: bool = False
+def _make_engine(
+    url: str,
+    *,
+    pool_size: int = 5,
+    max_overflow: int = 20,
+    echo: bool = False,
+    timeouts: DatabaseTimeouts | None = None,
 ) -> Engine:
-    """Create an engine with the per-backend settings sekali relies on. Opens no connection."""
+    """Create an engine with the per-backend settings sekali relies on. Opens no connection.
+
+    ``timeouts`` (Postgres only) default to :meth:`DatabaseTimeouts.from_env`, read now.
+    """
     url = normalize_url(url)
     parsed = make_url(url)
     if parsed.get_backend_name() == "sqlite":
@@ -66,10 +98,188 @@ def make_engine(
         return engine
     if parsed.get_backend_name() != "postgresql":
         raise ValueError(f"DATABASE_URL: unsupported backend {parsed.get_backend_name()!r}")
-    return create_engine(
-        url, echo=echo, pool_size=pool_size, max_overflow=max_overflow, pool_pre_ping=True,
+    t = timeouts or DatabaseTimeouts.from_env()
+    engine = create_engine(
+        url,
+        echo=echo,
+        pool_size=pool_size,
+        max_overflow=max_overflow,
+        pool_timeout=t.bound,
+        connect_args=postgres_connect_args(parsed, t),
         hide_parameters=True,
     )
+    _bound_round_trips(engine, t)
+    return engine
+
+
+def postgres_connect_args(url: URL, t: DatabaseTimeouts) -> dict[str, Any]:
+    """libpq parameters for the bounds; whatever the URL already says wins."""
+    query = url.query
+    args: dict[str, Any] = {
+        name: value
+        for name, value in {
+            "connect_timeout": max(2, round(t.connect)),
+            "keepalives": 1,
+            "keepalives_idle": t.keepalive_idle,
+            "keepalives_interval": t.keepalive_interval,
+            "keepalives_count": t.keepalive_count,
+            "tcp_user_timeout": int(t.tcp_user_timeout * 1000),
+        }.items()
+        if name not in query
+    }
+    given = query.get("options", "")
+    options = " ".join(given) if isinstance(given, tuple) else given
+    for setting, seconds in (
+        ("statement_timeout", t.statement),
+        ("lock_timeout", t.lock),
+        ("idle_in_transaction_session_timeout", t.idle_in_transaction),
+    ):
+        if setting not in options:
+            options += f" -c {setting}={int(seconds * 1000)}"
+    args["options"] = options.strip()
+    return args
+
+
+class RoundTripWatchdog:
+    """Cuts a Postgres connection whose round trip outlived its deadline.
+
+    One daemon thread per process (:func:`round_trip_watchdog`), started on first use, sleeping
+    until the earliest deadline. ``arm`` records (deadline, connection) before a statement,
+    commit, rollback or ping; ``disarm`` removes it when the round trip ended, and before the
+    pool closes or invalidates the connection. Both take one lock, and the thread shuts a socket
+    down only while holding it and only for a connection still armed, so it never touches a
+    connection that has finished its round trip or been handed to someone else::
+
+        t=0    worker arms conn C (deadline t=25), sends UPDATE; the server freezes (SIGSTOP)
+        t=25   the watchdog finds C still armed: shutdown(C's socket), under the lock
+        t=25   the driver's wait returns "server closed the connection"; the pool invalidates
+               C; the caller gets StoreUnavailable and its retry policy takes over
+
+    ``shutdown`` (not ``close``) is what wakes a thread blocked on the socket; the connection
+    object is closed by the pool as usual.
+    """
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._armed: dict[int, tuple[float, Any]] = {}
+        self._thread: threading.Thread | None = None
+        self.cut = 0
+
+    def arm(self, dbapi_connection: Any, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        with self._cv:
+            earliest = min((d for d, _ in self._armed.values()), default=None)
+            self._armed[id(dbapi_connection)] = (deadline, dbapi_connection)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._run, name="db-round-trip-watchdog", daemon=True
+                )
+                self._thread.start()
+            if earliest is None or deadline < earliest:
+                self._cv.notify()
+
+    def disarm(self, dbapi_connection: Any) -> None:
+        with self._cv:
+            self._armed.pop(id(dbapi_connection), None)
+
+    def _run(self) -> None:
+        with self._cv:
+            while True:
+                now = time.monotonic()
+                for key, (deadline, conn) in list(self._armed.items()):
+                    if deadline <= now:
+                        del self._armed[key]
+                        self._cut(conn)
+                earliest = min((d for d, _ in self._armed.values()), default=None)
+                self._cv.wait(None if earliest is None else max(0.0, earliest - now))
+
+    def _cut(self, dbapi_connection: Any) -> None:
+        if getattr(dbapi_connection, "closed", False):
+            return
+        with contextlib.suppress(Exception):
+            fd = os.dup(dbapi_connection.fileno())
+            with socket.socket(fileno=fd) as sock:
+                sock.shutdown(socket.SHUT_RDWR)
+            self.cut += 1
+
+
+_watchdog: tuple[int, RoundTripWatchdog] | None = None
+_watchdog_guard = threading.Lock()
+
+
+def round_trip_watchdog() -> RoundTripWatchdog:
+    """The process's watchdog (a forked child gets its own: threads do not survive a fork)."""
+    global _watchdog
+    with _watchdog_guard:
+        if _watchdog is None or _watchdog[0] != os.getpid():
+            _watchdog = (os.getpid(), RoundTripWatchdog())
+        return _watchdog[1]
+
+
+_ROUND_TRIP = "sekali_round_trip"  # a transaction's own deadline, in the connection's info
+
+
+def _bound_round_trips(engine: Engine, t: DatabaseTimeouts) -> None:
+    """Wire the watchdog and the bounded ping into ``engine``'s events."""
+    engine.sekali_timeouts = t  # type: ignore[attr-defined]
+
+    def arm(conn: Connection) -> None:
+        if conn.invalidated or conn.closed:
+            return  # nothing will be sent (a rollback of a connection the server dropped)
+        dbapi = conn.connection.dbapi_connection
+        if dbapi is not None:
+            round_trip_watchdog().arm(dbapi, conn.info.get(_ROUND_TRIP, t.round_trip))
+
+    def disarm_dbapi(dbapi_connection: Any, *_: Any) -> None:
+        round_trip_watchdog().disarm(dbapi_connection)
+
+    @event.listens_for(engine, "before_cursor_execute")
+    def _before(conn: Connection, *_: Any) -> None:
+        arm(conn)
+
+    @event.listens_for(engine, "after_cursor_execute")
+    def _after(conn: Connection, cursor: Any, *_: Any) -> None:
+        disarm_dbapi(cursor.connection)
+
+    @event.listens_for(engine, "handle_error")
+    def _error(context: Any) -> None:
+        cursor = getattr(context, "cursor", None)  # absent when the connect itself failed
+        if cursor is not None:
+            disarm_dbapi(cursor.connection)
+
+    event.listen(engine, "commit", arm)
+    event.listen(engine, "rollback", arm)
+
+    @event.listens_for(engine, "reset")
+    def _reset(dbapi_connection: Any, *_: Any) -> None:
+        round_trip_watchdog().arm(dbapi_connection, t.round_trip)  # the pool's rollback on return
+
+    for name in ("invalidate", "soft_invalidate", "close", "close_detached"):
+        event.listen(engine, name, disarm_dbapi)
+
+    @event.listens_for(engine, "checkin")
+    def _checkin(dbapi_connection: Any, record: Any) -> None:
+        disarm_dbapi(dbapi_connection)
+        if record is not None:
+            record.info.pop(_ROUND_TRIP, None)  # a transaction's own bound ends with it
+
+    @event.listens_for(engine, "connect")
+    def _fresh(dbapi_connection: Any, record: Any) -> None:
+        record.info["sekali_fresh"] = True
+
+    @event.listens_for(engine, "checkout")
+    def _ping(dbapi_connection: Any, record: Any, _proxy: Any) -> None:
+        """The pre-ping, bounded: a connection that was pooled answers within ``connect``."""
+        record.info.pop(_ROUND_TRIP, None)
+        if record.info.pop("sekali_fresh", False):
+            return
+        round_trip_watchdog().arm(dbapi_connection, t.connect)
+        try:
+            engine.dialect.do_ping(dbapi_connection)
+        except Exception as exc:
+            raise sa_exc.InvalidatePoolError(f"pooled connection did not answer: {exc}") from exc
+        finally:
+            disarm_dbapi(dbapi_connection)
 
 
 def _configure_sqlite(engine: Engine) -> None:
@@ -115,19 +325,41 @@ class Database:
             if self.dialect == "postgresql"
             else engine
         )
+        bounds = getattr(engine, "sekali_timeouts", None)
+        self.timeouts: DatabaseTimeouts | None = bounds  # Postgres only: the bounds in force
 
     @classmethod
-    def from_url(cls, url: str, *, pool_size: int = 5, max_overflow: int = 20) -> Database:
-        return cls(make_engine(url, pool_size=pool_size, max_overflow=max_overflow))
+    def from_url(
+        cls,
+        url: str,
+        *,
+        pool_size: int = 5,
+        max_overflow: int = 20,
+        timeouts: DatabaseTimeouts | None = None,
+    ) -> Database:
+        return cls(
+            make_engine(url, pool_size=pool_size, max_overflow=max_overflow, timeouts=timeouts)
+        )
 
     @property
     def is_postgres(self) -> bool:
         return self.dialect == "postgresql"
 
     @contextlib.contextmanager
-    def transaction(self) -> Iterator[Connection]:
-        """Several statements that commit together (``BEGIN IMMEDIATE`` on SQLite)."""
+    def transaction(self, *, statement_timeout: float | None = None) -> Iterator[Connection]:
+        """Several statements that commit together (``BEGIN IMMEDIATE`` on SQLite).
+
+        ``statement_timeout`` (Postgres) gives this transaction a longer bound than the
+        default, for work known to be slow (migrations, purges): each statement and lock wait
+        may take that long, and the client waits that long plus the margin for each round trip.
+        """
         with _wrap_driver_errors(), self.engine.begin() as conn:
+            if statement_timeout is not None and self.timeouts is not None:
+                # kept in the pooled connection's info until it is checked in
+                ms = int(statement_timeout * 1000)
+                conn.info[_ROUND_TRIP] = statement_timeout + self.timeouts.margin
+                conn.exec_driver_sql(f"SET LOCAL statement_timeout = {ms}")
+                conn.exec_driver_sql(f"SET LOCAL lock_timeout = {ms}")
             yield conn
 
     @contextlib.contextmanager
@@ -146,8 +378,11 @@ def _wrap_driver_errors() -> Iterator[None]:
         yield
     except sa_exc.DBAPIError as exc:
         if isinstance(exc, _UNAVAILABLE) and _looks_unavailable(exc):
-            raise StoreUnavailable(f"database unavailable: {exc.orig}") from exc
+            raise StoreUnavailable(f"database unavailable: {exc.orig}; retry later") from exc
         raise
+    except (sa_exc.DisconnectionError, sa_exc.TimeoutError) as exc:
+        # a pooled connection that did not answer its ping, or no free connection in the pool
+        raise StoreUnavailable(f"database unavailable: {exc}; retry later") from exc
 
 
 def _looks_unavailable(exc: sa_exc.DBAPIError) -> bool:

@@ -27,6 +27,9 @@ from resources.errors import SekaliError, StoreUnavailable
 from resources.storage.db import Database
 
 _MIGRATION_LOCK_ID = 0x5E4A11  # arbitrary, constant
+MIGRATION_TIMEOUT = 120.0
+"""Seconds a migration statement (or the wait for another process's upgrade) may take: DDL on a
+large table is slower than the default statement bound."""
 _NAME = re.compile(r"^(\d{4})_([a-z0-9_]+?)(?:\.(postgresql|sqlite))?\.sql$")
 
 
@@ -107,7 +110,7 @@ def upgrade(db: Database, directory: Path | None = None) -> list[str]:
 def _upgrade_once(db: Database, directory: Path | None) -> list[str]:
     applied_now: list[str] = []
     migrations = load_migrations(db.dialect, directory)
-    with db.transaction() as conn:
+    with db.transaction(statement_timeout=MIGRATION_TIMEOUT) as conn:
         if db.is_postgres:
             conn.execute(text("SELECT pg_advisory_xact_lock(:id)"), {"id": _MIGRATION_LOCK_ID})
         conn.execute(

