@@ -195,10 +195,8 @@ def resolve_completed_dead_letters(
 
 
 def _same_intent(record: DlqRecord, completed: Record) -> bool:
-    if record.payload is None:
-        return True  # a record of a claim alone (a stuck claim): the key is the intent
     if not isinstance(record.payload, dict):
-        return False
+        return False  # nothing to compare: the key alone cannot tell a conflict apart
     try:
         job_type = get_job_type(record.job_type)
         clean = job_type.validate(dict(record.payload))
