@@ -14,15 +14,16 @@ Run: ``python -m benchmarks.retention [--quick]``.
 
 from __future__ import annotations
 
-import os
 import statistics
 import tempfile
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
-from sqlalchemy import create_engine, text
+from sqlalchemy import text
 
+from benchmarks.intake import backend
 from benchmarks.suite import module_main
 from pipelines.attempts import AttemptRecorder
 from pipelines.requests import RequestStore
@@ -30,9 +31,6 @@ from resources.storage.db import Database
 from resources.storage.migrations import upgrade
 from resources.storage.retention import Expiry
 
-PG_URL = os.environ.get(
-    "SEKALI_BENCH_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/sekali_test"
-)
 TARGET_RATIO = 0.5  # a batch's transaction at most half as long as the unbounded DELETE's
 BATCH = 1000
 PINNED_EVERY = 10
@@ -129,25 +127,12 @@ def run(quick: bool = False) -> dict[str, Any]:
     n, rounds = (20_000, 1) if quick else (100_000, 3)
     out: dict[str, Any] = {"backends": {}, "summary": []}
     with tempfile.TemporaryDirectory() as tmp:
-        out["backends"]["sqlite"] = _backend(f"sqlite:///{tmp}/retention.db", n, rounds)
-    schema = "bench_" + uuid.uuid4().hex[:8]
-    admin = create_engine(PG_URL, isolation_level="AUTOCOMMIT")
-    try:
-        with admin.connect() as conn:
-            conn.execute(text(f"CREATE SCHEMA {schema}"))
-        sep = "&" if "?" in PG_URL else "?"
-        out["backends"]["postgres"] = _backend(
-            f"{PG_URL}{sep}options=-csearch_path%3D{schema}", n, rounds
-        )
-    except Exception as exc:  # noqa: BLE001 - report, do not hide the SQLite numbers
-        out["backends"]["postgres"] = {"error": f"{type(exc).__name__}: {exc}"}
-    finally:
-        try:
-            with admin.connect() as conn:
-                conn.execute(text(f"DROP SCHEMA IF EXISTS {schema} CASCADE"))
-        except Exception:  # noqa: BLE001
-            pass
-        admin.dispose()
+        for name in ("sqlite", "postgres"):
+            try:
+                with backend(name, Path(tmp)) as url:
+                    out["backends"][name] = _backend(url, n, rounds)
+            except Exception as exc:  # noqa: BLE001 - report, do not hide the other numbers
+                out["backends"][name] = {"error": f"{type(exc).__name__}: {exc}"}
     for name, res in out["backends"].items():
         if "error" in res:
             continue

@@ -9,8 +9,6 @@ import io
 import json
 import logging
 import re
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import dagster as dg
@@ -33,14 +31,6 @@ ADDRESS = re.compile(r"[\w.+-]+@[\w-]+(?:\.[\w-]+)+")
 JOBS = {job.name: job for job in all_jobs}
 DOWNSTREAM_LOGGERS = ("mail.log", "sandbox.")
 
-
-@pytest.fixture
-def sink(tmp_path: Path) -> Iterator[MailSink]:
-    server = MailSink(f"sqlite:///{tmp_path / 'mail.db'}").start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 def _mail_run(
@@ -66,7 +56,7 @@ def _addresses(value: Any) -> list[str]:
 
 
 def test_logs_attempts_and_dlq_views_of_a_run_carry_no_email_address(
-    db: Database, db_url: str, redis_url: str, namespace: str, sink: MailSink,
+    db: Database, db_url: str, redis_url: str, namespace: str, mail_sink: MailSink,
     caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str],
 ) -> None:
     """Catches: a recipient's address logged at INFO ("sent ... to ann@..."), carried into the
@@ -75,7 +65,7 @@ def test_logs_attempts_and_dlq_views_of_a_run_carry_no_email_address(
     caplog.set_level(logging.DEBUG)
     instance = dg.DagsterInstance.ephemeral()
     resources = dagster_resources(
-        db_url=db_url, redis_url=redis_url, namespace=namespace, smtp_port=sink.port
+        db_url=db_url, redis_url=redis_url, namespace=namespace, smtp_port=mail_sink.port
     )
     requests = RequestStore(db)
     assert _mail_run(instance, resources, requests, "ann@example.com", "u1").success

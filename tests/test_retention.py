@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import dagster as dg
@@ -55,17 +53,9 @@ class Clock:
         return self.now
 
 
-@pytest.fixture
-def sink(tmp_path: Path) -> Iterator[MailSink]:
-    server = MailSink(f"sqlite:///{tmp_path / 'mail.db'}").start()
-    try:
-        yield server
-    finally:
-        server.stop()
-
 
 def _mail_sent_then_run_failed(
-    db: Database, clock: Clock, sink: MailSink, user: str = "u1"
+    db: Database, clock: Clock, mail_sink: MailSink, user: str = "u1"
 ) -> tuple[dict[str, Any], Services, int]:
     """A welcome mail whose key completed, then the worker died before the step succeeded:
     the run failed, the request with it, and the sweep dead-lettered it (an open record)."""
@@ -74,7 +64,7 @@ def _mail_sent_then_run_failed(
         db=db,
         store=store,
         attempts=AttemptRecorder(db, clock=clock),
-        mailer=SmtpMailer("127.0.0.1", sink.port),
+        mailer=SmtpMailer("127.0.0.1", mail_sink.port),
     )
     requests = RequestStore(db, clock=clock)
     payload = {
@@ -93,14 +83,14 @@ def _mail_sent_then_run_failed(
 
 
 def test_replay_on_day_8_of_a_record_whose_key_completed_sends_no_second_mail(
-    db: Database, sink: MailSink
+    db: Database, mail_sink: MailSink
 ) -> None:
     """Catches: the reaper purging a completed key that an open DLQ record still points at, so
     a replay on day 8 runs against an empty ledger and sends the mail a second time; and such
     a record staying open for ever instead of resolving itself."""
     clock = Clock(time.time())
-    payload, services, record_id = _mail_sent_then_run_failed(db, clock, sink)
-    assert len(sink.messages()) == 1
+    payload, services, record_id = _mail_sent_then_run_failed(db, clock, mail_sink)
+    assert len(mail_sink.messages()) == 1
 
     clock.now += 8 * DAY
     dlq = DlqStore(db, clock=clock)
@@ -109,7 +99,7 @@ def test_replay_on_day_8_of_a_record_whose_key_completed_sends_no_second_mail(
     if decisions[0].replay:  # what the replay run does: the same request, the same key
         execute_request("send_email", payload, services=services, run_id="replay-1")
 
-    assert len(sink.messages()) == 1, "a DLQ replay repeated the mail after the key's retention"
+    assert len(mail_sink.messages()) == 1, "a replay repeated the mail after the key's retention"
     record = dlq.get(record_id)
     assert record.status is DlqStatus.RESOLVED
     (resolved,) = [a for a in dlq.audit(record_id) if a["action"] == "resolved"]
@@ -119,13 +109,13 @@ def test_replay_on_day_8_of_a_record_whose_key_completed_sends_no_second_mail(
 
 
 def test_an_open_record_keeps_its_completed_key_past_the_ledger_retention(
-    db: Database, sink: MailSink
+    db: Database, mail_sink: MailSink
 ) -> None:
     """Catches: the reaper dropping a key an open DLQ record names when the record cannot
     resolve itself (its payload differs from the one the key completed with: a conflict a
     person must look at): a replay after the purge would run the other payload's effect."""
     clock = Clock(time.time())
-    _payload, services, record_id = _mail_sent_then_run_failed(db, clock, sink)
+    _payload, services, record_id = _mail_sent_then_run_failed(db, clock, mail_sink)
     dlq = DlqStore(db, clock=clock)
     key = dlq.get(record_id).idempotency_key or ""
     conflicting = {"template": "welcome", "user_id": "u1", "date": "2026-11-01", "to": "b@x.org"}
@@ -148,12 +138,12 @@ def test_an_open_record_keeps_its_completed_key_past_the_ledger_retention(
 
 
 def test_the_replay_sensor_resolves_a_requested_record_whose_key_completed(
-    db: Database, db_url: str, sink: MailSink
+    db: Database, db_url: str, mail_sink: MailSink
 ) -> None:
     """Catches: a replay sensor that launches a run for a record whose intent is done (at best
     a wasted run; after the ledger's retention, a second mail)."""
     clock = Clock(time.time())
-    _payload, services, record_id = _mail_sent_then_run_failed(db, clock, sink)
+    _payload, services, record_id = _mail_sent_then_run_failed(db, clock, mail_sink)
     dlq = DlqStore(db)
     dlq.request_replay([record_id], actor="test", idempotency=services.store)
 
@@ -205,14 +195,14 @@ def _send(
     return request.id
 
 
-def workload(db: Database, clock: Clock, sink: MailSink) -> dict[str, Any]:
+def workload(db: Database, clock: Clock, mail_sink: MailSink) -> dict[str, Any]:
     """One of everything the tables keep: finished work, and work still unresolved."""
     store = IdempotencyStore(db, clock=clock)
     attempts = AttemptRecorder(db, clock=clock)
     requests = RequestStore(db, clock=clock)
     dlq = DlqStore(db, clock=clock)
     services = Services(
-        db=db, store=store, attempts=attempts, mailer=SmtpMailer("127.0.0.1", sink.port)
+        db=db, store=store, attempts=attempts, mailer=SmtpMailer("127.0.0.1", mail_sink.port)
     )
     down = Services(
         db=db, store=store, attempts=attempts, mailer=SmtpMailer("127.0.0.1", free_port())
@@ -270,7 +260,7 @@ def _rows(db: Database, sql: str) -> list[Any]:
 
 
 def test_after_a_workload_and_a_purge_only_what_is_unresolved_remains(
-    db: Database, sink: MailSink
+    db: Database, mail_sink: MailSink
 ) -> None:
     """Catches: a table nothing ever purges (attempts, rejections, finished requests, report
     snapshots, published outbox rows, inbox, reconciliation actions, closed DLQ records and
@@ -278,7 +268,7 @@ def test_after_a_workload_and_a_purge_only_what_is_unresolved_remains(
     (an open DLQ record, its request, key and attempts; a retrying or pending request; an
     unpublished event and its inbox entry; the actions of an order still to compensate)."""
     clock = Clock(time.time())
-    w = workload(db, clock, sink)
+    w = workload(db, clock, mail_sink)
     ids = w["ids"]
     clock.now += 4 * DAY
     report = w["reconciler"].run()
@@ -324,11 +314,11 @@ def _doctor(db: Database, clock: Clock, check: str) -> Finding:
 
 
 def test_the_doctor_reports_rows_past_retention_until_the_purge_runs(
-    db: Database, sink: MailSink
+    db: Database, mail_sink: MailSink
 ) -> None:
     """Catches: a purge that stopped running (no schedule) going unnoticed while tables grow."""
     clock = Clock(time.time())
-    _mail_sent_then_run_failed(db, clock, sink)
+    _mail_sent_then_run_failed(db, clock, mail_sink)
     RequestStore(db, clock=clock).reject("send_email", {}, field="to", error="invalid to")
     assert _doctor(db, clock, "retention_backlog").passed
 
@@ -345,12 +335,12 @@ def test_the_doctor_reports_rows_past_retention_until_the_purge_runs(
 
 
 def test_the_doctor_fails_when_an_open_record_lost_its_completed_key(
-    db: Database, sink: MailSink
+    db: Database, mail_sink: MailSink
 ) -> None:
     """Catches: a ledger purge that ignored the open DLQ records (an old reaper, a manual
     DELETE): the next replay of such a record repeats its effect, and the doctor must say so."""
     clock = Clock(time.time())
-    _payload, services, _record_id = _mail_sent_then_run_failed(db, clock, sink)
+    _payload, services, _record_id = _mail_sent_then_run_failed(db, clock, mail_sink)
     assert _doctor(db, clock, "retention_agreement").passed
 
     clock.now += 8 * DAY
