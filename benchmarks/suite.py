@@ -23,7 +23,7 @@ from typing import Any
 from benchmarks.plotting import RESULTS
 
 SUITES = ["idempotency", "locks", "stampede", "retry_storm", "intake", "chaos", "observability",
-          "outbox", "flow", "tracing", "cluster"]
+          "outbox", "flow", "tracing", "cluster", "retention"]
 RESULTS_DIR = RESULTS
 
 

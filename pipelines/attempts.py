@@ -9,7 +9,9 @@ row at ``started`` with no ``ended_at``; the attempt that takes over carries ``t
 So a reader can tell a real duplicate effect (two ``completed`` rows with the same key: never)
 from a duplicate log line (one ``completed`` and several ``duplicate_suppressed``).
 
-One structured log line per finished attempt carries the same fields (``extra={"sekali": ...}``).
+One structured log line per finished attempt carries the same fields (``extra={"sekali": ...}``),
+with e-mail addresses and the payload's personal values masked, as in ``error_reason``
+(:mod:`pipelines.privacy`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import os
 import socket
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -30,6 +32,8 @@ from sqlalchemy import BigInteger, Column, Float, Integer, Table, Text, text
 
 from resources.storage.db import Database, metadata
 from resources.storage.queries import load_queries
+from resources.storage.retention import Expiry
+from resources.telemetry.redact import redact, redact_data
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +117,7 @@ class Attempt:
     request_id: int | None = None
     traceparent: str | None = None
     stored: bool = field(default=False, repr=False)
+    personal: tuple[str, ...] = field(default=(), repr=False)  # values masked in errors and logs
 
     def add_duration(self, name: str, seconds: float) -> None:
         """Accumulate a critical step's duration (``lock``, ``gateway``, ``commit`` ...)."""
@@ -121,6 +126,7 @@ class Attempt:
     def row(self) -> dict[str, Any]:
         values = asdict(self)
         values.pop("stored")
+        values.pop("personal")
         values["durations"] = json.dumps(self.durations, sort_keys=True)
         values["takeover"] = int(self.takeover)
         values["outcome"] = str(self.outcome)
@@ -174,7 +180,7 @@ class AttemptRecorder:
         record.duration_seconds = round(record.ended_at - record.started_at, 6)
         if error is not None:
             record.error_class = type(error).__name__
-            record.error_reason = str(error)[:2000]
+            record.error_reason = redact(str(error), record.personal)[:2000]
             record.error_kind = error_kind
         self._update(record)
         level = logging.INFO if record.outcome in _QUIET else logging.WARNING
@@ -183,12 +189,12 @@ class AttemptRecorder:
             "attempt %s %s key=%s outcome=%s %s->%s fence=%s",
             record.job_type,
             record.attempt_id,
-            record.idempotency_key,
+            redact(str(record.idempotency_key), record.personal),
             record.outcome,
             record.status_before,
             record.status_after,
             record.fence,
-            extra={"sekali": record.log_fields()},
+            extra={"sekali": redact_data(record.log_fields(), record.personal)},
         )
         return record
 
@@ -262,6 +268,19 @@ class AttemptRecorder:
         with self.db.statement() as conn:
             value = conn.execute(text(_Q["first_started"]), {"run": run_id, "step": step}).scalar()
         return None if value is None else float(value)
+
+    def expired(self, older_than: float, *, keep: Sequence[str] = ()) -> Expiry:
+        """Attempts started more than ``older_than`` seconds ago, except those a ``keep``
+        condition over ``job_attempts`` holds (the attempts of a request or key still
+        unresolved: the evidence an operator reads before replaying). Purge with
+        ``.purge(db)``, count with ``.count(db)``."""
+        return Expiry.of(
+            "job_attempts",
+            "attempt_id",
+            "started_at <= :cutoff",
+            {"cutoff": self.clock() - older_than},
+            keep=keep,
+        )
 
     def all(self, job_type: str | None = None) -> list[dict[str, Any]]:
         where, params = ("WHERE job_type = :jt", {"jt": job_type}) if job_type else ("", {})

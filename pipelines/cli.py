@@ -14,6 +14,8 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
+from resources.telemetry.redact import RedactingFilter
+
 # name -> (module with ``register(subparsers) -> None``, one line of help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "db": ("pipelines.commands.db", "schema migrations of the app database"),
@@ -60,6 +62,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    for handler in logging.getLogger().handlers:  # no e-mail address reaches the terminal
+        if not any(isinstance(f, RedactingFilter) for f in handler.filters):
+            handler.addFilter(RedactingFilter())
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:

@@ -30,8 +30,13 @@ from sqlalchemy import inspect, text
 
 from pipelines.attempts import AttemptRecorder
 from pipelines.metrics import percentile
+from pipelines.reconciliation import retention_expiries
 from pipelines.requests import RequestStore
+from pipelines.retention import backlog
+from resources.dlq import MIN_RETENTION_SECONDS, UNRESOLVED, DlqStore
+from resources.idempotency import IdempotencyStore, Status
 from resources.storage.db import Database
+from resources.storage.settings import RetentionSettings
 
 log = logging.getLogger(__name__)
 
@@ -120,6 +125,9 @@ class DiagnosisSetup:
     hot_keys: int = 20
     expiry_cluster_seconds: float = 1.0
     dlq_open_limit: int = 100
+    retention: RetentionSettings = field(default_factory=RetentionSettings)
+    retention_slack_seconds: float = 86400.0
+    reconciliation_watch_seconds: float = 2 * 86400.0 + 600.0
     critical_section_keys: tuple[str, ...] = (
         "lock_held", "critical_section", "transaction", "lock_order",
     )
@@ -713,6 +721,110 @@ def check_correlation(s: DiagnosisSetup) -> Finding:
     )
 
 
+# -- 11 -----------------------------------------------------------------------------------------
+
+
+def check_retention_backlog(s: DiagnosisSetup) -> Finding:
+    """Every table that grows against its retention: rows past retention (plus a slack of
+    several reconciliation runs) that nothing unresolved references are rows the purge should
+    have deleted, so it is not running or cannot keep up; and an open DLQ record whose key
+    completed should have resolved itself in the same run."""
+    late = s.retention.extended(s.retention_slack_seconds)
+    ledger, dlq = IdempotencyStore(s.db, clock=s.clock), DlqStore(s.db, clock=s.clock)
+    expired = retention_expiries(
+        s.db, late, ledger=ledger, dlq=dlq, clock=s.clock,
+        watched_seconds=s.reconciliation_watch_seconds,
+    )
+    tables = {t.table: asdict(t) for t in backlog(s.db, expired, late)}
+    for row in tables.values():
+        row["retention_seconds"] -= s.retention_slack_seconds
+    behind = {t: row["expired"] for t, row in tables.items() if row["expired"]}
+    unresolved = [r for r in dlq.list_records(status=list(UNRESOLVED)) if r.idempotency_key]
+    done = ledger.records([r.idempotency_key or "" for r in unresolved], status=Status.COMPLETED)
+    stale = s.clock() - s.retention_slack_seconds
+    settled = sorted(
+        r.id for r in unresolved
+        if r.idempotency_key in done and done[r.idempotency_key].updated_at <= stale
+    )
+    evidence = {"tables": tables, "open_records_with_completed_key": settled}
+    sizes = ", ".join(
+        f"{t} {row['rows']} rows ({row['retention_seconds'] / 86400:g}d)"
+        for t, row in tables.items()
+    )
+    if behind or settled:
+        parts = [f"{n} rows of {t}" for t, n in behind.items()]
+        if settled:
+            parts.append(f"{len(settled)} open DLQ records whose key completed long ago "
+                         f"(e.g. {settled[:5]})")
+        return _finding(
+            "retention_backlog", WARN, False,
+            f"{'; '.join(parts)} are older than their retention by more than "
+            f"{s.retention_slack_seconds / 3600:g}h and referenced by nothing unresolved: the "
+            f"purge is not running or not keeping up. Sizes: {sizes}.",
+            "Check that reconciliation_schedule runs and its reconciliation asset succeeds "
+            "(its metadata counts purged_* per table); raise SEKALI_RETENTION_MAX_BATCHES if "
+            "each run purges its full budget and the backlog still grows.",
+            **evidence,
+        )
+    return _finding(
+        "retention_backlog", WARN, True,
+        f"no table holds rows past its retention that nothing references: {sizes}.",
+        "Nothing to change.", **evidence,
+    )
+
+
+# -- 12 -----------------------------------------------------------------------------------------
+
+
+def check_retention_agreement(s: DiagnosisSetup) -> Finding:
+    """The ledger must outlive every open DLQ record: a replay of a record whose completed key
+    was purged runs the effect again. The purge keeps the key of every unresolved record; this
+    checks that it held (an open record whose key completed before and is gone now) and that
+    the retention floors hold."""
+    dlq = DlqStore(s.db, clock=s.clock)
+    unresolved = [r for r in dlq.list_records(status=list(UNRESOLVED)) if r.idempotency_key]
+    keys = sorted({r.idempotency_key or "" for r in unresolved})
+    present = IdempotencyStore(s.db, clock=s.clock).records(keys)
+    attempts = AttemptRecorder(s.db)
+    forgotten = sorted(
+        k for k in keys
+        if k not in present and any(a["outcome"] == "completed" for a in attempts.for_key(k))
+    )
+    days = {name: round(v / 86400, 2) for name, v in s.retention.tables().items()}
+    short = [n for n in ("idempotency", "dlq") if s.retention.tables()[n] < MIN_RETENTION_SECONDS]
+    evidence = {"unresolved_records_with_key": len(unresolved), "forgotten_keys": forgotten,
+                "retention_days": days}
+    if forgotten or short:
+        parts = []
+        if forgotten:
+            parts.append(f"{len(forgotten)} keys of open DLQ records completed once and are gone "
+                         f"from the ledger (e.g. {forgotten[:3]}): a replay repeats the effect")
+        if short:
+            parts.append(f"retention of {', '.join(short)} is under the "
+                         f"{MIN_RETENTION_SECONDS / 3600:g}h floor")
+        return _finding(
+            "retention_agreement", ERROR, False, "; ".join(parts) + ".",
+            "Do not replay those records: discard them, or check the effect downstream first. "
+            "Purge the ledger only through the reconciliation run (it keeps the key of every "
+            "unresolved DLQ record and unfinished request), and keep SEKALI_RETENTION_"
+            "IDEMPOTENCY_DAYS and the DLQ's retention_days at 3 days or more.",
+            **evidence,
+        )
+    horizon = (
+        "the ledger outlives the DLQ's retention"
+        if s.retention.idempotency >= s.retention.dlq
+        else "the purge keeps each key while its record is unresolved, past the ledger's "
+        "own retention"
+    )
+    return _finding(
+        "retention_agreement", ERROR, True,
+        f"ledger retention {days['idempotency']:g}d, DLQ {days['dlq']:g}d: {horizon}; every "
+        f"key named by the {len(unresolved)} unresolved DLQ records is still in the ledger or "
+        "never completed.",
+        "Nothing to change.", **evidence,
+    )
+
+
 TITLES = {
     "real_duplicates": "1. Real duplicate effect or only a duplicate log line",
     "lease_vs_duration": "2. Lease against p99 duration per job type",
@@ -724,6 +836,8 @@ TITLES = {
     "dlq": "8. DLQ dominant class and growth",
     "unique_constraints": "9. Unique constraints and transaction boundaries",
     "correlation": "10. Correlation: request, job and effect linked",
+    "retention_backlog": "11. Table sizes against their retention",
+    "retention_agreement": "12. Ledger retention outlives open DLQ records",
 }
 
 CHECKS: tuple[Check, ...] = tuple(
@@ -739,6 +853,8 @@ CHECKS: tuple[Check, ...] = tuple(
         ("dlq", check_dlq),
         ("unique_constraints", check_unique_constraints),
         ("correlation", check_correlation),
+        ("retention_backlog", check_retention_backlog),
+        ("retention_agreement", check_retention_agreement),
     )
 )
 """The checklist in order. Severity on failure: ERROR for broken invariants, WARN otherwise."""
@@ -747,6 +863,7 @@ DEFAULT_SEVERITY = {
     "real_duplicates": ERROR, "lease_vs_duration": ERROR, "idempotency_coverage": ERROR,
     "lock_ttl": ERROR, "retry_synchronisation": WARN, "cache_expiry_clusters": WARN,
     "ack_timing": ERROR, "dlq": WARN, "unique_constraints": ERROR, "correlation": WARN,
+    "retention_backlog": WARN, "retention_agreement": ERROR,
 }
 
 

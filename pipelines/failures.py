@@ -35,13 +35,15 @@ from resources.retry import (
     classify,
     failure_class,
 )
+from resources.telemetry.redact import redact
 
 NO_RETRY_HERE = "retried by the DLQ, not within this step"
 
 
 def error_text(exc: BaseException) -> str:
-    """How a failure is written into ``job_requests.last_error`` and batch summaries."""
-    return f"{type(exc).__name__} ({failure_class(exc)}): {exc}"
+    """How a failure is written into ``job_requests.last_error`` and batch summaries, e-mail
+    addresses masked."""
+    return redact(f"{type(exc).__name__} ({failure_class(exc)}): {exc}")
 
 
 @dataclass

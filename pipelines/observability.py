@@ -5,7 +5,7 @@ The Dagster side (asset, checks, schedule) is :mod:`pipelines.assets.observabili
 - ``sekali_metrics``: an asset whose materialisation metadata holds the metrics under short
   keys (numbers the UI plots, a table per labelled family). ``health_sensor`` publishes it and
   the checks every five minutes (running by default).
-- ``sekali_health``: the ten checklist items as asset checks on ``sekali_metrics``, each with
+- ``sekali_health``: the checklist items as asset checks on ``sekali_metrics``, each with
   severity WARN or ERROR, the finding as description and the fix in metadata.
 
 Everything here only wires configuration to :mod:`pipelines.metrics` and
@@ -26,6 +26,7 @@ from pipelines.registry import JOB_TYPES
 from resources.cache import StampedeCache
 from resources.storage.db import Database, shared_database
 from resources.storage.redis import redis_client
+from resources.storage.settings import RetentionSettings
 
 
 @dataclass
@@ -52,6 +53,7 @@ def build_observability(
     gateway_ledger_url: str | None = None,
     window_hours: float = 24.0,
     metrics_window_minutes: float = 60.0,
+    retention: RetentionSettings | None = None,
 ) -> Observability:
     """Build both from plain values. Opens no connection until something is read."""
     if job_types is None:
@@ -95,5 +97,6 @@ def build_observability(
         caches=caches,
         effect_ledgers=ledgers,
         window_seconds=window_hours * 3600,
+        retention=retention or RetentionSettings.from_env(),
     )
     return Observability(collector, setup)

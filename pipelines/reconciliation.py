@@ -22,6 +22,10 @@ on ``reconciliation_schedule`` and puts the counts in its materialisation metada
 - ``expired_idempotency``: completed keys past retention (the reaper). The retention must be at
   least :data:`MIN_RETENTION_SECONDS` (a weekend's failures must still be replayable on Monday).
 
+Then retention (:mod:`pipelines.retention`): DLQ records whose key completed are resolved (a
+replay could only repeat the intent), and every table that grows is purged in bounded batches,
+never a row that something unresolved still references (``purged_*`` in the metadata).
+
 Each fixing action has its own key, claimed in the idempotency store, and is recorded in
 ``reconciliation_actions`` in the same transaction as its change; a check counts only what has
 no recorded action, so a second pass finds nothing and nothing is compensated twice.
@@ -31,8 +35,8 @@ import functools
 import json
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from sqlalchemy import Column, Float, Table, Text, text
@@ -43,6 +47,7 @@ from pipelines.attempts import AttemptRecorder
 from pipelines.domain.inventory import Inventory
 from pipelines.jobs.fulfilment import cart_for, key_for
 from pipelines.requests import RequestStore
+from pipelines.retention import expiries, purge_expired, resolve_completed_dead_letters
 from resources.dlq import (
     MIN_RETENTION_SECONDS,
     DlqStore,
@@ -54,6 +59,8 @@ from resources.errors import AlreadyInProgress
 from resources.idempotency import Completed, IdempotencyStore
 from resources.outbox.publisher import OutboxPublisher, unpublished_older_than
 from resources.storage.db import Database, metadata
+from resources.storage.retention import Expiry
+from resources.storage.settings import RetentionSettings
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +100,8 @@ class ReconciliationReport:
     found: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CHECKS, 0))
     fixed: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CHECKS, 0))
     actions: list[str] = field(default_factory=list)
+    resolved_dead_letters: list[int] = field(default_factory=list)
+    purged: dict[str, int] = field(default_factory=dict)
 
     @property
     def total_found(self) -> int:
@@ -107,6 +116,8 @@ class ReconciliationReport:
         for check in CHECKS:
             out[f"found_{check}"] = self.found[check]
             out[f"fixed_{check}"] = self.fixed[check]
+        out["resolved_dead_letters"] = len(self.resolved_dead_letters)
+        out.update({f"purged_{table}": n for table, n in self.purged.items()})
         return out
 
 
@@ -125,11 +136,16 @@ class Reconciler:
         grace_seconds: float = 600.0,
         lookback_seconds: float = 2 * 86400.0,
         outbox_threshold_seconds: float = 300.0,
-        idempotency_retention_seconds: float = 7 * 86400.0,
+        idempotency_retention_seconds: float | None = None,
+        retention: RetentionSettings | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
-        if idempotency_retention_seconds < MIN_RETENTION_SECONDS:
-            raise RetentionTooShort(idempotency_retention_seconds, MIN_RETENTION_SECONDS)
+        retention = retention or RetentionSettings()
+        if idempotency_retention_seconds is not None:
+            retention = replace(retention, idempotency=idempotency_retention_seconds)
+        for seconds in (retention.idempotency, retention.dlq):
+            if seconds < MIN_RETENTION_SECONDS:
+                raise RetentionTooShort(seconds, MIN_RETENTION_SECONDS)
         self.db = db
         self.store = store
         self.dlq = dlq
@@ -138,7 +154,7 @@ class Reconciler:
         self.grace = grace_seconds
         self.lookback = lookback_seconds
         self.outbox_threshold = outbox_threshold_seconds
-        self.retention = idempotency_retention_seconds
+        self.retention = retention
         self.clock = clock
 
     def run(self) -> ReconciliationReport:
@@ -148,10 +164,25 @@ class Reconciler:
         self._compensations(report)
         self._stuck_claims(report)
         self._outbox(report)
-        purged = self.store.purge(older_than=self.retention)
+        report.resolved_dead_letters = resolve_completed_dead_letters(
+            self.dlq, self.store, RequestStore(self.db, clock=self.clock), actor="reconciliation"
+        )
+        report.purged = purge_expired(self.db, self.expiries(), self.retention)
+        purged = report.purged["idempotency_records"]
         report.found["expired_idempotency"] = report.fixed["expired_idempotency"] = purged
         log.info("reconciliation found %d, fixed %d", report.total_found, report.total_fixed)
         return report
+
+    def expiries(self) -> dict[str, Expiry]:
+        """What retention may delete now, per table, in the order to purge them."""
+        return retention_expiries(
+            self.db,
+            self.retention,
+            ledger=self.store,
+            dlq=self.dlq,
+            clock=self.clock,
+            watched_seconds=self.lookback + self.grace,
+        )
 
     # -- actions ----------------------------------------------------------------------------
 
@@ -400,6 +431,49 @@ class Reconciler:
             self.publisher.publish_pending(max_batches=max(1, len(stale) // 50 + 2))
             left = set(unpublished_older_than(self.db, self.outbox_threshold, now=self.clock()))
             report.fixed["stale_outbox"] = len([i for i in stale if i not in left])
+
+
+def expired_actions(
+    older_than: float, *, now: float, watched_seconds: float, keep: Sequence[str] = ()
+) -> Expiry:
+    """Recorded actions older than ``older_than`` whose subject no check looks at any more: an
+    action's row is what stops a check from compensating twice, so it stays while its order is
+    in a state a check reads (given up or in flight) or changed within ``watched_seconds``
+    (the payment lookback plus grace), or while ``keep`` holds (its claim is unfinished)."""
+    watched = (
+        "EXISTS (SELECT 1 FROM orders o WHERE o.order_id = reconciliation_actions.subject"
+        " AND (o.fulfilment_status IN ('needs_compensation', 'processing', 'reserved')"
+        " OR o.updated_at >= :watched_since))"
+    )
+    return Expiry.of(
+        "reconciliation_actions",
+        "action_key",
+        "created_at <= :cutoff",
+        {"cutoff": now - older_than, "watched_since": now - watched_seconds},
+        keep=[watched, *keep],
+    )
+
+
+def retention_expiries(
+    db: Database,
+    settings: RetentionSettings,
+    *,
+    ledger: IdempotencyStore,
+    dlq: DlqStore,
+    clock: Callable[[], float],
+    watched_seconds: float,
+) -> dict[str, Expiry]:
+    """Every table's :class:`Expiry` (:func:`pipelines.retention.expiries` and this module's
+    own ``reconciliation_actions``), in the order to purge them."""
+    return {
+        **expiries(db, settings, ledger=ledger, dlq=dlq, clock=clock),
+        "reconciliation_actions": expired_actions(
+            settings.reconciliation_actions,
+            now=clock(),
+            watched_seconds=watched_seconds,
+            keep=[ledger.unfinished_key_reference("reconciliation_actions.subject")],
+        ),
+    }
 
 
 def _record(detail: dict[str, Any]) -> Callable[[Connection], Any]:

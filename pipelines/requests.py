@@ -41,6 +41,7 @@ from resources.idempotency import payload_hash
 from resources.storage.db import Database, metadata
 from resources.storage.json_text import canonical, digest, storable
 from resources.storage.queries import load_queries
+from resources.storage.retention import Expiry
 
 Clock = Callable[[], float]
 
@@ -507,6 +508,48 @@ class RequestStore:
         with self.db.statement() as conn:
             rows = conn.execute(text(_Q["correlation_ids_since"]), {"since": since})
             return {int(r.id): r.correlation_id for r in rows}
+
+    # -- retention -------------------------------------------------------------------------------
+
+    def expired(
+        self, older_than: float, *, dead_lettered: str, keep: Sequence[str] = ()
+    ) -> Expiry:
+        """Finished requests last changed more than ``older_than`` seconds ago: completed ones,
+        and failed ones the DLQ holds (``dead_lettered``: SQL over ``job_requests.id``, true when
+        a DLQ record holds the failure; a failed request not yet dead-lettered is kept for the
+        sweep). ``keep`` conditions (an unresolved DLQ record) keep a request whatever its age.
+        Purge with ``.purge(db)``, count with ``.count(db)``."""
+        return Expiry.of(
+            "job_requests",
+            "id",
+            "updated_at <= :cutoff AND (status = 'completed'"
+            f" OR (status = 'failed' AND {dead_lettered}))",
+            {"cutoff": self.clock() - older_than},
+            keep=keep,
+        )
+
+    def expired_rejections(self, older_than: float) -> Expiry:
+        """Rejections kept more than ``older_than`` seconds."""
+        return Expiry.of(
+            "job_rejections", "id", "created_at <= :cutoff", {"cutoff": self.clock() - older_than}
+        )
+
+    @staticmethod
+    def unfinished_key_reference(column: str) -> str:
+        """SQL, true while a request that has not completed carries the key in ``column``: it
+        may still run (or be replayed) under that key."""
+        return (
+            "EXISTS (SELECT 1 FROM job_requests r"
+            f" WHERE r.key = {column} AND r.status <> 'completed')"
+        )
+
+    @staticmethod
+    def unfinished_request_reference(column: str) -> str:
+        """SQL, true while the request whose id is in ``column`` exists and has not completed."""
+        return (
+            "EXISTS (SELECT 1 FROM job_requests r"
+            f" WHERE r.id = {column} AND r.status <> 'completed')"
+        )
 
     def rejections(
         self,

@@ -35,6 +35,7 @@ from typing import Any
 from pipelines.attempts import Attempt, Outcome
 from pipelines.failures import FailurePath
 from pipelines.jobs.base import JobContext
+from pipelines.privacy import personal_values
 from pipelines.registry import get_job_type
 from pipelines.services import Services
 from resources.errors import AlreadyInProgress, LeaseLost, StoredFailure
@@ -107,6 +108,7 @@ def _execute_request(
 ) -> RequestOutcome:
     jt = get_job_type(job_type)
     decide = decide or FailurePath(attempt=attempt).outcome
+    personal = personal_values(jt, payload)
     record = services.attempts.new(
         jt.name,
         attempt=attempt,
@@ -116,6 +118,7 @@ def _execute_request(
         request_id=request_id,
         idempotency_key=key,
         traceparent=inject(),
+        personal=personal,
     )
     try:
         clean = jt.validate(dict(payload or {}))

@@ -37,8 +37,10 @@ from pipelines import tags as tag
 from pipelines.assets import dead_letters
 from pipelines.ops import all_jobs
 from pipelines.ops.request_job import request_run_config
+from pipelines.privacy import mask_failure
 from pipelines.registry import JOB_TYPES, get_job_type
 from pipelines.requests import RequestStore
+from pipelines.retention import resolve_completed_dead_letters
 from pipelines.validation import ValidationError, admit
 from resources.dagster_resources import DlqResource
 from resources.dlq import (
@@ -237,7 +239,8 @@ def dead_letter_run(
     if will_retry(run) or not is_job_run(run):
         return []
     recorded = [
-        store.record_failure(info, actor=actor) for info in failures_of_run(instance, run, store)
+        store.record_failure(mask_failure(info), actor=actor)
+        for info in failures_of_run(instance, run, store)
     ]
     if tag.KEY in run.tags and tag.OUTCOME not in run.tags:  # the op died before saying
         instance.add_run_tags(run.run_id, {tag.OUTCOME: str(tag.RunOutcome.DEAD_LETTERED)})
@@ -532,31 +535,6 @@ def settle_replays(instance: dg.DagsterInstance, store: DlqStore) -> tuple[int, 
     return resolved, reopened
 
 
-def resolve_completed_elsewhere(store: DlqStore, idempotency: IdempotencyStore) -> int:
-    """Resolve records (open or replay requested) whose key completed after their last failure:
-    a late retry, a relaunch or a run launched by hand did the work, nothing is left to replay.
-    A key completed before the failure stays open: that failure was not this key's work left
-    undone (a conflicting payload under a used key), and someone must look at it."""
-    records = [
-        r
-        for r in store.list_records(status=[DlqStatus.OPEN, DlqStatus.REPLAY_REQUESTED])
-        if r.idempotency_key
-    ]
-    if not records:
-        return 0
-    done = idempotency.completed_at(r.idempotency_key for r in records if r.idempotency_key)
-    resolved = 0
-    for record in records:
-        at = done.get(record.idempotency_key or "")
-        if at is not None and at > record.last_failed_at:
-            resolved += store.resolve(
-                record.id,
-                actor="dlq_replay_sensor",
-                detail=f"key {record.idempotency_key} completed elsewhere",
-            )
-    return resolved
-
-
 def build_dlq_replay_sensor(
     *,
     name: str = "dlq_replay_sensor",
@@ -587,7 +565,13 @@ def build_dlq_replay_sensor(
     def _sensor(context: dg.SensorEvaluationContext, dlq: DlqResource) -> dg.SensorResult:
         store = dlq.get_store()
         resolved, reopened = settle_replays(context.instance, store)
-        resolved += resolve_completed_elsewhere(store, IdempotencyStore(store.db))
+        # a record whose key completed (a late retry, a relaunch, or the worker that died after
+        # completing it): its intent is done, launch nothing
+        resolved += len(
+            resolve_completed_dead_letters(
+                store, IdempotencyStore(store.db), RequestStore(store.db), actor="dlq_replay_sensor"
+            )
+        )
         now = clock()
         state = json.loads(context.cursor) if context.cursor else None
         allowed, tokens = rate.allowance(state, now)

@@ -23,6 +23,7 @@ from sqlalchemy import create_engine, text
 
 from resources.storage.db import Database
 from resources.storage.migrations import upgrade
+from sandbox.mailsink import MailSink
 from sandbox.redis_server import RedisServer, free_port
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
@@ -154,6 +155,16 @@ def redis_client(redis_url: str, namespace: str) -> Iterator[redis.Redis]:
 def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
     """A throw-away redis-server on a free port, for tests that stop or restart it."""
     server = RedisServer(tmp_path / "redis", port=free_port()).start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def mail_sink(tmp_path: Path) -> Iterator[MailSink]:
+    """The sandbox SMTP sink on a free port; it counts mails and refuses ``reject.invalid``."""
+    server = MailSink(f"sqlite:///{tmp_path / 'mail.db'}").start()
     try:
         yield server
     finally:

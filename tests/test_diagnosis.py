@@ -1,4 +1,4 @@
-"""The diagnosis checklist: a healthy world passes all ten checks on SQLite and Postgres; for each
+"""The diagnosis checklist: a healthy world passes every check on SQLite and Postgres; for each
 item a deliberately bad set-up, written through the real stores, the real sandbox gateway and
 a real Redis, makes exactly that check fail with its explanation and fix.
 
@@ -371,12 +371,12 @@ def test_sekali_doctor_table_json_and_exit_status(
     common = ["--gateway-ledger-url", env.gateway_url, "--cache-namespace", env.namespace]
     healthy = _doctor(environ, *common)
     assert healthy.returncode == 0, healthy.stdout + healthy.stderr
-    assert "10 passed, 0 failed at ERROR" in healthy.stdout
+    assert f"{len(CHECKS)} passed, 0 failed at ERROR" in healthy.stdout
     assert "2. Lease against p99 duration per job type" in healthy.stdout
     sick = _doctor(environ, *common, "--json", "--lease-seconds", "2")
     assert sick.returncode == 1, sick.stdout + sick.stderr
     findings = {f["check"]: f for f in json.loads(sick.stdout)}
-    assert len(findings) == 10
+    assert len(findings) == len(CHECKS)
     lease = findings["lease_vs_duration"]
     assert lease["verdict"] == "FAIL (ERROR)" and "lease is 2s" in lease["found"]
     assert "lease_seconds" in lease["fix"]

@@ -31,12 +31,8 @@ from sandbox.redis_server import free_port
 
 
 @pytest.fixture
-def sink(tmp_path: Path) -> Iterator[MailSink]:
-    server = MailSink(f"sqlite:///{tmp_path / 'mail.db'}").start()
-    try:
-        yield server
-    finally:
-        server.stop()
+def sink(mail_sink: MailSink) -> MailSink:
+    return mail_sink
 
 
 def test_message_id_is_stable_and_rfc5322_shaped() -> None:

@@ -20,6 +20,7 @@ import pytest
 import redis
 from prometheus_client import CollectorRegistry
 
+from pipelines.diagnosis import CHECKS
 from pipelines.metrics import MetricsCollector, MetricsSnapshot, SnapshotCollector, percentile
 from resources.cache.core import StampedeCache
 from resources.dlq import DlqStore, FailureClass, FailureInfo
@@ -374,7 +375,7 @@ def test_metrics_asset_metadata_matches_workload(
     assert row("processing_seconds", job_type="send_email", quantile="0.95") == \
         pytest.approx(p95)
     evaluations = {e.check_name: e for e in result.get_asset_check_evaluations()}
-    assert len(evaluations) == 10
+    assert len(evaluations) == len(CHECKS)
     # the workload's single 7 s charge is far under the 60 s lease; ack timing is right
     assert evaluations["lease_vs_duration"].passed
     assert evaluations["ack_timing"].passed

@@ -1,6 +1,7 @@
 """``reconciliation``: the :class:`pipelines.reconciliation.Reconciler` as a scheduled asset,
 and the DLQ retention check beside it."""
 
+from dataclasses import replace
 from typing import Any
 
 import dagster as dg
@@ -10,11 +11,15 @@ from pipelines.reconciliation import Reconciler
 from resources.dagster_resources import DlqResource
 from resources.idempotency import IdempotencyStore
 from resources.outbox import InAppPublisher, Inbox, OutboxPublisher
+from resources.storage.settings import RetentionSettings
 
 
 class ReconciliationConfig(dg.Config):
     """Thresholds: ``grace_seconds`` before an unsettled state counts as inconsistent, the
-    payment ``lookback_hours``, the outbox threshold, and the idempotency retention (>= 72 h)."""
+    payment ``lookback_hours``, the outbox threshold, and the idempotency retention (>= 72 h).
+    The other tables' retention comes from ``SEKALI_RETENTION_*_DAYS``
+    (:class:`resources.storage.settings.RetentionSettings`); the DLQ's from the ``dlq``
+    resource's ``retention_days``."""
 
     grace_seconds: float = 600.0
     lookback_hours: float = 48.0
@@ -26,7 +31,8 @@ class ReconciliationConfig(dg.Config):
     name="reconciliation",
     group_name="operations",
     description="Finds and compensates inconsistencies (payments, fulfilment, stuck claims, "
-    "stale outbox rows, expired keys); metadata counts what it found and fixed.",
+    "stale outbox rows, expired keys) and purges what retention allows; metadata counts what "
+    "it found, fixed and purged.",
     required_resource_keys={"app_db", "idempotency", "dlq", "gateway", "cache"},
 )
 def reconciliation(
@@ -46,6 +52,9 @@ def reconciliation(
         lookback_seconds=config.lookback_hours * 3600,
         outbox_threshold_seconds=config.outbox_threshold_seconds,
         idempotency_retention_seconds=config.idempotency_retention_hours * 3600,
+        retention=replace(
+            RetentionSettings.from_env(), dlq=context.resources.dlq.retention_days * 86400
+        ),
     )
     report = reconciler.run()
     return dg.MaterializeResult(metadata=report.metadata())

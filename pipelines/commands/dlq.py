@@ -24,10 +24,12 @@ import sys
 from typing import Any
 
 from pipelines.commands.arguments import record_id
+from pipelines.privacy import dlq_view
 from resources.dlq import DlqRecordNotFound, DlqStore, parse_age
 from resources.idempotency import IdempotencyStore
 from resources.storage.db import shared_database
 from resources.storage.settings import Settings
+from resources.telemetry.redact import redact_data
 
 UNRESOLVED = ["open", "replay_requested", "replaying"]
 
@@ -121,7 +123,7 @@ def _list(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.json:
-        print(json.dumps([r.summary() for r in records], indent=2))
+        print(json.dumps([dlq_view(r, summary=True) for r in records], indent=2))
         return 0
     if not records:
         print("no dead letters match")
@@ -134,7 +136,7 @@ def _list(args: argparse.Namespace) -> int:
         print(
             f"{r.id:>5}  {r.status:<16} {r.job_type:<20} {r.error_class:<9} "
             f"{r.fingerprint:<16} {r.failure_count:>5} {r.replay_count:>7}  "
-            f"{_when(r.last_failed_at)}  {r.error_type}: {(r.last_error or '')[:60]}"
+            f"{_when(r.last_failed_at)}  {r.error_type}: {dlq_view(r)['last_error'][:60]}"
         )
     return 0
 
@@ -148,16 +150,9 @@ def _show(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     data = {
-        **record.summary(),
-        "dedupe_key": record.dedupe_key,
-        "run_id": record.run_id,
-        "step": record.step,
-        "correlation_id": record.correlation_id,
-        "payload": record.payload,
-        "last_error": record.last_error,
-        "trace": record.trace,
+        **dlq_view(record),  # personal fields and e-mail addresses masked
         "failed_runs": store.failures(record.id),
-        "audit": store.audit(record.id),
+        "audit": redact_data(store.audit(record.id)),
     }
     if args.json:
         print(json.dumps(data, indent=2, default=str))
@@ -173,7 +168,7 @@ def _show(args: argparse.Namespace) -> int:
             f"{entry['from_status']} -> {entry['to_status']} {entry['detail'] or ''}"
         )
     print("           trace:")
-    print(record.trace or "")
+    print(data["trace"])
     return 0
 
 

@@ -12,18 +12,19 @@ import argparse
 import json
 import sys
 import textwrap
+from dataclasses import replace
 from typing import Any
 
 from pipelines.diagnosis import has_errors
 from pipelines.observability import build_observability
 from pipelines.profile import resource_defs
 from resources.storage.db import shared_database
-from resources.storage.settings import Settings
+from resources.storage.settings import RetentionSettings, Settings
 
 CHECK_NAMES = (
     "real_duplicates", "lease_vs_duration", "idempotency_coverage", "lock_ttl",
     "retry_synchronisation", "cache_expiry_clusters", "ack_timing", "dlq",
-    "unique_constraints", "correlation",
+    "unique_constraints", "correlation", "retention_backlog", "retention_agreement",
 )
 
 
@@ -57,6 +58,7 @@ def observability_from_args(args: argparse.Namespace) -> Any:
         gateway_ledger_url=args.gateway_ledger_url or obs.gateway_ledger_url,
         window_hours=args.window_hours or obs.window_hours,
         metrics_window_minutes=obs.metrics_window_minutes,
+        retention=replace(RetentionSettings.from_env(), dlq=res["dlq"].retention_days * 86400),
     )
 
 

@@ -6,7 +6,9 @@ Message-ID, which receivers and the sandbox sink can deduplicate and tests can c
 
 Error mapping (one place): connection refused/reset, timeouts, disconnects and 4xx replies ->
 :class:`MailUnavailable` (transient); 5xx replies (recipient or sender refused, message refused)
--> :class:`MailRejected` (permanent).
+-> :class:`MailRejected` (permanent). Their messages never carry the recipient's address (it is
+personal data, and the messages travel into run logs and the DLQ); ``MailRejected.recipient``
+holds it for code that needs it.
 
 Bounds: each socket operation waits at most ``timeout`` (10 s), and a whole send (connect,
 greeting, envelope, data, quit) at most ``deadline`` (30 s): per-read timeouts alone never end a
@@ -29,6 +31,7 @@ from email.utils import formatdate
 from typing import Protocol, runtime_checkable
 
 from resources.errors import PermanentJobError, TransientJobError
+from resources.telemetry.redact import redact
 
 log = logging.getLogger(__name__)
 
@@ -142,16 +145,17 @@ class SmtpMailer:
                 smtp.send_message(msg)
         except smtplib.SMTPRecipientsRefused as exc:
             code, reply = next(iter(exc.recipients.values()))
-            text = _text(reply)
+            text = redact(_text(reply), [to])
             if code >= 500:
                 raise MailRejected(
-                    f"mail server refused {to!r}: {code} {text}", smtp_code=code, recipient=to
+                    f"mail server refused the recipient: {code} {text}", smtp_code=code,
+                    recipient=to,
                 ) from exc
             raise MailUnavailable(
-                f"mail server deferred {to!r}: {code} {text}", smtp_code=code
+                f"mail server deferred the recipient: {code} {text}", smtp_code=code
             ) from exc
         except smtplib.SMTPResponseException as exc:
-            text = _text(exc.smtp_error)
+            text = redact(_text(exc.smtp_error), [to])
             if exc.smtp_code >= 500:
                 raise MailRejected(
                     f"mail server refused the message: {exc.smtp_code} {text}",
@@ -173,9 +177,8 @@ class SmtpMailer:
         finally:
             cutter.cancel()
         log.info(
-            "sent %s to %s",
+            "sent %s",
             message_id,
-            to,
             extra={"message_id": message_id, "correlation_id": correlation_id},
         )
 

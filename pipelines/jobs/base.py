@@ -119,6 +119,7 @@ class JobType:
     """A valid payload: what the launch form opens with."""
     result_fields: tuple[str, ...] = ()
     """The result's fields that name the effect (charge id, message id), shown on the run."""
+    personal: frozenset[str] = frozenset()  # payload fields masked in logs, errors and views
 
     @property
     def op_name(self) -> str:

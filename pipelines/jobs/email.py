@@ -131,4 +131,5 @@ JOB_TYPE = JobType(
     example={"template": "welcome", "user_id": "u-example-1", "date": "2026-11-29",
              "to": "u-example-1@example.com", "context": {}},
     result_fields=("message_id",),
+    personal=frozenset({"to"}),
 )

@@ -22,6 +22,7 @@ from sqlalchemy import text
 from pipelines.jobs.base import JobContext, JobType, PayloadField, reject_unknown, require_str
 from resources.errors import ValidationError
 from resources.storage.db import Database
+from resources.storage.retention import Expiry
 
 _QUERIES: dict[str, str] = {
     "orders_by_status": (
@@ -66,6 +67,17 @@ def report_loader(db: Database, report: str, as_of: str) -> Callable[[], dict[st
         return data
 
     return load
+
+
+def expired_snapshots(older_than: float, *, now: float | None = None) -> Expiry:
+    """Report snapshots built more than ``older_than`` seconds before ``now``: a record of who
+    built what when, referenced by nothing. Purge with ``.purge(db)``."""
+    return Expiry.of(
+        "report_snapshots",
+        "report, as_of, built_at, builder",
+        "built_at <= :cutoff",
+        {"cutoff": (time.time() if now is None else now) - older_than},
+    )
 
 
 def cache_key(p: dict[str, Any]) -> str:

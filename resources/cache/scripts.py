@@ -3,6 +3,10 @@
 Every per-key script touches only keys carrying the same hash tag ``{<namespace>:<key>}``, so each
 runs in one slot (Redis Cluster safe). The stats and hot-key keys carry ``{<namespace>}``.
 
+Every key has a TTL: per cache key as listed; the namespace's stats hash, hot-key sorted set and
+decay time are refreshed to ``stats_ttl`` on each flush, and the stats hash and the sorted set
+are capped (:mod:`resources.cache.stats`).
+
 Key layout for cache key K in namespace N (tag T = ``{N:K}``)::
 
     sekali:cache:T          envelope JSON, Redis TTL = hard expiry
@@ -180,16 +184,17 @@ INVALIDATE_KEYS = ("env", "ver", "err", "neg")
 # Halve the hot-key scores once per period, whichever process flushes first.
 # KEYS[1] - hot-key sorted set   KEYS[2] - time of the last decay
 # ARGV[1] - now (s)   ARGV[2] - period (s)   ARGV[3] - score below which a key is dropped
+# ARGV[4] - ttl of the decay time in ms (as the sorted set's: both go when the namespace idles)
 # returns the number of periods this call decayed (0: another process already did)
 DECAY = """
 local now = tonumber(ARGV[1])
 local last = redis.call('GET', KEYS[2])
 if not last then
-  redis.call('SET', KEYS[2], ARGV[1])
+  redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[4])
   return 0
 end
 if now - tonumber(last) < tonumber(ARGV[2]) then return 0 end
-redis.call('SET', KEYS[2], ARGV[1])
+redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[4])
 local periods = math.floor((now - tonumber(last)) / tonumber(ARGV[2]))
 redis.call('ZUNIONSTORE', KEYS[1], 1, KEYS[1], 'WEIGHTS', tostring(0.5 ^ periods))
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[3])

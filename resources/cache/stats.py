@@ -9,6 +9,11 @@ what is hot now, not what was hot yesterday.
 
 Counts are eventually shared: a process's last ``flush_interval`` of counts is visible to others
 only after its next flush; a process killed hard loses at most that much.
+
+Bounded: the stats hash takes at most ``max_fields`` fields (past that, new ones count under the
+``~overflow`` pattern: :mod:`resources.telemetry.counters`), the sorted set keeps the
+``max_hot_keys`` hottest keys, and all three namespace keys expire ``stats_ttl`` seconds after
+the last flush.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from collections.abc import Callable
 import redis
 
 from resources.cache.scripts import DECAY, namespace_keys
+from resources.telemetry import counters
 from resources.telemetry.patterns import key_pattern
 
 log = logging.getLogger(__name__)
@@ -50,9 +56,16 @@ class CacheRecorder:
         flush_interval: float = 1.0,
         half_life: float = 300.0,
         clock: Callable[[], float] = time.time,
+        stats_ttl: float = counters.TTL_SECONDS,
+        max_fields: int = counters.MAX_FIELDS,
+        max_hot_keys: int = 10_000,
     ) -> None:
         self.client = client
         self.stats_key, self.hot_key, self.decay_key = namespace_keys(namespace)
+        self.counters = counters.BoundedCounters(
+            client, self.stats_key, ttl_seconds=stats_ttl, max_fields=max_fields
+        )
+        self.max_hot_keys = max_hot_keys
         self.flush_interval = flush_interval
         self.half_life = half_life
         self.clock = clock
@@ -96,15 +109,20 @@ class CacheRecorder:
                 self._last_flush = time.monotonic()
             if not counts and not access:
                 return
-            by_pattern: defaultdict[str, float] = defaultdict(float)
+            by_pattern: defaultdict[tuple[str, str], float] = defaultdict(float)
             for (key, field), amount in counts.items():
-                by_pattern[f"{key_pattern(key)}|{field}"] += amount
-            pipe = self.client.pipeline(transaction=False)
-            for field, amount in by_pattern.items():
-                pipe.hincrbyfloat(self.stats_key, field, amount)
-            for key, n in access.items():
-                pipe.zincrby(self.hot_key, n, key)
-            pipe.execute()
+                by_pattern[key_pattern(key), field] += amount
+            self.counters.add(
+                (f"{pattern}|{field}", f"{counters.OVERFLOW}|{field}", amount)
+                for (pattern, field), amount in by_pattern.items()
+            )
+            if access:
+                pipe = self.client.pipeline(transaction=False)
+                for key, n in access.items():
+                    pipe.zincrby(self.hot_key, n, key)
+                pipe.zremrangebyrank(self.hot_key, 0, -self.max_hot_keys - 1)
+                pipe.pexpire(self.hot_key, self.counters.ttl_ms)
+                pipe.execute()
             self.decay()
         except (redis.RedisError, OSError, ValueError):  # ValueError: the client was closed
             log.warning("cache stats flush failed; counts of this interval are lost", exc_info=True)
@@ -123,7 +141,7 @@ class CacheRecorder:
         """Halve the access counts once per elapsed half-life; returns the periods applied."""
         periods = self._decay(
             keys=[self.hot_key, self.decay_key],
-            args=[repr(self.clock()), repr(self.half_life), "0.01"],
+            args=[repr(self.clock()), repr(self.half_life), "0.01", self.counters.ttl_ms],
         )
         return int(periods)
 

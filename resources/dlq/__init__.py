@@ -2,6 +2,7 @@
 
 from resources.dlq.store import (
     MIN_RETENTION_SECONDS,
+    UNRESOLVED,
     DlqRecord,
     DlqRecordNotFound,
     DlqStatus,
@@ -33,6 +34,7 @@ __all__ = [
     "RecordedFailure",
     "ReplayDecision",
     "RetentionTooShort",
+    "UNRESOLVED",
     "dedupe_key_for",
     "dlq_audit",
     "dlq_failures",

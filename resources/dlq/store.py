@@ -44,6 +44,7 @@ from sqlalchemy.engine import Connection
 
 from resources.errors import SekaliError
 from resources.retry.classify import FailureClass
+from resources.storage import retention
 from resources.storage.db import Database, metadata
 from resources.storage.json_text import digest, from_text, storable, storable_key, to_text
 from resources.storage.settings import InputLimits
@@ -118,6 +119,9 @@ class RetentionTooShort(SekaliError):
 
 
 MIN_RETENTION_SECONDS = 72 * 3600.0
+
+UNRESOLVED = (_D.OPEN, _D.REPLAY_REQUESTED, _D.REPLAYING)
+_UNRESOLVED_SQL = ", ".join(f"'{s}'" for s in UNRESOLVED)
 
 # -- fingerprints ------------------------------------------------------------------------------
 
@@ -744,39 +748,57 @@ class DlqStore:
 
     # -- retention --------------------------------------------------------------------------
 
-    def purge(self, retention_seconds: float) -> int:
-        """Delete resolved and discarded records whose last change is older than the retention.
-        Open records are never dropped."""
+    def purge(
+        self,
+        retention_seconds: float,
+        *,
+        keep: Sequence[str] = (),
+        batch_size: int = retention.BATCH_SIZE,
+        max_batches: int = retention.MAX_BATCHES,
+    ) -> int:
+        """Delete resolved and discarded records whose last change is older than the retention,
+        with their failures and audit trail; returns how many (in batches:
+        :mod:`resources.storage.retention`). Open records are never dropped; nor is one that a
+        ``keep`` condition over ``dlq_records`` holds (an unfinished request still pointing at
+        it: the DLQ sweep would dead-letter that request again)."""
+        return self.expired(retention_seconds, keep=keep).purge(
+            self.db, batch_size=batch_size, max_batches=max_batches
+        )
+
+    def expired(self, retention_seconds: float, *, keep: Sequence[str] = ()) -> retention.Expiry:
+        """What :meth:`purge` with the same arguments deletes now."""
         if retention_seconds < MIN_RETENTION_SECONDS:
             raise RetentionTooShort(retention_seconds, MIN_RETENTION_SECONDS)
-        cutoff = self.clock() - retention_seconds
-        with self.db.transaction() as conn:
-            ids = [
-                int(r.id)
-                for r in conn.execute(
-                    text(
-                        "SELECT id FROM dlq_records WHERE status IN ('resolved', 'discarded')"
-                        " AND status_changed_at <= :cutoff"
-                    ),
-                    {"cutoff": cutoff},
-                )
-            ]
-            if not ids:
-                return 0
-            for table in ("dlq_failures", "dlq_audit"):
-                conn.execute(
-                    text(f"DELETE FROM {table} WHERE record_id IN :ids").bindparams(
-                        bindparam("ids", expanding=True)
-                    ),
-                    {"ids": ids},
-                )
-            conn.execute(
-                text("DELETE FROM dlq_records WHERE id IN :ids").bindparams(
-                    bindparam("ids", expanding=True)
-                ),
-                {"ids": ids},
-            )
-        return len(ids)
+        return retention.Expiry.of(
+            "dlq_records",
+            "id",
+            "status IN ('resolved', 'discarded') AND status_changed_at <= :cutoff",
+            {"cutoff": self.clock() - retention_seconds},
+            keep=keep,
+            children=(("dlq_failures", "record_id"), ("dlq_audit", "record_id")),
+        )
+
+    @staticmethod
+    def unresolved_key_reference(column: str) -> str:
+        """SQL, true while an unresolved record (open, replay requested, replaying) names the
+        idempotency key in ``column``: a replay may still run under that key."""
+        return (
+            "EXISTS (SELECT 1 FROM dlq_records d WHERE d.idempotency_key = "
+            f"{column} AND d.status IN ({_UNRESOLVED_SQL}))"
+        )
+
+    @staticmethod
+    def unresolved_request_reference(column: str) -> str:
+        """SQL, true while an unresolved record holds the request whose id is in ``column``."""
+        return (
+            "EXISTS (SELECT 1 FROM dlq_records d WHERE d.request_id = "
+            f"{column} AND d.status IN ({_UNRESOLVED_SQL}))"
+        )
+
+    @staticmethod
+    def request_reference(column: str) -> str:
+        """SQL, true when any record (whatever its status) holds the request in ``column``."""
+        return f"EXISTS (SELECT 1 FROM dlq_records d WHERE d.request_id = {column})"
 
     def at_retention_risk(self, limit_seconds: float, warn_before: float) -> list[DlqRecord]:
         """Unresolved records that a retention limit of ``limit_seconds`` (counted from the first

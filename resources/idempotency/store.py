@@ -34,7 +34,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from enum import StrEnum
@@ -50,6 +50,7 @@ from resources.errors import (
     SekaliError,
     StoredFailure,
 )
+from resources.storage import retention
 from resources.storage.db import Database, metadata
 from resources.storage.json_text import canonical, from_text, to_text
 from resources.storage.migrations import upgrade
@@ -86,7 +87,9 @@ class Status(StrEnum):
     in_progress     fail(transient) by the owner                           retryable
     retryable       begin                                                  in_progress
     failed          reset by an operator (DLQ replay)                      retryable
-    completed       purge after retention                                  (absent)
+    completed       purge after retention, unless something unresolved     (absent)
+                    still names the key (``purge(keep=...)``)
+    failed/retry.   purge with ``include_failed``, under the same terms    (absent)
     ==============  =====================================================  ==================
     """
 
@@ -101,8 +104,8 @@ TRANSITIONS: dict[Status | None, frozenset[Status | None]] = {
     Status.IN_PROGRESS: frozenset(
         {Status.IN_PROGRESS, Status.COMPLETED, Status.FAILED, Status.RETRYABLE}
     ),
-    Status.RETRYABLE: frozenset({Status.IN_PROGRESS}),
-    Status.FAILED: frozenset({Status.RETRYABLE}),
+    Status.RETRYABLE: frozenset({Status.IN_PROGRESS, None}),
+    Status.FAILED: frozenset({Status.RETRYABLE, None}),
     Status.COMPLETED: frozenset({None}),
 }
 
@@ -466,28 +469,76 @@ class IdempotencyStore:
                     out[str(row.key)] = float(row.updated_at)
         return out
 
-    def purge(self, older_than: float | timedelta | None = None) -> int:
-        """Delete completed records past retention; never in-progress, failed or retryable ones.
+    def purge(
+        self,
+        older_than: float | timedelta | None = None,
+        *,
+        keep: Sequence[str] = (),
+        include_failed: bool = False,
+        batch_size: int = retention.BATCH_SIZE,
+        max_batches: int = retention.MAX_BATCHES,
+    ) -> int:
+        """Delete completed records past retention; never in-progress ones, and failed or
+        retryable ones only with ``include_failed``. Returns how many were deleted (in batches:
+        :mod:`resources.storage.retention`).
 
-        With ``older_than``, also completed records last updated before ``now - older_than``.
-        Returns how many were deleted.
+        With ``older_than``, also completed records last updated before ``now - older_than``,
+        and with ``include_failed`` failed and retryable ones too (a failure nothing will
+        retry or replay any more; absent, the key reads as given up, as a failed one does).
+        ``keep`` holds SQL conditions over ``idempotency_records.key`` that keep a record
+        (written by the owners of what references a key: an open DLQ record, an unfinished
+        request), so a key that an unresolved failure may still replay is never forgotten.
         """
+        return self.expired(older_than, keep=keep, include_failed=include_failed).purge(
+            self.db, batch_size=batch_size, max_batches=max_batches
+        )
+
+    def expired(
+        self,
+        older_than: float | timedelta | None = None,
+        *,
+        keep: Sequence[str] = (),
+        include_failed: bool = False,
+    ) -> retention.Expiry:
+        """What :meth:`purge` with the same arguments deletes now."""
         now = self.clock()
-        if older_than is None:
-            where, params = "retention_expires_at <= :now", {"now": now}
-        else:
+        params = {"now": now}
+        expired = "retention_expires_at <= :now"
+        if older_than is not None:
             seconds = (
                 older_than.total_seconds() if isinstance(older_than, timedelta) else older_than
             )
-            where = "(retention_expires_at <= :now OR updated_at <= :cutoff)"
-            params = {"now": now, "cutoff": now - seconds}
-        with self.db.statement() as conn:
-            return int(
-                conn.execute(
-                    text(f"DELETE FROM idempotency_records WHERE status = 'completed' AND {where}"),
-                    params,
-                ).rowcount
-            )
+            expired = f"({expired} OR updated_at <= :cutoff)"
+            params["cutoff"] = now - seconds
+        condition = f"status = 'completed' AND {expired}"
+        if include_failed and older_than is not None:
+            condition += " OR status IN ('failed', 'retryable') AND updated_at <= :cutoff"
+        return retention.Expiry.of("idempotency_records", "key", condition, params, keep=keep)
+
+    def records(self, keys: Sequence[str], *, status: Status | None = None) -> dict[str, Record]:
+        """The records of ``keys`` (those in ``status`` if given), by key; absent keys are left
+        out. Reads 500 keys per statement."""
+        where = " AND status = :status" if status is not None else ""
+        out: dict[str, Record] = {}
+        for i in range(0, len(keys), 500):
+            with self.db.statement() as conn:
+                rows = conn.execute(
+                    text(
+                        f"SELECT {_COLUMNS} FROM idempotency_records WHERE key IN :keys{where}"
+                    ).bindparams(bindparam("keys", expanding=True)),
+                    {"keys": list(keys[i : i + 500]), "status": str(status)},
+                ).all()
+            out.update({r.key: Record.from_row(r) for r in rows})
+        return out
+
+    @staticmethod
+    def unfinished_key_reference(column: str) -> str:
+        """SQL, true while the key in ``column`` is claimed and not completed (in progress,
+        retryable or failed): what its attempts and actions still explain."""
+        return (
+            "EXISTS (SELECT 1 FROM idempotency_records i"
+            f" WHERE i.key = {column} AND i.status <> 'completed')"
+        )
 
     # -- convenience ------------------------------------------------------------------------
 

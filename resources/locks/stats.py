@@ -13,6 +13,7 @@ from typing import Protocol
 
 import redis
 
+from resources.telemetry import counters
 from resources.telemetry.patterns import key_pattern
 
 log = logging.getLogger(__name__)
@@ -73,19 +74,31 @@ STATS_KEY = "sekali:stats:locks"
 class RedisLockStats:
     """Counters shared by every process, in one Redis hash (``HINCRBYFLOAT``).
 
-    Fields are ``<pattern>:<event>``. Events are summed in memory and flushed in one pipeline
+    Fields are ``<pattern>:<event>``. Events are summed in memory and flushed in one script
     at most every ``flush_interval`` seconds (and at exit, and on :meth:`flush`), so metrics
     cost no extra round trip on the lock's hot path: a flush that falls due while recording
     runs on a short-lived thread of its own, so a Redis that does not answer never makes a
     ``check()`` or a renewal wait twice. A failed flush is logged and dropped: metrics never
     break a lock.
+    The hash is bounded: at most ``max_fields`` fields (new ones past that count under the
+    ``~overflow`` pattern) and it expires ``ttl_seconds`` after the last flush
+    (:mod:`resources.telemetry.counters`).
     """
 
     def __init__(
-        self, client: redis.Redis, *, key: str = STATS_KEY, flush_interval: float = 1.0
+        self,
+        client: redis.Redis,
+        *,
+        key: str = STATS_KEY,
+        flush_interval: float = 1.0,
+        ttl_seconds: float = counters.TTL_SECONDS,
+        max_fields: int = counters.MAX_FIELDS,
     ) -> None:
         self.client = client
         self.key = key
+        self.counters = counters.BoundedCounters(
+            client, key, ttl_seconds=ttl_seconds, max_fields=max_fields
+        )
         self.flush_interval = flush_interval
         self._pending: dict[str, float] = defaultdict(float)
         self._lock = threading.Lock()
@@ -111,10 +124,10 @@ class RedisLockStats:
         if not pending:
             return
         try:
-            pipe = self.client.pipeline(transaction=False)
-            for field, value in pending.items():
-                pipe.hincrbyfloat(self.key, field, value)
-            pipe.execute()
+            self.counters.add(
+                (field, f"{counters.OVERFLOW}:{field.rpartition(':')[2]}", value)
+                for field, value in pending.items()
+            )
         except (redis.RedisError, OSError, ValueError) as exc:  # ValueError: client closed
             log.warning("lock stats flush failed: %s", exc, extra={"stats_key": self.key})
 

@@ -14,6 +14,7 @@ from resources.outbox.publisher import (
     PublishStats,
     unpublished_older_than,
 )
+from resources.outbox.retention import expired_inbox, expired_outbox
 
 __all__ = [
     "Consumer",
@@ -24,6 +25,8 @@ __all__ = [
     "OutboxPublisher",
     "PublishStats",
     "Publisher",
+    "expired_inbox",
+    "expired_outbox",
     "inbox",
     "outbox",
     "unpublished_older_than",

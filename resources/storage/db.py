@@ -92,6 +92,7 @@ def _make_engine(
             pool_size=pool_size,
             max_overflow=max_overflow,
             connect_args={"timeout": 60, "check_same_thread": False},
+            hide_parameters=True,
         )
         _configure_sqlite(engine)
         return engine
@@ -105,6 +106,7 @@ def _make_engine(
         max_overflow=max_overflow,
         pool_timeout=t.bound,
         connect_args=postgres_connect_args(parsed, t),
+        hide_parameters=True,
     )
     _bound_round_trips(engine, t)
     return engine

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -214,3 +214,65 @@ LIMIT_ENV = {
     "string_length": "SEKALI_MAX_STRING_LENGTH",
     "excerpt_bytes": "SEKALI_REJECTION_EXCERPT_BYTES",
 }
+
+
+DAY = 86400.0
+
+
+@dataclass(frozen=True)
+class RetentionSettings:
+    """How long each table that grows keeps what is finished, in seconds, and how much one
+    purge may delete. Read from ``SEKALI_RETENTION_<FIELD>_DAYS`` (e.g.
+    ``SEKALI_RETENTION_ATTEMPTS_DAYS=14``) when asked, never at import.
+
+    A row still referenced by something unresolved (an open DLQ record's request and key, the
+    attempts of an unfinished request, an unpublished outbox row's inbox entries) is kept
+    whatever its age: retention only ever deletes what is finished. ``idempotency`` (completed
+    keys) and ``dlq`` (resolved and discarded records) must be at least
+    ``resources.dlq.MIN_RETENTION_SECONDS``; the reconciliation run refuses shorter ones.
+    """
+
+    idempotency: float = 7 * DAY
+    dlq: float = 30 * DAY
+    attempts: float = 30 * DAY
+    rejections: float = 30 * DAY
+    requests: float = 30 * DAY
+    report_snapshots: float = 7 * DAY
+    outbox: float = 7 * DAY
+    inbox: float = 14 * DAY
+    reconciliation_actions: float = 90 * DAY
+    batch_size: int = 1000
+    max_batches: int = 20
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1 or self.max_batches < 1:
+            raise ValueError("retention batch_size and max_batches must be at least 1")
+        negative = [name for name, seconds in self.tables().items() if seconds < 0]
+        if negative:
+            raise ValueError(f"retention of {', '.join(negative)} must not be negative")
+
+    def tables(self) -> dict[str, float]:
+        """Seconds per table, by field name."""
+        return {
+            name: float(getattr(self, name))
+            for name in self.__dataclass_fields__
+            if name not in ("batch_size", "max_batches")
+        }
+
+    def extended(self, seconds: float) -> RetentionSettings:
+        """Every table's retention ``seconds`` longer (the doctor's slack for the schedule)."""
+        return replace(self, **{n: v + seconds for n, v in self.tables().items()})  # type: ignore[arg-type]
+
+    @classmethod
+    def from_env(cls) -> RetentionSettings:
+        values: dict[str, float | int] = {}
+        for name in cls.__dataclass_fields__:
+            if name in ("batch_size", "max_batches"):
+                raw = os.environ.get(f"SEKALI_RETENTION_{name.upper()}")
+                if raw:
+                    values[name] = int(raw)
+                continue
+            raw = os.environ.get(f"SEKALI_RETENTION_{name.upper()}_DAYS")
+            if raw:
+                values[name] = float(raw) * DAY
+        return cls(**values)  # type: ignore[arg-type]

@@ -1,1 +1,1 @@
-"""Structured logs and the folding of key names into bounded patterns."""
+"""Structured logs, the folding of key names into bounded patterns, and bounded counters."""

@@ -10,6 +10,8 @@ three places, later ones winning:
    ``pipelines/intake.py`` and others already pass);
 3. the ``extra={"sekali": {...}}`` dict the attempt recorder logs (every attempt field).
 
+Every line is written with its e-mail addresses masked (:mod:`resources.telemetry.redact`).
+
 The chain the correlation id follows: ``enqueue(correlation_id=...)`` -> ``job_requests`` ->
 run tag ``sekali/correlation_id`` and op config -> ``execute_request(correlation_id=...)`` ->
 ``job_attempts.correlation_id`` -> ``X-Correlation-Id`` on the gateway and mail requests.
@@ -25,6 +27,8 @@ import sys
 import time
 from collections.abc import Iterator
 from typing import IO, Any
+
+from resources.telemetry.redact import RedactingFilter, redact
 
 CORRELATION_FIELDS = (
     "correlation_id",
@@ -81,17 +85,19 @@ class JsonFormatter(logging.Formatter):
         if isinstance(nested, dict):
             out.update({k: v for k, v in nested.items() if v is not None})
         if record.exc_info:
-            out["exception"] = self.formatException(record.exc_info)
-        return json.dumps(out, default=str, sort_keys=False)
+            out["exception"] = record.exc_text or self.formatException(record.exc_info)
+        return redact(json.dumps(out, default=str, sort_keys=False))
 
 
 def configure_json_logging(
     level: int = logging.INFO, *, stream: IO[str] | None = None, logger: str | None = None
 ) -> logging.Handler:
-    """Send ``logger`` (the root by default) to ``stream`` as JSON lines; returns the handler
-    so a caller (or a test) can remove it again."""
+    """Send ``logger`` (the root by default) to ``stream`` as JSON lines, e-mail addresses
+    masked (:class:`RedactingFilter`); returns the handler so a caller (or a test) can remove
+    it again."""
     handler = logging.StreamHandler(stream or sys.stderr)
     handler.setFormatter(JsonFormatter())
+    handler.addFilter(RedactingFilter())
     target = logging.getLogger(logger)
     target.addHandler(handler)
     target.setLevel(level)

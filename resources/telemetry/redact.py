@@ -1,0 +1,73 @@
+"""Masking of personal data in text: e-mail addresses anywhere, and any value a caller names.
+
+Logs, attempt errors and DLQ records outlive the request they describe and are read by more
+people than the request's payload, so what they carry is masked where it is written: an e-mail
+address becomes ``<email>``, a value a job type marks personal (its payload's ``to``, a name)
+becomes ``<redacted>``, and the row values a Postgres error echoes in its ``DETAIL`` (a
+failing row, a duplicate key: the payload again) become ``<row values hidden>``; SQLAlchemy's
+own echo of bound parameters is off at the engine (``hide_parameters``). Which fields are
+personal is the job platform's knowledge (``pipelines/privacy.py``); this module only masks.
+
+:class:`RedactingFilter` applies the same masking to whole log records (message, exception
+text, structured extras); :func:`resources.telemetry.logs.configure_json_logging` installs it.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterable
+from typing import Any
+
+EMAIL_MASK = "<email>"
+VALUE_MASK = "<redacted>"
+
+_EMAIL = re.compile(
+    r"[A-Za-z0-9.!#$%&'*+/=?^_`{|}~-]+@[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?"
+    r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?)+"
+)
+"""An address with a dotted domain: ``ann@example.com``; not a Message-ID's ``<id@sekali>``."""
+
+_ROW_VALUES = re.compile(r"(DETAIL:\s*)(?:Failing row contains|Key \().*")
+"""Postgres echoes a failing row's values (NOT NULL, CHECK) or a duplicate key's in DETAIL."""
+ROW_MASK = "<row values hidden>"
+
+_MIN_VALUE = 3  # shorter values would mask unrelated text ("a", "42")
+
+
+def redact(text: str, values: Iterable[str] = ()) -> str:
+    """``text`` with every e-mail address, every one of ``values`` and the row values a
+    database error echoes masked."""
+    for value in sorted({v for v in values if len(v) >= _MIN_VALUE}, key=len, reverse=True):
+        text = text.replace(value, VALUE_MASK)
+    return _EMAIL.sub(EMAIL_MASK, _ROW_VALUES.sub(rf"\g<1>{ROW_MASK}", text))
+
+
+def redact_data(value: Any, values: Iterable[str] = ()) -> Any:
+    """Every string inside ``value`` (dicts, lists, tuples) redacted; other values unchanged."""
+    values = tuple(values)
+    if isinstance(value, str):
+        return redact(value, values)
+    if isinstance(value, dict):
+        return {k: redact_data(v, values) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(redact_data(v, values) for v in value)
+    return value
+
+
+class RedactingFilter(logging.Filter):
+    """Masks e-mail addresses in a record before any handler formats it: the message (with its
+    arguments), the exception text, and the ``sekali`` extra. Put it on a handler, so records
+    propagated from every logger pass through it. Never drops a record."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.msg = redact(record.getMessage())
+        record.args = None
+        if record.exc_info and not record.exc_text:
+            record.exc_text = logging.Formatter().formatException(record.exc_info)
+        if record.exc_text:
+            record.exc_text = redact(record.exc_text)
+        nested = record.__dict__.get("sekali")
+        if isinstance(nested, dict):
+            record.__dict__["sekali"] = redact_data(nested)
+        return True
