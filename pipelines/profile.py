@@ -24,21 +24,32 @@ from resources.dagster_resources import (
 
 
 class PaymentGatewayResource(SettingsResource):
-    """The HTTP payment client. ``base_url`` defaults to ``SEKALI_GATEWAY_URL``."""
+    """The HTTP payment client. ``base_url`` defaults to ``SEKALI_GATEWAY_URL``.
+
+    ``timeout`` bounds connecting and each read, ``deadline`` a whole call. ``settle_seconds``
+    (default ``SEKALI_GATEWAY_SETTLE_SECONDS``) is how long after a charge whose answer never
+    came a lookup by reference is conclusive: longer than the provider's longest processing time.
+    """
 
     base_url: str | None = None
     timeout: float = 5.0
+    deadline: float = 15.0
     send_idempotency_key: bool = True
+    settle_seconds: float | None = None
 
     def _build(self) -> HttpPaymentGateway:
         return HttpPaymentGateway(
             self.base_url or self.settings().gateway_url,
             timeout=self.timeout,
+            deadline=self.deadline,
             send_idempotency_key=self.send_idempotency_key,
         )
 
     def get_client(self) -> HttpPaymentGateway:
         return self._get()  # type: ignore[no-any-return]
+
+    def get_settle_seconds(self) -> float:
+        return self.settle_seconds or self.settings().gateway_settle_seconds
 
 
 class MailerResource(SettingsResource):

@@ -16,7 +16,7 @@ from resources.idempotency import IdempotencyStore
 from resources.retry import RetryBudget, RetryPolicy
 from resources.storage.db import Database, shared_database
 from resources.storage.redis import redis_client
-from resources.storage.settings import Settings
+from resources.storage.settings import DEFAULT_GATEWAY_SETTLE_SECONDS, Settings
 
 
 @dataclass
@@ -25,7 +25,9 @@ class Services:
 
     ``store.db`` and ``db`` must be the same database: handlers complete the key in the same
     transaction as the business change. ``gateway``, ``mailer``, ``cache`` and ``locks`` may be
-    None for job types that do not use them.
+    None for job types that do not use them. ``gateway_settle_seconds``: how long after a charge
+    whose answer never came a lookup by reference is conclusive (longer than the provider's
+    longest processing time).
     """
 
     db: Database
@@ -37,6 +39,7 @@ class Services:
     locks: Callable[[str], Any] | None = None
     retry_policy: RetryPolicy = field(default_factory=RetryPolicy)
     retry_budget: RetryBudget | None = None
+    gateway_settle_seconds: float = DEFAULT_GATEWAY_SETTLE_SECONDS
 
     def __post_init__(self) -> None:
         if str(self.store.db.engine.url) != str(self.db.engine.url):
@@ -73,6 +76,7 @@ class Services:
             cache=StampedeCache(client, namespace=cache_namespace),
             retry_policy=retry_policy or RetryPolicy(),
             retry_budget=RetryBudget(client, namespace=budget_namespace),
+            gateway_settle_seconds=settings.gateway_settle_seconds,
         )
 
     @classmethod
@@ -98,6 +102,11 @@ class Services:
             locks=locks.lock if locks is not None else None,
             retry_policy=retry.get_policy() if retry is not None else RetryPolicy(),
             retry_budget=retry.get_budget() if retry is not None else None,
+            gateway_settle_seconds=(
+                gateway.get_settle_seconds()
+                if gateway is not None
+                else DEFAULT_GATEWAY_SETTLE_SECONDS
+            ),
         )
 
 

@@ -24,7 +24,7 @@ import pydantic
 import redis
 from sqlalchemy import exc as sa_exc
 
-from resources.errors import AlreadyInProgress, LockNotAcquired, SekaliError
+from resources.errors import AlreadyInProgress, LockNotAcquired, NotYetSettled, SekaliError
 
 
 class ErrorClass(enum.StrEnum):
@@ -107,6 +107,7 @@ def failure_class(exc: BaseException) -> FailureClass:
 
 
 def is_contention(exc: BaseException) -> bool:
-    """Waiting for another worker (a live lease, a held lock) says nothing about the downstream's
-    health, so it spends no token of the downstream's retry budget."""
-    return isinstance(exc, AlreadyInProgress | LockNotAcquired)
+    """Waiting for another worker (a live lease, a held lock) or for an earlier call's outcome to
+    settle says nothing about the downstream's health, so it spends no token of the downstream's
+    retry budget."""
+    return isinstance(exc, AlreadyInProgress | LockNotAcquired | NotYetSettled)

@@ -12,7 +12,11 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from resources.errors import ValidationError
 from resources.storage.db import normalize_url
+
+SETTLE_ENV = "SEKALI_GATEWAY_SETTLE_SECONDS"
+DEFAULT_GATEWAY_SETTLE_SECONDS = 120.0
 
 
 def state_dir() -> Path:
@@ -31,6 +35,9 @@ class Settings:
     gateway_url: str
     smtp_host: str
     smtp_port: int
+    # how long after a charge whose answer never came a lookup by reference is conclusive:
+    # longer than the payment provider's longest processing time
+    gateway_settle_seconds: float = DEFAULT_GATEWAY_SETTLE_SECONDS
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -44,4 +51,18 @@ class Settings:
             gateway_url=os.environ.get("SEKALI_GATEWAY_URL", "http://127.0.0.1:8765"),
             smtp_host=os.environ.get("SEKALI_SMTP_HOST", "127.0.0.1"),
             smtp_port=int(os.environ.get("SEKALI_SMTP_PORT", "8025")),
+            gateway_settle_seconds=_positive_seconds(SETTLE_ENV, DEFAULT_GATEWAY_SETTLE_SECONDS),
         )
+
+
+def _positive_seconds(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or not raw.strip():
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValidationError(name, "a positive number of seconds", raw)
+    return value
