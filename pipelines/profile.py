@@ -36,25 +36,37 @@ def _rates(resource: SettingsResource, downstream: str, rate: str | None) -> Rat
 
 
 class PaymentGatewayResource(SettingsResource):
-    """The HTTP payment client. ``base_url`` defaults to ``SEKALI_GATEWAY_URL``; ``rate``
-    (``50/s,burst=20``) to ``SEKALI_RATE_PAYMENT_GATEWAY``: every call then takes a token from
-    the rate shared by all workers. Unset: unlimited."""
+    """The HTTP payment client. ``base_url`` defaults to ``SEKALI_GATEWAY_URL``.
+
+    ``timeout`` bounds connecting and each read, ``deadline`` a whole call. ``settle_seconds``
+    (default ``SEKALI_GATEWAY_SETTLE_SECONDS``) is how long after a charge whose answer never
+    came a lookup by reference is conclusive: longer than the provider's longest processing time
+    (and than the longest wait for a rate token). ``rate`` (``50/s,burst=20``) defaults to
+    ``SEKALI_RATE_PAYMENT_GATEWAY``: every call then takes a token from the rate shared by all
+    workers. Unset: unlimited.
+    """
 
     base_url: str | None = None
     timeout: float = 5.0
+    deadline: float = 15.0
     send_idempotency_key: bool = True
     rate: str | None = None
+    settle_seconds: float | None = None
 
     def _build(self) -> PaymentGateway:
         client = HttpPaymentGateway(
             self.base_url or self.settings().gateway_url,
             timeout=self.timeout,
+            deadline=self.deadline,
             send_idempotency_key=self.send_idempotency_key,
         )
         return limit_gateway(client, _rates(self, PAYMENT_GATEWAY, self.rate))
 
     def get_client(self) -> PaymentGateway:
         return self._get()  # type: ignore[no-any-return]
+
+    def get_settle_seconds(self) -> float:
+        return self.settle_seconds or self.settings().gateway_settle_seconds
 
 
 class MailerResource(SettingsResource):

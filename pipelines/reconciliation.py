@@ -5,6 +5,11 @@ on ``reconciliation_schedule`` and puts the counts in its materialisation metada
 
 - ``charged_not_confirmed``: the gateway has a charge for an order we still show unpaid
   (the worker died between charge and record). Fix: confirm it (``reconcile:confirm-charge:{o}``).
+  Also a charge whose answer never came (``charged_not_confirmed`` without a ``charge_id``)
+  that the gateway still does not know once ``charge_sent_at`` is past the settle window (longer
+  than the provider's longest processing time, so "not found" is conclusive): nothing was
+  charged, and the order is reopened (``payment_pending``) so a retry or replay charges it,
+  once per unanswered send (``reconcile:reopen-unsettled:{o}:{sent_at}``).
 - ``double_charged``: more than one charge for one order reference. Fix: a refund is marked
   pending for each extra charge (``compensate:refund-pending:{o}:{charge}``).
 - ``paid_without_charge``: we show paid, the gateway has no such charge. Flagged for a person
@@ -60,7 +65,7 @@ from resources.idempotency import Completed, IdempotencyStore
 from resources.outbox.publisher import OutboxPublisher, unpublished_older_than
 from resources.storage.db import Database, metadata
 from resources.storage.retention import Expiry
-from resources.storage.settings import RetentionSettings
+from resources.storage.settings import DEFAULT_GATEWAY_SETTLE_SECONDS, RetentionSettings
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +143,7 @@ class Reconciler:
         outbox_threshold_seconds: float = 300.0,
         idempotency_retention_seconds: float | None = None,
         retention: RetentionSettings | None = None,
+        settle_seconds: float = DEFAULT_GATEWAY_SETTLE_SECONDS,
         clock: Callable[[], float] = time.time,
     ) -> None:
         retention = retention or RetentionSettings()
@@ -155,6 +161,7 @@ class Reconciler:
         self.lookback = lookback_seconds
         self.outbox_threshold = outbox_threshold_seconds
         self.retention = retention
+        self.settle = settle_seconds
         self.clock = clock
 
     def run(self) -> ReconciliationReport:
@@ -248,7 +255,8 @@ class Reconciler:
         with self.db.statement() as conn:
             orders = conn.execute(
                 text(
-                    "SELECT order_id, payment_status, payment_reference, charge_id FROM orders"
+                    "SELECT order_id, payment_status, payment_reference, charge_id,"
+                    " charge_sent_at FROM orders"
                     " WHERE payment_reference IS NOT NULL AND updated_at <= :settled"
                     " AND updated_at >= :since ORDER BY order_id"
                 ),
@@ -269,6 +277,22 @@ class Reconciler:
                     "confirm_charge",
                     order.order_id,
                     functools.partial(_confirm, order_id=order.order_id, charge_id=first, now=now),
+                )
+            elif (
+                order.payment_status == "charged_not_confirmed"
+                and order.charge_id is None
+                and order.charge_sent_at is not None
+                and order.charge_sent_at <= now - self.settle
+            ):
+                report.found["charged_not_confirmed"] += 1
+                report.fixed["charged_not_confirmed"] += self.act(
+                    report,
+                    f"reconcile:reopen-unsettled:{order.order_id}:{order.charge_sent_at!r}",
+                    "reopen_unsettled_charge",
+                    order.order_id,
+                    functools.partial(
+                        _reopen, order_id=order.order_id, sent_at=order.charge_sent_at, now=now
+                    ),
                 )
             if order.payment_status == "paid" and order.charge_id not in ids:
                 key = f"reconcile:flag-paid-without-charge:{order.order_id}"
@@ -518,6 +542,20 @@ def _release(
     if not _given_up(conn, key, lock=lock):
         raise NotGivenUp(key)
     return {"released": inventory.release(conn, cart_id)}
+
+
+def _reopen(conn: Connection, *, order_id: str, sent_at: float, now: float) -> dict[str, Any]:
+    """Back to ``payment_pending`` only if the order still waits on that very send: a job that
+    resolved it, or sent again (a new ``charge_sent_at``), meanwhile wins."""
+    reopened = conn.execute(
+        text(
+            "UPDATE orders SET payment_status = 'payment_pending', charge_sent_at = NULL,"
+            " updated_at = :now WHERE order_id = :o AND payment_status = 'charged_not_confirmed'"
+            " AND charge_id IS NULL AND charge_sent_at = :sent"
+        ),
+        {"o": order_id, "sent": sent_at, "now": now},
+    ).rowcount
+    return {"charge_sent_at": sent_at, "not_found_after_settle": True, "reopened": reopened == 1}
 
 
 def _confirm(conn: Connection, *, order_id: str, charge_id: str, now: float) -> dict[str, Any]:

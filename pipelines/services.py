@@ -18,7 +18,7 @@ from resources.idempotency import IdempotencyStore
 from resources.retry import RetryBudget, RetryPolicy
 from resources.storage.db import Database, shared_database
 from resources.storage.redis import redis_client
-from resources.storage.settings import Settings
+from resources.storage.settings import DEFAULT_GATEWAY_SETTLE_SECONDS, Settings
 from resources.telemetry.tracing import configure_tracing
 
 
@@ -29,7 +29,9 @@ class Services:
     ``store.db`` and ``db`` must be the same database: handlers complete the key in the same
     transaction as the business change. ``gateway``, ``mailer``, ``cache`` and ``locks`` may be
     None for job types that do not use them. Without ``concurrency`` the job types' concurrency
-    keys are not enforced.
+    keys are not enforced. ``gateway_settle_seconds``: how long after a charge
+    whose answer never came a lookup by reference is conclusive (longer than the provider's
+    longest processing time).
     """
 
     db: Database
@@ -42,6 +44,7 @@ class Services:
     retry_policy: RetryPolicy = field(default_factory=RetryPolicy)
     retry_budget: RetryBudget | None = None
     concurrency: ConcurrencyLimits | None = None
+    gateway_settle_seconds: float = DEFAULT_GATEWAY_SETTLE_SECONDS
 
     def __post_init__(self) -> None:
         if str(self.store.db.engine.url) != str(self.db.engine.url):
@@ -85,6 +88,7 @@ class Services:
             retry_policy=retry_policy or RetryPolicy(),
             retry_budget=RetryBudget(client, namespace=budget_namespace),
             concurrency=ConcurrencyLimits(client, lease=min(30.0, lease_seconds)),
+            gateway_settle_seconds=settings.gateway_settle_seconds,
         )
 
     @classmethod
@@ -114,6 +118,11 @@ class Services:
             retry_policy=retry.get_policy() if retry is not None else RetryPolicy(),
             retry_budget=retry.get_budget() if retry is not None else None,
             concurrency=concurrency.get_limits() if concurrency is not None else None,
+            gateway_settle_seconds=(
+                gateway.get_settle_seconds()
+                if gateway is not None
+                else DEFAULT_GATEWAY_SETTLE_SECONDS
+            ),
         )
 
 

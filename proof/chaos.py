@@ -727,6 +727,10 @@ class Coordinator:
             self.stats["kills"] += 1
         if not killed and w.state != "starting":
             self.stats["unplanned_deaths"] += 1
+        for tok in w.inflight:  # a stop armed on a sibling thread's delivery never struck
+            if self.armed.get(tok, ("", ""))[0] == "stop":
+                self.armed.pop(tok)
+                self.pending_stops += 1
         for tok in w.inflight:
             d = self.by_tok[tok]
             if d.tok == tok and d.settled is None:

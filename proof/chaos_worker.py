@@ -71,6 +71,8 @@ class WorkerConfig:
     lock_wait: float
     naive: bool
     threads: int = 1
+    # the sandbox commits a charge before it answers: a second is past its longest processing
+    settle_seconds: float = 1.0
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__)
@@ -227,6 +229,7 @@ class Worker:
             gateway_url=config.gateway_url,
             smtp_host=config.smtp_host,
             smtp_port=config.smtp_port,
+            gateway_settle_seconds=config.settle_seconds,
         )
         self.services = Services.from_settings(
             settings,

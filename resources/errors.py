@@ -86,6 +86,19 @@ class AlreadyInProgress(TransientJobError):
         self.lease_expires_at = lease_expires_at
 
 
+class NotYetSettled(TransientJobError):
+    """An earlier attempt's effect has an unknown outcome (its call went out, no answer came
+    back), and the downstream may still be processing it: looking it up now could miss it.
+
+    Not a failure of this attempt: retry after ``retry_after`` seconds, when the settle window
+    has passed and a lookup is conclusive. Doing the effect again before then could do it twice.
+    """
+
+    def __init__(self, message: str, *, settles_at: float, retry_after: float) -> None:
+        super().__init__(message, retry_after=retry_after)
+        self.settles_at = settles_at
+
+
 class LeaseLost(SekaliError):
     """This holder's lease was taken over (it expired and another worker claimed the key), or
     ran out while the holder could not renew it (the store did not answer), so it may be.

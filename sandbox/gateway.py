@@ -16,7 +16,11 @@ Protocol (Stripe-like):
 Faults (set at start, changeable while running): ``error_rate`` (503 before charging, with
 ``Retry-After`` when ``retry_after_s`` is set), ``latency_ms`` (before handling),
 ``drop_after_charge_rate`` (commit the charge, then close the connection without an answer:
-the client sees a reset although the charge happened), ``honour_idempotency_key``, ``seed``.
+the client sees a reset although the charge happened), ``charge_delay_ms`` (slow to process: the
+charge commits only after this delay, whether or not the client still waits, so a client that
+timed out finds nothing by reference until then), ``drip_ms`` (the answers of ``/charges`` are
+written one byte every ``drip_ms``: each read sees progress, the whole answer takes minutes),
+``honour_idempotency_key``, ``seed``.
 
 Guarantee with key support on: one charge per key even under concurrent duplicates. The charge
 and its key are one row inserted with ``ON CONFLICT (dedupe_key) DO NOTHING`` under a unique
@@ -85,6 +89,8 @@ class Faults:
     error_rate: float = 0.0
     latency_ms: float = 0.0
     drop_after_charge_rate: float = 0.0
+    charge_delay_ms: float = 0.0
+    drip_ms: float = 0.0
     honour_idempotency_key: bool = True
     retry_after_s: float | None = None
     seed: int | None = None
@@ -209,7 +215,14 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("gateway %s " + format, self.address_string(), *args)
 
-    def _send(self, status: int, payload: Any, headers: dict[str, str] | None = None) -> None:
+    def _send(
+        self,
+        status: int,
+        payload: Any,
+        headers: dict[str, str] | None = None,
+        *,
+        drip_ms: float = 0.0,
+    ) -> None:
         data = json.dumps(payload).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
@@ -217,7 +230,14 @@ class _Handler(BaseHTTPRequestHandler):
         for name, value in (headers or {}).items():
             self.send_header(name, value)
         self.end_headers()
-        self.wfile.write(data)
+        if drip_ms <= 0:
+            self.wfile.write(data)
+            return
+        self.wfile.flush()
+        for i in range(len(data)):
+            time.sleep(drip_ms / 1000)
+            self.wfile.write(data[i : i + 1])
+            self.wfile.flush()
 
     def _body(self) -> Any:
         length = int(self.headers.get("Content-Length") or 0)
@@ -261,7 +281,9 @@ class _Handler(BaseHTTPRequestHandler):
                 reference = (parse_qs(url.query).get("reference") or [""])[0]
                 if not reference:
                     raise _BadRequest(400, "reference: query parameter required")
-                self._send(200, {"charges": gw.ledger.by_reference(reference)})
+                self._send(
+                    200, {"charges": gw.ledger.by_reference(reference)}, drip_ms=faults.drip_ms
+                )
                 return
             if gw.draw() < faults.error_rate:
                 headers = {}
@@ -270,6 +292,8 @@ class _Handler(BaseHTTPRequestHandler):
                 self._send(503, {"error": "injected outage"}, headers)
                 return
             reference, amount, currency = _parse_charge(body)
+            if faults.charge_delay_ms > 0:
+                time.sleep(faults.charge_delay_ms / 1000)
             charge, replayed = gw.ledger.charge(
                 reference=reference,
                 amount_cents=amount,
@@ -286,7 +310,12 @@ class _Handler(BaseHTTPRequestHandler):
                 200 if replayed else 201,
                 charge,
                 {"Idempotent-Replayed": "true"} if replayed else None,
+                drip_ms=faults.drip_ms,
             )
+        except OSError:
+            # the client gave up (a timeout, a deadline): the charge stands, nobody hears it
+            log.info("gateway: client went away during %s %s", method, url.path)
+            self.close_connection = True
         except _BadRequest as exc:
             self._send(exc.status, {"error": str(exc)})
         except Exception as exc:  # noqa: BLE001 - a server answers 500, it does not die
@@ -330,6 +359,8 @@ class GatewayServer:
         error_rate: float = 0.0,
         latency_ms: float = 0.0,
         drop_after_charge_rate: float = 0.0,
+        charge_delay_ms: float = 0.0,
+        drip_ms: float = 0.0,
         honour_idempotency_key: bool = True,
         retry_after_s: float | None = None,
         seed: int | None = None,
@@ -347,6 +378,8 @@ class GatewayServer:
             error_rate=error_rate,
             latency_ms=latency_ms,
             drop_after_charge_rate=drop_after_charge_rate,
+            charge_delay_ms=charge_delay_ms,
+            drip_ms=drip_ms,
             honour_idempotency_key=honour_idempotency_key,
             retry_after_s=retry_after_s,
             seed=seed,
@@ -422,6 +455,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--error-rate", type=float, default=0.0)
     parser.add_argument("--latency-ms", type=float, default=0.0)
     parser.add_argument("--drop-after-charge-rate", type=float, default=0.0)
+    parser.add_argument("--charge-delay-ms", type=float, default=0.0)
+    parser.add_argument("--drip-ms", type=float, default=0.0)
     parser.add_argument("--no-idempotency-key", action="store_true")
     parser.add_argument("--retry-after-s", type=float, default=None)
     parser.add_argument("--seed", type=int, default=None)
@@ -434,6 +469,8 @@ def main(argv: list[str] | None = None) -> None:
         error_rate=args.error_rate,
         latency_ms=args.latency_ms,
         drop_after_charge_rate=args.drop_after_charge_rate,
+        charge_delay_ms=args.charge_delay_ms,
+        drip_ms=args.drip_ms,
         honour_idempotency_key=not args.no_idempotency_key,
         retry_after_s=args.retry_after_s,
         seed=args.seed,

@@ -25,6 +25,7 @@ def dagster_resources(
     smtp_port: int = 9,
     lease_seconds: float = 30.0,
     send_idempotency_key: bool = True,
+    settle_seconds: float = 1.0,
     retry: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The resources of the per-request jobs, every endpoint explicit (no environment)."""
@@ -52,7 +53,8 @@ def dagster_resources(
         "locks": LockResource(backend="db", database_url=db_url),
         "cache": CacheResource(redis_url=redis_url, namespace=namespace),
         "gateway": PaymentGatewayResource(
-            base_url=gateway_url, timeout=5.0, send_idempotency_key=send_idempotency_key
+            base_url=gateway_url, timeout=5.0, send_idempotency_key=send_idempotency_key,
+            settle_seconds=settle_seconds,
         ),
         "mailer": MailerResource(host="127.0.0.1", port=smtp_port),
         "retry": RetryResource(**retry_cfg),
@@ -97,6 +99,7 @@ def request_loop(args: dict[str, Any]) -> list[dict[str, Any]]:
         gateway_url=args.get("gateway_url", "http://127.0.0.1:9"),
         smtp_host="127.0.0.1",
         smtp_port=int(args.get("smtp_port", 9)),
+        gateway_settle_seconds=float(args.get("settle_seconds", 1.0)),
     )
     services = Services.from_settings(
         settings,
@@ -142,8 +145,12 @@ def _wait_for_go(folder: Path) -> None:
 
 
 def main() -> None:
-    """``python tests/job_workers.py JSON``: run one job in process (the crash tests)."""
+    """``python tests/job_workers.py JSON``: run one job in process (the crash tests), or with
+    ``job_type`` in the JSON, :func:`request_loop` without Dagster, printing its results."""
     spec = json.loads(sys.argv[1])
+    if "job_type" in spec:
+        print(json.dumps(request_loop(spec)), flush=True)
+        return
     resources = dagster_resources(**spec["resources"])
     ok = run_job(spec["job"], spec["run_config"], resources)
     sys.exit(0 if ok else 1)

@@ -89,7 +89,9 @@ def test_guarded_run_on_sqlite_keeps_every_invariant_under_every_fault() -> None
     assert stats.get("stops", 0) >= 1, why
     assert stats.get("stale_writes_rejected", 0) >= 1, why
     assert stats.get("redis-restart", 0) == 2 and not stats.get("redis-restart_failed"), why
-    assert stats.get("error:GatewayUnavailable", 0) >= 1, why
+    # a dropped answer: GatewayUnavailable, or PaymentNotSettled when the POST may have charged
+    dropped = stats.get("error:GatewayUnavailable", 0) + stats.get("error:PaymentNotSettled", 0)
+    assert dropped >= 1, why
     assert stats.get("error:ConnectionError", 0) + stats.get("error:LockNotAcquired", 0) >= 1, why
     assert any(r["fault"].startswith("kill:") for r in report.rows), why
 

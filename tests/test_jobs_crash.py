@@ -102,8 +102,8 @@ def test_sigkill_after_charge_then_retry_makes_no_second_charge(
     reference = reference_for("payment:o-k")
     assert len(gateway.ledger.by_reference(reference)) == 1  # the charge did happen
     with db.statement() as conn:
-        status = conn.execute(text("SELECT payment_status FROM orders")).scalar()
-    assert status == "payment_pending"
+        row = conn.execute(text("SELECT payment_status, charge_id FROM orders")).one()
+    assert (row.payment_status, row.charge_id) == ("charged_not_confirmed", None)  # sent, unknown
     wait_for_lease_expiry(db, "payment:o-k")
 
     result = rerun(ops.charge_payment_job, payload, spec)

@@ -48,6 +48,7 @@ def reconciliation(
         dlq=context.resources.dlq.get_store(),
         gateway=context.resources.gateway.get_client(),
         publisher=publisher,
+        settle_seconds=context.resources.gateway.get_settle_seconds(),
         grace_seconds=config.grace_seconds,
         lookback_seconds=config.lookback_hours * 3600,
         outbox_threshold_seconds=config.outbox_threshold_seconds,

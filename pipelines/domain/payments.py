@@ -6,11 +6,14 @@ provider by writing one class. The HTTP client speaks the sandbox's protocol (St
 
 Error mapping (one place):
 
-- timeouts, connection errors, resets, 5xx, 409 (the same key is being processed), 429 ->
-  :class:`GatewayUnavailable` (transient; ``retry_after`` from the ``Retry-After`` header).
-  ``maybe_charged`` is True when the request may have reached the gateway (the connection broke
-  after sending, or a read timed out): the charge may have happened. With the gateway's key
-  support on, retrying with the same key is safe; without it, look up by reference first.
+- timeouts, connection errors, resets, the deadline passed, 5xx, 409 (the same key is being
+  processed), 429 -> :class:`GatewayUnavailable` (transient; ``retry_after`` from the
+  ``Retry-After`` header). ``maybe_charged`` is True when a POST may have reached the gateway
+  (the connection broke after sending, a read timed out, the deadline passed while waiting or
+  reading, a body that is not JSON, or 500, 502 or 504, which a provider or its proxy may send
+  after the charge): the charge may have happened. With the gateway's key support on, retrying
+  with the same key is safe; without it, nothing may charge again until a lookup by reference
+  is conclusive (see ``pipelines/jobs/payment.py``).
 - other 4xx -> :class:`GatewayRejected` (permanent: fix the request, never retry it).
 """
 
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 from urllib.parse import urlencode
@@ -115,12 +119,28 @@ def _retry_after(headers: Any) -> float | None:
         return None  # HTTP-date form: not used by the sandbox; fall back to our own backoff
 
 
+_MAYBE_CHARGED_STATUSES = frozenset({500, 502, 504})
+
+
+class _DeadlinePassed(Exception):  # noqa: N818 - internal signal, mapped to GatewayUnavailable
+    pass
+
+
 class HttpPaymentGateway:
     """:class:`PaymentGateway` over HTTP with a pooled, thread-safe urllib3 client.
 
     urllib3's own retries are off: the retry policy lives in :mod:`resources.retry`, which knows
     the error class, the attempt count and the shared budget. ``send_idempotency_key=False``
     simulates a provider without key support (every POST charges).
+
+    Time bounds: ``timeout`` bounds connecting and each read; ``deadline`` bounds the whole call,
+    so a provider that answers a byte at a time cannot hold a job past it. Connecting and
+    waiting for the answer to start fall under urllib3's ``Timeout(total=deadline)``; the body
+    is read a piece at a time, each read's socket timeout cut to what is left of the deadline,
+    so a call ends at most ``deadline`` (plus scheduling slack) after it began, with
+    :class:`GatewayUnavailable`. The one part urllib3 reads itself, the status line and headers,
+    is bounded per read by ``timeout`` and in total only by the provider sending them (a few
+    hundred bytes).
     """
 
     def __init__(
@@ -128,30 +148,39 @@ class HttpPaymentGateway:
         base_url: str,
         *,
         timeout: float = 5.0,
+        deadline: float = 15.0,
         send_idempotency_key: bool = True,
         pool_maxsize: int = 16,
     ) -> None:
+        if timeout <= 0 or deadline <= 0:
+            raise ValueError("timeout and deadline must be positive seconds")
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
+        self.deadline = deadline
         self.send_idempotency_key = send_idempotency_key
         self._http = urllib3.PoolManager(
             maxsize=pool_maxsize,
             block=False,
             retries=False,
-            timeout=urllib3.Timeout(connect=timeout, read=timeout),
+            timeout=urllib3.Timeout(
+                connect=min(timeout, deadline), read=min(timeout, deadline), total=deadline
+            ),
         )
 
     def _request(
         self, method: str, path: str, *, body: Any = None, headers: dict[str, str] | None = None
     ) -> Any:
         url = self.base_url + path
+        ends_at = time.monotonic() + self.deadline
         all_headers = {"Accept": "application/json", **(headers or {})}
         payload = None
         if body is not None:
             payload = json.dumps(body).encode()
             all_headers["Content-Type"] = "application/json"
         try:
-            response = self._http.request(method, url, body=payload, headers=all_headers)
+            response = self._http.request(
+                method, url, body=payload, headers=all_headers, preload_content=False
+            )
         except urllib3.exceptions.NewConnectionError as exc:
             raise GatewayUnavailable(f"payment gateway unreachable at {url}: {exc}") from exc
         except urllib3.exceptions.ConnectTimeoutError as exc:
@@ -162,23 +191,51 @@ class HttpPaymentGateway:
                 f"payment gateway gave no answer to {method} {path}: {exc!r}",
                 maybe_charged=method == "POST",
             ) from exc
+        try:
+            data = self._read_body(response, ends_at)
+        except (urllib3.exceptions.HTTPError, OSError, _DeadlinePassed) as exc:
+            response.close()
+            raise GatewayUnavailable(
+                f"payment gateway gave no answer to {method} {path} within its "
+                f"{self.deadline:g}s deadline: {exc!r}",
+                maybe_charged=method == "POST",
+            ) from exc
+        finally:
+            response.release_conn()
         status = response.status
         if status >= 500 or status in (409, 429):
             raise GatewayUnavailable(
                 f"payment gateway answered {status} to {method} {path}",
                 status=status,
                 retry_after=_retry_after(response.headers),
+                maybe_charged=method == "POST" and status in _MAYBE_CHARGED_STATUSES,
             )
         if status >= 400:
-            raise GatewayRejected(status, response.data.decode(errors="replace")[:500])
+            raise GatewayRejected(status, data.decode(errors="replace")[:500])
         try:
-            return json.loads(response.data)
+            return json.loads(data)
         except ValueError as exc:
             raise GatewayUnavailable(
                 f"payment gateway sent a body that is not JSON ({status})",
                 status=status,
                 maybe_charged=method == "POST",
             ) from exc
+
+    def _read_body(self, response: urllib3.BaseHTTPResponse, ends_at: float) -> bytes:
+        """The whole body, or :class:`_DeadlinePassed`: each read waits at most until
+        ``ends_at``, so a body dripped a byte at a time cannot outlast the deadline."""
+        sock = getattr(response.connection, "sock", None)
+        chunks: list[bytes] = []
+        while True:
+            left = ends_at - time.monotonic()
+            if left <= 0:
+                raise _DeadlinePassed(f"{self.deadline:g}s passed while reading the answer")
+            if sock is not None:
+                sock.settimeout(min(self.timeout, left))
+            chunk = response.read1(65536)
+            if not chunk:
+                return b"".join(chunks)
+            chunks.append(chunk)
 
     def charge(
         self,

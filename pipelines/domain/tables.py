@@ -19,6 +19,7 @@ orders = Table(
     Column("payment_status", Text, nullable=False),
     Column("payment_reference", Text, unique=True),
     Column("charge_id", Text, unique=True),
+    Column("charge_sent_at", Float),
     Column("fulfilment_status", Text, nullable=False),
     Column("payment_fence", BigInteger, nullable=False),
     Column("fulfilment_fence", BigInteger, nullable=False),

@@ -164,10 +164,12 @@ class JobContext:
     def confirm_lease(self) -> None:
         """Heartbeat now, in this thread: raises :class:`LeaseLost` if the key was taken over.
 
-        For a side effect no fenced write guards (an SMTP send). :meth:`check_lease` only reads
-        what the background heartbeat last saw, which a worker just resumed from a pause has not
-        refreshed yet; this asks the store. A pause between this call and the effect is still
-        possible: the effect's own idempotent identity (the Message-ID) closes that last window.
+        Every job type calls it right before each call to a downstream (an SMTP send, a charge):
+        effects no fenced write guards. :meth:`check_lease` only reads what the background
+        heartbeat last saw, which a worker just resumed from a pause has not refreshed yet; this
+        asks the store. A pause between this call and the effect is still possible: the effect's
+        own identity (the Message-ID, the gateway's idempotency key) closes that last window
+        where the downstream honours it.
         """
         self.check_lease()
         self.services.store.heartbeat(self.claim)

@@ -1,4 +1,5 @@
-"""``charge_payment``: charge an order once, even when workers die between charge and record.
+"""``charge_payment``: charge an order once, even when workers die between charge and record,
+stall past their lease, or the provider ignores idempotency keys and answers late or never.
 
 Key ``payment:{order_id}``. The order row is locked in each short transaction (``FOR UPDATE`` on
 Postgres, ``BEGIN IMMEDIATE`` on SQLite); the idempotency claim serialises whole attempts, and
@@ -10,24 +11,56 @@ intent charges under the same reference: when the gateway ignores keys (or the c
 send them), a retry or a takeover first looks the charge up by reference and only charges if
 none exists.
 
+Two rules make that lookup trustworthy:
+
+1. **The send is written down before it goes out.** Right before the POST the order becomes
+   ``charged_not_confirmed`` with no ``charge_id`` and ``charge_sent_at`` (the claim gets the
+   checkpoint ``charge_sent`` in the same transaction), and the lease is confirmed in the store
+   (:meth:`JobContext.confirm_lease`). A holder frozen before that point and taken over is
+   refused there (fence, owner token) and charges nothing.
+2. **An unknown outcome is never charged blind.** When no answer came (a timeout, a reset or
+   the deadline after the request was sent; the worker died mid-call), a slow provider may
+   still commit the charge, and a lookup now would miss it. Until ``charge_sent_at`` plus the
+   settle window (``Services.gateway_settle_seconds``, longer than the provider's longest
+   processing time) has passed, every retry or redelivery raises :class:`PaymentNotSettled`
+   (transient, ``retry_after`` = the time left). After it, a lookup is conclusive: a charge
+   found is recorded; none found means nothing was charged, and the job charges again, once
+   (its new send is written down first). Reconciliation resolves the same state the same way
+   when nothing retries the job.
+
+An answer that says the charge did not happen (a refusal, 503, 429, 409, no connection) puts the
+order back to ``payment_pending`` (or ``payment_failed`` for a 4xx refusal) at once.
+
 Payment states (``orders.payment_status``), written here beside their transitions::
 
-    (absent) ---------------- claim ---------------> payment_pending
-    payment_pending --- gateway answered a charge ---> charged_not_confirmed  (+ checkpoint)
-    charged_not_confirmed --- confirm + complete ---> paid                    (one transaction)
-    payment_pending --- gateway rejected (4xx) -----> payment_failed
+    (absent) ------------------------ claim ----------------------> payment_pending
+    payment_pending / payment_failed -- about to send (+ checkpoint) -> charged_not_confirmed
+                                                                      (charge_id NULL, sent_at)
+    charged_not_confirmed (no id) --- gateway answered a charge ---> charged_not_confirmed (id)
+    charged_not_confirmed (no id) --- answer: not charged (503..) -> payment_pending
+    charged_not_confirmed (no id) --- gateway refused (4xx) -------> payment_failed
+    charged_not_confirmed (no id) --- settled, lookup finds it ----> charged_not_confirmed (id)
+    charged_not_confirmed (no id) --- settled, lookup finds none --> (sends again, new sent_at)
+    charged_not_confirmed (id) ------ confirm + complete ----------> paid  (one transaction)
 
 A timeline of the crash this design survives (``SEKALI_CRASH_AT=after_charge``)::
 
     t=0   attempt 1 claims payment:o1 (fence 1), order -> payment_pending
-    t=1   gateway charges ch_1 under reference ord-<hash>; the worker is SIGKILLed
-    t=3   the lease expires; attempt 2 claims (fence 2, takeover)
-    t=3   it looks up reference ord-<hash>, finds ch_1, records it: no second charge
-    t=4   charged_not_confirmed -> paid and the key completes in one transaction
+    t=1   it records the send (sent_at=1); the gateway charges ch_1 under reference ord-<hash>;
+          the worker is SIGKILLed
+    t=3   the lease expires; attempt 2 claims (fence 2, takeover); the send at t=1 is not yet
+          settled: PaymentNotSettled, retry after the window
+    t=1+W attempt 3 looks up reference ord-<hash>, finds ch_1, records it: no second charge;
+          charged_not_confirmed -> paid and the key completes in one transaction
+
+And the slow provider (keys ignored): attempt 1 sends at t=0, times out at t=5 while the provider
+still works; the provider commits ch_1 at t=30; any retry before t=W is told to wait; at t=W
+(W > the provider's longest processing time) the lookup finds ch_1. One charge.
 """
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import logging
 import time
@@ -36,7 +69,7 @@ from typing import Any
 
 from sqlalchemy import text
 
-from pipelines.domain.payments import Charge, GatewayRejected
+from pipelines.domain.payments import Charge, GatewayRejected, GatewayUnavailable, PaymentGateway
 from pipelines.jobs.base import (
     JobContext,
     JobType,
@@ -46,9 +79,15 @@ from pipelines.jobs.base import (
     require_int,
     require_str,
 )
-from resources.errors import PermanentJobError, ValidationError
+from resources.errors import NotYetSettled, PermanentJobError, RateLimited, ValidationError
 
 logger = logging.getLogger(__name__)
+
+CHARGE_SENT = "charge_sent"  # recovery point: a charge went out at data["sent_at"]
+CHARGED = "charged"  # recovery point: the gateway answered with data["charge_id"]
+# an attempt's status before/after (job_attempts) while a send's outcome is unknown: the order is
+# charged_not_confirmed without a charge_id
+CHARGE_UNKNOWN = "charge_unknown"
 
 
 class PaymentStatus(StrEnum):
@@ -64,6 +103,28 @@ class OrderAmountMismatch(PermanentJobError):
     def __init__(self, order_id: str, stored: str, given: str) -> None:
         super().__init__(f"order {order_id!r} is {stored}, request says {given}; fix the request")
         self.order_id = order_id
+
+
+class PaymentNotSettled(NotYetSettled):
+    """A charge of this order went out and no answer came back; the provider may still commit
+    it. Nothing charges again before ``settles_at``: retry then, when a lookup is conclusive."""
+
+    def __init__(self, order_id: str, sent_at: float, settles_at: float, now: float,
+                 cause: str = "") -> None:
+        super().__init__(
+            (f"{cause}; " if cause else "")
+            + f"the charge of order {order_id!r} sent at {_iso(sent_at)} may have happened; it "
+            f"is looked up, never charged again blind, from {_iso(settles_at)} "
+            f"(retry in {max(0.0, settles_at - now):.1f}s)",
+            settles_at=settles_at,
+            retry_after=max(0.0, settles_at - now),
+        )
+        self.order_id = order_id
+        self.sent_at = sent_at
+
+
+def _iso(seconds: float) -> str:
+    return datetime.datetime.fromtimestamp(seconds, datetime.UTC).isoformat(timespec="milliseconds")
 
 
 def reference_for(key: str) -> str:
@@ -91,6 +152,71 @@ def _charge_dict(charge: Charge) -> dict[str, Any]:
     return {"charge_id": charge.charge_id, "reference": charge.reference}
 
 
+def _lookup(ctx: JobContext, gateway: PaymentGateway, reference: str) -> Charge | None:
+    with ctx.timed("gateway_lookup"):
+        found = gateway.find_charges(reference)
+    if len(found) > 1:
+        logger.error("reference %s has %d charges at the gateway", reference, len(found))
+    return found[0] if found else None
+
+
+def _set_payment(ctx: JobContext, order_id: str, name: str, assignments: str) -> None:
+    with ctx.locked_row("orders", "order_id", order_id, name) as (conn, _):
+        fenced_update(
+            conn, "orders", "order_id", order_id, fence_column="payment_fence", fence=ctx.fence,
+            assignments=f"{assignments}, updated_at = :now", params={"now": time.time()},
+        )
+
+
+def _send_charge(
+    ctx: JobContext, gateway: PaymentGateway, p: dict[str, Any], reference: str
+) -> Charge:
+    """Write the send down, confirm the lease, charge. Raises :class:`PaymentNotSettled` when
+    the outcome is unknown (the order keeps its ``charge_sent_at``)."""
+    order_id = p["order_id"]
+    ctx.crash_point("before_charge")
+    with ctx.concurrency_slot(JOB_TYPE):
+        sent_at = time.time()
+        with ctx.locked_row("orders", "order_id", order_id, "record_send") as (conn, _):
+            fenced_update(
+                conn, "orders", "order_id", order_id, fence_column="payment_fence",
+                fence=ctx.fence,
+                assignments="payment_status = 'charged_not_confirmed', charge_id = NULL,"
+                " charge_sent_at = :sent, updated_at = :sent",
+                params={"sent": sent_at},
+            )
+            ctx.checkpoint(CHARGE_SENT, {"reference": reference, "sent_at": sent_at}, conn=conn)
+        ctx.confirm_lease()
+        try:
+            with ctx.timed("gateway_charge"):
+                return gateway.charge(
+                    reference=reference,
+                    amount_cents=p["amount_cents"],
+                    currency=p["currency"],
+                    idempotency_key=ctx.key,
+                    correlation_id=ctx.correlation_id,
+                )
+        except GatewayRejected:
+            _set_payment(ctx, order_id, "record_failure",
+                         "payment_status = 'payment_failed', charge_sent_at = NULL")
+            ctx.attempt.status_after = str(PaymentStatus.FAILED)
+            raise
+        except RateLimited:  # our own pacing refused the call before anything was sent
+            _set_payment(ctx, order_id, "record_not_charged",
+                         "payment_status = 'payment_pending', charge_sent_at = NULL")
+            raise
+        except GatewayUnavailable as exc:
+            if exc.maybe_charged:
+                ctx.attempt.status_after = CHARGE_UNKNOWN
+                settles_at = sent_at + ctx.services.gateway_settle_seconds
+                raise PaymentNotSettled(
+                    order_id, sent_at, settles_at, time.time(), str(exc)
+                ) from exc
+            _set_payment(ctx, order_id, "record_not_charged",
+                         "payment_status = 'payment_pending', charge_sent_at = NULL")
+            raise
+
+
 def charge_payment(ctx: JobContext, p: dict[str, Any]) -> dict[str, Any]:
     services = ctx.services
     gateway = services.gateway
@@ -100,6 +226,7 @@ def charge_payment(ctx: JobContext, p: dict[str, Any]) -> dict[str, Any]:
     reference = reference_for(ctx.key)
     now = time.time()
     charge_id: str | None = None
+    sent_at: float | None = None
 
     with ctx.locked_row("orders", "order_id", order_id, "lock_order") as (conn, row):
         if row is None:
@@ -139,35 +266,22 @@ def charge_payment(ctx: JobContext, p: dict[str, Any]) -> dict[str, Any]:
                 params={"a": p["amount_cents"], "c": p["currency"], "ref": reference, "now": now},
             )
             charge_id = row.charge_id
+            if status is PaymentStatus.CHARGED_NOT_CONFIRMED and charge_id is None:
+                sent_at = float(row.charge_sent_at or row.updated_at)
+                ctx.attempt.status_before = CHARGE_UNKNOWN
 
-    if status is not PaymentStatus.CHARGED_NOT_CONFIRMED:
+    if charge_id is None:
         charge = None
-        if ctx.claim.attempt > 1 or ctx.claim.takeover:
-            with ctx.timed("gateway_lookup"):
-                found = gateway.find_charges(reference)
-            if len(found) > 1:
-                logger.error("reference %s has %d charges at the gateway", reference, len(found))
-            charge = found[0] if found else None
+        if sent_at is not None:  # an earlier send's outcome is unknown
+            settles_at = sent_at + services.gateway_settle_seconds
+            if time.time() < settles_at:
+                ctx.attempt.status_after = CHARGE_UNKNOWN
+                raise PaymentNotSettled(order_id, sent_at, settles_at, time.time())
+            charge = _lookup(ctx, gateway, reference)
+        elif ctx.claim.attempt > 1 or ctx.claim.takeover:
+            charge = _lookup(ctx, gateway, reference)
         if charge is None:
-            try:
-                with ctx.concurrency_slot(JOB_TYPE), ctx.timed("gateway_charge"):
-                    charge = gateway.charge(
-                        reference=reference,
-                        amount_cents=p["amount_cents"],
-                        currency=p["currency"],
-                        idempotency_key=ctx.key,
-                        correlation_id=ctx.correlation_id,
-                    )
-            except GatewayRejected:
-                with ctx.locked_row("orders", "order_id", order_id, "record_failure") as (c2, _):
-                    fenced_update(
-                        c2, "orders", "order_id", order_id, fence_column="payment_fence",
-                        fence=ctx.fence,
-                        assignments="payment_status = 'payment_failed', updated_at = :now",
-                        params={"now": time.time()},
-                    )
-                ctx.attempt.status_after = str(PaymentStatus.FAILED)
-                raise
+            charge = _send_charge(ctx, gateway, p, reference)
         ctx.crash_point("after_charge")
         ctx.check_lease()
         with ctx.locked_row("orders", "order_id", order_id, "record_charge") as (conn, _):
@@ -178,7 +292,7 @@ def charge_payment(ctx: JobContext, p: dict[str, Any]) -> dict[str, Any]:
                 " updated_at = :now",
                 params={"ch": charge.charge_id, "now": time.time()},
             )
-            ctx.checkpoint("charged", _charge_dict(charge), conn=conn)
+            ctx.checkpoint(CHARGED, _charge_dict(charge), conn=conn)
         charge_id = charge.charge_id
         ctx.crash_point("after_record_charge")
 

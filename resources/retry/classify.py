@@ -37,6 +37,7 @@ from resources.errors import (
     AlreadyInProgress,
     LimitNotAcquired,
     LockNotAcquired,
+    NotYetSettled,
     RateLimited,
     SekaliError,
 )
@@ -177,7 +178,9 @@ def failure_class(exc: BaseException) -> FailureClass:
 
 
 def is_contention(exc: BaseException) -> bool:
-    """Waiting for another worker (a live lease, a held lock, a full concurrency limit) or for
-    our own shared rate says nothing about the downstream's health, so it spends no token of
-    the downstream's retry budget."""
-    return isinstance(exc, AlreadyInProgress | LockNotAcquired | LimitNotAcquired | RateLimited)
+    """Waiting for another worker (a live lease, a held lock, a full concurrency limit), for our
+    own shared rate, or for an earlier call's outcome to settle says nothing about the
+    downstream's health, so it spends no token of the downstream's retry budget."""
+    return isinstance(
+        exc, AlreadyInProgress | LockNotAcquired | LimitNotAcquired | RateLimited | NotYetSettled
+    )

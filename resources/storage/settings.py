@@ -23,6 +23,8 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from resources.errors import ValidationError
+
 
 def normalize_url(url: str) -> str:
     """Spell the driver out: a bare ``postgresql://`` means psycopg 3 on SQLAlchemy 2.1 only."""
@@ -31,6 +33,9 @@ def normalize_url(url: str) -> str:
     if url.startswith("postgresql://"):
         url = "postgresql+psycopg://" + url[len("postgresql://") :]
     return url
+
+SETTLE_ENV = "SEKALI_GATEWAY_SETTLE_SECONDS"
+DEFAULT_GATEWAY_SETTLE_SECONDS = 120.0
 
 
 def state_dir() -> Path:
@@ -149,6 +154,9 @@ class Settings:
     smtp_host: str
     smtp_port: int
     rates: Mapping[str, str] = field(default_factory=dict, hash=False)  # name -> "50/s,burst=20"
+    # how long after a charge whose answer never came a lookup by reference is conclusive:
+    # longer than the payment provider's longest processing time
+    gateway_settle_seconds: float = DEFAULT_GATEWAY_SETTLE_SECONDS
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -163,7 +171,22 @@ class Settings:
             smtp_host=os.environ.get("SEKALI_SMTP_HOST", "127.0.0.1"),
             smtp_port=int(os.environ.get("SEKALI_SMTP_PORT", "8025")),
             rates=rate_texts(os.environ),
+            gateway_settle_seconds=_positive_seconds(SETTLE_ENV, DEFAULT_GATEWAY_SETTLE_SECONDS),
         )
+
+
+def _positive_seconds(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or not raw.strip():
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value > 0:
+        raise ValidationError(name, "a positive number of seconds", raw)
+    return value
+
 
 
 # -- input limits ---------------------------------------------------------------------------
