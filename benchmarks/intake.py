@@ -89,7 +89,7 @@ def measure_floor(db: Any, n: int, tag: str) -> float:
 def measure_mode(db: Any, mode: str, n: int, tag: str, instance: Any, resources: dict) -> float:
     import dagster as dg
 
-    from pipelines import tags as tag
+    from pipelines import tags as run_tags
     from pipelines.definitions import defs
     from pipelines.intake import enqueue
     from pipelines.ops import all_jobs
@@ -119,7 +119,7 @@ def measure_mode(db: Any, mode: str, n: int, tag: str, instance: Any, resources:
                 run_config={**rr.run_config, **QUIET},
                 instance=instance,
                 resources=resources,
-                tags={**rr.tags, tag.RUN_KEY: rr.run_key or ""},
+                tags={**rr.tags, run_tags.RUN_KEY: rr.run_key or ""},
                 raise_on_error=False,
             )
     elapsed = time.perf_counter() - started
