@@ -369,6 +369,32 @@ class RequestStore:
         count_attempt: bool = False,
         run_key: str | None = None,
     ) -> bool:
+        return bool(
+            self._move_many(
+                [request_id],
+                target,
+                run_id=run_id,
+                error=error,
+                error_class=error_class,
+                count_attempt=count_attempt,
+                run_key=run_key,
+            )
+        )
+
+    def _move_many(
+        self,
+        request_ids: Sequence[int],
+        target: RequestStatus,
+        *,
+        run_id: str | None = None,
+        error: str | None = None,
+        error_class: str | None = None,
+        count_attempt: bool = False,
+        run_key: str | None = None,
+    ) -> set[int]:
+        """Move every request that may go to ``target`` in one statement; returns those moved."""
+        if not request_ids:
+            return set()
         same_run = " AND run_key = :run_key" if run_key is not None else ""
         sql = text(
             "UPDATE job_requests SET status = :target, updated_at = :now,"
@@ -378,8 +404,9 @@ class RequestStore:
             " error_class = CASE WHEN :target = 'failed' THEN :error_class"
             "   WHEN :target = 'completed' THEN NULL ELSE error_class END,"
             f" attempts = attempts + {1 if count_attempt else 0}"
-            f" WHERE id = :id AND status IN :sources{same_run}"
-        ).bindparams(bindparam("sources", expanding=True))
+            f" WHERE id IN :ids AND status IN :sources{same_run}"
+            " RETURNING id"
+        ).bindparams(bindparam("sources", expanding=True), bindparam("ids", expanding=True))
         with self.db.statement() as conn:
             result = conn.execute(
                 sql,
@@ -389,22 +416,34 @@ class RequestStore:
                     "run_id": run_id,
                     "error": error,
                     "error_class": error_class,
-                    "id": request_id,
+                    "ids": list(request_ids),
                     "sources": _sources(target),
                     "run_key": run_key,
                 },
             )
-        return bool(result.rowcount)
+            return {int(i) for i in result.scalars()}
 
     def mark_running(self, request_id: int, *, run_id: str | None = None) -> bool:
         """The op took the request (counts an attempt). False if it is already completed."""
         return self._move(request_id, _S.RUNNING, run_id=run_id, count_attempt=True)
+
+    def mark_running_many(
+        self, request_ids: Sequence[int], *, run_id: str | None = None
+    ) -> set[int]:
+        """:meth:`mark_running` for a batch in one statement; returns the ids taken."""
+        return self._move_many(request_ids, _S.RUNNING, run_id=run_id, count_attempt=True)
 
     def mark_completed(
         self, request_id: int, *, run_id: str | None = None, run_key: str | None = None
     ) -> bool:
         """``run_key``: only if the request was launched under that run key (reconciliation)."""
         return self._move(request_id, _S.COMPLETED, run_id=run_id, run_key=run_key)
+
+    def mark_completed_many(
+        self, request_ids: Sequence[int], *, run_id: str | None = None
+    ) -> set[int]:
+        """:meth:`mark_completed` for a batch in one statement; returns the ids moved."""
+        return self._move_many(request_ids, _S.COMPLETED, run_id=run_id)
 
     def mark_failed(
         self,

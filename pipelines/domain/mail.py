@@ -11,9 +11,12 @@ Error mapping (one place): connection refused/reset, timeouts, disconnects and 4
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import smtplib
+from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from email.message import EmailMessage
 from email.utils import formatdate
 from typing import Protocol, runtime_checkable
@@ -98,12 +101,47 @@ class SmtpMailer:
         message_id: str,
         correlation_id: str | None = None,
     ) -> None:
-        msg = self.build(
+        with self.session() as session:
+            session.send(
+                to=to, subject=subject, body=body, message_id=message_id,
+                correlation_id=correlation_id,
+            )
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator[SmtpSession]:
+        """One SMTP connection for several messages (a micro-batch): the connect, greeting and
+        QUIT are paid once. Not thread-safe; a broken connection is reopened for the next one."""
+        session = SmtpSession(self)
+        try:
+            yield session
+        finally:
+            session.close()
+
+
+class SmtpSession:
+    """:class:`Mailer` over one SMTP connection, opened on the first message."""
+
+    def __init__(self, mailer: SmtpMailer) -> None:
+        self.mailer = mailer
+        self._smtp: smtplib.SMTP | None = None
+
+    def send(
+        self,
+        *,
+        to: str,
+        subject: str,
+        body: str,
+        message_id: str,
+        correlation_id: str | None = None,
+    ) -> None:
+        m = self.mailer
+        msg = m.build(
             to=to, subject=subject, body=body, message_id=message_id, correlation_id=correlation_id
         )
         try:
-            with smtplib.SMTP(self.host, self.port, timeout=self.timeout) as smtp:
-                smtp.send_message(msg)
+            if self._smtp is None:
+                self._smtp = smtplib.SMTP(m.host, m.port, timeout=m.timeout)
+            self._smtp.send_message(msg)
         except smtplib.SMTPRecipientsRefused as exc:
             code, reply = next(iter(exc.recipients.values()))
             text = _text(reply)
@@ -126,9 +164,8 @@ class SmtpMailer:
                 f"mail server deferred the message: {exc.smtp_code} {text}", smtp_code=exc.smtp_code
             ) from exc
         except (smtplib.SMTPException, OSError) as exc:
-            raise MailUnavailable(
-                f"mail server at {self.host}:{self.port} unavailable: {exc!r}"
-            ) from exc
+            self._drop()
+            raise MailUnavailable(f"mail server at {m.host}:{m.port} unavailable: {exc!r}") from exc
         log.info(
             "sent %s to %s",
             message_id,
@@ -136,11 +173,32 @@ class SmtpMailer:
             extra={"message_id": message_id, "correlation_id": correlation_id},
         )
 
+    def close(self) -> None:
+        if self._smtp is not None:
+            with contextlib.suppress(smtplib.SMTPException, OSError):
+                self._smtp.quit()
+            self._drop()
+
+    def _drop(self) -> None:
+        if self._smtp is not None:
+            with contextlib.suppress(OSError):
+                self._smtp.close()
+            self._smtp = None
+
+
+def mail_session(mailer: Mailer) -> AbstractContextManager[Mailer]:
+    """One connection for a batch of messages when the mailer can hold one, else the mailer."""
+    if isinstance(mailer, SmtpMailer):
+        return mailer.session()
+    return contextlib.nullcontext(mailer)
+
 
 __all__ = [
     "MailRejected",
     "MailUnavailable",
     "Mailer",
     "SmtpMailer",
+    "SmtpSession",
+    "mail_session",
     "message_id_for",
 ]
