@@ -3,7 +3,9 @@
 Measured in one run on the same database and the same engine (autocommit on Postgres):
 
 - ``begin`` + ``complete`` pairs per second, against the floor of two raw statements that any
-  ledger needs: an ``INSERT`` of a row and an ``UPDATE`` of it, in a table of the same shape.
+  ledger needs: an ``INSERT`` of a row and an ``UPDATE`` of it, in a table of the same shape,
+  each through ``Database.statement()`` and SQLAlchemy (the store runs its hot statements on the
+  driver directly, so it can beat this floor).
 - the replay path (``begin`` on a completed key), against a raw ``SELECT`` of the row by key.
 
 on SQLite (a file) and Postgres (a schema made for the run on the test database, dropped after),
@@ -38,7 +40,8 @@ from resources.storage.migrations import upgrade
 PG_URL = os.environ.get(
     "SEKALI_BENCH_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/sekali_test"
 )
-TARGET_RATIO = 0.7
+TARGETS = {("postgresql", 1): 0.85, ("postgresql", 8): 0.8, ("sqlite", 1): 0.7}
+"""begin+complete pairs per second over the floor's, per (backend, threads)."""
 
 FLOOR_DDL = """
 CREATE TABLE IF NOT EXISTS bench_floor (
@@ -227,7 +230,10 @@ def bench_backend(url: str, quick: bool) -> dict[str, Any]:
 
 
 def run(quick: bool = False) -> dict[str, Any]:
-    out: dict[str, Any] = {"target_pair_ratio_postgres": TARGET_RATIO, "backends": {}}
+    out: dict[str, Any] = {
+        "target_pair_ratio": {f"{b}_{t}t": v for (b, t), v in TARGETS.items()},
+        "backends": {},
+    }
     with tempfile.TemporaryDirectory() as tmp:
         out["backends"]["sqlite"] = bench_backend(f"sqlite:///{tmp}/bench.db", quick)
     schema = "bench_" + uuid.uuid4().hex[:10]
@@ -247,6 +253,7 @@ def run(quick: bool = False) -> dict[str, Any]:
     summary = []
     for backend, res in out["backends"].items():
         for threads, row in res["by_threads"].items():
+            target = TARGETS.get((backend, threads))
             summary.append(
                 {
                     "metric": f"{backend} begin+complete, {threads} thread(s)",
@@ -254,8 +261,8 @@ def run(quick: bool = False) -> dict[str, Any]:
                     "unit": "pairs/s",
                     "baseline": row["floor_pair_per_s"],
                     "ratio": row["pair_ratio"],
-                    "target": TARGET_RATIO if backend == "postgresql" else None,
-                    "ok": row["pair_ratio"] >= TARGET_RATIO if backend == "postgresql" else None,
+                    "target": target,
+                    "ok": row["pair_ratio"] >= target if target is not None else None,
                 }
             )
             summary.append(
@@ -282,6 +289,16 @@ def run(quick: bool = False) -> dict[str, Any]:
         }
     )
     out["summary"] = summary
+    pairs = {
+        (b, t): row["pair_ratio"] for b, res in out["backends"].items()
+        for t, row in res["by_threads"].items()
+    }
+    out["headline"] = {
+        "idempotency_pg_pair_ratio_1t": pairs[("postgresql", 1)],
+        "idempotency_pg_pair_ratio_8t": pairs[("postgresql", 8)],
+        "idempotency_sqlite_pair_ratio_1t": pairs[("sqlite", 1)],
+        "idempotency_sqlite_pair_ratio_8t": pairs[("sqlite", 8)],
+    }
     return out
 
 
@@ -305,10 +322,8 @@ def render(result: dict[str, Any]) -> None:
                 f"  {backend:<11}{name:<22}{rt['statements_per_op']:>5.1f} statements"
                 f"  {rt['pings_per_op']:>4.1f} pings   {rt['statement_kinds']}"
             )
-    print(
-        f"\ntarget: begin+complete >= {TARGET_RATIO} of the floor on Postgres; replay in one "
-        "statement"
-    )
+    targets = ", ".join(f"{b} {t} thread(s) >= {v}" for (b, t), v in TARGETS.items())
+    print(f"\ntargets (begin+complete over the floor): {targets}; replay in one statement")
 
 
 

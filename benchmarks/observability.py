@@ -135,6 +135,14 @@ def run(quick: bool = False) -> dict[str, Any]:
         with admin.connect() as conn:
             conn.execute(text(f"DROP SCHEMA IF EXISTS {schema} CASCADE"))
         admin.dispose()
+    measured = [r["collect_ratio"] for r in results["backends"].values() if "error" not in r]
+    results["headline"] = {
+        "metrics_snapshot_over_read": max(measured) if measured else None,
+        **{
+            f"metrics_snapshot_over_read_{name}": r["collect_ratio"]
+            for name, r in results["backends"].items() if "error" not in r
+        },
+    }
     results["summary"] = [
         {"metric": f"metrics snapshot over {r['rows']} attempts ({name})",
          "value": r["collect_ms"], "unit": "ms", "baseline": r["floor_ms"],
