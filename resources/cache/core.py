@@ -162,6 +162,11 @@ def jittered(ttl: float, jitter: float, rand: float) -> float:
     return ttl * (1.0 + jitter * (2.0 * rand - 1.0))
 
 
+_XFETCH_NEGLIGIBLE = 40.0
+"""A value further than ``40 * beta * delta`` from its refresh point refreshes early with
+probability ``exp(-40)`` (4e-18): the hit path then skips the XFetch draw."""
+
+
 def xfetch_factor(beta: float, rand: float) -> float:
     """``-beta * ln(rand)``; refresh early when ``now + delta * factor >= soft expiry``."""
     if beta <= 0:
@@ -298,23 +303,32 @@ class StampedeCache:
         Raises the loader's exception (this caller loaded), :class:`CacheLoaderFailed` (another
         caller's load failed, or negative cache) or :class:`CacheLoadTimeout`.
         """
-        opts = self._options(ttl, stale_ttl, jitter)
-        # One XFetch draw per call keeps its probability exact.
-        factor = xfetch_factor(self.beta, 1.0 - self.random()) if self.beta > 0 else 0.0
-        raw = self._call(self.client.get, f"{PREFIX}{{{self.namespace}:{key}}}")
+        try:
+            raw = self.client.get(f"{PREFIX}{{{self.namespace}:{key}}}")
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            raise StoreUnavailable(f"Redis did not answer: {exc}; retry later") from exc
+        factor: float | None = None  # the call's one XFetch draw, made only when it can matter
         if raw is not None:
             # The hit path: one GET, judged here (as cheap as a raw read); anything else runs
             # the script, which decides again atomically.
             d = json.loads(raw)
             now = self.clock()
             if now < d["h"]:
+                gap = d["s"] - now
+                if gap > 0 and gap > d["d"] * self.beta * _XFETCH_NEGLIGIBLE:
+                    self.recorder.record(key, "hits", access=True)
+                    return d["v"]
+                factor = self._xfetch_factor()
                 if now + d["d"] * factor < d["s"]:
                     self.recorder.record(key, "hits", access=True)
                     return d["v"]
                 # Stale or XFetch-early: answer now; the lock attempt runs in the background.
-                self._refresh_soon(key, loader, opts, factor, now)
+                self._refresh_soon(key, loader, self._options(ttl, stale_ttl, jitter), factor, now)
                 self._count(key, "stale" if now >= d["s"] else "early")
                 return d["v"]
+        opts = self._options(ttl, stale_ttl, jitter)
+        if factor is None:
+            factor = self._xfetch_factor()
         started = time.monotonic()
         try:
             (value, outcome), led = self._flight.run(
@@ -418,6 +432,9 @@ class StampedeCache:
         if opts[0] <= 0 or opts[1] < 0 or not 0 <= opts[2] < 1:
             raise ValueError("need ttl > 0, stale_ttl >= 0 and 0 <= jitter < 1")
         return opts
+
+    def _xfetch_factor(self) -> float:
+        return xfetch_factor(self.beta, 1.0 - self.random()) if self.beta > 0 else 0.0
 
     def _resolve(
         self,
