@@ -4,16 +4,16 @@ docs/design.md).
 What is guaranteed, for one key, across every process sharing the Redis and namespace:
 
 - **Hits cost one GET.** A fresh value is read with a plain ``GET`` and judged in Python (soft
-  and hard expiry, XFetch) before anything else, so a hit is one round trip and one JSON decode;
-  anything else goes to the script below, which judges again atomically.
+  and hard expiry; the XFetch draw only when the value is near its refresh point): one round trip
+  and one JSON decode; anything else goes to the script below, which judges again atomically.
 - **One loader per expiry.** A miss runs one Lua script: read the envelope and, if it is missing
   or hard-expired, ``SET NX PX`` the rebuild lock with a random token. Only the winner runs the
   loader. The losers register as waiters in that same script and block on ``BLPOP`` of the key's
   signal list; the winner's write script pushes one wake-up per registered waiter, carrying the
   winner's token and the stored envelope, so a waiter of that rebuild returns the value without
   another round trip; nobody polls and nobody sleeps until a timeout. The winner encodes the value
-  once and wakes the waiters before it decodes its own copy. In one process, callers of a key
-  that is not a fresh hit share one flight: one script call and one load (:class:`SingleFlight`).
+  once and wakes the waiters before it decodes its own copy. In one process, concurrent callers
+  of the same key share one flight: one Redis round trip and one load (:class:`SingleFlight`).
 - **Stale-while-revalidate.** Within ``stale_ttl`` after the soft expiry a caller gets the stale
   value at once (from its one GET); a background task (thread pool, one per key per process) runs
   the script, and the same ``NX`` lock lets at most one refresh run across all processes.
@@ -303,46 +303,55 @@ class StampedeCache:
         Raises the loader's exception (this caller loaded), :class:`CacheLoaderFailed` (another
         caller's load failed, or negative cache) or :class:`CacheLoadTimeout`.
         """
-        try:
-            raw = self.client.get(f"{PREFIX}{{{self.namespace}:{key}}}")
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
-            raise StoreUnavailable(f"Redis did not answer: {exc}; retry later") from exc
-        factor: float | None = None  # the call's one XFetch draw, made only when it can matter
-        if raw is not None:
-            # The hit path: one GET, judged here (as cheap as a raw read); anything else runs
-            # the script, which decides again atomically.
-            d = json.loads(raw)
-            now = self.clock()
-            if now < d["h"]:
-                gap = d["s"] - now
-                if gap > 0 and gap > d["d"] * self.beta * _XFETCH_NEGLIGIBLE:
-                    self.recorder.record(key, "hits", access=True)
-                    return d["v"]
-                factor = self._xfetch_factor()
-                if now + d["d"] * factor < d["s"]:
-                    self.recorder.record(key, "hits", access=True)
-                    return d["v"]
-                # Stale or XFetch-early: answer now; the lock attempt runs in the background.
-                self._refresh_soon(key, loader, self._options(ttl, stale_ttl, jitter), factor, now)
-                self._count(key, "stale" if now >= d["s"] else "early")
-                return d["v"]
-        opts = self._options(ttl, stale_ttl, jitter)
-        if factor is None:
-            factor = self._xfetch_factor()
         started = time.monotonic()
         try:
             (value, outcome), led = self._flight.run(
-                ("get", key), lambda: self._resolve(key, loader, opts, force=False, factor=factor)
+                ("get", key), lambda: self._look(key, loader, ttl, stale_ttl, jitter)
             )
         except Exception:
             self.recorder.record(key, "misses", access=True)
             raise
+        if outcome == "hit":
+            self.recorder.hit(key)
+            return value
         if not led and outcome in ("loaded", "waited"):
             outcome = "waited"
             self.recorder.record(key, "waits")
             self.recorder.record(key, "wait_time", time.monotonic() - started)
         self._count(key, outcome)
         return value
+
+    def _look(
+        self,
+        key: str,
+        loader: Loader,
+        ttl: float | None,
+        stale_ttl: float | None,
+        jitter: float | None,
+    ) -> tuple[Any, str]:
+        """One flight: the hit path (one GET, judged here), else the script."""
+        try:
+            raw = self.client.get(f"{PREFIX}{{{self.namespace}:{key}}}")
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            raise StoreUnavailable(f"Redis did not answer: {exc}; retry later") from exc
+        factor: float | None = None  # the call's one XFetch draw, made only when it can matter
+        if raw is not None:
+            d = json.loads(raw)
+            now = self.clock()
+            if now < d["h"]:
+                gap = d["s"] - now
+                if gap > 0 and gap > d["d"] * self.beta * _XFETCH_NEGLIGIBLE:
+                    return d["v"], "hit"
+                factor = self._xfetch_factor()
+                if now + d["d"] * factor < d["s"]:
+                    return d["v"], "hit"
+                # Stale or XFetch-early: answer now; the lock attempt runs in the background.
+                self._refresh_soon(key, loader, self._options(ttl, stale_ttl, jitter), factor, now)
+                return d["v"], "stale" if now >= d["s"] else "early"
+        opts = self._options(ttl, stale_ttl, jitter)
+        if factor is None:
+            factor = self._xfetch_factor()
+        return self._resolve(key, loader, opts, force=False, factor=factor)
 
     def get(self, key: str) -> Any:
         """The cached value (fresh or within its stale window), or ``NO_VALUE``; never loads."""
