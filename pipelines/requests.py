@@ -358,29 +358,6 @@ class RequestStore:
 
     # -- the run ---------------------------------------------------------------------------------
 
-    def _move(
-        self,
-        request_id: int,
-        target: RequestStatus,
-        *,
-        run_id: str | None = None,
-        error: str | None = None,
-        error_class: str | None = None,
-        count_attempt: bool = False,
-        run_key: str | None = None,
-    ) -> bool:
-        return bool(
-            self._move_many(
-                [request_id],
-                target,
-                run_id=run_id,
-                error=error,
-                error_class=error_class,
-                count_attempt=count_attempt,
-                run_key=run_key,
-            )
-        )
-
     def _move_many(
         self,
         request_ids: Sequence[int],
@@ -425,7 +402,7 @@ class RequestStore:
 
     def mark_running(self, request_id: int, *, run_id: str | None = None) -> bool:
         """The op took the request (counts an attempt). False if it is already completed."""
-        return self._move(request_id, _S.RUNNING, run_id=run_id, count_attempt=True)
+        return bool(self._move_many([request_id], _S.RUNNING, run_id=run_id, count_attempt=True))
 
     def mark_running_many(
         self, request_ids: Sequence[int], *, run_id: str | None = None
@@ -437,7 +414,7 @@ class RequestStore:
         self, request_id: int, *, run_id: str | None = None, run_key: str | None = None
     ) -> bool:
         """``run_key``: only if the request was launched under that run key (reconciliation)."""
-        return self._move(request_id, _S.COMPLETED, run_id=run_id, run_key=run_key)
+        return bool(self._move_many([request_id], _S.COMPLETED, run_id=run_id, run_key=run_key))
 
     def mark_completed_many(
         self, request_ids: Sequence[int], *, run_id: str | None = None
@@ -456,18 +433,19 @@ class RequestStore:
     ) -> bool:
         """Record a failure with the class the failure path decided; the DLQ picks failed
         requests up with ``last_error`` and ``error_class``."""
-        return self._move(
-            request_id,
+        moved = self._move_many(
+            [request_id],
             _S.FAILED,
             run_id=run_id,
             error=error[:2000],
             error_class=error_class,
             run_key=run_key,
         )
+        return bool(moved)
 
     def requeue(self, request_id: int) -> bool:
         """A failed request goes back to pending (operator or DLQ replay)."""
-        return self._move(request_id, _S.PENDING)
+        return bool(self._move_many([request_id], _S.PENDING))
 
     # -- reading ---------------------------------------------------------------------------------
 

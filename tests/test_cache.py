@@ -258,28 +258,26 @@ def test_a_waiter_in_another_process_gets_the_value_from_its_wake_up(
         return script(*args, **kwargs)
 
     waiter_cache._fetch = counted  # type: ignore[method-assign]
-    started = threading.Event()
 
-    def slow() -> str:
-        started.set()
-        time.sleep(0.5)
-        return "fresh"
+    def race() -> None:
+        started = threading.Event()
 
-    holder = threading.Thread(target=lambda: holder_cache.get_or_load("w:1", slow, ttl=60))
-    holder.start()
-    started.wait(10)
-    assert waiter_cache.get_or_load("w:1", lambda: "second load", ttl=60) == "fresh"
-    holder.join(10)
+        def slow() -> str:
+            started.set()
+            time.sleep(0.5)
+            return "fresh"
+
+        holder = threading.Thread(target=lambda: holder_cache.get_or_load("w:1", slow, ttl=60))
+        holder.start()
+        started.wait(10)
+        assert waiter_cache.get_or_load("w:1", lambda: "second load", ttl=60) == "fresh"
+        holder.join(10)
+
+    race()
     assert fetches.n == 2  # registered, met the leftover (another holder's), registered again
-
     redis_client.delete(layout.env, layout.signal)
     fetches.n = 0
-    started.clear()
-    holder = threading.Thread(target=lambda: holder_cache.get_or_load("w:1", slow, ttl=60))
-    holder.start()
-    started.wait(10)
-    assert waiter_cache.get_or_load("w:1", lambda: "second load", ttl=60) == "fresh"
-    holder.join(10)
+    race()
     assert fetches.n == 1  # registered once; the value came with the wake-up
 
 

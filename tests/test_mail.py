@@ -14,7 +14,6 @@ import smtplib
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -25,15 +24,6 @@ from pipelines.profile import MailerResource
 from resources.retry import ErrorClass, classify
 from sandbox.mailsink import MailSink
 from sandbox.redis_server import free_port
-
-
-@pytest.fixture
-def sink(tmp_path: Path) -> Iterator[MailSink]:
-    server = MailSink(f"sqlite:///{tmp_path / 'mail.db'}").start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 def test_message_id_is_stable_and_rfc5322_shaped() -> None:

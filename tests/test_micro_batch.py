@@ -18,7 +18,6 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,15 +48,6 @@ def email(tag: str, i: int, domain: str = "example.com") -> dict[str, Any]:
 
 def key_of(payload: dict[str, Any]) -> str:
     return f"email:welcome:{payload['user_id']}:2026-11-29"
-
-
-@pytest.fixture
-def sink(tmp_path: Path) -> Iterator[MailSink]:
-    server = MailSink(f"sqlite:///{tmp_path / 'sink.db'}").start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 def services_for(db: Database, sink: MailSink, lease: float = 30.0) -> Services:
