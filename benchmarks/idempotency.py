@@ -34,6 +34,7 @@ from sqlalchemy import create_engine, event, text
 from benchmarks.suite import module_main
 from resources.idempotency import Claim, IdempotencyStore
 from resources.storage.db import Database
+from resources.storage.driver import DriverConnection, Sql
 from resources.storage.migrations import upgrade
 
 PG_URL = os.environ.get(
@@ -66,13 +67,16 @@ RESULT = {"charge_id": "ch_0123456789", "status": "succeeded"}
 
 
 class Counter:
-    """Statements and pool pings on one engine, while ``active``."""
+    """Statements (through SQLAlchemy or on the driver directly) and pool pings on one engine,
+    while ``active``."""
 
     def __init__(self, db: Database) -> None:
         self.statements: list[str] = []
         self.pings = 0
         self.active = False
         event.listen(db.engine, "before_cursor_execute", self._on_execute)
+        for name in ("rows", "row", "run"):
+            setattr(DriverConnection, name, self._counting(getattr(DriverConnection, name)))
         dialect = db.engine.dialect
         original = dialect.do_ping
 
@@ -86,6 +90,14 @@ class Counter:
     def _on_execute(self, conn: Any, cursor: Any, statement: str, *args: Any) -> None:
         if self.active:
             self.statements.append(statement.split()[0].upper())
+
+    def _counting(self, method: Callable[..., Any]) -> Callable[..., Any]:
+        def counted(driver: DriverConnection, sql: Sql, params: Any) -> Any:
+            if self.active:
+                self.statements.append(sql.text.split()[0].upper())
+            return method(driver, sql, params)
+
+        return counted
 
     def measure(self, fn: Callable[[], Any], times: int = 20) -> dict[str, Any]:
         self.statements, self.pings, self.active = [], 0, True

@@ -2,18 +2,23 @@
 
 For each app-database backend (embedded SQLite, Postgres) it measures:
 
-- ``floor``: the same handler without Dagster: ``enqueue`` each request, then
-  :func:`pipelines.ops.batch.run_batch` (``execute_request`` in a loop plus the request's status
-  updates) on the same stores.
+- ``floor``: the per-key handler loop without Dagster: ``enqueue`` each request, then for each
+  one take it, :func:`pipelines.runtime.execute_request`, mark it completed (what the
+  micro-batch step did before it was batched), on the same stores.
+- ``batch_direct``: the same requests through :func:`pipelines.ops.batch.run_batch` without
+  Dagster (keys claimed and completed in one statement each, attempts written together, one
+  SMTP connection per batch).
 - ``per_request``, ``fan_out``, ``micro_batch``: ``enqueue``, then ticks of the real
   ``intake_sensor`` (``build_sensor_context``), then each RunRequest executed with
   ``execute_in_process`` on one shared in-memory Dagster instance, then a last tick that
   reconciles; the clock stops when every request is ``completed``.
 
-The job is ``send_email`` into the sandbox SMTP sink (a real effect per request). Ratios are
-against the floor measured in the same run. Target: micro-batch >= 0.5 of the floor. The daemon's
-own launch cost (a process per run, several seconds) is not included: it only makes per-request
-mode look worse.
+The job is ``send_email`` into the sandbox SMTP sink (a real effect per request), run in its own
+process like any downstream: in this one it would share the interpreter lock with the code under
+test and bill its parsing and its database to it. Ratios are against the floor measured in the
+same run. Target: micro-batch >= 2x the per-key loop (the
+batch beats the loop that bound it). The daemon's own launch cost (a process per run, several
+seconds) is not included: it only makes per-request mode look worse.
 
     .venv/bin/python -m benchmarks.intake [--quick]
 """
@@ -21,6 +26,9 @@ mode look worse.
 from __future__ import annotations
 
 import os
+import socket
+import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -38,6 +46,7 @@ PG_URL = os.environ.get(
 )
 REDIS_URL = os.environ.get("SEKALI_BENCH_REDIS_URL", "redis://127.0.0.1:6379/0")
 BATCH_SIZE = 50
+TARGET = 2.0  # micro-batch jobs/s over the per-key handler loop
 QUIET = {"loggers": {"console": {"config": {"log_level": "WARNING"}}}}
 
 
@@ -70,7 +79,65 @@ def payloads(tag: str, n: int) -> list[dict[str, Any]]:
     ]
 
 
-def measure_floor(db: Any, n: int, tag: str) -> float:
+class SinkProcess:
+    """The sandbox SMTP sink in its own process (``python -m sandbox.mailsink``), stopped by its
+    own pid."""
+
+    def __init__(self, db: Path) -> None:
+        from sandbox.redis_server import free_port
+
+        self.port = free_port()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "sandbox.mailsink", "--port", str(self.port),
+             "--db-url", f"sqlite:///{db}"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                return
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("the sandbox mail sink did not start") from None
+                time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def per_key_loop(store: Any, ids: list[int], services: Any, run_id: str) -> int:
+    """The floor: every request on its own, as the micro-batch step ran them before batching."""
+    from pipelines.failures import FailurePath
+    from pipelines.runtime import execute_request
+
+    done = 0
+    for request in store.get_many(ids):
+        if not store.mark_running(request.id, run_id=run_id):
+            continue
+        path = FailurePath(attempt=0, retries_here=False)
+        try:
+            execute_request(
+                request.job_type, request.payload, services=services, key=request.key,
+                run_id=run_id, correlation_id=request.correlation_id or run_id,
+                request_id=request.id, decide=path.outcome,
+            )
+        except Exception as exc:  # noqa: BLE001 - as the step did: recorded, the loop goes on
+            path.settle_request(store, request.id, exc, run_id=run_id)
+            continue
+        store.mark_completed(request.id, run_id=run_id)
+        done += 1
+    return done
+
+
+def measure_direct(db: Any, n: int, tag: str, *, batched: bool) -> float:
+    """Jobs per second from ``enqueue`` to completed without Dagster: the per-key loop (the
+    floor), or ``run_batch`` in batches of ``BATCH_SIZE``."""
     from pipelines.intake import enqueue
     from pipelines.ops.batch import run_batch
     from pipelines.requests import RequestStore
@@ -80,16 +147,24 @@ def measure_floor(db: Any, n: int, tag: str) -> float:
     store = RequestStore(db)
     started = time.perf_counter()
     ids = [enqueue("send_email", p, db=db).id for p in payloads(tag, n)]
-    summary = run_batch(store, ids, services=services, run_id="floor")
+    if batched:
+        done = sum(
+            run_batch(store, ids[i : i + BATCH_SIZE], services=services, run_id="direct")[
+                "completed"
+            ]
+            for i in range(0, n, BATCH_SIZE)
+        )
+    else:
+        done = per_key_loop(store, ids, services, "floor")
     elapsed = time.perf_counter() - started
-    assert summary["completed"] == n, summary
+    assert done == n, (done, n)
     return n / elapsed
 
 
 def measure_mode(db: Any, mode: str, n: int, tag: str, instance: Any, resources: dict) -> float:
     import dagster as dg
 
-    from pipelines import tags as tag
+    from pipelines import tags as run_tags
     from pipelines.definitions import defs
     from pipelines.intake import enqueue
     from pipelines.ops import all_jobs
@@ -119,7 +194,7 @@ def measure_mode(db: Any, mode: str, n: int, tag: str, instance: Any, resources:
                 run_config={**rr.run_config, **QUIET},
                 instance=instance,
                 resources=resources,
-                tags={**rr.tags, tag.RUN_KEY: rr.run_key or ""},
+                tags={**rr.tags, run_tags.RUN_KEY: rr.run_key or ""},
                 raise_on_error=False,
             )
     elapsed = time.perf_counter() - started
@@ -158,19 +233,19 @@ def run(quick: bool = False) -> dict[str, Any]:
 
     from resources.storage.db import Database
     from resources.storage.migrations import upgrade
-    from sandbox.mailsink import MailSink
 
     sizes = (
-        {"floor": 100, "per_request": 10, "fan_out": 50, "micro_batch": 100}
+        {"floor": 100, "batch_direct": 100, "per_request": 10, "fan_out": 50, "micro_batch": 100}
         if quick
-        else {"floor": 500, "per_request": 40, "fan_out": 200, "micro_batch": 500}
+        else {"floor": 500, "batch_direct": 500, "per_request": 40, "fan_out": 200,
+              "micro_batch": 500}
     )
     results: dict[str, Any] = {"sizes": sizes, "batch_size": BATCH_SIZE, "backends": {}}
     os.environ["SEKALI_INTAKE_BATCH_SIZE"] = str(BATCH_SIZE)
     os.environ["SEKALI_INTAKE_MAX_PER_TICK"] = "500"
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
-        sink = MailSink(f"sqlite:///{tmp / 'sink.db'}").start()
+        sink = SinkProcess(tmp / "sink.db")
         try:
             for name in ("sqlite", "postgres"):
                 with backend(name, tmp) as url, dg.DagsterInstance.ephemeral() as instance:
@@ -186,9 +261,15 @@ def run(quick: bool = False) -> dict[str, Any]:
                     upgrade(db)
                     resources = _resources(url, sink.port, tag)
                     # warm-up (pools, SMTP, Redis, imports, Dagster's first run): not measured
-                    measure_floor(db, 10, tag + "wf")
+                    measure_direct(db, 10, tag + "wf", batched=False)
+                    measure_direct(db, 10, tag + "wb", batched=True)
                     measure_mode(db, "micro_batch", 2, tag + "wm", instance, resources)
-                    rates = {"floor": measure_floor(db, sizes["floor"], tag + "f")}
+                    rates = {
+                        "floor": measure_direct(db, sizes["floor"], tag + "f", batched=False),
+                        "batch_direct": measure_direct(
+                            db, sizes["batch_direct"], tag + "bd", batched=True
+                        ),
+                    }
                     for mode in ("per_request", "fan_out", "micro_batch"):
                         rates[mode] = measure_mode(
                             db, mode, sizes[mode], f"{tag}{mode[:2]}", instance, resources
@@ -202,19 +283,29 @@ def run(quick: bool = False) -> dict[str, Any]:
                     }
         finally:
             sink.stop()
-    results["target_micro_batch_ratio"] = 0.5
+    results["target_micro_batch_ratio"] = TARGET
     results["micro_batch_meets_target"] = all(
-        b["ratio_to_floor"]["micro_batch"] >= 0.5 for b in results["backends"].values()
+        b["ratio_to_floor"]["micro_batch"] >= TARGET for b in results["backends"].values()
     )
     results["summary"] = [
         {"metric": f"{backend} {mode}, enqueue to completed",
          "value": b["jobs_per_second"][mode], "unit": "jobs/s",
-         "baseline": f"handler loop {b['jobs_per_second']['floor']}/s",
-         "ratio": b["ratio_to_floor"][mode], "target": 0.5 if mode == "micro_batch" else None,
-         "ok": b["ratio_to_floor"][mode] >= 0.5 if mode == "micro_batch" else None}
+         "baseline": f"per-key loop {b['jobs_per_second']['floor']}/s",
+         "ratio": b["ratio_to_floor"][mode],
+         "target": TARGET if mode == "micro_batch" else None,
+         "ok": b["ratio_to_floor"][mode] >= TARGET if mode == "micro_batch" else None}
         for backend, b in results["backends"].items()
-        for mode in ("per_request", "fan_out", "micro_batch")
+        for mode in ("batch_direct", "per_request", "fan_out", "micro_batch")
     ]
+    results["headline"] = {
+        "intake_micro_batch_ratio": min(
+            b["ratio_to_floor"]["micro_batch"] for b in results["backends"].values()
+        ),
+        **{
+            f"intake_micro_batch_ratio_{name}": b["ratio_to_floor"]["micro_batch"]
+            for name, b in results["backends"].items()
+        },
+    }
     return results
 
 
@@ -226,7 +317,7 @@ def render(results: dict[str, Any]) -> None:
             ratio = data["ratio_to_floor"][mode]
             print(f"{name:<10}{mode:<14}{results['sizes'][mode]:>6}{rate:>10.1f}{ratio:>10.3f}")
     verdict = "meets" if results["micro_batch_meets_target"] else "MISSES"
-    print(f"micro-batch {verdict} the target of 0.5 x floor on every backend")
+    print(f"micro-batch {verdict} the target of {TARGET} x the per-key loop on every backend")
 
 
 

@@ -46,3 +46,41 @@ FROM job_attempts
 WHERE idempotency_key = :key AND outcome = 'completed'
 ORDER BY started_at
 LIMIT 1;
+
+-- rollup_totals --
+-- The per-minute aggregates from one bucket on, summed per job type, metric, label and bin.
+SELECT job_type, metric, label, bin, SUM(n) AS n
+FROM job_attempt_rollups
+WHERE bucket >= :from_bucket
+GROUP BY job_type, metric, label, bin;
+
+-- contributions_between --
+-- What the attempts started in [since, until) contribute (the window's partial first minute).
+SELECT job_type, outcome, error_class, takeover, lock_wait_seconds, duration_seconds
+FROM job_attempts
+WHERE started_at >= :since AND started_at < :until;
+
+-- all_contributions --
+-- What every attempt contributes, with its start (rebuilding the aggregates).
+SELECT job_type, outcome, error_class, takeover, lock_wait_seconds, duration_seconds, started_at
+FROM job_attempts;
+
+-- ranked_in_bins --
+-- The values at given ranks inside histogram bins, among the attempts started since a moment
+-- (the rows behind a percentile), ranked by the database so only the answers travel.
+-- {value}: the column; {rows}: which attempts count; {bins}: "WHEN <bin's condition> THEN <n>"
+-- per wanted bin; {picks}: "(k = <n> AND rn = <rank, at most the bin's count>)" joined by OR.
+WITH binned AS (
+    SELECT {value} AS value, CASE {bins} END AS k
+    FROM job_attempts
+    WHERE started_at >= :since AND {rows}
+), ranked AS (
+    SELECT k, value,
+           ROW_NUMBER() OVER (PARTITION BY k ORDER BY value) AS rn,
+           COUNT(*) OVER (PARTITION BY k) AS cnt
+    FROM binned
+    WHERE k IS NOT NULL
+)
+SELECT k, rn, value
+FROM ranked
+WHERE {picks};

@@ -10,11 +10,15 @@ one :class:`MetricsSnapshot`:
 - ``dlq_records`` (when the DLQ is installed): inflow by error class and open records;
 - Redis: cache hit / stale / miss / rebuild counts per key pattern, and lock counters.
 
-Guarantees: every number comes from a bounded recent window (``window_seconds``, at most
-``window_limit`` rows per query), and percentiles are computed here in Python with the
-nearest-rank rule (:func:`percentile`), never by the database, so SQLite and Postgres give the
-same answer for the same rows. A source that is missing (a table not migrated yet, Redis down)
-leaves its metrics out and is named in ``snapshot.missing``; it never fails the whole snapshot.
+Guarantees: every number comes from a bounded recent window (``window_seconds``), and
+percentiles follow the nearest-rank rule (:func:`percentile`), picked in Python, never
+interpolated by the database, so SQLite and Postgres give the same answer for the same rows. The
+attempt numbers come from per-minute aggregates written with each attempt
+(:meth:`pipelines.attempts.AttemptRecorder.totals`): a snapshot reads those, the rows of the
+window's first partial minute, and the rows of the few histogram bins that hold the requested
+percentiles, never every attempt of the window. A source that is missing (a table not migrated
+yet, Redis down) leaves its metrics out and is named in ``snapshot.missing``; it never fails the
+whole snapshot.
 
 The snapshot is exposed three ways: the ``sekali_metrics`` asset's metadata (plotted by the
 Dagster UI), ``sekali metrics serve`` (prometheus-client, through :class:`SnapshotCollector`) and
@@ -27,7 +31,7 @@ import logging
 import math
 import threading
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -36,7 +40,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from sqlalchemy import inspect, text
 
-from pipelines.attempts import AttemptRecorder
+from pipelines.attempts import AttemptRecorder, nearest_rank
 from pipelines.requests import RequestStore
 from resources.locks import lock_stats
 from resources.storage.db import Database
@@ -58,9 +62,7 @@ def percentile(values: Sequence[float], q: float) -> float:
     """
     if not values:
         return math.nan
-    ordered = sorted(values)
-    rank = max(1, math.ceil(q * len(ordered)))
-    return float(ordered[min(rank, len(ordered)) - 1])
+    return float(sorted(values)[nearest_rank(q, len(values)) - 1])
 
 
 @dataclass(frozen=True)
@@ -117,6 +119,9 @@ def _existing_tables(db: Database) -> set[str]:
         return set(inspect(conn).get_table_names())
 
 
+_SOURCE_TABLES = frozenset({"job_requests", "job_attempts", "job_attempt_rollups", "dlq_records"})
+
+
 class MetricsCollector:
     """Computes a :class:`MetricsSnapshot` from the SQL records and the Redis stats.
 
@@ -132,7 +137,6 @@ class MetricsCollector:
         cache_stats: StatsProvider | None = None,
         lock_stats: StatsProvider | None = None,
         window_seconds: float = 3600.0,
-        window_limit: int = 50_000,
         clock: Clock = time.time,
     ) -> None:
         self.db = db
@@ -141,23 +145,26 @@ class MetricsCollector:
         self.cache_stats = cache_stats
         self.lock_stats = lock_stats
         self.window_seconds = window_seconds
-        self.window_limit = window_limit
+        self._tables: set[str] = set()
         self.clock = clock
 
     def collect(self) -> MetricsSnapshot:
         now = self.clock()
         snap = MetricsSnapshot(taken_at=now, window_seconds=self.window_seconds)
-        tables = _existing_tables(self.db)
+        tables = self._tables or _existing_tables(self.db)
+        if tables >= _SOURCE_TABLES:
+            self._tables = tables  # tables are never dropped: stop asking once all are there
         since = now - self.window_seconds
-        for table, part in (
-            ("job_requests", self._queue),
-            ("job_attempts", self._attempts),
-            ("dlq_records", self._dlq),
+        for needed, part in (
+            (("job_requests",), self._queue),
+            (("job_attempts", "job_attempt_rollups"), self._attempts),
+            (("dlq_records",), self._dlq),
         ):
-            if table in tables:
-                part(snap, now, since)
+            absent = [table for table in needed if table not in tables]
+            if absent:
+                snap.missing.append(absent[0])
             else:
-                snap.missing.append(table)
+                part(snap, now, since)
         for name, provider, part2 in (
             ("cache_stats", self.cache_stats, self._cache),
             ("lock_stats", self.lock_stats, self._locks),
@@ -194,33 +201,26 @@ class MetricsCollector:
             help_lag,
         )
 
-    def attempt_rows(self, since: float) -> list[dict[str, Any]]:
-        """The recent attempts (newest ``window_limit`` started since ``since``)."""
-        return self.attempts.recent(since, self.window_limit)
-
     def _attempts(self, snap: MetricsSnapshot, _now: float, since: float) -> None:
-        rows = self.attempt_rows(since)
-        outcomes: Counter[tuple[str, str]] = Counter()
-        durations: defaultdict[str, list[float]] = defaultdict(list)
-        for row in rows:
-            outcomes[(row["job_type"], row["outcome"])] += 1
-            if row["outcome"] == "completed" and row["duration_seconds"] is not None:
-                durations[row["job_type"]].append(float(row["duration_seconds"]))
+        totals = self.attempts.totals(since)
+        outcomes = totals.by("outcome")
         for (job_type, outcome), n in sorted(outcomes.items()):
             snap.add(
                 "sekali_attempts", n, "attempts in the window by outcome",
                 job_type=job_type, outcome=outcome,
             )
-        for job_type in sorted({jt for jt, _ in outcomes}):
-            values = durations.get(job_type, [])
-            for q in QUANTILES:
+        job_types = sorted({jt for jt, _ in outcomes})
+        quantiles = self.attempts.nearest_rank(totals, "duration", QUANTILES, job_types)
+        for job_type in job_types:
+            for q, value in zip(QUANTILES, quantiles[job_type], strict=True):
                 snap.add(
-                    "sekali_processing_seconds", percentile(values, q),
+                    "sekali_processing_seconds", value,
                     "duration of completed attempts (nearest rank)",
                     job_type=job_type, quantile=str(q),
                 )
             snap.add(
-                "sekali_processing_seconds_count", len(values),
+                "sekali_processing_seconds_count",
+                sum(totals.histogram("duration", job_type).values()),
                 "completed attempts behind the percentiles", job_type=job_type,
             )
             executed = outcomes[(job_type, "completed")]
@@ -237,27 +237,29 @@ class MetricsCollector:
             "sekali_duplicate_detection_rate_total", suppressed / executed if executed else 0.0,
             "suppressed duplicates per executed job",
         )
-        retries = Counter(
-            row["error_class"] or "unknown" for row in rows if row["outcome"] == "retried"
-        )
+        retries: Counter[str] = Counter()
+        for (_, reason), n in totals.by("retry").items():
+            retries[reason] += n
         for reason, n in sorted(retries.items()):
             snap.add("sekali_retries", n, "retried attempts by error class", reason=reason)
         snap.add("sekali_retries_total", sum(retries.values()), "retried attempts")
-        takeovers = sum(1 for row in rows if row["takeover"])
+        takeovers = sum(totals.by("takeover").values())
+        attempts = sum(outcomes.values())
         snap.add("sekali_lease_takeovers", takeovers, "attempts that took over an expired lease")
         snap.add(
-            "sekali_lease_takeover_rate", takeovers / len(rows) if rows else 0.0,
+            "sekali_lease_takeover_rate", takeovers / attempts if attempts else 0.0,
             "takeovers per attempt (the redelivery rate)",
         )
-        waits = [float(r["lock_wait_seconds"]) for r in rows if r["lock_wait_seconds"] is not None]
-        lock_failed = sum(1 for r in rows if r["error_class"] == "LockNotAcquired")
-        snap.add("sekali_lock_acquired", len(waits), "attempts that got their lock")
-        snap.add("sekali_lock_failed", lock_failed, "attempts that gave up waiting for a lock")
-        for q in QUANTILES:
-            snap.add(
-                "sekali_lock_wait_seconds", percentile(waits, q), "wait for the lock",
-                quantile=str(q),
-            )
+        waits = sum(totals.histogram("lock_wait").values())
+        snap.add("sekali_lock_acquired", waits, "attempts that got their lock")
+        snap.add(
+            "sekali_lock_failed", sum(totals.by("lock_failed").values()),
+            "attempts that gave up waiting for a lock",
+        )
+        for q, value in zip(
+            QUANTILES, self.attempts.nearest_rank(totals, "lock_wait", QUANTILES)[None], strict=True
+        ):
+            snap.add("sekali_lock_wait_seconds", value, "wait for the lock", quantile=str(q))
 
     def _dlq(self, snap: MetricsSnapshot, _now: float, since: float) -> None:
         with self.db.statement() as conn:

@@ -376,9 +376,9 @@ class RequestStore:
 
     # -- the run ---------------------------------------------------------------------------------
 
-    def _move(
+    def _move_many(
         self,
-        request_id: int,
+        request_ids: Sequence[int],
         target: RequestStatus,
         *,
         run_id: str | None = None,
@@ -386,7 +386,10 @@ class RequestStore:
         error_class: str | None = None,
         count_attempt: bool = False,
         run_key: str | None = None,
-    ) -> bool:
+    ) -> set[int]:
+        """Move every request that may go to ``target`` in one statement; returns those moved."""
+        if not request_ids:
+            return set()
         same_run = " AND run_key = :run_key" if run_key is not None else ""
         sql = text(
             "UPDATE job_requests SET status = :target, updated_at = :now,"
@@ -396,8 +399,9 @@ class RequestStore:
             " error_class = CASE WHEN :target = 'failed' THEN :error_class"
             "   WHEN :target = 'completed' THEN NULL ELSE error_class END,"
             f" attempts = attempts + {1 if count_attempt else 0}"
-            f" WHERE id = :id AND status IN :sources{same_run}"
-        ).bindparams(bindparam("sources", expanding=True))
+            f" WHERE id IN :ids AND status IN :sources{same_run}"
+            " RETURNING id"
+        ).bindparams(bindparam("sources", expanding=True), bindparam("ids", expanding=True))
         with self.db.statement() as conn:
             result = conn.execute(
                 sql,
@@ -407,22 +411,34 @@ class RequestStore:
                     "run_id": run_id,
                     "error": error,
                     "error_class": error_class,
-                    "id": request_id,
+                    "ids": list(request_ids),
                     "sources": _sources(target),
                     "run_key": run_key,
                 },
             )
-        return bool(result.rowcount)
+            return {int(i) for i in result.scalars()}
 
     def mark_running(self, request_id: int, *, run_id: str | None = None) -> bool:
         """The op took the request (counts an attempt). False if it is already completed."""
-        return self._move(request_id, _S.RUNNING, run_id=run_id, count_attempt=True)
+        return bool(self._move_many([request_id], _S.RUNNING, run_id=run_id, count_attempt=True))
+
+    def mark_running_many(
+        self, request_ids: Sequence[int], *, run_id: str | None = None
+    ) -> set[int]:
+        """:meth:`mark_running` for a batch in one statement; returns the ids taken."""
+        return self._move_many(request_ids, _S.RUNNING, run_id=run_id, count_attempt=True)
 
     def mark_completed(
         self, request_id: int, *, run_id: str | None = None, run_key: str | None = None
     ) -> bool:
         """``run_key``: only if the request was launched under that run key (reconciliation)."""
-        return self._move(request_id, _S.COMPLETED, run_id=run_id, run_key=run_key)
+        return bool(self._move_many([request_id], _S.COMPLETED, run_id=run_id, run_key=run_key))
+
+    def mark_completed_many(
+        self, request_ids: Sequence[int], *, run_id: str | None = None
+    ) -> set[int]:
+        """:meth:`mark_completed` for a batch in one statement; returns the ids moved."""
+        return self._move_many(request_ids, _S.COMPLETED, run_id=run_id)
 
     def mark_failed(
         self,
@@ -435,18 +451,19 @@ class RequestStore:
     ) -> bool:
         """Record a failure with the class the failure path decided; the DLQ picks failed
         requests up with ``last_error`` and ``error_class``."""
-        return self._move(
-            request_id,
+        moved = self._move_many(
+            [request_id],
             _S.FAILED,
             run_id=run_id,
             error=error[:2000],
             error_class=error_class,
             run_key=run_key,
         )
+        return bool(moved)
 
     def requeue(self, request_id: int) -> bool:
         """A failed request goes back to pending (operator or DLQ replay)."""
-        return self._move(request_id, _S.PENDING)
+        return bool(self._move_many([request_id], _S.PENDING))
 
     # -- reading ---------------------------------------------------------------------------------
 

@@ -28,18 +28,18 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from pipelines.attempts import Attempt, Outcome
 from pipelines.failures import FailurePath
-from pipelines.jobs.base import JobContext
+from pipelines.jobs.base import JobContext, JobType
 from pipelines.privacy import personal_values
 from pipelines.registry import get_job_type
 from pipelines.services import Services
 from resources.errors import AlreadyInProgress, LeaseLost, StoredFailure
-from resources.idempotency import Completed
+from resources.idempotency import Claim, Completed
 from resources.retry import ErrorClass, classify
 from resources.telemetry.tracing import inject, set_attributes, span, tracing_enabled
 
@@ -120,49 +120,26 @@ def _execute_request(
         traceparent=inject(),
         personal=personal,
     )
+    asked = time.monotonic()
     try:
-        clean = jt.validate(dict(payload or {}))
-        key = key or jt.key_for(clean)
-        record.idempotency_key = key
-        record.resource_id = jt.resource_id(clean)
-        set_attributes(idempotency_key=key, resource_id=record.resource_id)
+        clean, key = _prepare(jt, record, payload, key)
         started = time.perf_counter()
         with span("ledger.claim", idempotency_key=key):
             claimed = services.store.begin(key, payload=clean)
         record.add_duration("claim", time.perf_counter() - started)
-    except AlreadyInProgress as exc:
-        _finish(services, record, Outcome.IN_PROGRESS_ELSEWHERE, exc)
-        raise
-    except StoredFailure as exc:
-        _finish(services, record, Outcome.FAILED_PERMANENT, exc)
-        raise
     except Exception as exc:
-        _finish(services, record, decide(exc), exc)
-        raise
-
+        raise _refused(services, record, exc, decide)  # noqa: B904 - the same error, recorded
     if isinstance(claimed, Completed):
-        set_attributes(fence=claimed.fence)
-        if tracing_enabled():
-            original = services.attempts.effect_traceparent(key)
-            with span("sekali.duplicate", links=[original] if original else None):
-                set_attributes(fence=claimed.fence)
-        record.fence = claimed.fence
-        record.claim_attempt = claimed.attempt
-        record.status_before = record.status_after = "completed"
-        _finish(services, record, Outcome.DUPLICATE_SUPPRESSED)
-        return RequestOutcome("duplicate", claimed.result, key, claimed.fence, record.attempt_id)
+        return _duplicate(services, record, claimed)
 
-    record.fence = claimed.fence
-    record.claim_attempt = claimed.attempt
-    record.takeover = claimed.takeover
-    set_attributes(fence=claimed.fence, takeover=claimed.takeover)
+    _claimed(record, claimed)
     services.attempts.start(record)
     ctx = JobContext(
         services=services, claim=claimed, attempt=record, payload=clean,
         correlation_id=correlation_id,
     )
     try:
-        with services.store.keep_alive(claimed) as keeper:
+        with services.store.keep_alive(claimed, confirmed_at=asked) as keeper:
             ctx.keeper = keeper
             result = jt.handler(ctx, clean)
             if not ctx.completed:  # once completed, a late heartbeat's "lost" means nothing
@@ -171,25 +148,299 @@ def _execute_request(
                 with span("ledger.complete", idempotency_key=key, fence=claimed.fence):
                     services.store.complete(claimed, result)
                 record.add_duration("complete", time.perf_counter() - started)
-    except LeaseLost as exc:
-        _finish(services, record, Outcome.LEASE_LOST, exc)
-        raise
     except Exception as exc:
-        kind = "permanent" if classify(exc) is ErrorClass.PERMANENT else "transient"
-        try:
-            services.store.fail(claimed, exc, kind)
-        except LeaseLost as lost:
-            _finish(services, record, Outcome.LEASE_LOST, exc)
-            raise lost from exc
-        except Exception:  # noqa: BLE001 - the store is down: the lease expires on its own
-            logger.exception("could not record the failure of %s on its claim", key)
-        _finish(services, record, decide(exc), exc)
-        raise
+        raise _failed(services, record, claimed, exc, decide)  # noqa: B904 - see _failed
     _finish(services, record, Outcome.COMPLETED)
     if jt.downstream and services.retry_budget is not None:
         with contextlib.suppress(Exception):
             services.retry_budget.refund(jt.downstream)
     return RequestOutcome("completed", result, key, claimed.fence, record.attempt_id)
+
+
+@dataclass(frozen=True)
+class BatchRequest:
+    """One request of a micro-batch, as :func:`execute_request` takes it."""
+
+    job_type: str
+    payload: dict[str, Any]
+    key: str | None = None
+    correlation_id: str | None = None
+    request_id: int | None = None
+    decide: Decide | None = None
+    traceparent: str | None = None
+
+
+@dataclass
+class _Item:
+    index: int
+    request: BatchRequest
+    record: Attempt
+    decide: Decide
+    clean: dict[str, Any] = field(default_factory=dict)
+    key: str = ""
+    claim: Claim | None = None
+    ctx: JobContext | None = None
+
+
+def execute_batch(
+    requests: Sequence[BatchRequest],
+    *,
+    services: Services,
+    run_id: str | None = None,
+    step: str | None = None,
+    attempt: int = 0,
+) -> list[RequestOutcome | Exception]:
+    """:func:`execute_request` for a micro-batch, with the same guarantees for every request,
+    in as few statements as the batch allows: the keys are claimed in one statement
+    (``begin_many``), the attempts recorded and finished together, the leases kept by one
+    thread, the job type's ``handler_many`` (if any) runs the effects in as few transactions or
+    connections as the job type allows, and the keys not completed by their handler complete in
+    one statement (``complete_many``).
+
+    Returns one entry per request, in order: its :class:`RequestOutcome`, or the exception
+    :func:`execute_request` would have raised (returned, not raised; already recorded through
+    the request's ``decide``): one request's failure never stops its neighbours.
+    """
+    out: list[RequestOutcome | Exception] = [Exception("not run")] * len(requests)
+    by_type: dict[str, list[int]] = {}
+    for i, request in enumerate(requests):
+        by_type.setdefault(request.job_type, []).append(i)
+    for job_type, indexes in by_type.items():
+        try:
+            jt = get_job_type(job_type)
+        except Exception as exc:  # an unknown job type: each of its requests fails as it would
+            for i in indexes:
+                out[i] = _unknown(services, requests[i], exc, run_id, step, attempt)
+            continue
+        items = [
+            _Item(
+                i,
+                requests[i],
+                services.attempts.new(
+                    jt.name,
+                    attempt=attempt,
+                    run_id=run_id,
+                    step=step or jt.op_name,
+                    correlation_id=requests[i].correlation_id,
+                    request_id=requests[i].request_id,
+                    idempotency_key=requests[i].key,
+                    personal=personal_values(jt, requests[i].payload),
+                    traceparent=requests[i].traceparent,
+                ),
+                requests[i].decide or FailurePath(attempt=attempt).outcome,
+            )
+            for i in indexes
+        ]
+        while items:  # a key twice in one batch: its second request runs in the next round
+            seen: set[str] = set()
+            now: list[_Item] = []
+            later: list[_Item] = []
+            for item in items:
+                try:
+                    item.clean, item.key = _prepare(
+                        jt, item.record, item.request.payload, item.request.key
+                    )
+                except Exception as exc:
+                    out[item.index] = _refused(services, item.record, exc, item.decide)
+                    continue
+                (later if item.key in seen else now).append(item)
+                seen.add(item.key)
+            _run_batch(jt, now, out, services)
+            items = later
+    return out
+
+
+def _run_batch(jt: JobType, items: list[_Item], out: list[Any], services: Services) -> None:
+    if not items:
+        return
+    asked = time.monotonic()
+    started = time.perf_counter()
+    try:
+        answers = services.store.begin_many([(item.key, item.clean) for item in items])
+    except Exception as exc:  # the store is down: every claim fails as begin would have
+        for item in items:
+            out[item.index] = _refused(services, item.record, exc, item.decide)
+        return
+    took = time.perf_counter() - started
+    claimed: list[_Item] = []
+    for item, answer in zip(items, answers, strict=True):
+        item.record.add_duration("claim", took)
+        if isinstance(answer, Exception):
+            out[item.index] = _refused(services, item.record, answer, item.decide)
+        elif isinstance(answer, Completed):
+            out[item.index] = _duplicate(services, item.record, answer)
+        else:
+            item.claim = answer
+            _claimed(item.record, answer)
+            claimed.append(item)
+    if not claimed:
+        return
+    services.attempts.start_many([item.record for item in claimed])
+    claims = [item.claim for item in claimed if item.claim is not None]
+    with services.store.keep_alive_many(claims, confirmed_at=asked) as keeper:
+        for item in claimed:
+            assert item.claim is not None
+            item.ctx = JobContext(
+                services=services, claim=item.claim, attempt=item.record, payload=item.clean,
+                correlation_id=item.request.correlation_id,
+                keeper=keeper.keeper_for(item.claim),
+            )
+        results = _handle(jt, claimed)
+        _complete(services, claimed, results)
+        for item in claimed:
+            assert item.claim is not None
+            keeper.release(item.claim.key)
+    done = []
+    for item, result in zip(claimed, results, strict=True):
+        assert item.claim is not None
+        if isinstance(result, Exception):
+            out[item.index] = _failed(services, item.record, item.claim, result, item.decide)
+        else:
+            out[item.index] = RequestOutcome(
+                "completed", result, item.key, item.claim.fence, item.record.attempt_id
+            )
+            done.append(item)
+    services.attempts.finish_many([(item.record, Outcome.COMPLETED, None, None) for item in done])
+    if done and jt.downstream and services.retry_budget is not None:
+        with contextlib.suppress(Exception):
+            services.retry_budget.refund(jt.downstream, successes=len(done))
+
+
+def _handle(jt: JobType, items: list[_Item]) -> list[Any]:
+    """Every claimed request's result or exception, through ``handler_many`` when the job type
+    has one, else ``handler`` one by one."""
+    pairs = [(item.ctx, item.clean) for item in items if item.ctx is not None]
+    if jt.handler_many is not None:
+        try:
+            results = jt.handler_many(pairs)
+        except Exception as exc:  # noqa: BLE001 - the hook failed as a whole: so did each request
+            return [exc] * len(items)
+        if len(results) != len(items):
+            error = RuntimeError(f"{jt.name}.handler_many returned {len(results)} results")
+            return [error] * len(items)
+        return results
+    results = []
+    for ctx, clean in pairs:
+        try:
+            results.append(jt.handler(ctx, clean))
+        except Exception as exc:  # noqa: BLE001 - this request's failure, not the batch's
+            results.append(exc)
+    return results
+
+
+def _complete(services: Services, items: list[_Item], results: list[Any]) -> None:
+    """Complete, in one statement, every key whose handler succeeded without completing it;
+    a lost lease or a failed write becomes that request's result."""
+    todo = []
+    for n, (item, result) in enumerate(zip(items, results, strict=True)):
+        if isinstance(result, Exception) or item.ctx is None or item.ctx.completed:
+            continue
+        try:
+            item.ctx.check_lease()
+        except LeaseLost as lost:
+            results[n] = lost
+            continue
+        todo.append(n)
+    if not todo:
+        return
+    started = time.perf_counter()
+    try:
+        answers: list[Exception | None] = list(
+            services.store.complete_many([(_claim(items[n]), results[n]) for n in todo])
+        )
+    except Exception as exc:  # noqa: BLE001 - the store is down: none of them completed
+        answers = [exc] * len(todo)
+    took = time.perf_counter() - started
+    for n, answer in zip(todo, answers, strict=True):
+        items[n].record.add_duration("complete", took)
+        if answer is not None:
+            results[n] = answer
+
+
+def _claim(item: _Item) -> Claim:
+    assert item.claim is not None
+    return item.claim
+
+
+def _prepare(
+    jt: JobType, record: Attempt, payload: dict[str, Any], key: str | None
+) -> tuple[dict[str, Any], str]:
+    clean = jt.validate(dict(payload or {}))
+    key = key or jt.key_for(clean)
+    record.idempotency_key = key
+    record.resource_id = jt.resource_id(clean)
+    set_attributes(idempotency_key=key, resource_id=record.resource_id)
+    return clean, key
+
+
+def _refused(
+    services: Services, record: Attempt, exc: Exception, decide: Decide
+) -> Exception:
+    """Record an attempt that got no claim; returns the exception to raise."""
+    if isinstance(exc, AlreadyInProgress):
+        _finish(services, record, Outcome.IN_PROGRESS_ELSEWHERE, exc)
+    elif isinstance(exc, StoredFailure):
+        _finish(services, record, Outcome.FAILED_PERMANENT, exc)
+    else:
+        _finish(services, record, decide(exc), exc)
+    return exc
+
+
+def _unknown(
+    services: Services,
+    request: BatchRequest,
+    exc: Exception,
+    run_id: str | None,
+    step: str | None,
+    attempt: int,
+) -> Exception:
+    record = services.attempts.new(
+        request.job_type, attempt=attempt, run_id=run_id, step=step,
+        correlation_id=request.correlation_id, request_id=request.request_id,
+        idempotency_key=request.key,
+    )
+    return _refused(services, record, exc, request.decide or FailurePath(attempt=attempt).outcome)
+
+
+def _duplicate(services: Services, record: Attempt, done: Completed) -> RequestOutcome:
+    set_attributes(fence=done.fence)
+    if tracing_enabled():
+        original = services.attempts.effect_traceparent(done.key)
+        with span("sekali.duplicate", links=[original] if original else None):
+            set_attributes(fence=done.fence)
+    record.fence = done.fence
+    record.claim_attempt = done.attempt
+    record.status_before = record.status_after = "completed"
+    _finish(services, record, Outcome.DUPLICATE_SUPPRESSED)
+    return RequestOutcome("duplicate", done.result, done.key, done.fence, record.attempt_id)
+
+
+def _claimed(record: Attempt, claim: Claim) -> None:
+    record.fence = claim.fence
+    record.claim_attempt = claim.attempt
+    record.takeover = claim.takeover
+    set_attributes(fence=claim.fence, takeover=claim.takeover)
+
+
+def _failed(
+    services: Services, record: Attempt, claim: Claim, exc: Exception, decide: Decide
+) -> Exception:
+    """Record a claimed attempt's failure on its claim and attempt; returns what to raise (the
+    error, or :class:`LeaseLost` chained to it when the key was taken over meanwhile)."""
+    if isinstance(exc, LeaseLost):
+        _finish(services, record, Outcome.LEASE_LOST, exc)
+        return exc
+    kind = "permanent" if classify(exc) is ErrorClass.PERMANENT else "transient"
+    try:
+        services.store.fail(claim, exc, kind)
+    except LeaseLost as lost:
+        _finish(services, record, Outcome.LEASE_LOST, exc)
+        lost.__cause__ = exc
+        return lost
+    except Exception:  # noqa: BLE001 - the store is down: the lease expires on its own
+        logger.exception("could not record the failure of %s on its claim", claim.key)
+    _finish(services, record, decide(exc), exc)
+    return exc
 
 
 def _finish(

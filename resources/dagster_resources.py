@@ -118,7 +118,8 @@ class CacheResource(SettingsResource):
     ttl: float = 60.0
     stale_ttl: float = 0.0
     jitter: float = 0.1
-    beta: float = 0.0
+    beta: float = 1.0
+    spread_first_refresh: bool = True
     lock_ttl: float = 15.0
     wait_timeout: float = 20.0
     negative_ttl: float = 0.0
@@ -131,6 +132,7 @@ class CacheResource(SettingsResource):
             stale_ttl=self.stale_ttl,
             jitter=self.jitter,
             beta=self.beta,
+            spread_first_refresh=self.spread_first_refresh,
             lock_ttl=self.lock_ttl,
             wait_timeout=self.wait_timeout,
             negative_ttl=self.negative_ttl,

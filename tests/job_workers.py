@@ -144,13 +144,44 @@ def _wait_for_go(folder: Path) -> None:
         time.sleep(0.005)
 
 
+def batch_worker(spec: dict[str, Any]) -> dict[str, Any]:
+    """Run one micro-batch (``run_batch``) of ``spec["request_ids"]`` on its own stores, after
+    waiting for ``spec["go"]`` (a wall-clock time) if given; returns the batch's summary."""
+    from pipelines.attempts import AttemptRecorder
+    from pipelines.domain.mail import SmtpMailer
+    from pipelines.ops.batch import run_batch
+    from pipelines.requests import RequestStore
+    from pipelines.services import Services
+    from resources.idempotency import IdempotencyStore
+    from resources.storage.db import Database
+
+    db = Database.from_url(spec["db_url"])
+    services = Services(
+        db=db,
+        store=IdempotencyStore(db, lease_seconds=spec.get("lease_seconds", 30.0)),
+        attempts=AttemptRecorder(db),
+        mailer=SmtpMailer("127.0.0.1", spec.get("smtp_port", 9)),
+    )
+    time.sleep(max(0.0, spec.get("go", 0.0) - time.time()))
+    try:
+        return run_batch(
+            RequestStore(db), spec["request_ids"], services=services, run_id=spec.get("run_id")
+        )
+    finally:
+        db.dispose()
+
+
 def main() -> None:
-    """``python tests/job_workers.py JSON``: run one job in process (the crash tests), or with
-    ``job_type`` in the JSON, :func:`request_loop` without Dagster, printing its results."""
+    """``python tests/job_workers.py JSON``: run one job in process (the crash tests), with
+    ``job_type`` in the JSON :func:`request_loop` without Dagster, or one micro-batch when the
+    JSON names ``request_ids``; the last two print their results."""
     spec = json.loads(sys.argv[1])
     if "job_type" in spec:
         print(json.dumps(request_loop(spec)), flush=True)
         return
+    if "request_ids" in spec:
+        print(json.dumps(batch_worker(spec)))
+        sys.exit(0)
     resources = dagster_resources(**spec["resources"])
     ok = run_job(spec["job"], spec["run_config"], resources)
     sys.exit(0 if ok else 1)

@@ -239,6 +239,48 @@ def test_waiter_times_out_with_a_clear_error_when_the_holder_is_stuck(caches: An
     assert b.get_or_load("slow:1", lambda: pytest.fail("reloaded"), ttl=60) == "late"
 
 
+def test_a_waiter_in_another_process_gets_the_value_from_its_wake_up(
+    caches: Any, namespace: str, redis_client: redis.Redis
+) -> None:
+    """Catches a waiter that needs another round trip (and the holder's decode) before it can
+    return: the wake-up pushed by the holder's write carries the stored envelope, so the waiter
+    runs the fetch script once (to register) and returns the value from the push. A leftover
+    wake-up of an older rebuild (another token, an outdated value) is never taken for it."""
+    holder_cache, waiter_cache = caches(), caches(safety_tick=5)
+    layout = KeyLayout.of(namespace, "w:1")
+    old = '{"s":1.0,"h":9e99,"d":0.0,"n":0,"t":1.0,"st":0.0,"v":"outdated"}'
+    redis_client.lpush(layout.signal, f"an-older-holder {old}")
+    fetches = Counter()
+    script = waiter_cache._fetch
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        fetches.hit()
+        return script(*args, **kwargs)
+
+    waiter_cache._fetch = counted  # type: ignore[method-assign]
+
+    def race() -> None:
+        started = threading.Event()
+
+        def slow() -> str:
+            started.set()
+            time.sleep(0.5)
+            return "fresh"
+
+        holder = threading.Thread(target=lambda: holder_cache.get_or_load("w:1", slow, ttl=60))
+        holder.start()
+        started.wait(10)
+        assert waiter_cache.get_or_load("w:1", lambda: "second load", ttl=60) == "fresh"
+        holder.join(10)
+
+    race()
+    assert fetches.n == 2  # registered, met the leftover (another holder's), registered again
+    redis_client.delete(layout.env, layout.signal)
+    fetches.n = 0
+    race()
+    assert fetches.n == 1  # registered once; the value came with the wake-up
+
+
 def test_dead_holder_lock_expires_and_a_waiter_takes_over(
     caches: Any, namespace: str, redis_client: redis.Redis
 ) -> None:
@@ -347,7 +389,7 @@ def test_jitter_spreads_expiries_uniformly_within_ten_percent(caches: Any) -> No
         jittered.get_or_load(f"j:{i}", lambda i=i: i, ttl=100)
         envelope = jittered.envelope(f"j:{i}")
         assert envelope is not None
-        softs.append(envelope.soft - clock.now)
+        softs.append(envelope.hard - clock.now)  # stale_ttl 0: the expiry
     assert min(softs) >= 90 and max(softs) <= 110
     assert abs(statistics.pstdev(softs) - 20 / math.sqrt(12)) < 0.6  # uniform(90, 110)
     bins = [0] * 10
@@ -358,7 +400,42 @@ def test_jitter_spreads_expiries_uniformly_within_ten_percent(caches: Any) -> No
 
     flat.get_or_load("flat:1", lambda: 1, ttl=100, jitter=0)
     envelope = flat.envelope("flat:1")
-    assert envelope is not None and envelope.soft - clock.now == 100
+    assert envelope is not None and envelope.hard - clock.now == 100
+
+
+def test_a_cohort_loaded_together_comes_due_at_an_even_rate(caches: Any) -> None:
+    """1,000 keys loaded on misses at one instant (a cold start). Catches the first expiry wave
+    of such a cohort (every refresh due within +/-jitter of one TTL): with the defaults each
+    key's first refresh point is spread uniformly over its TTL, while the value stays served
+    until its (jittered) expiry, and a read past the refresh point gets the value at once while
+    one background refresh stores it again with the usual TTL."""
+    clock = FakeClock()
+    cache = caches(clock=clock, random=random.Random(7).random)
+    loads: list[int] = []
+
+    def loader(i: int) -> Any:
+        return lambda: loads.append(i) or i
+
+    points, offsets = [], []
+    for i in range(1000):
+        cache.get_or_load(f"c:{i}", loader(i), ttl=100)
+        envelope = cache.envelope(f"c:{i}")
+        assert envelope is not None and 90 <= envelope.hard - clock.now <= 110
+        offsets.append(envelope.soft - clock.now)
+        points.append(offsets[-1] / (envelope.hard - clock.now))
+    bins = [0] * 10
+    for p in points:
+        bins[min(9, int(p * 10))] += 1
+    assert all(60 <= b <= 140 for b in bins), bins  # uniform over the TTL, not a wave at its end
+
+    due = min(range(1000), key=lambda i: offsets[i])
+    clock.advance(offsets[due] + 0.001)  # past its refresh point, long before any expiry
+    loads.clear()
+    assert cache.get_or_load(f"c:{due}", loader(due), ttl=100) == due  # answered at once
+    cache.wait_for_refreshes(timeout=10)
+    assert loads == [due]
+    refreshed = cache.envelope(f"c:{due}")
+    assert refreshed is not None and 90 <= refreshed.soft - clock.now <= 110  # the usual TTL
 
 
 @pytest.mark.parametrize("beta", [0.5, 1.0, 2.0])

@@ -1,10 +1,12 @@
 """A model-based test: random interleavings of every store operation against a plain model.
 
 Several owners (every claim ever handed out stays usable, so stale owners keep writing) run
-begin / heartbeat / checkpoint / complete / fail(transient|permanent) / reset / purge while the
-injected clock jumps past lease and retention expiries. After every step each key's stored
-record must equal the model's, field by field. It runs on SQLite and Postgres; the database is
-one per test (the ``db`` fixture) and each example uses its own keys.
+begin / heartbeat / checkpoint / complete / fail(transient|permanent) / reset / purge, and the
+batched begin_many / complete_many / heartbeat_many (which must answer every key exactly as the
+single calls would), while the injected clock jumps past lease and retention expiries. After
+every step each key's stored record must equal the model's, field by field. It runs on SQLite
+and Postgres; the database is one per test (the ``db`` fixture) and each example uses its own
+keys.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
+from resources.errors import SekaliError
 from resources.idempotency import (
     AlreadyInProgress,
     Claim,
@@ -95,36 +98,28 @@ def make_machine(db: Database) -> type[RuleBasedStateMachine]:
 
         # -- rules -------------------------------------------------------------------------
 
-        @rule(
-            target=claims,
-            k=st.integers(0, 1),
-            payload=st.sampled_from(["p"] * 6 + [{"other": 1}]),
-        )
-        def begin(self, k: int, payload: Any) -> Any:
-            key, now = self.keys[k], self.clock.now
+        def expect_begin(self, key: str, payload: Any, out: Any) -> Claim | None:
+            """Check one key's begin outcome (a result, or the error it raised or returned)
+            against the model and apply it; returns the claim when one was made."""
+            now = self.clock.now
             rec = self.model.get(key)
             if rec is not None and rec.payload != payload:
-                with pytest.raises(IdempotencyConflict):
-                    self.store.begin(key, payload=payload)
-                return multiple()
+                assert isinstance(out, IdempotencyConflict), out
+                return None
             if rec is not None and rec.status is Status.COMPLETED:
-                out = self.store.begin(key, payload=payload)
-                assert isinstance(out, Completed)
+                assert isinstance(out, Completed), out
                 assert (out.result, out.fence, out.attempt) == (rec.result, rec.fence, rec.attempt)
-                return multiple()
+                return None
             if rec is not None and rec.status is Status.FAILED:
-                with pytest.raises(StoredFailure):
-                    self.store.begin(key, payload=payload)
-                return multiple()
+                assert isinstance(out, StoredFailure), out
+                return None
             live = rec is not None and rec.status is Status.IN_PROGRESS and rec.lease > now  # type: ignore[operator]
             if live:
                 assert rec is not None and rec.lease is not None
-                with pytest.raises(AlreadyInProgress) as info:
-                    self.store.begin(key, payload=payload)
-                assert info.value.retry_after == pytest.approx(rec.lease - now)
-                return multiple()
-            out = self.store.begin(key, payload=payload)
-            assert isinstance(out, Claim)
+                assert isinstance(out, AlreadyInProgress), out
+                assert out.retry_after == pytest.approx(rec.lease - now)
+                return None
+            assert isinstance(out, Claim), out
             if rec is None:
                 assert (out.fence, out.attempt, out.takeover) == (1, 1, False)
                 assert (out.recovery_point, out.recovery_data) == (None, None)
@@ -144,6 +139,65 @@ def make_machine(db: Database) -> type[RuleBasedStateMachine]:
             assert out.lease_expires_at == now + LEASE
             self.latest[key] = out
             return out
+
+        @rule(
+            target=claims,
+            k=st.integers(0, 1),
+            payload=st.sampled_from(["p"] * 6 + [{"other": 1}]),
+        )
+        def begin(self, k: int, payload: Any) -> Any:
+            key = self.keys[k]
+            try:
+                out: Any = self.store.begin(key, payload=payload)
+            except SekaliError as exc:
+                out = exc
+            claim = self.expect_begin(key, payload, out)
+            return multiple() if claim is None else claim
+
+        @rule(
+            target=claims,
+            order=st.sampled_from([(0,), (1,), (0, 1), (1, 0)]),
+            payloads=st.tuples(*[st.sampled_from(["p"] * 6 + [{"other": 1}])] * 2),
+        )
+        def begin_batch(self, order: tuple[int, ...], payloads: tuple[Any, Any]) -> Any:
+            """begin_many answers every key exactly as begin would, in the caller's order."""
+            items = [(self.keys[k], payloads[k]) for k in order]
+            outs = self.store.begin_many(items)
+            assert len(outs) == len(items)
+            made = [
+                self.expect_begin(key, p, out)
+                for (key, p), out in zip(items, outs, strict=True)
+            ]
+            return multiple(*[claim for claim in made if claim is not None])
+
+        @rule(
+            batch=st.lists(claims, min_size=1, max_size=3, unique_by=lambda c: c.key),
+            result=st.sampled_from([None, 7, {"r": [1, 2]}]),
+        )
+        def complete_batch(self, batch: list[Claim], result: Any) -> None:
+            """complete_many stores what complete would and refuses stale owners one by one."""
+            owned = [self.owns(claim) for claim in batch]
+            outs = self.store.complete_many([(claim, result) for claim in batch])
+            for claim, mine, out in zip(batch, owned, outs, strict=True):
+                if not mine:
+                    assert isinstance(out, LeaseLost) and out.key == claim.key
+                    continue
+                assert out is None
+                rec = self.model[claim.key]
+                rec.status, rec.result, rec.lease, rec.error_class = (
+                    Status.COMPLETED, result, None, None,
+                )
+                rec.retention, rec.updated_at = self.clock.now + RETENTION, self.clock.now
+
+        @rule(batch=st.lists(claims, min_size=1, max_size=3, unique_by=lambda c: c.key))
+        def heartbeat_batch(self, batch: list[Claim]) -> None:
+            owned = {claim.key for claim in batch if self.owns(claim)}
+            expires, lost = self.store.heartbeat_many(batch)
+            assert expires == self.clock.now + LEASE
+            assert lost == {claim.key for claim in batch} - owned
+            for key in owned:
+                rec = self.model[key]
+                rec.lease, rec.updated_at = self.clock.now + LEASE, self.clock.now
 
         @precondition(lambda self: bool(self.latest))
         @rule(

@@ -30,11 +30,6 @@ from sandbox.mailsink import MailSink
 from sandbox.redis_server import free_port
 
 
-@pytest.fixture
-def sink(mail_sink: MailSink) -> MailSink:
-    return mail_sink
-
-
 def test_message_id_is_stable_and_rfc5322_shaped() -> None:
     a = message_id_for("email:welcome:42:2026-11-29")
     assert a == message_id_for("email:welcome:42:2026-11-29")
@@ -55,6 +50,24 @@ def test_sink_records_message_with_its_message_id(sink: MailSink) -> None:
     assert msg["correlation_id"] == "corr-1"
     assert msg["size"] > len("hello Ann")
     assert msg["received_at"] > 0
+
+
+def test_non_ascii_subject_and_body_arrive_intact_and_a_session_sends_several(
+    sink: MailSink,
+) -> None:
+    """Catches a cheaper message builder that mangles non-ASCII text, and a session (one SMTP
+    connection for a micro-batch) that drops or merges messages."""
+    mailer = SmtpMailer("127.0.0.1", sink.port)
+    with mailer.session() as session:
+        for i in range(3):
+            session.send(to=f"z{i}@example.com", subject=f"Wélcome, Zoë {i}",
+                         body="Grüße, Zoë\n", message_id=message_id_for(f"k{i}"))
+    messages = sink.messages()
+    assert [m["subject"] for m in messages] == [f"Wélcome, Zoë {i}" for i in range(3)]
+    assert [m["message_id"] for m in messages] == [message_id_for(f"k{i}") for i in range(3)]
+    raw = mailer.build(to="z@example.com", subject="s", body="Grüße", message_id="<m@x>",
+                       correlation_id=None).as_bytes()
+    assert b"charset=\"utf-8\"" in raw
 
 
 def test_sink_counts_duplicates_per_message_id(sink: MailSink) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from pipelines.attempts import ROLLUPS_MIGRATION, AttemptRecorder
 from resources.storage.db import Database
 from resources.storage.migrations import applied, upgrade
 from resources.storage.settings import Settings
@@ -28,6 +29,9 @@ def _upgrade(args: argparse.Namespace) -> int:
     db = _database(args.url)
     done = upgrade(db)
     print(f"applied {len(done)} migration(s): {', '.join(done)}" if done else "schema up to date")
+    if ROLLUPS_MIGRATION in done:
+        n = AttemptRecorder(db).rebuild_rollups()
+        print(f"aggregated {n} existing attempt(s) for the metrics")
     return 0
 
 

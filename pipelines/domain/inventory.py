@@ -24,7 +24,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import BigInteger, Column, Float, Table, Text, text
+from sqlalchemy import BigInteger, Column, Float, Table, Text, bindparam, text
 from sqlalchemy.engine import Connection
 
 from resources.errors import PermanentJobError
@@ -143,6 +143,19 @@ class Inventory:
         else:
             rows = conn.execute(sql, {"cart": cart_id}).all()
         return [Reservation(r.cart_id, r.sku, int(r.quantity), r.status) for r in rows]
+
+    def lock_stock(self, conn: Connection, skus: Iterable[str]) -> None:
+        """Lock the stock rows of ``skus`` in sku order inside the caller's transaction (Postgres;
+        SQLite's ``BEGIN IMMEDIATE`` already excludes every other writer). A transaction that
+        reserves for several carts takes its locks up front, so two such never deadlock."""
+        ordered = sorted(set(skus))
+        if self.db.is_postgres and ordered:
+            conn.execute(
+                text("SELECT sku FROM stock WHERE sku IN :skus ORDER BY sku FOR UPDATE").bindparams(
+                    bindparam("skus", expanding=True)
+                ),
+                {"skus": ordered},
+            )
 
     def reserve(
         self,

@@ -19,7 +19,7 @@ import os
 import signal
 import string
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,7 +30,7 @@ from pipelines.attempts import Attempt
 from pipelines.services import Services
 from resources.errors import FencedWriteRejected, ValidationError
 from resources.flow import Slot
-from resources.idempotency import Claim, LeaseKeeper
+from resources.idempotency import Claim, Keeper
 from resources.telemetry.tracing import span
 
 CRASH_ENV = "SEKALI_CRASH_AT"
@@ -47,6 +47,9 @@ def crash_point(name: str) -> None:
 
 
 Handler = Callable[["JobContext", dict[str, Any]], Any]
+BatchHandler = Callable[[Sequence[tuple["JobContext", dict[str, Any]]]], list[Any]]
+"""Runs the handler for several claimed requests at once; returns, in order, each one's result
+or the exception it failed with (returned, not raised: one failure never stops the others)."""
 
 
 @dataclass(frozen=True)
@@ -120,6 +123,9 @@ class JobType:
     result_fields: tuple[str, ...] = ()
     """The result's fields that name the effect (charge id, message id), shown on the run."""
     personal: frozenset[str] = frozenset()  # payload fields masked in logs, errors and views
+    handler_many: BatchHandler | None = None
+    """Optional: the effects of a micro-batch in as few transactions or connections as the job
+    type allows. Without it a batch runs ``handler`` once per request."""
 
     @property
     def op_name(self) -> str:
@@ -141,7 +147,7 @@ class JobContext:
     attempt: Attempt
     payload: dict[str, Any]
     correlation_id: str | None = None
-    keeper: LeaseKeeper | None = None
+    keeper: Keeper | None = None
     completed: bool = False
     _lock_wait: float = field(default=0.0, repr=False)
 
@@ -162,17 +168,23 @@ class JobContext:
             self.keeper.check()
 
     def confirm_lease(self) -> None:
-        """Heartbeat now, in this thread: raises :class:`LeaseLost` if the key was taken over.
+        """Make sure the lease is still ours now: raises :class:`LeaseLost` if the key was taken
+        over.
 
         Every job type calls it right before each call to a downstream (an SMTP send, a charge):
-        effects no fenced write guards. :meth:`check_lease` only reads what the background
-        heartbeat last saw, which a worker just resumed from a pause has not refreshed yet; this
-        asks the store. A pause between this call and the effect is still possible: the effect's
-        own identity (the Message-ID, the gateway's idempotency key) closes that last window
-        where the downstream honours it.
+        effects no fenced write guards. :meth:`check_lease` only reads
+        what the background heartbeat last saw, which a worker just resumed from a pause has not
+        refreshed yet; this asks the store, unless the claim or a heartbeat was confirmed within
+        a tenth of the lease by the monotonic clock (no takeover can happen before the whole
+        lease has passed, and a paused process sees the pause on that clock, so it asks). A pause
+        between this call and the effect is still possible: the effect's own idempotent
+        identity (the Message-ID) closes that last window.
         """
         self.check_lease()
-        self.services.store.heartbeat(self.claim)
+        if self.keeper is not None:
+            self.keeper.confirm()
+        else:
+            self.services.store.heartbeat(self.claim)
 
     @contextlib.contextmanager
     def timed(self, name: str) -> Iterator[None]:

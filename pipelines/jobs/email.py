@@ -13,9 +13,10 @@ from __future__ import annotations
 import datetime
 import re
 import string
+from collections.abc import Sequence
 from typing import Any
 
-from pipelines.domain.mail import message_id_for
+from pipelines.domain.mail import Mailer, mail_session, message_id_for
 from pipelines.jobs.base import (
     JobContext,
     JobType,
@@ -88,6 +89,29 @@ def send_email(ctx: JobContext, p: dict[str, Any]) -> dict[str, Any]:
     mailer = ctx.services.mailer
     if mailer is None:
         raise RuntimeError("send_email needs a mailer (resource 'mailer')")
+    return _send(ctx, p, mailer)
+
+
+def send_emails(items: Sequence[tuple[JobContext, dict[str, Any]]]) -> list[Any]:
+    """A micro-batch of mails over one SMTP connection; each mail is still its own attempt
+    (lease confirmed, crash points, its own result or error)."""
+    if not items:
+        return []
+    mailer = items[0][0].services.mailer
+    if mailer is None:
+        error = RuntimeError("send_email needs a mailer (resource 'mailer')")
+        return [error for _ in items]
+    results: list[Any] = []
+    with mail_session(mailer) as session:
+        for ctx, p in items:
+            try:
+                results.append(_send(ctx, p, session))
+            except Exception as exc:  # noqa: BLE001 - this mail's failure, not the batch's
+                results.append(exc)
+    return results
+
+
+def _send(ctx: JobContext, p: dict[str, Any], mailer: Mailer) -> dict[str, Any]:
     subject, body = render(p)
     message_id = message_id_for(ctx.key)
     ctx.attempt.status_before = "not_sent"
@@ -132,4 +156,5 @@ JOB_TYPE = JobType(
              "to": "u-example-1@example.com", "context": {}},
     result_fields=("message_id",),
     personal=frozenset({"to"}),
+    handler_many=send_emails,
 )

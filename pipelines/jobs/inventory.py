@@ -10,9 +10,12 @@ States: ``unreserved -> reserved`` (see ``resources/inventory.py`` for release a
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
-from pipelines.domain.inventory import Inventory
+from sqlalchemy.engine import Connection
+
+from pipelines.domain.inventory import Inventory, merge_items
 from pipelines.jobs.base import (
     ITEMS,
     JobContext,
@@ -36,17 +39,72 @@ def key_for(payload: dict[str, Any]) -> str:
 def reserve_inventory(ctx: JobContext, p: dict[str, Any]) -> dict[str, Any]:
     inventory = Inventory(ctx.services.db)
     with ctx.concurrency_slot(JOB_TYPE), ctx.transaction("reserve") as conn:
-        before = inventory.reservations(p["cart_id"], conn)
-        ctx.attempt.status_before = "reserved" if before else "unreserved"
-        reservations = inventory.reserve(conn, p["cart_id"], p["items"], fence=ctx.fence)
+        result = _reserve(ctx, p, inventory, conn)
         ctx.crash_point("before_commit_reservation")
-        result = {
-            "cart_id": p["cart_id"],
-            "reserved": {r.sku: r.quantity for r in reservations},
-        }
         ctx.complete(result, conn=conn)
     ctx.attempt.status_after = "reserved"
     return result
+
+
+def reserve_inventories(items: Sequence[tuple[JobContext, dict[str, Any]]]) -> list[Any]:
+    """A micro-batch of carts in one transaction: every cart's stock rows are locked first, in
+    sku order (two batches never deadlock); each cart reserves inside its own savepoint, so a
+    cart that fails (no stock, unknown sku) rolls back alone; the reserved carts' keys complete
+    in the same transaction. If a cart's lease was taken over meanwhile, the transaction is
+    rolled back whole and each cart runs on its own (the lost one then stops with LeaseLost)."""
+    if not items:
+        return []
+    services = items[0][0].services
+    inventory = Inventory(services.db)
+    results: list[Any] = [None] * len(items)
+    try:
+        with services.db.transaction() as conn:
+            inventory.lock_stock(
+                conn, {sku for _, p in items for sku in merge_items(p["items"])}
+            )
+            done = []
+            for i, (ctx, p) in enumerate(items):
+                try:
+                    ctx.check_lease()
+                    with ctx.timed("reserve"), conn.begin_nested():
+                        results[i] = _reserve(ctx, p, inventory, conn)
+                    done.append(i)
+                except Exception as exc:  # noqa: BLE001 - this cart's failure, not the batch's
+                    results[i] = exc
+            items[0][0].crash_point("before_commit_reservation")
+            lost = services.store.complete_many(
+                [(items[i][0].claim, results[i]) for i in done], conn=conn
+            )
+            if any(lost):
+                raise _TakenOver
+    except _TakenOver:
+        return [_one(ctx, p) for ctx, p in items]
+    except Exception as exc:  # noqa: BLE001 - the batch's transaction failed: every cart did
+        return [exc] * len(items)
+    for i in done:
+        items[i][0].completed = True
+        items[i][0].attempt.status_after = "reserved"
+    return results
+
+
+class _TakenOver(Exception):
+    """A cart's lease was taken over mid-batch: roll the batch back and go one by one."""
+
+
+def _one(ctx: JobContext, p: dict[str, Any]) -> Any:
+    try:
+        return reserve_inventory(ctx, p)
+    except Exception as exc:  # noqa: BLE001 - returned as this cart's outcome
+        return exc
+
+
+def _reserve(
+    ctx: JobContext, p: dict[str, Any], inventory: Inventory, conn: Connection
+) -> dict[str, Any]:
+    before = inventory.reservations(p["cart_id"], conn)
+    ctx.attempt.status_before = "reserved" if before else "unreserved"
+    reservations = inventory.reserve(conn, p["cart_id"], p["items"], fence=ctx.fence)
+    return {"cart_id": p["cart_id"], "reserved": {r.sku: r.quantity for r in reservations}}
 
 
 JOB_TYPE = JobType(
@@ -69,4 +127,5 @@ JOB_TYPE = JobType(
     ),
     example={"cart_id": "c-example-1", "items": [{"sku": "apple", "quantity": 1}]},
     result_fields=("cart_id", "reserved"),
+    handler_many=reserve_inventories,
 )

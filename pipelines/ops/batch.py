@@ -10,10 +10,13 @@ the table stays the one record of what was asked.
   siblings; the run ends FAILURE and the failed request is marked ``failed`` (permanent) or left
   ``running`` for the step's own retry (transient): the one failure path decides
   (:mod:`pipelines.ops.failures`).
-- ``intake_micro_batch``: ``execute_request_batch`` handles up to N requests in one step. Each
-  request is still claimed, recorded and dead-lettered on its own by ``execute_request``; an
-  error is caught per request, recorded (``job_requests.status = failed`` with ``last_error``,
-  for the DLQ) and the loop continues. **The step succeeds** whatever its requests did, and
+- ``intake_micro_batch``: ``execute_request_batch`` handles up to N requests in one step,
+  through :func:`pipelines.runtime.execute_batch`: the keys are claimed and completed in one
+  statement each, the attempts recorded together, and the job type's batch handler (if any)
+  makes the effects in as few transactions as it allows. Each request keeps every guarantee of
+  ``execute_request`` and is recorded and dead-lettered on its own; an error is kept per
+  request, recorded (``job_requests.status = failed`` with ``last_error``, for the DLQ) and
+  the others go on. **The step succeeds** whatever its requests did, and
   reports ``completed`` / ``duplicate`` / ``failed`` / ``skipped`` counts and the failed keys in
   its output metadata: retrying the whole step would only re-run neighbours that are done.
   The step fails only when the batch cannot be read at all (the store is down): then nothing was
@@ -35,9 +38,9 @@ from pipelines.failures import FailurePath, error_text
 from pipelines.ops.failures import admit_step_request, run_request_step
 from pipelines.profile import RequestsResource
 from pipelines.requests import RequestStore
-from pipelines.runtime import execute_request
+from pipelines.runtime import BatchRequest, execute_batch
 from pipelines.services import Services
-from pipelines.validation import admit_request_row
+from pipelines.validation import ValidationError, admit_request_row
 
 log = logging.getLogger(__name__)
 
@@ -65,43 +68,63 @@ def run_batch(
     step: str | None = None,
     attempt: int = 0,
 ) -> dict[str, Any]:
-    """Execute each request on its own; one failure never stops its neighbours.
+    """Execute the batch's requests together; one failure never stops its neighbours.
 
-    A failure is final for this run (retrying the step would re-run its finished neighbours): the
-    failure path records it as ``failed_permanent`` or ``dead_lettered`` and marks the request
-    failed for the DLQ, which replays it. Returns counts per outcome and the failed keys with
-    their errors. Usable without Dagster (the benchmark's floor calls it directly).
+    The requests are taken (``running``) and later marked ``completed`` in one statement each,
+    and run through :func:`pipelines.runtime.execute_batch` (keys claimed and completed in one
+    statement each, attempts recorded together, the job type's batch handler when it has one).
+    A failure is final for this run (retrying the step would re-run its finished neighbours):
+    the failure path records it as ``failed_permanent`` or ``dead_lettered`` and marks the
+    request failed for the DLQ, which replays it. Returns counts per outcome and the failed keys
+    with their errors. Usable without Dagster (the benchmark calls it directly).
     """
     summary: dict[str, Any] = {"completed": 0, "duplicate": 0, "failed": 0, "skipped": 0}
     failures: dict[str, str] = {}
-    for request in store.get_many(request_ids):
-        if not store.mark_running(request.id, run_id=run_id):
-            summary["skipped"] += 1  # already completed by an earlier run
-            continue
-        path = FailurePath(attempt=attempt, retries_here=False)
-        try:
+    requests = store.get_many(request_ids)
+    taken = store.mark_running_many([r.id for r in requests], run_id=run_id)
+    summary["skipped"] = len(requests) - len(taken)  # already completed by an earlier run
+    todo = []
+    for request in (r for r in requests if r.id in taken):
+        try:  # the validation boundary: a row written before it, or changed since, is refused
             admit_request_row(store, request, source="micro_batch")
-            outcome = execute_request(
+        except ValidationError as exc:
+            FailurePath(attempt=attempt, retries_here=False).settle_request(
+                store, request.id, exc, run_id=run_id
+            )
+            failures[request.key] = error_text(exc)
+            summary["failed"] += 1
+            continue
+        todo.append(request)
+    paths = [FailurePath(attempt=attempt, retries_here=False) for _ in todo]
+    outcomes = execute_batch(
+        [
+            BatchRequest(
                 request.job_type,
                 request.payload,
-                services=services,
                 key=request.key,
-                run_id=run_id,
-                step=step,
-                attempt=attempt,
                 correlation_id=request.correlation_id or run_id,
                 request_id=request.id,
                 decide=path.outcome,
                 traceparent=request.traceparent,
             )
-        except Exception as exc:  # noqa: BLE001 - recorded per request, the batch goes on
-            path.settle_request(store, request.id, exc, run_id=run_id)
-            failures[request.key] = error_text(exc)
+            for request, path in zip(todo, paths, strict=True)
+        ],
+        services=services,
+        run_id=run_id,
+        step=step,
+        attempt=attempt,
+    )
+    done = []
+    for request, path, outcome in zip(todo, paths, outcomes, strict=True):
+        if isinstance(outcome, Exception):
+            path.settle_request(store, request.id, outcome, run_id=run_id)
+            failures[request.key] = error_text(outcome)
             summary["failed"] += 1
-            log.warning("request %s (%s) failed: %s", request.id, request.key, error_text(exc))
+            log.warning("request %s (%s) failed: %s", request.id, request.key, error_text(outcome))
             continue
-        store.mark_completed(request.id, run_id=run_id)
+        done.append(request.id)
         summary["duplicate" if outcome.status == "duplicate" else "completed"] += 1
+    store.mark_completed_many(done, run_id=run_id)
     summary["failures"] = failures
     return summary
 

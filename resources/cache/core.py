@@ -4,13 +4,16 @@ docs/design.md).
 What is guaranteed, for one key, across every process sharing the Redis and namespace:
 
 - **Hits cost one GET.** A fresh value is read with a plain ``GET`` and judged in Python (soft
-  and hard expiry, XFetch); anything else goes to the script below, which judges again atomically.
+  and hard expiry; the XFetch draw only when the value is near its refresh point): one round trip
+  and one JSON decode; anything else goes to the script below, which judges again atomically.
 - **One loader per expiry.** A miss runs one Lua script: read the envelope and, if it is missing
   or hard-expired, ``SET NX PX`` the rebuild lock with a random token. Only the winner runs the
   loader. The losers register as waiters in that same script and block on ``BLPOP`` of the key's
-  signal list; the winner's write script pushes one wake-up per registered waiter, so nobody polls
-  and nobody sleeps until a timeout. In one process, callers of the same key share one flight: one
-  Redis round trip and one load (:class:`SingleFlight`).
+  signal list; the winner's write script pushes one wake-up per registered waiter, carrying the
+  winner's token and the stored envelope, so a waiter of that rebuild returns the value without
+  another round trip; nobody polls and nobody sleeps until a timeout. The winner encodes the value
+  once and wakes the waiters before it decodes its own copy. In one process, concurrent callers
+  of the same key share one flight: one Redis round trip and one load (:class:`SingleFlight`).
 - **Stale-while-revalidate.** Within ``stale_ttl`` after the soft expiry a caller gets the stale
   value at once (from its one GET); a background task (thread pool, one per key per process) runs
   the script, and the same ``NX`` lock lets at most one refresh run across all processes.
@@ -39,8 +42,17 @@ What is guaranteed, for one key, across every process sharing the Redis and name
   holds the lock for ``error_backoff`` so the refresh is not retried by every caller. With
   ``negative_ttl`` the failure is cached: callers get :class:`CacheLoaderFailed` without loading.
 - **Jitter and early refresh.** Every write's TTL is scaled by ``1 + jitter * U(-1, 1)``. With
-  ``beta > 0`` a fresh value is refreshed early with probability ``exp(-gap / (beta * delta))``
-  (XFetch: ``now - delta * beta * ln(rand) >= expiry``; delta = the stored compute time).
+  ``beta > 0`` (the default, 1) a fresh value is refreshed early with probability
+  ``exp(-gap / (beta * delta))`` (XFetch: ``now - delta * beta * ln(rand) >= expiry``; delta = the
+  stored compute time), so a slow loader's hot key is rebuilt by one caller before it expires.
+- **A cohort loaded together comes due at an even rate** (``spread_first_refresh``, on by
+  default). Keys loaded on misses at the same moment (a cold start, an invalidation wave) would
+  otherwise all come due within ``2 * jitter`` of one TTL. A value loaded on a miss therefore gets
+  its first refresh point drawn uniformly within its TTL (the renewal process's equilibrium:
+  refreshes then arrive at the steady rate from the start); its expiry stays ``ttl`` (jittered).
+  Between that point and the expiry the value is served at once (counted as a stale hit) while one
+  background refresh runs; later writes use ``ttl`` with jitter as usual. The cost is one early
+  load per key after a miss.
 
 Time (``clock``) and randomness (``random``) are injected; workers' clocks must agree to well
 within a TTL since expiries are absolute times written by one process and read by others.
@@ -122,10 +134,26 @@ class Envelope:
     stale_ttl: float
 
     def encode(self) -> str:
+        return self.encode_raw(
+            json.dumps(self.value), self.soft, self.hard, self.delta, self.version, self.ttl,
+            self.stale_ttl,
+        )
+
+    @staticmethod
+    def encode_raw(
+        value_json: str,
+        soft: float,
+        hard: float,
+        delta: float,
+        version: int,
+        ttl: float,
+        stale_ttl: float,
+    ) -> str:
+        """The envelope around a value already encoded as JSON (encoded once per load)."""
         # Header first and in this order: the Lua scripts read s, h, d without decoding the value.
         return (
-            f'{{"s":{self.soft!r},"h":{self.hard!r},"d":{self.delta!r},"n":{self.version},'
-            f'"t":{self.ttl!r},"st":{self.stale_ttl!r},"v":{json.dumps(self.value)}}}'
+            f'{{"s":{soft!r},"h":{hard!r},"d":{delta!r},"n":{version},'
+            f'"t":{ttl!r},"st":{stale_ttl!r},"v":{value_json}}}'
         )
 
     @classmethod
@@ -137,6 +165,11 @@ class Envelope:
 def jittered(ttl: float, jitter: float, rand: float) -> float:
     """``ttl`` scaled by ``1 + jitter * (2 * rand - 1)``: uniform within +/- jitter."""
     return ttl * (1.0 + jitter * (2.0 * rand - 1.0))
+
+
+_XFETCH_NEGLIGIBLE = 40.0
+"""A value further than ``40 * beta * delta`` from its refresh point refreshes early with
+probability ``exp(-40)`` (4e-18): the hit path then skips the XFetch draw."""
 
 
 def xfetch_factor(beta: float, rand: float) -> float:
@@ -206,7 +239,8 @@ class StampedeCache:
         ttl: float = 60.0,
         stale_ttl: float = 0.0,
         jitter: float = 0.1,
-        beta: float = 0.0,
+        beta: float = 1.0,
+        spread_first_refresh: bool = True,
         lock_ttl: float = 15.0,
         wait_timeout: float = 20.0,
         negative_ttl: float = 0.0,
@@ -227,6 +261,7 @@ class StampedeCache:
         self.stale_ttl = stale_ttl
         self.jitter = jitter
         self.beta = beta
+        self.spread_first_refresh = spread_first_refresh
         self.lock_ttl = lock_ttl
         self.wait_timeout = wait_timeout
         self.negative_ttl = negative_ttl
@@ -274,23 +309,57 @@ class StampedeCache:
         Raises the loader's exception (this caller loaded), :class:`CacheLoaderFailed` (another
         caller's load failed, or negative cache) or :class:`CacheLoadTimeout`.
         """
-        opts = self._options(ttl, stale_ttl, jitter)
         started = time.monotonic()
         try:
             with span("cache.get_or_load", cache_key=key, namespace=self.namespace):
                 (value, outcome), led = self._flight.run(
-                    ("get", key), lambda: self._resolve(key, loader, opts, force=False)
+                    ("get", key), lambda: self._look(key, loader, ttl, stale_ttl, jitter)
                 )
                 set_attributes(outcome=outcome, led=led)
         except Exception:
             self.recorder.record(key, "misses", access=True)
             raise
+        if outcome == "hit":
+            self.recorder.hit(key)
+            return value
         if not led and outcome in ("loaded", "waited"):
             outcome = "waited"
             self.recorder.record(key, "waits")
             self.recorder.record(key, "wait_time", time.monotonic() - started)
         self._count(key, outcome)
         return value
+
+    def _look(
+        self,
+        key: str,
+        loader: Loader,
+        ttl: float | None,
+        stale_ttl: float | None,
+        jitter: float | None,
+    ) -> tuple[Any, str]:
+        """One flight: the hit path (one GET, judged here), else the script."""
+        try:
+            raw = self.client.get(f"{PREFIX}{{{self.namespace}:{key}}}")
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            raise StoreUnavailable(f"Redis did not answer: {exc}; retry later") from exc
+        factor: float | None = None  # the call's one XFetch draw, made only when it can matter
+        if raw is not None:
+            d = json.loads(raw)
+            now = self.clock()
+            if now < d["h"]:
+                gap = d["s"] - now
+                if gap > 0 and gap > d["d"] * self.beta * _XFETCH_NEGLIGIBLE:
+                    return d["v"], "hit"
+                factor = self._xfetch_factor()
+                if now + d["d"] * factor < d["s"]:
+                    return d["v"], "hit"
+                # Stale or XFetch-early: answer now; the lock attempt runs in the background.
+                self._refresh_soon(key, loader, self._options(ttl, stale_ttl, jitter), factor, now)
+                return d["v"], "stale" if now >= d["s"] else "early"
+        opts = self._options(ttl, stale_ttl, jitter)
+        if factor is None:
+            factor = self._xfetch_factor()
+        return self._resolve(key, loader, opts, force=False, factor=factor)
 
     def get(self, key: str) -> Any:
         """The cached value (fresh or within its stale window), or ``NO_VALUE``; never loads."""
@@ -381,24 +450,20 @@ class StampedeCache:
             raise ValueError("need ttl > 0, stale_ttl >= 0 and 0 <= jitter < 1")
         return opts
 
+    def _xfetch_factor(self) -> float:
+        return xfetch_factor(self.beta, 1.0 - self.random()) if self.beta > 0 else 0.0
+
     def _resolve(
-        self, key: str, loader: Loader, opts: tuple[float, float, float], *, force: bool
+        self,
+        key: str,
+        loader: Loader,
+        opts: tuple[float, float, float],
+        *,
+        force: bool,
+        factor: float = 0.0,
     ) -> tuple[Any, str]:
-        """One flight's work. Returns (value, outcome): hit, stale, early, loaded or waited."""
-        factor = xfetch_factor(self.beta, 1.0 - self.random()) if self.beta > 0 else 0.0
-        if not force:
-            # The hit path is a plain GET (as cheap as a raw read); anything else runs the script,
-            # which decides again atomically. One XFetch draw per call keeps its probability exact.
-            raw = self._call(self.client.get, f"{PREFIX}{{{self.namespace}:{key}}}")
-            if raw is not None:
-                d = json.loads(raw)
-                now = self.clock()
-                if now < d["h"]:
-                    if now + d["d"] * factor < d["s"]:
-                        return d["v"], "hit"
-                    # Stale or XFetch-early: answer now; the lock attempt runs in the background.
-                    self._refresh_soon(key, loader, opts, factor, now)
-                    return d["v"], "stale" if now >= d["s"] else "early"
+        """One flight's work after the hit path missed (or a forced refresh). Returns
+        (value, outcome): hit, stale, early, loaded or waited."""
         layout = KeyLayout.of(self.namespace, key)
         deadline = time.monotonic() + self.wait_timeout
         wait_started: float | None = None
@@ -433,7 +498,9 @@ class StampedeCache:
                 if wait_started is not None:
                     outcome = "waited"
                     self.recorder.record(key, "wait_time", time.monotonic() - wait_started)
-                value = self._load(key, layout, loader, token, reply[3].decode(), opts, hold=0.0)
+                value = self._load(
+                    key, layout, loader, token, reply[3].decode(), opts, hold=0.0, cold=True
+                )
                 return value, outcome
             holder, marker = reply[4], reply[5]
             if marker is not None and json.loads(marker)["token"].encode() in (holder, waited_on):
@@ -448,7 +515,15 @@ class StampedeCache:
                 self.recorder.record(key, "wait_time", now - wait_started)
                 raise CacheLoadTimeout(key, now - wait_started)
             tick = self._timeouts.blocking_wait(min(deadline - now, self.safety_tick))
-            self._call(self.client.blpop, [layout.signal], timeout=tick)
+            woken = self._call(self.client.blpop, [layout.signal], timeout=tick)
+            if woken is not None and waited_on is not None:
+                # The holder we wait for pushed "<its token> <the envelope it stored>": that is
+                # the fresh value, no second round trip. A wake-up from an older rebuild, a
+                # refused write or a failure carries no envelope of ours: look again.
+                holder_token, _, envelope = woken[1].partition(b" ")
+                if envelope and holder_token == waited_on:
+                    self.recorder.record(key, "wait_time", time.monotonic() - wait_started)
+                    return json.loads(envelope)["v"], "waited"
 
     def _load(
         self,
@@ -460,13 +535,15 @@ class StampedeCache:
         opts: tuple[float, float, float],
         *,
         hold: float,
+        cold: bool = False,
     ) -> Any:
-        """Run the loader as lock holder and store its value (or its failure)."""
+        """Run the loader as lock holder and store its value (or its failure). ``cold``: nothing
+        was cached (a miss), so the first refresh point is spread over the TTL."""
         ttl, stale_ttl, jitter = opts
         started = self.clock()
         self.recorder.record(key, "loads")
         try:
-            value = json.loads(json.dumps(loader()))
+            encoded = json.dumps(loader())
         except Exception as exc:
             self.recorder.record(key, "errors")
             marker = json.dumps(
@@ -486,9 +563,13 @@ class StampedeCache:
             )
             raise
         now = self.clock()
-        soft = now + jittered(ttl, jitter, self.random())
-        envelope = Envelope(
-            value, soft, soft + stale_ttl, now - started, int(version), ttl, stale_ttl
+        expires = now + jittered(ttl, jitter, self.random())
+        soft = expires
+        if cold and self.spread_first_refresh:
+            soft = now + (expires - now) * self.random()
+        hard = expires + stale_ttl
+        envelope = Envelope.encode_raw(
+            encoded, soft, hard, now - started, int(version), ttl, stale_ttl
         )
         result = self._call(
             self._write,
@@ -496,14 +577,14 @@ class StampedeCache:
             args=[
                 token,
                 version,
-                envelope.encode(),
-                str(max(1, int((envelope.hard - now) * 1000))),
+                envelope,
+                str(max(1, int((hard - now) * 1000))),
                 str(int(self.wait_timeout * 1000)),
             ],
         )
         if result != b"ok":
             log.info("cache write of %r refused (%s): value returned, not stored", key, result)
-        return value
+        return json.loads(encoded)  # after the waiters were woken
 
     def _fetch_once(
         self,
@@ -549,13 +630,16 @@ class StampedeCache:
                 token = uuid.uuid4().hex
                 reply = self._fetch_once(layout, token, factor, now=now)
                 state = reply[0].decode()
-                if reply[2] == 1 and state not in ("stale", "early"):
+                got_lock = len(reply) > 2 and reply[2] == 1  # 'fresh' replies carry no more
+                if got_lock and state not in ("stale", "early"):
                     # The value vanished (invalidated, or hard-expired while this job queued) and
                     # the script gave us the rebuild lock: load now, or every reader would wait
                     # on a lock nobody releases until it expires.
-                    self._load(key, layout, loader, token, reply[3].decode(), opts, hold=0.0)
+                    self._load(
+                        key, layout, loader, token, reply[3].decode(), opts, hold=0.0, cold=True
+                    )
                     return
-                if state not in ("stale", "early") or reply[2] != 1:
+                if state not in ("stale", "early") or not got_lock:
                     return  # fresh again, or another caller holds the lock
                 if state == "early":
                     self.recorder.record(key, "early_refreshes")

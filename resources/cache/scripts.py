@@ -13,7 +13,7 @@ Key layout for cache key K in namespace N (tag T = ``{N:K}``)::
     sekali:cache:T:lock     rebuild lock, value = the rebuilder's random token (SET NX PX)
     sekali:cache:T:ver      invalidation version (max(INCR, server clock in us) by invalidate)
     sekali:cache:T:waiters  how many callers registered to wait for the current rebuild
-    sekali:cache:T:signal   wake-up list: the rebuilder LPUSHes one token per registered waiter
+    sekali:cache:T:signal   wake-up list: the rebuilder LPUSHes one per registered waiter
     sekali:cache:T:err      marker of the last failed load (token, class, message), short-lived
     sekali:cache:T:neg      negative-cache marker, only when ``negative_ttl`` is set
 """
@@ -101,12 +101,13 @@ return {'miss', false, 0, '0', holder, redis.call('GET', KEYS[5]) or false}
 """
 FETCH_KEYS = ("env", "lock", "ver", "waiters", "err", "neg")
 
-# notify(waiters, signal, px): push one wake-up per counted waiter onto the signal list.
+# notify(waiters, signal, px, msg): push one wake-up per counted waiter onto the signal list;
+# msg is '1' (look again) or '<token> <envelope>' (the value the waiters waited for).
 _NOTIFY = """
-local function notify(waiters, signal, px)
+local function notify(waiters, signal, px, msg)
   local n = tonumber(redis.call('GET', waiters) or '0')
   redis.call('DEL', waiters)
-  for i = 1, n do redis.call('LPUSH', signal, '1') end
+  for i = 1, n do redis.call('LPUSH', signal, msg or '1') end
   if n > 0 then redis.call('PEXPIRE', signal, px) end
 end
 """
@@ -117,7 +118,8 @@ end
 # KEYS[4] - waiter count   KEYS[5] - signal list   KEYS[6] - load error   KEYS[7] - negative marker
 # ARGV[1] - lock token   ARGV[2] - version read with the lock   ARGV[3] - envelope
 # ARGV[4] - envelope ttl ms   ARGV[5] - signal ttl ms
-# returns 'ok' (stored) | 'lost' (the lock is not ours) | 'invalidated' (a newer version)
+# returns 'ok' (stored; each waiter is pushed "<token> <envelope>") | 'lost' (the lock is not
+# ours) | 'invalidated' (a newer version); on those two each waiter is pushed '1' (look again)
 WRITE = (
     _NOTIFY
     + """
@@ -132,7 +134,7 @@ if (redis.call('GET', KEYS[3]) or '0') ~= ARGV[2] then
 end
 redis.call('SET', KEYS[1], ARGV[3], 'PX', ARGV[4])
 redis.call('DEL', KEYS[6], KEYS[7])
-notify(KEYS[4], KEYS[5], ARGV[5])
+notify(KEYS[4], KEYS[5], ARGV[5], ARGV[1] .. ' ' .. ARGV[3])
 return 'ok'
 """
 )

@@ -73,9 +73,18 @@ class CacheRecorder:
         self._flushing = threading.Lock()
         self._counts: dict[tuple[str, str], float] = {}
         self._access: dict[str, int] = {}
+        self._hits: dict[str, int] = {}
         self._last_flush = time.monotonic()
         self._flusher: threading.Thread | None = None
         self._decay = client.register_script(DECAY)
+
+    def hit(self, key: str) -> None:
+        """``record(key, "hits", access=True)``, kept as cheap as it can be (the hit path)."""
+        hits = self._hits
+        with self._lock:
+            hits[key] = hits.get(key, 0) + 1
+        if time.monotonic() - self._last_flush >= self.flush_interval:
+            self.flush(block=False)
 
     def record(self, key: str, field: str, amount: float = 1.0, *, access: bool = False) -> None:
         counts, hits = self._counts, self._access
@@ -106,7 +115,11 @@ class CacheRecorder:
             with self._lock:
                 counts, self._counts = self._counts, {}
                 access, self._access = self._access, {}
+                hits, self._hits = self._hits, {}
                 self._last_flush = time.monotonic()
+            for key, n in hits.items():
+                counts[key, "hits"] = counts.get((key, "hits"), 0.0) + n
+                access[key] = access.get(key, 0) + n
             if not counts and not access:
                 return
             by_pattern: defaultdict[tuple[str, str], float] = defaultdict(float)

@@ -5,9 +5,12 @@ The work is done by :class:`IdempotencyStore` (:mod:`resources.idempotency.store
 
 from resources.errors import AlreadyInProgress, IdempotencyConflict, LeaseLost, StoredFailure
 from resources.idempotency.store import (
+    BatchLeaseKeeper,
+    BeginOutcome,
     Claim,
     Completed,
     IdempotencyStore,
+    Keeper,
     LeaseKeeper,
     Record,
     Status,
@@ -17,10 +20,13 @@ from resources.idempotency.store import (
 
 __all__ = [
     "AlreadyInProgress",
+    "BatchLeaseKeeper",
+    "BeginOutcome",
     "Claim",
     "Completed",
     "IdempotencyConflict",
     "IdempotencyStore",
+    "Keeper",
     "LeaseKeeper",
     "LeaseLost",
     "Record",

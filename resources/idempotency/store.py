@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import math
 import threading
 import time
 import uuid
@@ -38,7 +39,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from enum import StrEnum
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from sqlalchemy import BigInteger, Column, Float, Integer, Table, Text, bindparam, text
 from sqlalchemy.engine import Connection
@@ -52,15 +53,26 @@ from resources.errors import (
 )
 from resources.storage import retention
 from resources.storage.db import Database, metadata
+from resources.storage.driver import (
+    DriverConnection,
+    Sql,
+    connect,
+    is_deadlock,
+    transaction,
+    within,
+)
 from resources.storage.json_text import canonical, from_text, to_text
 from resources.storage.migrations import upgrade
 
 __all__ = [
     "AlreadyInProgress",
+    "BatchLeaseKeeper",
+    "BeginOutcome",
     "Claim",
     "Completed",
     "IdempotencyConflict",
     "IdempotencyStore",
+    "Keeper",
     "LeaseKeeper",
     "LeaseLost",
     "Record",
@@ -70,6 +82,7 @@ __all__ = [
 ]
 
 Clock = Callable[[], float]
+T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
 
@@ -134,21 +147,31 @@ _COLUMNS = (
     " recovery_data, result, error_class, error_message, created_at, updated_at,"
     " retention_expires_at"
 )
+_NAMES = [name.strip() for name in _COLUMNS.split(",")]
 
-_UPSERT = """
-INSERT INTO idempotency_records AS r
-    (key, payload_hash, status, owner_token, lease_expires_at, fence, attempt,
-     created_at, updated_at)
-VALUES (:key, :hash, 'in_progress', :owner, :expires, 1, 1, :now, :now)
-ON CONFLICT (key) DO UPDATE SET
+
+def _columns(alias: str) -> str:
+    return ", ".join(f"{alias}.{name}" for name in _NAMES)
+
+
+_CLAIMABLE = """r.payload_hash = excluded.payload_hash
+  AND (r.status = 'retryable' OR (r.status = 'in_progress' AND r.lease_expires_at <= :now))"""
+
+_ON_CONFLICT = f"""ON CONFLICT (key) DO UPDATE SET
     status = 'in_progress',
     owner_token = excluded.owner_token,
     lease_expires_at = excluded.lease_expires_at,
     fence = r.fence + 1,
     attempt = r.attempt + 1,
     updated_at = excluded.updated_at
-WHERE r.payload_hash = excluded.payload_hash
-  AND (r.status = 'retryable' OR (r.status = 'in_progress' AND r.lease_expires_at <= :now))
+WHERE {_CLAIMABLE}"""
+
+_UPSERT = f"""
+INSERT INTO idempotency_records AS r
+    (key, payload_hash, status, owner_token, lease_expires_at, fence, attempt,
+     created_at, updated_at)
+VALUES (:key, :hash, 'in_progress', :owner, :expires, 1, 1, :now, :now)
+{_ON_CONFLICT}
 """
 
 # Postgres: the upsert is only attempted when the statement's snapshot shows the key absent or
@@ -167,18 +190,88 @@ assert _UPSERT_PG != _UPSERT
 
 # Postgres: claim or read the existing record in one round trip. The second branch reads the
 # statement's snapshot, so it sees the record as it was before the upsert tried it.
-_BEGIN_PG = f"""
-WITH claimed AS ({_UPSERT_PG} RETURNING r.*)
+_BEGIN_PG = Sql(f"""
+WITH claimed AS ({_UPSERT_PG} RETURNING {_columns("r")})
 SELECT {_COLUMNS}, TRUE AS claimed,
        (SELECT p.status FROM idempotency_records p WHERE p.key = :key) AS previous_status
 FROM claimed
 UNION ALL
 SELECT {_COLUMNS}, FALSE AS claimed, status AS previous_status
 FROM idempotency_records WHERE key = :key AND NOT EXISTS (SELECT 1 FROM claimed)
-"""
+""")
 
-_BEGIN_SQLITE = f"{_UPSERT} RETURNING {_COLUMNS}"
+# Postgres, a batch: the same decision for every key in one statement. ``before`` is the
+# statement's snapshot of the batch's records (the previous status, or the record to answer
+# with when the key is not claimed); rows are inserted in key order, so two batches that share
+# keys take their row locks in the same order.
+_BEGIN_MANY_PG = Sql(f"""
+WITH input AS (
+    SELECT i.key, i.hash, i.owner
+    FROM unnest(CAST(:keys AS text[]), CAST(:hashes AS text[]), CAST(:owners AS text[]))
+        AS i(key, hash, owner)
+),
+before AS (
+    SELECT {_COLUMNS} FROM idempotency_records WHERE key = ANY(CAST(:keys AS text[]))
+),
+claimed AS (
+    INSERT INTO idempotency_records AS r
+        (key, payload_hash, status, owner_token, lease_expires_at, fence, attempt,
+         created_at, updated_at)
+    SELECT i.key, i.hash, 'in_progress', i.owner, :expires, 1, 1, :now, :now
+    FROM input i
+    WHERE NOT EXISTS (
+        SELECT 1 FROM before x WHERE x.key = i.key AND NOT (
+            x.payload_hash = i.hash AND (x.status = 'retryable'
+            OR (x.status = 'in_progress' AND x.lease_expires_at <= :now))))
+    ORDER BY i.key
+    {_ON_CONFLICT}
+    RETURNING {_columns("r")}
+)
+SELECT {_columns("c")}, TRUE AS claimed, b.status AS previous_status
+FROM claimed c LEFT JOIN before b ON b.key = c.key
+UNION ALL
+SELECT {_columns("b")}, FALSE AS claimed, b.status AS previous_status
+FROM before b WHERE NOT EXISTS (SELECT 1 FROM claimed c WHERE c.key = b.key)
+""")
 
+_BEGIN_SQLITE = Sql(f"{_UPSERT} RETURNING {_COLUMNS}")
+_SELECT_ONE = Sql(f"SELECT {_COLUMNS} FROM idempotency_records WHERE key = :key")
+
+# The owner's writes: each applies only while the caller still owns a live claim.
+_OWNER = "WHERE key = :key AND owner_token = :owner AND status = 'in_progress'"
+_HEARTBEAT = Sql(
+    f"UPDATE idempotency_records SET lease_expires_at = :expires, updated_at = :now {_OWNER}"
+)
+_CHECKPOINT = Sql(
+    "UPDATE idempotency_records SET recovery_point = :point, recovery_data = :data,"
+    f" lease_expires_at = :expires, updated_at = :now {_OWNER}"
+)
+_COMPLETE = Sql(
+    "UPDATE idempotency_records SET status = 'completed', result = :result,"
+    " lease_expires_at = NULL, error_class = NULL, error_message = NULL,"
+    f" retention_expires_at = :retain, updated_at = :now {_OWNER}"
+)
+_FAIL = Sql(
+    "UPDATE idempotency_records SET status = :status, error_class = :eclass,"
+    f" error_message = :emsg, lease_expires_at = NULL, updated_at = :now {_OWNER}"
+)
+
+# Postgres, a batch of owner writes in one statement; returns the keys still owned (written).
+_BATCH_OWNER = (
+    "FROM unnest(CAST(:keys AS text[]), CAST(:owners AS text[]){extra}) AS i(key, owner{cols})"
+    " WHERE r.key = i.key AND r.owner_token = i.owner AND r.status = 'in_progress'"
+    " RETURNING r.key"
+)
+_HEARTBEAT_MANY_PG = Sql(
+    "UPDATE idempotency_records AS r SET lease_expires_at = :expires, updated_at = :now "
+    + _BATCH_OWNER.format(extra="", cols="")
+)
+_COMPLETE_MANY_PG = Sql(
+    "UPDATE idempotency_records AS r SET status = 'completed', result = i.result,"
+    " lease_expires_at = NULL, error_class = NULL, error_message = NULL,"
+    " retention_expires_at = :retain, updated_at = :now "
+    + _BATCH_OWNER.format(extra=", CAST(:results AS text[])", cols=", result")
+)
 
 def payload_hash(payload: Any) -> str:
     """Stable hash of a JSON-serialisable payload (key order does not matter)."""
@@ -207,23 +300,25 @@ class Record:
 
     @classmethod
     def from_row(cls, row: Any) -> Record:
-        m = row._mapping
+        """From a SQLAlchemy row or a driver tuple whose first columns are ``_COLUMNS``."""
+        (key, digest, status, owner, lease, fence, attempt, point, data, result, eclass, emsg,
+         created, updated, retention) = tuple(row)[:15]
         return cls(
-            key=m["key"],
-            payload_hash=m["payload_hash"],
-            status=Status(m["status"]),
-            owner_token=m["owner_token"],
-            lease_expires_at=m["lease_expires_at"],
-            fence=int(m["fence"]),
-            attempt=int(m["attempt"]),
-            recovery_point=m["recovery_point"],
-            recovery_data=from_text(m["recovery_data"]),
-            result=from_text(m["result"]),
-            error_class=m["error_class"],
-            error_message=m["error_message"],
-            created_at=m["created_at"],
-            updated_at=m["updated_at"],
-            retention_expires_at=m["retention_expires_at"],
+            key=key,
+            payload_hash=digest,
+            status=Status(status),
+            owner_token=owner,
+            lease_expires_at=lease,
+            fence=int(fence),
+            attempt=int(attempt),
+            recovery_point=point,
+            recovery_data=from_text(data),
+            result=from_text(result),
+            error_class=eclass,
+            error_message=emsg,
+            created_at=created,
+            updated_at=updated,
+            retention_expires_at=retention,
         )
 
 
@@ -254,6 +349,12 @@ class Completed:
     result: Any
     fence: int
     attempt: int
+
+
+BeginOutcome = Claim | Completed | SekaliError
+"""One key's answer in :meth:`IdempotencyStore.begin_many`: a :class:`Claim`, the stored result
+(:class:`Completed`), or the error ``begin`` would have raised for it (:class:`AlreadyInProgress`,
+:class:`IdempotencyConflict`, :class:`StoredFailure`), returned rather than raised."""
 
 
 class IdempotencyStore:
@@ -289,6 +390,9 @@ class IdempotencyStore:
     def begin(self, key: str, *, payload: Any = None) -> Claim | Completed:
         """Claim ``key``, or return its stored result.
 
+        One round trip on Postgres (one conditional statement that also reads the record it did
+        not claim); one ``BEGIN IMMEDIATE`` transaction of two statements on SQLite.
+
         Raises :class:`IdempotencyConflict` (payload differs), :class:`AlreadyInProgress`
         (another owner's lease is live: retry later) or :class:`StoredFailure` (failed
         permanently before: an operator must reset it).
@@ -306,28 +410,81 @@ class IdempotencyStore:
                 "now": now,
                 "expires": now + self.lease_seconds,
             }
+            found: tuple[Record, bool, str | None] | None
             if self.db.is_postgres:
-                with self.db.statement() as conn:
-                    row = conn.execute(text(_BEGIN_PG), params).first()
-                if row is None:
-                    continue  # inserted concurrently after our snapshot: look again
-                record = Record.from_row(row)
-                claimed = bool(row._mapping["claimed"])
-                previous = row._mapping["previous_status"]
+                with connect(self.db) as conn:
+                    row = conn.row(_BEGIN_PG, params)
+                found = None if row is None else (Record.from_row(row), bool(row[15]), row[16])
             else:
-                with self.db.transaction() as conn:
-                    before = conn.execute(
-                        text(f"SELECT {_COLUMNS} FROM idempotency_records WHERE key = :key"),
-                        {"key": key},
-                    ).first()
-                    row = conn.execute(text(_BEGIN_SQLITE), params).first()
-                claimed = row is not None
-                if not claimed and before is None:
-                    continue
-                record = Record.from_row(row if claimed else before)
-                previous = before._mapping["status"] if before is not None else None
-            return self._outcome(record, claimed, previous, digest, now)
+                with transaction(self.db) as conn:
+                    found = _claim_sqlite(conn, params)
+            if found is None:
+                continue  # inserted concurrently after our snapshot: look again
+            return self._outcome(*found, digest, now)
         raise SekaliError(f"could not read or claim {key!r} after 5 tries; the store is unstable")
+
+    def begin_many(self, items: Sequence[tuple[str, Any]]) -> list[BeginOutcome]:
+        """:meth:`begin` for a batch of ``(key, payload)``: one statement on Postgres, one
+        transaction on SQLite, with exactly the single call's guarantees for every key.
+
+        Returns one outcome per item, in order: a :class:`Claim`, a :class:`Completed`, or the
+        error :meth:`begin` would raise for that key (returned, not raised), so one key's
+        conflict or live lease never stops its neighbours. A key may appear once per batch.
+        """
+        keys = [key for key, _ in items]
+        if not all(keys):
+            raise ValueError("every key must be a non-empty string")
+        if len(set(keys)) != len(keys):
+            raise ValueError("a key may appear only once in a batch")
+        digests = {key: payload_hash(payload) for key, payload in items}
+        owners = {key: uuid.uuid4().hex for key in keys}
+        answers: dict[str, BeginOutcome] = {}
+        todo = sorted(keys)
+        for _ in range(5):
+            if not todo:
+                break
+            now = self.clock()
+            expires = now + self.lease_seconds
+            if self.db.is_postgres:
+                rows = self._begin_many_pg(todo, digests, owners, now, expires)
+                found = {row[0]: (Record.from_row(row), bool(row[15]), row[16]) for row in rows}
+            else:
+                found = {}
+                with transaction(self.db) as conn:
+                    for key in todo:
+                        params = {"key": key, "hash": digests[key], "owner": owners[key],
+                                  "now": now, "expires": expires}
+                        one = _claim_sqlite(conn, params)
+                        if one is not None:
+                            found[key] = one
+            for key, (record, claimed, previous) in found.items():
+                try:
+                    answers[key] = self._outcome(record, claimed, previous, digests[key], now)
+                except SekaliError as exc:
+                    answers[key] = exc
+            todo = [key for key in todo if key not in found]  # inserted after our snapshot
+        for key in todo:
+            answers[key] = SekaliError(
+                f"could not read or claim {key!r} after 5 tries; the store is unstable"
+            )
+        return [answers[key] for key in keys]
+
+    def _begin_many_pg(
+        self,
+        keys: list[str],
+        digests: dict[str, str],
+        owners: dict[str, str],
+        now: float,
+        expires: float,
+    ) -> list[tuple[Any, ...]]:
+        params = {
+            "keys": keys,
+            "hashes": [digests[k] for k in keys],
+            "owners": [owners[k] for k in keys],
+            "now": now,
+            "expires": expires,
+        }
+        return _retry_deadlock(lambda: _rows_autocommit(self.db, _BEGIN_MANY_PG, params))
 
     def _outcome(
         self, record: Record, claimed: bool, previous: str | None, digest: str, now: float
@@ -357,25 +514,21 @@ class IdempotencyStore:
     # -- the owner's writes -----------------------------------------------------------------
 
     def _owner_update(
-        self, claim: Claim, assignments: str, params: dict[str, Any], conn: Connection | None
+        self, claim: Claim, sql: Sql, params: dict[str, Any], conn: Connection | None
     ) -> None:
-        sql = text(
-            f"UPDATE idempotency_records SET {assignments}, updated_at = :now "
-            "WHERE key = :key AND owner_token = :owner AND status = 'in_progress'"
-        )
         params = {**params, "key": claim.key, "owner": claim.owner_token, "now": self.clock()}
         if conn is not None:
-            rowcount = conn.execute(sql, params).rowcount
+            rowcount = within(conn).run(sql, params)
         else:
-            with self.db.statement() as own:
-                rowcount = own.execute(sql, params).rowcount
+            with connect(self.db) as own:
+                rowcount = own.run(sql, params)
         if rowcount != 1:
             raise LeaseLost(claim.key, claim.owner_token)
 
     def heartbeat(self, claim: Claim, *, conn: Connection | None = None) -> float:
         """Extend the lease; returns the new expiry. :class:`LeaseLost` if it was taken over."""
         expires = self.clock() + self.lease_seconds
-        self._owner_update(claim, "lease_expires_at = :expires", {"expires": expires}, conn)
+        self._owner_update(claim, _HEARTBEAT, {"expires": expires}, conn)
         return expires
 
     def checkpoint(
@@ -388,7 +541,7 @@ class IdempotencyStore:
         """
         self._owner_update(
             claim,
-            "recovery_point = :point, recovery_data = :data, lease_expires_at = :expires",
+            _CHECKPOINT,
             {"point": point, "data": to_text(data), "expires": self.clock() + self.lease_seconds},
             conn,
         )
@@ -397,8 +550,7 @@ class IdempotencyStore:
         """Store the result; later ``begin`` calls return it. The ack must come after this."""
         self._owner_update(
             claim,
-            "status = 'completed', result = :result, lease_expires_at = NULL,"
-            " error_class = NULL, error_message = NULL, retention_expires_at = :retain",
+            _COMPLETE,
             {"result": to_text(result), "retain": self.clock() + self.retention_seconds},
             conn,
         )
@@ -425,11 +577,95 @@ class IdempotencyStore:
         error_class = type(error).__name__ if isinstance(error, BaseException) else "Error"
         self._owner_update(
             claim,
-            "status = :status, error_class = :eclass, error_message = :emsg,"
-            " lease_expires_at = NULL",
+            _FAIL,
             {"status": status.value, "eclass": error_class, "emsg": str(error)[:4000]},
             conn,
         )
+
+    # -- the owner's writes, for a batch --------------------------------------------------------
+
+    def heartbeat_many(
+        self, claims: Sequence[Claim], *, conn: Connection | None = None
+    ) -> tuple[float, set[str]]:
+        """Extend the leases of a batch in one statement (Postgres) or one transaction (SQLite).
+
+        Returns the new expiry and the keys whose lease was lost (taken over, or no longer in
+        progress): nothing is written for those, exactly as :meth:`heartbeat` would refuse.
+        """
+        expires = self.clock() + self.lease_seconds
+        written = self._owner_update_many(
+            claims, _HEARTBEAT, _HEARTBEAT_MANY_PG, {"expires": expires}, None, conn
+        )
+        return expires, {c.key for c in claims} - written
+
+    def complete_many(
+        self, items: Sequence[tuple[Claim, Any]], *, conn: Connection | None = None
+    ) -> list[LeaseLost | None]:
+        """:meth:`complete` for a batch of ``(claim, result)``: one statement on Postgres, one
+        transaction on SQLite (or the caller's, with ``conn``).
+
+        Returns one entry per item, in order: None when stored, the :class:`LeaseLost` the single
+        call would raise when the claim was taken over (nothing is written for that key). The
+        ack of each key must come after this.
+        """
+        claims = [claim for claim, _ in items]
+        results = {claim.key: to_text(result) for claim, result in items}
+        written = self._owner_update_many(
+            claims,
+            _COMPLETE,
+            _COMPLETE_MANY_PG,
+            {"retain": self.clock() + self.retention_seconds},
+            results,
+            conn,
+        )
+        return [
+            None if claim.key in written else LeaseLost(claim.key, claim.owner_token)
+            for claim in claims
+        ]
+
+    def _owner_update_many(
+        self,
+        claims: Sequence[Claim],
+        one: Sql,
+        many_pg: Sql,
+        params: dict[str, Any],
+        results: dict[str, str] | None,
+        conn: Connection | None,
+    ) -> set[str]:
+        """Apply an owner's write to every claim still owned; returns the keys written."""
+        if not claims:
+            return set()
+        if len({c.key for c in claims}) != len(claims):
+            raise ValueError("a key may appear only once in a batch")
+        now = self.clock()
+        if self.db.is_postgres:
+            batch = {
+                **params,
+                "now": now,
+                "keys": [c.key for c in claims],
+                "owners": [c.owner_token for c in claims],
+                "results": [results[c.key] for c in claims] if results is not None else None,
+            }
+            if conn is not None:
+                rows = within(conn).rows(many_pg, batch)
+            else:
+                rows = _retry_deadlock(lambda: _rows_autocommit(self.db, many_pg, batch))
+            return {str(row[0]) for row in rows}
+
+        def apply(driver: DriverConnection) -> set[str]:
+            written = set()
+            for c in claims:
+                each = {**params, "now": now, "key": c.key, "owner": c.owner_token}
+                if results is not None:
+                    each["result"] = results[c.key]
+                if driver.run(one, each) == 1:
+                    written.add(c.key)
+            return written
+
+        if conn is not None:
+            return apply(within(conn))
+        with transaction(self.db) as driver:
+            return apply(driver)
 
     # -- operators and retention ------------------------------------------------------------
 
@@ -448,10 +684,8 @@ class IdempotencyStore:
             )
 
     def get(self, key: str) -> Record | None:
-        with self.db.statement() as conn:
-            row = conn.execute(
-                text(f"SELECT {_COLUMNS} FROM idempotency_records WHERE key = :key"), {"key": key}
-            ).first()
+        with connect(self.db) as conn:
+            row = conn.row(_SELECT_ONE, {"key": key})
         return None if row is None else Record.from_row(row)
 
     def completed_at(self, keys: Iterable[str]) -> dict[str, float]:
@@ -543,15 +777,44 @@ class IdempotencyStore:
     # -- convenience ------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def keep_alive(self, claim: Claim, *, interval: float | None = None) -> Iterator[LeaseKeeper]:
+    def keep_alive(
+        self, claim: Claim, *, interval: float | None = None, confirmed_at: float | None = None
+    ) -> Iterator[LeaseKeeper]:
         """Heartbeat in the background while the block runs; ``keeper.check()`` raises
-        :class:`LeaseLost` once a heartbeat found the lease taken over."""
-        keeper = LeaseKeeper(self, claim, interval or self.lease_seconds / 3)
+        :class:`LeaseLost` once a heartbeat found the lease taken over.
+
+        ``confirmed_at``: the ``time.monotonic()`` taken just before the claim (or the last
+        heartbeat) was asked for, so :meth:`LeaseKeeper.confirm` can skip a heartbeat while the
+        claim is that fresh.
+        """
+        keeper = LeaseKeeper(self, claim, interval or self.lease_seconds / 3, confirmed_at)
         keeper.start()
         try:
             yield keeper
         finally:
             keeper.stop()
+
+    @contextlib.contextmanager
+    def keep_alive_many(
+        self,
+        claims: Sequence[Claim],
+        *,
+        interval: float | None = None,
+        confirmed_at: float | None = None,
+    ) -> Iterator[BatchLeaseKeeper]:
+        """:meth:`keep_alive` for a batch: one thread, one statement per beat for every claim."""
+        keeper = BatchLeaseKeeper(self, claims, interval or self.lease_seconds / 3, confirmed_at)
+        keeper.start()
+        try:
+            yield keeper
+        finally:
+            keeper.stop()
+
+    @property
+    def fresh_for(self) -> float:
+        """How long after a claim or heartbeat the lease is surely still ours without asking:
+        a tenth of the lease (a takeover needs the whole lease to pass first)."""
+        return self.lease_seconds / 10
 
     def run_once(
         self, key: str, fn: Callable[[], Any], *, payload: Any = None, wait: float = 0.0
@@ -586,6 +849,16 @@ class IdempotencyStore:
         return result
 
 
+class Keeper(Protocol):
+    """What a job sees of the keeper of its claim."""
+
+    def check(self) -> None:
+        """Raise :class:`LeaseLost` if a heartbeat found the lease taken over."""
+
+    def confirm(self) -> None:
+        """Make sure the lease is still ours now, asking the store unless it is surely fresh."""
+
+
 class LeaseKeeper:
     """A daemon thread that heartbeats one claim until stopped, and tells its holder to stop.
 
@@ -604,7 +877,13 @@ class LeaseKeeper:
         later  the database answers again; B's begin(K) takes over; A writes nothing more
     """
 
-    def __init__(self, store: IdempotencyStore, claim: Claim, interval: float) -> None:
+    def __init__(
+        self,
+        store: IdempotencyStore,
+        claim: Claim,
+        interval: float,
+        confirmed_at: float | None = None,
+    ) -> None:
         self.store = store
         self.claim = claim
         self.interval = interval
@@ -612,6 +891,7 @@ class LeaseKeeper:
         self.expires = claim.lease_expires_at
         self.beats = 0
         self.failed_beats = 0
+        self.confirmed_at = confirmed_at if confirmed_at is not None else -math.inf
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"lease:{claim.key}", daemon=True)
 
@@ -622,7 +902,7 @@ class LeaseKeeper:
         delay = self.interval
         while not self._stop.wait(delay):
             try:
-                self.expires = self.store.heartbeat(self.claim)
+                self._beat()
                 self.beats += 1
                 delay = self.interval
             except LeaseLost as exc:
@@ -648,12 +928,155 @@ class LeaseKeeper:
             )
         return True
 
+    def _beat(self) -> None:
+        asked = time.monotonic()
+        self.expires = self.store.heartbeat(self.claim)
+        self.confirmed_at = asked
+
     def check(self) -> None:
         """Raise :class:`LeaseLost` if the lease was taken over or may have run out."""
         if self.lost is not None or self._expired():
             assert self.lost is not None
             raise self.lost
 
+    def confirm(self) -> None:
+        """Heartbeat now, in this thread, unless the claim or a heartbeat was confirmed within
+        :attr:`IdempotencyStore.fresh_for` (monotonic time, so a paused process always asks).
+        Raises :class:`LeaseLost` if the key was taken over."""
+        self.check()
+        if time.monotonic() - self.confirmed_at < self.store.fresh_for:
+            return
+        try:
+            self._beat()
+        except LeaseLost as exc:
+            self.lost = exc
+            raise
+
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+
+
+
+
+class BatchLeaseKeeper:
+    """One daemon thread that keeps every claim of a batch alive with one statement per beat.
+
+    A key leaves the batch with :meth:`release` once it completed or failed (its later beats
+    would only report it "lost"). :meth:`keeper_for` gives each job its own :class:`Keeper`.
+    """
+
+    def __init__(
+        self,
+        store: IdempotencyStore,
+        claims: Sequence[Claim],
+        interval: float,
+        confirmed_at: float | None = None,
+    ) -> None:
+        self.store = store
+        self.interval = interval
+        self.lost: dict[str, LeaseLost] = {}
+        self.beats = 0
+        self.failed_beats = 0
+        self.confirmed_at = confirmed_at if confirmed_at is not None else -math.inf
+        self._claims = {claim.key: claim for claim in claims}
+        self._lock = threading.Lock()
+        self._beating = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="lease:batch", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def release(self, key: str) -> None:
+        with self._lock:
+            self._claims.pop(key, None)
+
+    def check(self, key: str) -> None:
+        lost = self.lost.get(key)
+        if lost is not None:
+            raise lost
+
+    def confirm(self, key: str) -> None:
+        """:meth:`LeaseKeeper.confirm` for one key; a heartbeat, when needed, beats them all."""
+        self.check(key)
+        if time.monotonic() - self.confirmed_at >= self.store.fresh_for:
+            self._beat()
+            self.check(key)
+
+    def keeper_for(self, claim: Claim) -> Keeper:
+        return _BatchMember(self, claim.key)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self._beat()
+                self.beats += 1
+            except Exception:  # noqa: BLE001 - store briefly unavailable: beat again
+                self.failed_beats += 1
+                logger.warning("heartbeat of a batch failed; retrying", exc_info=True)
+
+    def _beat(self) -> None:
+        with self._beating:
+            with self._lock:
+                live = [c for key, c in self._claims.items() if key not in self.lost]
+            if not live:
+                return
+            asked = time.monotonic()
+            _, lost = self.store.heartbeat_many(live)
+            with self._lock:
+                for claim in live:
+                    if claim.key in lost and claim.key in self._claims:
+                        self.lost[claim.key] = LeaseLost(claim.key, claim.owner_token)
+            self.confirmed_at = asked
+
+
+@dataclass(frozen=True)
+class _BatchMember:
+    keeper: BatchLeaseKeeper
+    key: str
+
+    def check(self) -> None:
+        self.keeper.check(self.key)
+
+    def confirm(self) -> None:
+        self.keeper.confirm(self.key)
+
+
+def _claim_sqlite(
+    conn: DriverConnection, params: dict[str, Any]
+) -> tuple[Record, bool, str | None] | None:
+    """One key's claim inside a ``BEGIN IMMEDIATE`` transaction: (record, claimed, previous
+    status), or None when the key vanished between the two statements (look again)."""
+    before = conn.row(_SELECT_ONE, params)
+    row = conn.row(_BEGIN_SQLITE, params)
+    if row is None and before is None:
+        return None
+    previous = before[2] if before is not None else None
+    if row is not None:
+        return Record.from_row(row), True, previous
+    assert before is not None
+    return Record.from_row(before), False, previous
+
+
+def _rows_autocommit(db: Database, sql: Sql, params: dict[str, Any]) -> list[tuple[Any, ...]]:
+    with connect(db) as conn:
+        return conn.rows(sql, params)
+
+
+def _retry_deadlock(fn: Callable[[], T], tries: int = 5) -> T:
+    """Run one autocommit statement again if Postgres rolled it back to break a deadlock (two
+    batches, or a batch and a stale owner, waiting on each other's rows): nothing of it stayed."""
+    for attempt in range(tries):
+        try:
+            return fn()
+        except Exception as exc:
+            cause = exc.__cause__ if exc.__cause__ is not None else exc
+            if attempt == tries - 1 or not (is_deadlock(exc) or is_deadlock(cause)):
+                raise
+            time.sleep(0.005 * (attempt + 1))
+    raise AssertionError("unreachable")

@@ -79,11 +79,12 @@ class RetryBudget:
         ok, _level = self._spend(keys=[self.key(downstream)], args=[self.capacity, self._ttl_ms])
         return bool(int(ok))
 
-    def refund(self, downstream: str) -> float:
-        """Record a clean success: add ``refill_per_success`` up to capacity. Returns the level."""
+    def refund(self, downstream: str, successes: int = 1) -> float:
+        """Record clean successes: add ``refill_per_success`` for each, up to capacity (a batch
+        refunds its successes in one call). Returns the level."""
         level = self._refund(
             keys=[self.key(downstream)],
-            args=[self.capacity, self.refill_per_success, self._ttl_ms],
+            args=[self.capacity, self.refill_per_success * successes, self._ttl_ms],
         )
         return float(level)
 

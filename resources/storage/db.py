@@ -386,9 +386,12 @@ def _wrap_driver_errors() -> Iterator[None]:
 
 
 def _looks_unavailable(exc: sa_exc.DBAPIError) -> bool:
-    if exc.connection_invalidated:
-        return True
-    text = str(exc.orig).lower()
+    return exc.connection_invalidated or looks_unavailable(str(exc.orig))
+
+
+def looks_unavailable(message: str) -> bool:
+    """Does a driver's error message mean "the server is not there (now)"?"""
+    text = message.lower()
     return any(
         needle in text
         for needle in (

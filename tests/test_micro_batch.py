@@ -1,0 +1,246 @@
+"""The micro-batch path (``run_batch`` -> ``execute_batch``) keeps every guarantee of the
+per-request path while it claims, completes and records a batch together.
+
+Real stores on SQLite and Postgres, the real SMTP sink, real processes: one statement claims a
+whole batch; each kind of failure stays with its own request; overlapping batches in several
+processes make each effect once; a batch killed mid-way (SIGKILL) is finished by the next run
+without a second effect; an inventory batch commits its carts in one transaction, a cart that
+cannot be reserved rolling back alone.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import event, text
+
+from pipelines.attempts import AttemptRecorder
+from pipelines.domain.inventory import Inventory
+from pipelines.domain.mail import SmtpMailer, message_id_for
+from pipelines.jobs import inventory as inventory_job
+from pipelines.jobs.email import validate
+from pipelines.ops.batch import run_batch
+from pipelines.requests import RequestStatus, RequestStore
+from pipelines.services import Services
+from resources.idempotency import Claim, Completed, IdempotencyStore, Status
+from resources.storage.db import Database
+from resources.storage.driver import DriverConnection, Sql
+from sandbox.mailsink import MailSink
+from tests.job_workers import batch_worker
+
+WORKER = Path(__file__).resolve().parent / "job_workers.py"
+
+
+def email(tag: str, i: int, domain: str = "example.com") -> dict[str, Any]:
+    return {"template": "welcome", "user_id": f"{tag}{i}", "date": "2026-11-29",
+            "to": f"{tag}{i}@{domain}"}
+
+
+def key_of(payload: dict[str, Any]) -> str:
+    return f"email:welcome:{payload['user_id']}:2026-11-29"
+
+
+def services_for(db: Database, sink: MailSink, lease: float = 30.0) -> Services:
+    return Services(
+        db=db, store=IdempotencyStore(db, lease_seconds=lease), attempts=AttemptRecorder(db),
+        mailer=SmtpMailer("127.0.0.1", sink.port),
+    )
+
+
+def enqueue(db: Database, job_type: str, payloads: list[dict[str, Any]], key: Any) -> list[int]:
+    store = RequestStore(db)
+    return [store.enqueue(job_type, key(p), p, queue="light").id for p in payloads]
+
+
+class LedgerStatements:
+    """Counts the statements the idempotency ledger runs (observed on the driver, not faked)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.count = 0
+        for name in ("rows", "row", "run"):
+            original = getattr(DriverConnection, name)
+
+            def counted(conn: Any, sql: Sql, params: Any, original: Any = original) -> Any:
+                if "idempotency_records" in sql.text:
+                    self.count += 1
+                return original(conn, sql, params)
+
+            monkeypatch.setattr(DriverConnection, name, counted)
+
+
+def test_a_batch_claims_and_completes_its_keys_in_one_statement_each(
+    db: Database, sink: MailSink, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Catches: a micro-batch that still claims and completes its keys one at a time (the
+    ledger's statements grow with the batch), or that sends any mail twice."""
+    counter = LedgerStatements(monkeypatch)
+    services = services_for(db, sink)
+    per_batch = []
+    for size in (3, 12):
+        ids = enqueue(db, "send_email", [email(f"n{size}-", i) for i in range(size)], key_of)
+        before = counter.count
+        summary = run_batch(RequestStore(db), ids, services=services, run_id=f"r{size}")
+        assert (summary["completed"], summary["failed"]) == (size, 0)
+        per_batch.append(counter.count - before)
+    # one claim and one completion (one transaction of per-key statements on SQLite)
+    if db.is_postgres:
+        assert per_batch == [2, 2]
+    mails = [m["message_id"] for m in sink.messages()]
+    assert len(mails) == 15 and len(set(mails)) == 15
+
+
+def test_each_kind_of_failure_stays_with_its_request(db: Database, sink: MailSink) -> None:
+    """Catches: a batch whose neighbours are stopped, skipped or dead-lettered by one request's
+    failure, or a failure that skips the failure path (request status, attempt outcome)."""
+    services = services_for(db, sink)
+    requests = RequestStore(db)
+    good = [email("ok", i) for i in range(4)]
+    done, busy = email("done", 0), email("busy", 0)
+    rejected = email("rej", 0, domain="reject.invalid")
+    ids = enqueue(db, "send_email", [*good, done, busy, rejected], key_of)
+    bad = requests.enqueue("send_email", "email:bad", {"template": "nope"}, queue="light").id
+    claim = services.store.begin(key_of(done), payload=validate(done))
+    assert isinstance(claim, Claim)
+    services.store.complete(claim, {"old": True})
+    services.store.begin(key_of(busy), payload=validate(busy))  # another worker's live lease
+
+    summary = run_batch(requests, [*ids, bad], services=services, run_id="mixed")
+
+    assert (summary["completed"], summary["duplicate"], summary["failed"]) == (4, 1, 3)
+    assert set(summary["failures"]) == {key_of(busy), key_of(rejected), "email:bad"}
+    statuses = {i: requests.get(i).status for i in [*ids, bad]}  # type: ignore[union-attr]
+    assert [statuses[i] for i in ids[:5]] == [RequestStatus.COMPLETED] * 5
+    assert [statuses[i] for i in (ids[5], ids[6], bad)] == [RequestStatus.FAILED] * 3
+    outcomes = {
+        key: [r["outcome"] for r in AttemptRecorder(db).for_key(key)]
+        for key in [key_of(p) for p in [*good, done, busy, rejected]]
+    }
+    assert all(outcomes[key_of(p)] == ["completed"] for p in good)
+    assert outcomes[key_of(done)] == ["duplicate_suppressed"]
+    assert outcomes[key_of(busy)] == ["in_progress_elsewhere"]
+    assert outcomes[key_of(rejected)] == ["failed_permanent"]
+    rejected_record = services.store.get(key_of(rejected))
+    assert rejected_record is not None and rejected_record.status is Status.FAILED
+    assert sorted(m["message_id"] for m in sink.messages()) == sorted(
+        message_id_for(key_of(p)) for p in good
+    )
+
+
+def test_overlapping_batches_in_several_processes_send_each_mail_once(
+    db: Database, db_url: str, sink: MailSink
+) -> None:
+    """Catches: two batches (in different processes) that both claim a key of their overlap and
+    both send it, or a request left neither completed nor failed."""
+    payloads = [email("ov", i) for i in range(24)]
+    ids = enqueue(db, "send_email", payloads, key_of)
+    go = time.time() + 5.0
+    specs = [
+        {"db_url": db_url, "smtp_port": sink.port, "request_ids": ids[lo:hi], "go": go,
+         "run_id": f"p{n}"}
+        for n, (lo, hi) in enumerate([(0, 16), (8, 24), (0, 24)])
+    ]
+    with multiprocessing.get_context("spawn").Pool(3) as pool:
+        summaries = pool.map(batch_worker, specs)
+    assert sum(s["completed"] + s["duplicate"] for s in summaries) >= 24
+    mails = Counter(m["message_id"] for m in sink.messages())
+    assert mails == Counter(message_id_for(key_of(p)) for p in payloads)
+    for key in map(key_of, payloads):
+        assert [r["outcome"] for r in AttemptRecorder(db).for_key(key)].count("completed") == 1
+    # losers of a race were marked failed for the DLQ only if nobody completed the key
+    assert RequestStore(db).counts()["completed"] == 24
+
+
+def test_a_batch_killed_after_its_first_send_is_finished_without_a_second_effect(
+    db: Database, db_url: str, sink: MailSink
+) -> None:
+    """Catches: keys claimed by a batch that died staying stuck, or being redone with another
+    identity: after the dead batch's short lease expires the next run takes every key over and
+    each mail exists once (the first with the same Message-ID, which receivers deduplicate)."""
+    payloads = [email("crash", i) for i in range(5)]
+    ids = enqueue(db, "send_email", payloads, key_of)
+    spec = {"db_url": db_url, "smtp_port": sink.port, "request_ids": ids, "lease_seconds": 1.5}
+    proc = subprocess.run(
+        [sys.executable, str(WORKER), json.dumps(spec)],
+        env={**os.environ, "SEKALI_CRASH_AT": "after_send"}, capture_output=True, text=True,
+        timeout=180,
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    store = IdempotencyStore(db)
+    claimed = [store.get(key_of(p)) for p in payloads]
+    assert all(r is not None and r.status is Status.IN_PROGRESS for r in claimed)
+    assert len(sink.messages()) == 1
+    time.sleep(2.0)  # past the dead batch's lease
+
+    summary = run_batch(RequestStore(db), ids, services=services_for(db, sink), run_id="again")
+
+    assert summary["completed"] == 5
+    assert Counter(m["message_id"] for m in sink.messages()) == Counter(
+        {message_id_for(key_of(payloads[0])): 2}
+        | {message_id_for(key_of(p)): 1 for p in payloads[1:]}
+    )
+    for p in payloads:
+        record = store.get(key_of(p))
+        assert record is not None and record.status is Status.COMPLETED and record.fence == 2
+        rows = AttemptRecorder(db).for_key(key_of(p))
+        assert [(r["outcome"], r["takeover"]) for r in rows] == [
+            ("started", False), ("completed", True)
+        ]
+
+
+def cart(i: int, quantity: int = 1) -> dict[str, Any]:
+    return {"cart_id": f"c{i}", "items": [{"sku": "sku-b", "quantity": quantity},
+                                          {"sku": "sku-a", "quantity": 1}]}
+
+
+def test_inventory_batch_commits_its_carts_together_and_a_bad_cart_alone_rolls_back(
+    db: Database, db_url: str, sink: MailSink
+) -> None:
+    """Catches: a batch handler that lets one cart's failure roll back its neighbours, reserves
+    a cart without completing its key in the same transaction, or oversells. A batch killed
+    before its commit leaves nothing reserved and nothing completed; the rerun does it all."""
+    inventory = Inventory(db)
+    inventory.set_stock("sku-a", 10)
+    inventory.set_stock("sku-b", 10)
+    payloads = [cart(0), cart(1), cart(2, quantity=50), cart(3)]  # cart 2 asks too much
+    ids = enqueue(db, "reserve_inventory", payloads, lambda p: f"inventory-reserve:{p['cart_id']}")
+    spec = {"db_url": db_url, "request_ids": ids, "lease_seconds": 1.5}
+    proc = subprocess.run(
+        [sys.executable, str(WORKER), json.dumps(spec)],
+        env={**os.environ, "SEKALI_CRASH_AT": "before_commit_reservation"},
+        capture_output=True, text=True, timeout=180,
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    assert inventory.stock("sku-a") == (10, 0) and inventory.stock("sku-b") == (10, 0)
+    time.sleep(2.0)
+
+    transactions: set[int] = set()
+
+    def note(conn: Any, cursor: Any, statement: str, *args: Any) -> None:
+        if statement.lstrip().startswith("INSERT INTO reservations"):
+            transactions.add(id(conn.get_transaction()))
+
+    event.listen(db.engine, "before_cursor_execute", note)
+    summary = run_batch(RequestStore(db), ids, services=services_for(db, sink), run_id="inv")
+    event.remove(db.engine, "before_cursor_execute", note)
+    assert len(transactions) == 1  # three carts reserved in one transaction
+
+    assert (summary["completed"], summary["failed"]) == (3, 1)
+    assert "InsufficientStock" in summary["failures"]["inventory-reserve:c2"]
+    assert inventory.stock("sku-a") == (10, 3) and inventory.stock("sku-b") == (10, 3)
+    with db.statement() as conn:
+        rows = conn.execute(text("SELECT cart_id, COUNT(*) FROM reservations GROUP BY cart_id"))
+        assert dict(rows.tuples().all()) == {"c0": 2, "c1": 2, "c3": 2}
+    store = IdempotencyStore(db)
+    for i in (0, 1, 3):
+        again = store.begin(f"inventory-reserve:c{i}", payload=inventory_job.validate(payloads[i]))
+        assert isinstance(again, Completed) and again.result["cart_id"] == f"c{i}"
