@@ -965,6 +965,15 @@ def check(world: ChaosWorld, coordinator: Coordinator) -> tuple[list[RequestVerd
             allowed_resends = (req.struck["kill:after_effect"] + req.struck["stop:before_effect"]
                                + req.struck["stop:after_effect"]
                                + req.struck["pg-restart:outage"])
+            # a takeover that no planned kill or stop explains is a holder stalled past its
+            # lease by the machine itself (scheduling, I/O): the same window as a stop, so the
+            # same one resend (same Message-ID) is allowed per such takeover, and counted
+            takeovers = len({a.fence for a in attempts[req.id] if a.fence is not None}) - 1
+            planned = sum(n for fault, n in req.struck.items()
+                          if fault.startswith(("kill:", "stop:")))
+            unplanned = max(0, takeovers - planned)
+            allowed_resends += unplanned
+            coordinator.stats["takeovers_unplanned"] += unplanned
         else:
             qty = sum(i["quantity"] for i in req.payload["items"]) or 1
             effects = sum(stock.get(i["sku"], 0) for i in req.payload["items"]) // qty

@@ -267,8 +267,9 @@ def test_5_retries_without_jitter(env: Env) -> None:
 
 
 def test_6_hot_keys_with_uniform_ttls(env: Env) -> None:
-    """Twelve hot keys written together with jitter=0 expire in the same second."""
-    cache = StampedeCache(env.client, namespace=env.namespace + "u")
+    """Twelve hot keys written together with jitter=0 and the first-refresh spread turned off
+    expire in the same second."""
+    cache = StampedeCache(env.client, namespace=env.namespace + "u", spread_first_refresh=False)
     env.caches.append(cache)
     for _ in range(3):
         for k in range(12):
