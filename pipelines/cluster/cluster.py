@@ -75,7 +75,8 @@ from resources.storage.settings import state_dir as sekali_state_dir
 log = logging.getLogger(__name__)
 
 BIN = Path(sys.executable).parent
-LOCK_FILE = Path("/run/lock/sekali-cluster.lock")
+LOCK_DIR = Path("/run/lock")
+"""Two ``up`` runs pick their subnets under an flock of this directory (no lock file to leave)."""
 STATE_FILE = "state.json"
 POSTGRES_USER = "postgres"  # the OS user the private PostgreSQL runs as (initdb refuses root)
 REQUIRED_TOOLS = ("ip", "iptables", "unshare", "setpriv", "runuser")
@@ -366,8 +367,9 @@ class Cluster:
     def _build_network(
         self, workers: int, subnet: str | None, progress: Callable[[str], None]
     ) -> None:
-        LOCK_FILE.parent.mkdir(parents=True, exist_ok=True)
-        with open(LOCK_FILE, "w") as lock:
+        LOCK_DIR.mkdir(parents=True, exist_ok=True)
+        lock = os.open(LOCK_DIR, os.O_RDONLY)
+        try:
             fcntl.flock(lock, fcntl.LOCK_EX)  # two `up`s never pick the same subnet
             if subnet:
                 net = ipaddress.IPv4Network(subnet)
@@ -386,6 +388,8 @@ class Cluster:
             self.state["links"].append(bridge)
             self._save()
             network.create_bridge(bridge, self.state["gateway"], net.prefixlen)
+        finally:
+            os.close(lock)  # releases the flock
         progress(f"network: bridge {bridge} {net}")
         root = cgroups.hierarchy()
         for h in hosts:
