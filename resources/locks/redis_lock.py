@@ -78,7 +78,9 @@ return {0, redis.call('PTTL', KEYS[1])}
 """
 )
 
-# ARGV: token, signal key prefix, signal list ttl in ms
+# KEYS[1] - lock name    KEYS[2] - fence counter    KEYS[3] - queue    KEYS[4] - alive
+# ARGV[1] - owner token  ARGV[2] - signal key prefix  ARGV[3] - signal list ttl in ms
+# returns 1 when the lock was ours (deleted, the queue's head woken), 0 otherwise
 _RELEASE = (
     _LUA_PRELUDE
     + """
@@ -94,6 +96,9 @@ return 0
 """
 )
 
+# KEYS[1] - lock name    KEYS[2] - fence counter    KEYS[3] - queue    KEYS[4] - alive
+# ARGV[1] - waiter token ARGV[2] - signal key prefix  ARGV[3] - signal list ttl in ms
+# returns 1; the waiter leaves the queue, and the next one is woken if the lock is free
 _LEAVE = (
     _LUA_PRELUDE
     + """
@@ -108,6 +113,9 @@ return 1
 """
 )
 
+# KEYS[1] - lock name
+# ARGV[1] - owner token  ARGV[2] - new ttl in ms
+# returns 1 when the lock was ours and extended, 0 when it is gone or another owner's
 _EXTEND = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then
   return redis.call('PEXPIRE', KEYS[1], ARGV[2])
