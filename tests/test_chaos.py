@@ -93,7 +93,11 @@ def test_guarded_run_on_sqlite_keeps_every_invariant_under_every_fault() -> None
     # a dropped answer: GatewayUnavailable, or PaymentNotSettled when the POST may have charged
     dropped = stats.get("error:GatewayUnavailable", 0) + stats.get("error:PaymentNotSettled", 0)
     assert dropped >= 1, why
-    assert stats.get("error:ConnectionError", 0) + stats.get("error:LockNotAcquired", 0) >= 1, why
+    # the Redis restart reached a worker: a refused connection, a lock not granted, or a call
+    # that got no answer (StoreUnavailable: Redis calls are bounded and never retried blindly)
+    redis_felt = sum(stats.get(f"error:{name}", 0)
+                     for name in ("ConnectionError", "LockNotAcquired", "StoreUnavailable"))
+    assert redis_felt >= 1, why
     assert any(r["fault"].startswith("kill:") for r in report.rows), why
 
 
