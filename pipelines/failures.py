@@ -28,7 +28,6 @@ from pipelines.attempts import Outcome
 from pipelines.requests import RequestStore
 from resources.retry import (
     ErrorClass,
-    FailureClass,
     RetryBudget,
     RetryDecision,
     RetryPolicy,
@@ -109,8 +108,3 @@ class FailurePath:
             requests.mark_failed(
                 request_id, error_text(exc), error_class=str(failure_class(exc)), run_id=run_id
             )
-
-    @staticmethod
-    def recorded_class(exc: BaseException) -> FailureClass:
-        """The class the DLQ keeps for this failure."""
-        return failure_class(exc)

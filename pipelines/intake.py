@@ -50,7 +50,6 @@ def _ensure_schema(db: Database) -> None:
 
 
 def _default_db() -> Database:
-
     return shared_database(Settings.from_env().database_url)
 
 

@@ -249,7 +249,6 @@ class ChaosWorld:
         self.close()
 
     def _start(self) -> None:
-
         cfg = self.config
         if cfg.backend == "postgres":
             self.base_pg_url = (cfg.database_url or os.environ.get("DATABASE_URL")
@@ -342,7 +341,6 @@ class ChaosWorld:
             shutil.rmtree(self.state, ignore_errors=True)
 
     def seed_stock(self, requests: list[Request]) -> None:
-
         inventory = Inventory(self.db)
         for req in requests:
             if req.job_type == "reserve_inventory" and not req.poison:
@@ -443,7 +441,6 @@ class Coordinator:
     report arrives on one queue, so the state below needs no locks."""
 
     def __init__(self, config: ChaosConfig, world: ChaosWorld, requests: list[Request]) -> None:
-
         self.config = config
         self.world = world
         self.requests = requests
@@ -691,7 +688,6 @@ class Coordinator:
         d.tok = None
 
     def _dead_letter(self, d: Delivery, msg: dict[str, Any], error_class: str) -> None:
-
         req = self.requests[d.request]
         info = FailureInfo(
             job_type=req.job_type,

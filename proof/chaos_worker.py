@@ -261,7 +261,6 @@ class Worker:
     # -- guarded: the real code path -------------------------------------------------------
 
     def _lock_name(self, job_type: str, payload: dict[str, Any]) -> str | None:
-
         jt = get_job_type(job_type)
         try:
             return f"chaos:{job_type}:{jt.resource_id(jt.validate(dict(payload)))}"
@@ -269,7 +268,6 @@ class Worker:
             return None  # the runtime validates again, records the attempt and raises
 
     def _guarded(self, msg: dict[str, Any]) -> None:
-
         tok = msg["tok"]
         try:
             name = self._lock_name(msg["job_type"], msg["payload"])

@@ -112,7 +112,6 @@ def stampede(url: str, processes: int = 4, threads: int = 25) -> list[list[Any]]
 
 
 def duplicate_delivery(url: str, state: Path, orders: int = 30, copies: int = 3) -> list[list[Any]]:
-
     gateway = GatewayServer(f"sqlite:///{state / 'gateway.db'}", honour_idempotency_key=False)
     gateway.start()
     try:
@@ -164,7 +163,6 @@ def duplicate_delivery(url: str, state: Path, orders: int = 30, copies: int = 3)
 
 
 def retry_storm() -> list[list[Any]]:
-
     rows = []
     for label, jitter, budget in (("no jitter", "none", False),
                                   ("full jitter + budget", "full", True)):

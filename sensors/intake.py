@@ -130,7 +130,6 @@ def _tags(mode: IntakeMode, requests: Sequence[JobRequest]) -> dict[str, str]:
 
 
 def _max_runtime(job_type: str) -> float:
-
     return get_job_type(job_type).max_runtime_seconds
 
 
@@ -344,7 +343,6 @@ def build_intake_sensor(
 
 
 def _request_jobs() -> list[dg.JobDefinition]:
-
     return list(all_jobs)
 
 

@@ -23,7 +23,6 @@ from proof.chaos import (
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-
     p = sub.add_parser(
         "chaos",
         help="fault-injection run with an invariant checker (duplicates, losses, stale writes)",

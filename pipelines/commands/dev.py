@@ -97,7 +97,6 @@ def environment() -> dict[str, str]:
 
 
 def setup(settings: Settings, *, verbose: bool = True) -> None:
-
     applied = upgrade(Database.from_url(settings.database_url))
     prepare_dagster_home(settings.dagster_home)
     if verbose:
@@ -121,7 +120,6 @@ def _ports(args: argparse.Namespace, settings: Settings) -> list[tuple[str, str,
 
 
 def _lock_folders(settings: Settings) -> list[Path]:
-
     # Both, always: two state folders may share one Dagster home, and one daemon per home.
     return [state_dir(), settings.dagster_home.resolve()]
 
@@ -147,7 +145,6 @@ class StopRequest:
 
 
 def run_dev(args: argparse.Namespace) -> int:
-
     verbose = bool(getattr(args, "verbose", False))
     if not verbose:
         # Alembic's INFO from instance set-up, the mail sink's per-message lines, and the like.
@@ -171,7 +168,6 @@ def run_dev(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace, settings: Settings, verbose: bool) -> int:
-
     stop = StopRequest()
     stop.install()
     url = f"http://{args.host}:{args.port}"

@@ -83,7 +83,6 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def _store(args: argparse.Namespace) -> Any:
-
     return DlqStore(shared_database(args.url or Settings.from_env().database_url))
 
 
@@ -97,7 +96,6 @@ def _actor(args: argparse.Namespace) -> str:
 
 
 def _select(args: argparse.Namespace, store: Any, statuses: list[str] | None) -> list[Any]:
-
     return list(
         store.list_records(
             status=statuses,
@@ -142,7 +140,6 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _show(args: argparse.Namespace) -> int:
-
     store = _store(args)
     try:
         record = store.get(args.id)
@@ -173,7 +170,6 @@ def _show(args: argparse.Namespace) -> int:
 
 
 def _replay(args: argparse.Namespace) -> int:
-
     if not args.ids and not any(
         (args.job_type, args.error_class, args.fingerprint, args.older_than, args.newer_than)
     ):
@@ -216,7 +212,6 @@ def _replay(args: argparse.Namespace) -> int:
 
 
 def _discard(args: argparse.Namespace) -> int:
-
     store = _store(args)
     try:
         decisions = store.discard(args.ids, actor=_actor(args), reason=args.reason)

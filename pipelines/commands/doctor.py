@@ -42,7 +42,6 @@ def add_source_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def observability_from_args(args: argparse.Namespace) -> Any:
-
     settings = Settings.from_env()
     res = resource_defs()
     idem, locks, cache, obs = (res["idempotency"], res["locks"], res["cache"],
@@ -91,7 +90,6 @@ def render_table(findings: list[Any], width: int = 100) -> str:
 
 
 def _doctor(args: argparse.Namespace) -> int:
-
     findings = observability_from_args(args).findings(args.checks)
     if args.json:
         print(json.dumps([f.as_dict() for f in findings], indent=2, default=_json_default))
