@@ -109,6 +109,7 @@ job_requests = Table(
     Column("last_error", Text),
     Column("error_class", Text),
     Column("traceparent", Text),
+    Column("superseded_by", Text),
 )
 
 job_rejections = Table(
@@ -386,11 +387,15 @@ class RequestStore:
         error_class: str | None = None,
         count_attempt: bool = False,
         run_key: str | None = None,
+        current: bool = False,
     ) -> set[int]:
-        """Move every request that may go to ``target`` in one statement; returns those moved."""
+        """Move every request that may go to ``target`` in one statement; returns those moved.
+        ``current``: only requests no newer version superseded."""
         if not request_ids:
             return set()
         same_run = " AND run_key = :run_key" if run_key is not None else ""
+        if current:
+            same_run += " AND superseded_by IS NULL"
         sql = text(
             "UPDATE job_requests SET status = :target, updated_at = :now,"
             " run_id = COALESCE(:run_id, run_id),"
@@ -462,8 +467,29 @@ class RequestStore:
         return bool(moved)
 
     def requeue(self, request_id: int) -> bool:
-        """A failed request goes back to pending (operator or DLQ replay)."""
-        return bool(self._move_many([request_id], _S.PENDING))
+        """A failed request goes back to pending (operator or DLQ replay); never one a newer
+        version superseded (:meth:`supersede`)."""
+        return bool(self._move_many([request_id], _S.PENDING, current=True))
+
+    def supersede(self, request_id: int, by_key: str, *, conn: Connection) -> bool:
+        """Close a failed request for good: a newer version (``by_key``) carries its intent.
+        Only a ``failed`` request not superseded before moves (a request a retry is running
+        is not closed under it); in the caller's transaction, with the version's link."""
+        moved = conn.execute(
+            text(
+                "UPDATE job_requests SET superseded_by = :by, updated_at = :now"
+                " WHERE id = :id AND status = 'failed' AND superseded_by IS NULL"
+            ),
+            {"by": storable(by_key, 2048), "now": self.clock(), "id": request_id},
+        ).rowcount
+        return bool(moved)
+
+    def superseded_by(self, request_id: int) -> str | None:
+        """The key of the version that replaced this request, if any."""
+        with self.db.statement() as conn:
+            return conn.execute(
+                text("SELECT superseded_by FROM job_requests WHERE id = :id"), {"id": request_id}
+            ).scalar()
 
     # -- reading ---------------------------------------------------------------------------------
 

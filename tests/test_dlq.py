@@ -173,7 +173,10 @@ def test_permanent_failure_lands_once_and_a_cli_replay_succeeds_once(
     assert Inventory(s["db"]).stock("sku-late")[1] == 2
     assert requests.get(request.id).status == "completed"  # and the replay that served it
     actions = [a["action"] for a in s["store"].audit(record.id)]
-    assert actions == ["dead_lettered", "replay_requested", "replay_launched", "resolved"]
+    assert actions == [
+        "dead_lettered", "replay_requested", "replay_skipped", "replay_launched", "resolved",
+        "replay_skipped",  # every replay asked for is audited, a no-op too (who tried, why not)
+    ]
 
     capsys.readouterr()
     assert cli(["dlq", "show", str(record.id), "--url", s["url"], "--json"]) == 0

@@ -4,10 +4,14 @@
   [--newer-than 1d] [--json]``: unresolved records by default (open, replay_requested,
   replaying); ``--status all`` for every record.
 - ``show ID [--json]``: one record with its error, trace, failed runs and audit trail.
-- ``replay [ID ...] [filters] [--dry-run]``: ask for a replay of the selected open records; the
-  ``dlq_replay_sensor`` launches them at its rate bound. Each selected record's idempotency key is
-  reset from failed to retryable, and only those. Without ids a filter is required.
-  ``--dry-run`` changes nothing and says what would be replayed.
+- ``replay [ID ...] [filters] [--limit N] [--pace 10/s] [--dry-run]``: ask for a replay of the
+  selected open records (at most N, oldest first, at most the pace); the ``dlq_replay_sensor``
+  launches them at its rate bound. Each selected record's idempotency key is reset from failed
+  to retryable, and only those; a skipped record gets an audit line saying why. Without ids a
+  filter is required. ``--dry-run`` changes nothing and says what would be replayed.
+- ``replay ID --patch JSON|@file [--dry-run]``: amended replay (``pipelines/replay.py``): a new
+  version of the request under ``key#vN`` with the patched payload, the record closed as
+  superseded; refused (exit 1, saying why) when the key's effect may have happened.
 - ``discard ID ... --reason R``: give up on records (kept, marked discarded, audited).
 
 Exit codes: 0 done, 1 nothing matched / nothing changed, 2 bad arguments or unknown record
@@ -25,8 +29,9 @@ from typing import Any
 
 from pipelines.commands.arguments import record_id
 from pipelines.privacy import dlq_view
+from pipelines.replay import AmendRefused, Selection, amend, bulk_replay, parse_pace
 from resources.dlq import DlqRecordNotFound, DlqStore, parse_age
-from resources.idempotency import IdempotencyStore
+from resources.errors import ValidationError
 from resources.storage.db import shared_database
 from resources.storage.settings import Settings
 from resources.telemetry.redact import redact_data
@@ -72,6 +77,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p_replay.add_argument("--dry-run", action="store_true", dest="dry_run")
     p_replay.add_argument("--actor", default=None)
     p_replay.add_argument("--reason", default="")
+    p_replay.add_argument(
+        "--patch", help="amend: a JSON merge patch (or @file) for one record's payload; makes"
+        " a new version of the request (key#vN) and closes the record as superseded",
+    )
+    p_replay.add_argument("--limit", type=int, help="at most this many records (oldest first)")
+    p_replay.add_argument("--pace", help="at most this rate of replay requests, e.g. 10/s")
     p_replay.set_defaults(func=_replay)
 
     p_discard = dlq_sub.add_parser("discard", help="give up on dead letters (kept, audited)")
@@ -170,45 +181,69 @@ def _show(args: argparse.Namespace) -> int:
 
 
 def _replay(args: argparse.Namespace) -> int:
-    if not args.ids and not any(
-        (args.job_type, args.error_class, args.fingerprint, args.older_than, args.newer_than)
-    ):
-        print(
-            "error: name record ids or give a filter (--job-type, --class, --fingerprint, "
-            "--older-than, --newer-than)",
-            file=sys.stderr,
-        )
-        return 2
+    if args.patch is not None:
+        return _amend(args)
     store = _store(args)
     try:
-        records = _select(args, store, ["open"] if not args.ids else None)
-    except ValueError as exc:
+        result = bulk_replay(
+            store,
+            Selection(
+                job_type=args.job_type,
+                error_class=args.error_class,
+                fingerprint=args.fingerprint,
+                older_than=parse_age(args.older_than),
+                newer_than=parse_age(args.newer_than),
+                ids=args.ids or None,
+                limit=args.limit,
+            ),
+            actor=_actor(args),
+            reason=args.reason,
+            dry_run=args.dry_run,
+            pace=parse_pace(args.pace),
+        )
+    except (ValidationError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    missing = set(args.ids) - {r.id for r in records}
+    missing = set(args.ids) - {d.record.id for d in result.decisions}
     if missing:
         print(f"error: no DLQ record {sorted(missing)}", file=sys.stderr)
         return 2
-    decisions = store.request_replay(
-        [r.id for r in records],
-        actor=_actor(args),
-        reason=args.reason,
-        idempotency=IdempotencyStore(store.db),
-        dry_run=args.dry_run,
-    )
-    for d in decisions:
+    for d in result.decisions:
         verb = ("would replay" if args.dry_run else "replay requested") if d.replay else "skipped"
         reset = " (key reset)" if d.key_reset else ""
         print(
             f"{d.record.id:>5}  {verb}: {d.record.job_type} key={d.record.idempotency_key} "
             f"{'' if d.replay else d.reason}{reset}"
         )
-    chosen = sum(d.replay for d in decisions)
     print(
-        f"{chosen} of {len(decisions)} selected records "
+        f"{result.chosen} of {len(result.decisions)} selected records "
         f"{'would be replayed (dry run)' if args.dry_run else 'requested for replay'}"
     )
-    return 0 if chosen else 1
+    return 0 if result.chosen else 1
+
+
+def _amend(args: argparse.Namespace) -> int:
+    if len(args.ids) != 1 or args.limit is not None or args.pace is not None:
+        print("error: --patch takes exactly one record id and no --limit/--pace", file=sys.stderr)
+        return 2
+    try:
+        done = amend(
+            _store(args), args.ids[0], args.patch, actor=_actor(args), reason=args.reason,
+            dry_run=args.dry_run,
+        )
+    except (ValidationError, DlqRecordNotFound) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except AmendRefused as exc:
+        print(f"refused: {exc}", file=sys.stderr)
+        return 1
+    changes = ", ".join(f"{d['path']}: {d['from']!r} -> {d['to']!r}" for d in done.diff)
+    print(
+        f"{'would make' if done.dry_run else 'made'} {done.key} (version {done.version}"
+        f"{'' if done.request_id is None else f', request {done.request_id}'}) from record"
+        f" {done.record_id}, superseding {done.previous_key}: {changes}"
+    )
+    return 0
 
 
 def _discard(args: argparse.Namespace) -> int:

@@ -6,10 +6,14 @@ a discard needs a reason; ages parse), which fails permanently with the field na
 ``dry_run`` defaults to true, so a launch with the defaults only says what would happen: the
 output's ``records`` table has a ``decision`` per record (``would replay``, ``would discard``,
 or why not). A replay requested here is launched by ``dlq_replay_sensor`` at its rate bound,
-exactly as one requested from ``sekali dlq replay``.
+exactly as one requested from ``sekali dlq replay``; ``limit`` and ``pace`` bound a replay by
+filter, and a skipped record gets an audit line. ``patch`` (with one id) is the amended replay of
+:mod:`pipelines.replay`. The output's ``versions`` table shows the versions made from the
+selected records (and a dry run's plan), ``audit`` their audit trail.
 """
 
 import enum
+import json
 import time
 from typing import Any
 
@@ -19,10 +23,20 @@ import pydantic
 from pipelines import tags as tag
 from pipelines.ops.batch import BATCH_JOBS
 from pipelines.registry import JOB_TYPES
+from pipelines.replay import (
+    Amendment,
+    AmendRefused,
+    Selection,
+    Versions,
+    amend,
+    bulk_replay,
+    load_patch,
+    parse_pace,
+)
 from resources.dagster_resources import DlqResource
-from resources.dlq import DlqRecord, DlqStatus, parse_age
+from resources.dlq import DlqRecord, DlqRecordNotFound, DlqStatus, DlqStore, parse_age
 from resources.errors import ValidationError
-from resources.idempotency import IdempotencyStore
+from resources.telemetry.redact import redact_data
 
 
 class DlqAction(enum.Enum):
@@ -86,6 +100,18 @@ class DlqOperationConfig(dg.Config):
         default="", description="Why (kept in the audit); a discard needs one."
     )
     actor: str = pydantic.Field(default="dagster-ui", description="Who acts (kept in the audit).")
+    patch: str | None = pydantic.Field(
+        default=None,
+        description="Amended replay of one record (ids=[ID]): a JSON merge patch of its payload,"
+        ' e.g. {"amount_cents": 1300}. Makes a new version (key#vN), closes the record as'
+        " superseded; refused when the key's effect may have happened.",
+    )
+    limit: int | None = pydantic.Field(
+        default=None, description="Replay at most this many records (oldest first)."
+    )
+    pace: str | None = pydantic.Field(
+        default=None, description="Replay requests at most at this rate, e.g. 10/s or 600/min."
+    )
 
     def check(self) -> None:
         """Raise :class:`ValidationError` naming the field when the request cannot be right."""
@@ -101,6 +127,13 @@ class DlqOperationConfig(dg.Config):
             raise ValidationError("ids", f"{self.action.value} needs record ids or a filter")
         if self.action is DlqAction.discard and not self.reason.strip():
             raise ValidationError("reason", "a discard needs a reason")
+        if self.patch is not None:
+            if self.action is not DlqAction.replay or len(self.ids) != 1:
+                raise ValidationError("patch", "an amended replay takes action replay and one id")
+            load_patch(self.patch)
+        if self.limit is not None and self.limit < 1:
+            raise ValidationError("limit", "at least 1", self.limit)
+        parse_pace(self.pace)
 
 
 _TABLE = dg.TableSchema(
@@ -139,6 +172,74 @@ def records_table(records: list[DlqRecord], decision: dict[int, str]) -> dg.Meta
     return dg.MetadataValue.table(rows, _TABLE)
 
 
+_VERSIONS = dg.TableSchema(
+    columns=[
+        dg.TableColumn(name, "string" if name not in ("version", "request", "record") else "int",
+                       description=about)
+        for name, about in (
+            ("record", "the DLQ record the version was made from"),
+            ("previous_key", "the key it supersedes"), ("key", None), ("version", None),
+            ("request", "the new version's job request"), ("actor", None),
+            ("diff", "what changed in the payload"), ("at", "ISO-8601, UTC"),
+        )
+    ]
+)
+_AUDIT = dg.TableSchema(
+    columns=[
+        dg.TableColumn(name, "int" if name == "record" else "string")
+        for name in ("record", "at", "actor", "action", "from", "to", "detail")
+    ]
+)
+
+
+def _iso(ts: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(ts))
+
+
+def _history(
+    store: DlqStore, ids: list[int], amended: Amendment | None
+) -> dict[str, dg.MetadataValue]:
+    """The versions made from the selected records (or the one planned) and their audit trail
+    (the last 20 lines each, at most 200)."""
+    versions = Versions(store.db).of_records(ids)
+    rows = [
+        dg.TableRecord(
+            {
+                "record": v.previous_record_id or 0, "previous_key": v.previous_key,
+                "key": v.key, "version": v.version, "request": v.request_id or 0,
+                "actor": v.actor, "diff": json.dumps(v.diff, default=str)[:300],
+                "at": _iso(v.created_at),
+            }
+        )
+        for v in versions
+    ]
+    if amended is not None and amended.dry_run:
+        rows.append(
+            dg.TableRecord(
+                {
+                    "record": amended.record_id, "previous_key": amended.previous_key,
+                    "key": f"{amended.key} (dry run)", "version": amended.version, "request": 0,
+                    "actor": "", "diff": json.dumps(amended.diff, default=str)[:300], "at": "",
+                }
+            )
+        )
+    audit = [
+        dg.TableRecord(
+            {
+                "record": record_id, "at": _iso(a["at"]), "actor": a["actor"],
+                "action": a["action"], "from": a["from_status"] or "",
+                "to": a["to_status"] or "", "detail": " ".join((a["detail"] or "").split())[:200],
+            }
+        )
+        for record_id in ids[:50]
+        for a in redact_data(store.audit(record_id))[-20:]
+    ][:200]
+    return {
+        "versions": dg.MetadataValue.table(rows, _VERSIONS),
+        "audit": dg.MetadataValue.table(audit, _AUDIT),
+    }
+
+
 @dg.op(required_resource_keys={"dlq"}, tags={tag.QUEUE: "light"})
 def dlq_operation(context: dg.OpExecutionContext, config: DlqOperationConfig) -> dict[str, Any]:
     try:
@@ -162,17 +263,38 @@ def dlq_operation(context: dg.OpExecutionContext, config: DlqOperationConfig) ->
         older_than=parse_age(config.older_than),
         newer_than=parse_age(config.newer_than),
     )
+    if action == "replay" and config.limit is not None:
+        records = records[: config.limit]
     ids = [r.id for r in records]
     changed: list[int] = []
     decision: dict[int, str] = {}
-    if action == "replay":
-        decisions = store.request_replay(
-            ids,
+    amended: Amendment | None = None
+    if action == "replay" and config.patch is not None:
+        try:
+            amended = amend(
+                store, ids[0] if ids else config.ids[0], config.patch, actor=config.actor,
+                reason=config.reason, dry_run=config.dry_run,
+            )
+        except (ValidationError, AmendRefused, DlqRecordNotFound) as exc:
+            raise dg.Failure(
+                description=str(exc),
+                allow_retries=False,
+                metadata={"field": getattr(exc, "field", "ids")},
+            ) from exc
+        changed = [amended.record_id]
+        decision = {
+            amended.record_id: f"{'would make' if config.dry_run else 'superseded by'}"
+            f" {amended.key}"
+        }
+    elif action == "replay":
+        decisions = bulk_replay(
+            store,
+            Selection(ids=ids or [-1]),
             actor=config.actor,
             reason=config.reason,
-            idempotency=IdempotencyStore(store.db),
             dry_run=config.dry_run,
-        )
+            pace=parse_pace(config.pace),
+        ).decisions
         changed = [d.record.id for d in decisions if d.replay]
         decision = {
             d.record.id: ("would replay" if config.dry_run else "replay requested")
@@ -201,6 +323,7 @@ def dlq_operation(context: dg.OpExecutionContext, config: DlqOperationConfig) ->
             "changed": 0 if config.dry_run else len(changed),
             "action": f"{action}{' (dry run)' if config.dry_run else ''}",
             "records": records_table(records, decision),
+            **_history(store, ids, amended),
         }
     )
     context.log.info(f"{len(changed)} of {len(records)} selected records: {verb}")

@@ -2,6 +2,7 @@
 
 from resources.dlq.store import (
     MIN_RETENTION_SECONDS,
+    SUPERSEDED,
     UNRESOLVED,
     DlqRecord,
     DlqRecordNotFound,
@@ -34,6 +35,7 @@ __all__ = [
     "RecordedFailure",
     "ReplayDecision",
     "RetentionTooShort",
+    "SUPERSEDED",
     "UNRESOLVED",
     "dedupe_key_for",
     "dlq_audit",

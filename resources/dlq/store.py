@@ -67,6 +67,7 @@ class DlqStatus(StrEnum):
     replaying          the replay run failed or was canceled (count increased)     open
     replaying          its replay run cannot be built (the audit says why)         open
     open/replay_req.   an operator discards it (with a reason)                     discarded
+    open               an amended replay made a new version (audit ``superseded``)  discarded
     open/replay_req.   the request completed some other way (late retry, relaunch) resolved
     resolved           a later failure of the same request                         open
     =================  ==========================================================  ================
@@ -119,6 +120,10 @@ class RetentionTooShort(SekaliError):
 
 
 MIN_RETENTION_SECONDS = 72 * 3600.0
+
+SUPERSEDED = "superseded"
+"""The audit action of a record closed because a new version of its request replaced it (an
+amended replay): the record is ``discarded`` and can never be replayed under the old key."""
 
 UNRESOLVED = (_D.OPEN, _D.REPLAY_REQUESTED, _D.REPLAYING)
 _UNRESOLVED_SQL = ", ".join(f"'{s}'" for s in UNRESOLVED)
@@ -577,6 +582,30 @@ class DlqStore:
                 )
             )
         return out
+
+    def supersede(
+        self, record_id: int, *, actor: str, detail: str, conn: Connection
+    ) -> bool:
+        """Close an ``open`` record because a new version of its request carries the intent
+        (status ``discarded``, audit action ``superseded``, ``detail`` naming the version), in
+        the caller's transaction so the close and the version's link commit together. False
+        when the record is no longer open (another amendment or replay got there first)."""
+        now = self.clock()
+        moved = conn.execute(
+            text(
+                "UPDATE dlq_records SET status = 'discarded', status_changed_at = :now,"
+                " updated_at = :now WHERE id = :id AND status = 'open'"
+            ),
+            {"now": now, "id": record_id},
+        ).rowcount
+        if moved:
+            self._audit(conn, record_id, SUPERSEDED, actor, _D.OPEN, _D.DISCARDED, detail, now)
+        return bool(moved)
+
+    def note(self, record_id: int, action: str, *, actor: str, detail: str = "") -> None:
+        """An audit line that changes no status (a bulk replay's skipped record, with why)."""
+        with self.db.transaction() as conn:
+            self._audit(conn, record_id, action, actor, None, None, detail, self.clock())
 
     # -- the replay sensor ------------------------------------------------------------------
 

@@ -1,0 +1,274 @@
+"""Amended replay (``sekali dlq replay ID --patch``): a new version of the intent, never the old.
+
+A payment is dead-lettered because its amount is wrong (the order says 1300, the request 1200:
+``OrderAmountMismatch``, permanent). The patch makes ``payment:o1#v2``; the real job code charges
+the real sandbox gateway once under v2's reference and never under the original key's. A second
+patch is refused until v2 failed for good; then it makes ``#v3``. Concurrent amendments of one
+record from several processes make exactly one version. SQLite and Postgres.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import dagster as dg
+import pytest
+from sqlalchemy import text
+
+from pipelines.cli import main as cli
+from pipelines.intake import enqueue
+from pipelines.jobs.payment import reference_for
+from pipelines.ops.dlq_ops import dlq_operations
+from pipelines.replay import AmendRefused, Versions, amend
+from pipelines.requests import RequestStore
+from pipelines.runtime import execute_request
+from pipelines.services import Services
+from resources.dagster_resources import DlqResource
+from resources.dlq import DlqRecord, DlqStatus, DlqStore, FailureInfo
+from resources.idempotency import IdempotencyStore
+from resources.storage.db import Database
+from resources.storage.settings import Settings
+from sandbox.gateway import GatewayServer
+from sensors.dlq import dead_letter_failed_requests
+
+
+@pytest.fixture
+def gateway(tmp_path: Path) -> Iterator[GatewayServer]:
+    with GatewayServer(f"sqlite:///{tmp_path / 'gateway.db'}") as server:
+        yield server
+
+
+def _services(db_url: str, redis_url: str, namespace: str, gateway: GatewayServer) -> Services:
+    settings = Settings(
+        database_url=db_url, redis_url=redis_url, dagster_home=Path("/nonexistent"),
+        gateway_url=gateway.url, smtp_host="127.0.0.1", smtp_port=9,
+    )
+    return Services.from_settings(
+        settings, lease_seconds=5.0, budget_namespace=namespace, cache_namespace=namespace
+    )
+
+
+def _order(db: Database, order_id: str, amount: int) -> None:
+    """The shop's order row: the amount the customer agreed to."""
+    with db.transaction() as conn:
+        conn.execute(
+            text(
+                "INSERT INTO orders (order_id, amount_cents, currency, payment_status,"
+                " created_at, updated_at) VALUES (:o, :a, 'EUR', 'payment_pending', :t, :t)"
+            ),
+            {"o": order_id, "a": amount, "t": time.time()},
+        )
+
+
+def _run(services: Services, requests: RequestStore, key: str) -> Any:
+    """Serve the pending request under ``key`` as the per-request op does (real job code)."""
+    request = requests.get_by_key(key)
+    assert request is not None
+    requests.mark_running(request.id)
+    try:
+        return execute_request(
+            request.job_type, request.payload, services=services, key=request.key,
+            request_id=request.id, correlation_id=request.correlation_id,
+        )
+    except Exception as exc:  # noqa: BLE001 - the failure is what the test looks at
+        requests.mark_failed(request.id, f"{type(exc).__name__}: {exc}", error_class="permanent")
+        return exc
+
+
+def _dead_letter(store: DlqStore, key: str) -> DlqRecord:
+    for recorded in dead_letter_failed_requests(store):
+        if recorded.record.idempotency_key == key:
+            return recorded.record
+    raise AssertionError(f"no DLQ record for {key}")
+
+
+def _charges(gateway: GatewayServer, key: str) -> int:
+    return len(gateway.ledger.by_reference(reference_for(key)))
+
+
+def test_a_patched_payment_charges_once_under_its_new_version_never_under_the_old(
+    db: Database, db_url: str, redis_url: str, namespace: str, gateway: GatewayServer,
+    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Catches: a patch replayed under the original key (its effect could repeat), a version
+    made while the previous one is still alive, a refused patch that changed something, a
+    patch accepted after the key completed."""
+    services = _services(db_url, redis_url, namespace, gateway)
+    requests, store = RequestStore(db), DlqStore(db)
+    _order(db, "o1", 1300)
+    enqueue("charge_payment", {"order_id": "o1", "amount_cents": 1200}, db=db)
+    failed = _run(services, requests, "payment:o1")
+    assert type(failed).__name__ == "OrderAmountMismatch"
+    record = _dead_letter(store, "payment:o1")
+    url = ["--url", db_url]
+
+    # A patch the boundary refuses: exit 2 naming the field, nothing changed.
+    assert cli(["dlq", "replay", str(record.id), "--patch", '{"amount_cents": -5}', *url]) == 2
+    assert "amount_cents" in capsys.readouterr().err
+    assert cli(["dlq", "replay", str(record.id), "--patch", "{not json", *url]) == 2
+    assert "patch" in capsys.readouterr().err
+    assert store.get(record.id).status is DlqStatus.OPEN
+    assert requests.get_by_key("payment:o1#v2") is None
+    assert requests.rejections(source="dlq_patch")
+
+    # The dry run says what it would make and makes nothing.
+    assert cli(["dlq", "replay", str(record.id), "--patch", '{"amount_cents": 1250}',
+                "--dry-run", *url]) == 0
+    assert "would make payment:o1#v2" in capsys.readouterr().out
+    assert requests.get_by_key("payment:o1#v2") is None
+
+    # v2 with another wrong amount (from a file), by a named actor.
+    patch_file = tmp_path / "patch.json"
+    patch_file.write_text('{"amount_cents": 1250}')
+    assert cli(["dlq", "replay", str(record.id), "--patch", f"@{patch_file}",
+                "--actor", "ops@test", "--reason", "customer called", *url]) == 0
+    assert "made payment:o1#v2 (version 2" in capsys.readouterr().out
+    closed = store.get(record.id)
+    assert closed.status is DlqStatus.DISCARDED
+    assert store.audit(record.id)[-1]["action"] == "superseded"
+    assert requests.superseded_by(record.request_id or 0) == "payment:o1#v2"
+    assert not requests.requeue(record.request_id or 0)  # closed for good
+    version = Versions(db).of_key("payment:o1#v2")
+    assert version is not None and version.previous_key == "payment:o1"
+    assert version.actor == "ops@test" and version.reason == "customer called"
+    assert version.diff == [{"path": "amount_cents", "from": 1200, "to": 1250}]
+
+    # The superseded record refuses a second patch, naming its successor; so does v2 before
+    # it failed (it has no record yet).
+    assert cli(["dlq", "replay", str(record.id), "--patch", '{"amount_cents": 1300}', *url]) == 1
+    assert "superseded by payment:o1#v2" in capsys.readouterr().err
+
+    assert type(_run(services, requests, "payment:o1#v2")).__name__ == "OrderAmountMismatch"
+    record2 = _dead_letter(store, "payment:o1#v2")
+    assert cli(["dlq", "replay", str(record2.id), "--patch", '{"amount_cents": 1300}', *url]) == 0
+    assert "made payment:o1#v3 (version 3" in capsys.readouterr().out
+
+    outcome = _run(services, requests, "payment:o1#v3")
+    assert not isinstance(outcome, Exception), outcome
+    assert _charges(gateway, "payment:o1#v3") == 1
+    assert _charges(gateway, "payment:o1") == 0 and _charges(gateway, "payment:o1#v2") == 0
+    assert len(gateway.charges()) == 1
+    assert IdempotencyStore(db).get("payment:o1").status == "failed"  # never run again
+    assert [v.key for v in Versions(db).chain("payment:o1#v3")] == [
+        "payment:o1#v2", "payment:o1#v3",
+    ]
+
+    # A record whose key completed (the effect happened) is refused, saying so.
+    late = store.record_failure(
+        FailureInfo(
+            job_type="charge_payment", dedupe_key="late:o1", error_type="Late",
+            message="recorded after the key completed", run_id="r-late",
+            idempotency_key="payment:o1#v3", payload={"order_id": "o1", "amount_cents": 1300},
+        )
+    ).record
+    assert cli(["dlq", "replay", str(late.id), "--patch", '{"amount_cents": 1400}', *url]) == 1
+    assert "completed" in capsys.readouterr().err
+    assert store.get(late.id).status is DlqStatus.OPEN
+    assert len(gateway.charges()) == 1
+
+
+def test_a_key_that_reached_a_recovery_point_is_not_amended(db: Database) -> None:
+    """Catches: a new version made while the original's effect may have gone out (a send
+    recorded before an unanswered charge): a second reference would charge twice."""
+    store, ledger = DlqStore(db), IdempotencyStore(db)
+    claim = ledger.begin("payment:o9")
+    ledger.checkpoint(claim, "charge_sent", {"sent_at": 1.0})
+    ledger.fail(claim, "no answer", "permanent")
+    record = store.record_failure(
+        FailureInfo(
+            job_type="charge_payment", dedupe_key="key:o9", error_type="GatewayUnavailable",
+            message="timeout", run_id="r9", idempotency_key="payment:o9",
+            payload={"order_id": "o9", "amount_cents": 100},
+        )
+    ).record
+    with pytest.raises(AmendRefused, match="charge_sent"):
+        amend(store, record.id, {"amount_cents": 200}, actor="t")
+    assert store.get(record.id).status is DlqStatus.OPEN
+    assert Versions(db).chain("payment:o9") == []
+
+
+def _amend_worker(url: str, record_id: int, amount: int, go: Any) -> str:
+    store = DlqStore(Database.from_url(url))
+    go.wait(60)
+    try:
+        return amend(store, record_id, {"amount_cents": amount}, actor=f"w{amount}").key
+    except AmendRefused as exc:
+        return f"refused: {exc}"
+
+
+def test_concurrent_amendments_of_one_record_make_exactly_one_version(
+    db: Database, db_url: str
+) -> None:
+    """Catches: two processes amending the same record at once each making a version (two
+    requests, two effects) or leaving the record half-closed."""
+    store, requests = DlqStore(db), RequestStore(db)
+    enqueued = enqueue("charge_payment", {"order_id": "o5", "amount_cents": 100}, db=db)
+    requests.mark_failed(enqueued.id, "OrderAmountMismatch: wrong", error_class="permanent")
+    record = _dead_letter(store, "payment:o5")
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Manager() as manager:
+        go = manager.Event()
+        with ctx.Pool(4) as pool:
+            pending = pool.starmap_async(
+                _amend_worker, [(db_url, record.id, 200 + i, go) for i in range(4)]
+            )
+            time.sleep(0.5)  # let the workers import; the race does not depend on it
+            go.set()
+            results = pending.get(timeout=180)
+    made = [r for r in results if not r.startswith("refused")]
+    assert made == ["payment:o5#v2"], results
+    assert all("already amended" in r or "is discarded" in r or "changed meanwhile" in r
+               for r in results if r.startswith("refused")), results
+    with db.statement() as conn:
+        assert conn.execute(
+            text("SELECT COUNT(*) FROM job_requests WHERE key LIKE 'payment:o5#%'")
+        ).scalar() == 1
+        assert conn.execute(text("SELECT COUNT(*) FROM request_versions")).scalar() == 1
+    assert store.get(record.id).status is DlqStatus.DISCARDED
+    assert [a["action"] for a in store.audit(record.id)].count("superseded") == 1
+
+
+def test_dlq_operations_amends_and_shows_versions_and_audit(db: Database, db_url: str) -> None:
+    """Catches: the UI job unable to amend, or an output that hides the new version and who
+    made it."""
+    store, requests = DlqStore(db), RequestStore(db)
+    enqueued = enqueue("charge_payment", {"order_id": "o7", "amount_cents": 100}, db=db)
+    requests.mark_failed(enqueued.id, "OrderAmountMismatch: wrong", error_class="permanent")
+    record = _dead_letter(store, "payment:o7")
+
+    def run(**config: Any) -> dg.ExecuteInProcessResult:
+        return dlq_operations.execute_in_process(
+            run_config={"ops": {"dlq_operation": {"config": config}}},
+            resources={"dlq": DlqResource(database_url=db_url)},
+            instance=dg.DagsterInstance.ephemeral(),
+            raise_on_error=False,
+        )
+
+    bad = run(action="replay", ids=[record.id], patch='{"amount_cents": "lots"}', dry_run=False)
+    assert not bad.success and "amount_cents" in str(bad.all_events)
+    assert store.get(record.id).status is DlqStatus.OPEN
+    dry = run(action="replay", ids=[record.id], patch='{"amount_cents": 150}')
+    assert dry.success and requests.get_by_key("payment:o7#v2") is None
+    done = run(action="replay", ids=[record.id], patch='{"amount_cents": 150}', dry_run=False,
+               actor="alice")
+    assert done.success
+    assert requests.get_by_key("payment:o7#v2") is not None
+    metadata = next(
+        e.event_specific_data.metadata
+        for e in done.all_events
+        if e.event_type_value == "STEP_OUTPUT"
+    )
+    versions = metadata["versions"].value.records
+    assert [(r.data["key"], r.data["version"], r.data["actor"]) for r in versions] == [
+        ("payment:o7#v2", 2, "alice")
+    ]
+    assert json.loads(versions[0].data["diff"]) == [
+        {"path": "amount_cents", "from": 100, "to": 150}
+    ]
+    actions = [r.data["action"] for r in metadata["audit"].value.records]
+    assert actions == ["dead_lettered", "superseded"]
