@@ -18,6 +18,9 @@ payload with a JSON merge patch applied (RFC 7396: ``null`` deletes a field), un
   on the key it supersedes (and on ``base key, version``), and it, the new request, the record's
   close and the request's close commit in one transaction, each conditional (the record still
   ``open``, the request still ``failed``). A loser changes nothing and is told who won.
+- The new key's fences continue above every fence the chain's keys had
+  (:meth:`IdempotencyStore.continue_fences`): business rows fenced by the earlier keys (the
+  order's ``payment_fence``) accept the new version's writes.
 - The link keeps who (``actor``: the OS user or ``--actor``), what (a JSON diff of the payload,
   ``[{"path", "from", "to"}]``), why (``reason``) and when.
 
@@ -43,6 +46,7 @@ from typing import Any
 
 from sqlalchemy import BigInteger, Column, Float, Integer, Table, Text, text
 
+from pipelines.jobs.base import crash_point
 from pipelines.registry import JOB_TYPES
 from pipelines.requests import RequestStatus, RequestStore
 from pipelines.validation import admit
@@ -300,8 +304,9 @@ def _stored_payload(record: DlqRecord, requests: RequestStore) -> dict[str, Any]
 
 
 def _check_chain(record: DlqRecord, key: str, versions: Versions, ledger: IdempotencyStore,
-                 now: float) -> None:
-    """Refuse while any key of the intent completed, runs, or may have had its effect."""
+                 now: float) -> list[str]:
+    """Refuse while any key of the intent completed, runs, or may have had its effect;
+    returns the chain's keys."""
     chain = versions.chain(key)
     keys = [chain[0].previous_key] if chain else [key]
     keys += [v.key for v in chain]
@@ -321,6 +326,7 @@ def _check_chain(record: DlqRecord, key: str, versions: Versions, ledger: Idempo
                 " of its effect may have happened; a new version could repeat it. Resolve it"
                 " under its own key (sekali dlq replay ID) or discard it"
             )
+    return keys
 
 
 def amend(
@@ -382,7 +388,9 @@ def amend(
         source=SOURCE,
         correlation_id=correlation_id,
     )
-    _check_chain(record, key, versions, IdempotencyStore(db), store.clock())
+    ledger = IdempotencyStore(db)
+    chain_keys = _check_chain(record, key, versions, ledger, store.clock())
+    crash_point("amend_checked")  # test hook: every check passed, nothing written yet
     plan = Amendment(
         record_id=record_id,
         job_type=record.job_type,
@@ -426,6 +434,13 @@ def amend(
             admitted.payload,
             queue=admitted.job_type.queue,
             correlation_id=correlation_id,
+            conn=conn,
+        )
+        # the version writes the rows the earlier keys fenced: its fences continue above theirs
+        ledger.continue_fences(
+            admitted.key,
+            admitted.job_type.validate(dict(admitted.payload)),
+            chain_keys,
             conn=conn,
         )
         conn.execute(

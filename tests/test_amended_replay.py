@@ -10,7 +10,10 @@ record from several processes make exactly one version. SQLite and Postgres.
 from __future__ import annotations
 
 import json
-import multiprocessing
+import os
+import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,6 +38,8 @@ from resources.storage.db import Database
 from resources.storage.settings import Settings
 from sandbox.gateway import GatewayServer
 from sensors.dlq import dead_letter_failed_requests
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
@@ -192,37 +197,57 @@ def test_a_key_that_reached_a_recovery_point_is_not_amended(db: Database) -> Non
     assert Versions(db).chain("payment:o9") == []
 
 
-def _amend_worker(url: str, record_id: int, amount: int, go: Any) -> str:
-    store = DlqStore(Database.from_url(url))
-    go.wait(60)
-    try:
-        return amend(store, record_id, {"amount_cents": amount}, actor=f"w{amount}").key
-    except AmendRefused as exc:
-        return f"refused: {exc}"
+_WORKER = """
+import sys
+from pipelines.replay import AmendRefused, amend
+from resources.dlq import DlqStore
+from resources.storage.db import Database
+store = DlqStore(Database.from_url(sys.argv[1]))
+try:
+    print(amend(store, int(sys.argv[2]), {"amount_cents": int(sys.argv[3])}, actor="w").key)
+except AmendRefused as exc:
+    print(f"refused: {exc}")
+"""
+
+
+def _state(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
 
 
 def test_concurrent_amendments_of_one_record_make_exactly_one_version(
     db: Database, db_url: str
 ) -> None:
     """Catches: two processes amending the same record at once each making a version (two
-    requests, two effects) or leaving the record half-closed."""
+    requests, two effects) or leaving the record half-closed. Each worker is stopped (SIGSTOP)
+    after every check passed and before it writes, so all of them saw the record open; then
+    all are resumed at once."""
     store, requests = DlqStore(db), RequestStore(db)
     enqueued = enqueue("charge_payment", {"order_id": "o5", "amount_cents": 100}, db=db)
     requests.mark_failed(enqueued.id, "OrderAmountMismatch: wrong", error_class="permanent")
     record = _dead_letter(store, "payment:o5")
-    ctx = multiprocessing.get_context("spawn")
-    with ctx.Manager() as manager:
-        go = manager.Event()
-        with ctx.Pool(4) as pool:
-            pending = pool.starmap_async(
-                _amend_worker, [(db_url, record.id, 200 + i, go) for i in range(4)]
-            )
-            time.sleep(0.5)  # let the workers import; the race does not depend on it
-            go.set()
-            results = pending.get(timeout=180)
+    env = {**os.environ, "SEKALI_STOP_AT": "amend_checked", "PYTHONPATH": str(ROOT)}
+    workers = [
+        subprocess.Popen(
+            [sys.executable, "-c", _WORKER, db_url, str(record.id), str(200 + i)],
+            env=env, stdout=subprocess.PIPE, text=True,
+        )
+        for i in range(4)
+    ]
+    try:
+        deadline = time.monotonic() + 120
+        while not all(_state(w.pid) == "T" for w in workers):
+            assert time.monotonic() < deadline, "the workers never reached their checks"
+            time.sleep(0.05)
+        for w in workers:
+            os.kill(w.pid, signal.SIGCONT)
+        results = [w.communicate(timeout=120)[0].strip() for w in workers]
+    finally:
+        for w in workers:
+            if w.poll() is None:
+                w.kill()
     made = [r for r in results if not r.startswith("refused")]
     assert made == ["payment:o5#v2"], results
-    assert all("already amended" in r or "is discarded" in r or "changed meanwhile" in r
+    assert all("already amended" in r or "changed meanwhile" in r
                for r in results if r.startswith("refused")), results
     with db.statement() as conn:
         assert conn.execute(
@@ -272,3 +297,32 @@ def test_dlq_operations_amends_and_shows_versions_and_audit(db: Database, db_url
     ]
     actions = [r.data["action"] for r in metadata["audit"].value.records]
     assert actions == ["dead_lettered", "superseded"]
+
+
+def test_a_version_writes_rows_the_original_key_fenced(
+    db: Database, db_url: str, redis_url: str, namespace: str, gateway: GatewayServer,
+) -> None:
+    """Catches: a new key's fences restarting at 1 under rows the original key fenced higher
+    (the order's ``payment_fence``): the version would be refused by the fence, forever."""
+    services = _services(db_url, redis_url, namespace, gateway)
+    requests, store, ledger = RequestStore(db), DlqStore(db), IdempotencyStore(db)
+    _order(db, "o3", 1300)
+    enqueued = enqueue("charge_payment", {"order_id": "o3", "amount_cents": 1200}, db=db)
+    for _ in range(3):  # three claims of the original key, the last one fenced the order
+        claim = ledger.begin("payment:o3", payload={"order_id": "o3", "amount_cents": 1200,
+                                                    "currency": "EUR"})
+        ledger.fail(claim, "LimitNotAcquired: busy", "transient")
+    assert claim.fence == 3
+    with db.transaction() as conn:
+        conn.execute(text("UPDATE orders SET payment_fence = 3 WHERE order_id = 'o3'"))
+    claim = ledger.begin("payment:o3", payload={"order_id": "o3", "amount_cents": 1200,
+                                                "currency": "EUR"})
+    ledger.fail(claim, "wrong amount", "permanent")
+    requests.mark_failed(enqueued.id, "OrderAmountMismatch: wrong", error_class="permanent")
+    record = _dead_letter(store, "payment:o3")
+
+    made = amend(store, record.id, {"amount_cents": 1300}, actor="t")
+    outcome = _run(services, requests, made.key)
+    assert not isinstance(outcome, Exception), outcome
+    assert outcome.fence == 5
+    assert _charges(gateway, "payment:o3#v2") == 1 and _charges(gateway, "payment:o3") == 0

@@ -93,6 +93,7 @@ class Status(StrEnum):
     from            event                                                  to
     ==============  =====================================================  ==================
     (absent)        begin                                                  in_progress
+    (absent)        continue_fences: a new key carrying another key's intent  retryable
     in_progress     heartbeat / checkpoint by the owner                    in_progress
     in_progress     begin by another after the lease expired (takeover)    in_progress
     in_progress     complete by the owner                                  completed
@@ -113,7 +114,7 @@ class Status(StrEnum):
 
 
 TRANSITIONS: dict[Status | None, frozenset[Status | None]] = {
-    None: frozenset({Status.IN_PROGRESS}),
+    None: frozenset({Status.IN_PROGRESS, Status.RETRYABLE}),
     Status.IN_PROGRESS: frozenset(
         {Status.IN_PROGRESS, Status.COMPLETED, Status.FAILED, Status.RETRYABLE}
     ),
@@ -682,6 +683,35 @@ class IdempotencyStore:
                 ).rowcount
                 == 1
             )
+
+    def continue_fences(
+        self, key: str, payload: Any, after: Sequence[str], *, conn: Connection
+    ) -> bool:
+        """Create ``key`` (absent) as ``retryable`` with the highest fence of the keys in
+        ``after``, so its first claim's fence is above every fence they wrote: a new key that
+        carries the same intent (a new version of it) writes the same fenced rows, and a fence
+        restarting at 1 would be refused there. ``payload`` must be what :meth:`begin` will be
+        given. In the caller's transaction; False when ``key`` exists already."""
+        if not after:
+            return False
+        fence = conn.execute(
+            text("SELECT MAX(fence) FROM idempotency_records WHERE key IN :keys").bindparams(
+                bindparam("keys", expanding=True)
+            ),
+            {"keys": list(after)},
+        ).scalar()
+        now = self.clock()
+        return bool(
+            conn.execute(
+                text(
+                    "INSERT INTO idempotency_records (key, payload_hash, status, fence, attempt,"
+                    " created_at, updated_at) VALUES (:key, :hash, 'retryable', :fence, 0,"
+                    " :now, :now) ON CONFLICT (key) DO NOTHING"
+                ),
+                {"key": key, "hash": payload_hash(payload), "fence": int(fence or 0),
+                 "now": now},
+            ).rowcount
+        )
 
     def get(self, key: str) -> Record | None:
         with connect(self.db) as conn:
