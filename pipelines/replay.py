@@ -51,7 +51,7 @@ from pipelines.registry import JOB_TYPES
 from pipelines.requests import RequestStatus, RequestStore
 from pipelines.validation import admit
 from resources.dlq import DlqRecord, DlqStatus, DlqStore, ReplayDecision
-from resources.errors import SekaliError, ValidationError
+from resources.errors import IdempotencyConflict, SekaliError, ValidationError
 from resources.flow.limits import RateSetting
 from resources.idempotency import IdempotencyStore
 from resources.storage.db import metadata
@@ -428,14 +428,20 @@ def amend(
         ).rowcount
         if not linked:
             raise AmendRefused(_lost_race(record_id, key, versions_in=conn))
-        enqueued = requests.enqueue(
-            record.job_type,
-            admitted.key,
-            admitted.payload,
-            queue=admitted.job_type.queue,
-            correlation_id=correlation_id,
-            conn=conn,
-        )
+        try:
+            enqueued = requests.enqueue(
+                record.job_type,
+                admitted.key,
+                admitted.payload,
+                queue=admitted.job_type.queue,
+                correlation_id=correlation_id,
+                conn=conn,
+            )
+        except IdempotencyConflict as exc:
+            raise AmendRefused(
+                f"DLQ record {record_id}: a request under {admitted.key} exists already with"
+                " another payload (enqueued by hand?); discard one of them first"
+            ) from exc
         # the version writes the rows the earlier keys fenced: its fences continue above theirs
         ledger.continue_fences(
             admitted.key,

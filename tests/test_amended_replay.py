@@ -321,6 +321,15 @@ def test_a_version_writes_rows_the_original_key_fenced(
     requests.mark_failed(enqueued.id, "OrderAmountMismatch: wrong", error_class="permanent")
     record = _dead_letter(store, "payment:o3")
 
+    # a request enqueued by hand under the version's key with another payload: refused whole
+    enqueue("charge_payment", {"order_id": "o3", "amount_cents": 9}, key="payment:o3#v2", db=db)
+    with pytest.raises(AmendRefused, match="exists already"):
+        amend(store, record.id, {"amount_cents": 1300}, actor="t")
+    assert store.get(record.id).status is DlqStatus.OPEN
+    assert Versions(db).chain("payment:o3") == []
+    with db.transaction() as conn:
+        conn.execute(text("DELETE FROM job_requests WHERE key = 'payment:o3#v2'"))
+
     made = amend(store, record.id, {"amount_cents": 1300}, actor="t")
     outcome = _run(services, requests, made.key)
     assert not isinstance(outcome, Exception), outcome
