@@ -26,7 +26,9 @@ from sqlalchemy import text
 from pipelines.cli import main as cli
 from pipelines.intake import enqueue
 from pipelines.jobs.payment import reference_for
+from pipelines.ops import charge_payment_job
 from pipelines.ops.dlq_ops import dlq_operations
+from pipelines.profile import RequestsResource
 from pipelines.replay import AmendRefused, Versions, amend
 from pipelines.requests import RequestStore
 from pipelines.runtime import execute_request
@@ -38,6 +40,8 @@ from resources.storage.db import Database
 from resources.storage.settings import Settings
 from sandbox.gateway import GatewayServer
 from sensors.dlq import dead_letter_failed_requests
+from sensors.intake import intake_sensor
+from tests.job_workers import dagster_resources
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -335,3 +339,48 @@ def test_a_version_writes_rows_the_original_key_fenced(
     assert not isinstance(outcome, Exception), outcome
     assert outcome.fence == 5
     assert _charges(gateway, "payment:o3#v2") == 1 and _charges(gateway, "payment:o3") == 0
+
+
+def test_the_version_runs_through_intake_and_dagster_under_its_own_key(
+    db: Database, db_url: str, redis_url: str, namespace: str, gateway: GatewayServer,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Catches: a version the intake sensor or the per-request job cannot run (the derived key
+    in run keys and tags), or a run that charges under the original key."""
+    monkeypatch.setenv("SEKALI_INTAKE_MODE", "per_request")
+    resources = dagster_resources(
+        db_url=db_url, redis_url=redis_url, namespace=namespace, gateway_url=gateway.url
+    )
+    resources["requests"] = RequestsResource(database_url=db_url)
+    requests, store = RequestStore(db), DlqStore(db)
+    _order(db, "o8", 1300)
+    enqueue("charge_payment", {"order_id": "o8", "amount_cents": 1200}, db=db)
+    with dg.DagsterInstance.ephemeral() as instance:
+
+        def launch() -> tuple[dg.RunRequest, dg.ExecuteInProcessResult]:
+            tick = intake_sensor(
+                dg.build_sensor_context(
+                    instance=instance, resources={"requests": resources["requests"]}
+                )
+            )
+            assert isinstance(tick, dg.SensorResult)
+            (request,) = tick.run_requests or []
+            return request, charge_payment_job.execute_in_process(
+                run_config=request.run_config, instance=instance,
+                tags={**request.tags, "dagster/run_key": request.run_key or ""},
+                resources=resources, raise_on_error=False,
+            )
+
+        first, failed = launch()
+        assert not failed.success
+        request = requests.get_by_key("payment:o8")
+        assert request is not None and request.status == "failed"  # the op's failure path
+        record = _dead_letter(store, "payment:o8")
+        made = amend(store, record.id, {"amount_cents": 1300}, actor="t")
+        second, done = launch()
+    assert done.success
+    assert second.run_key == "intake:payment:o8#v2"
+    assert second.tags["sekali/key"] == "payment:o8#v2"
+    assert done.dagster_run.tags["sekali/outcome"] == "effect"
+    assert requests.get(made.request_id or 0).status == "completed"
+    assert _charges(gateway, "payment:o8#v2") == 1 and _charges(gateway, "payment:o8") == 0
