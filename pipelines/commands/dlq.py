@@ -7,7 +7,9 @@
 - ``replay [ID ...] [filters] [--dry-run]``: ask for a replay of the selected open records; the
   ``dlq_replay_sensor`` launches them at its rate bound. Each selected record's idempotency key is
   reset from failed to retryable, and only those. Without ids a filter is required.
-  ``--dry-run`` changes nothing and says what would be replayed.
+  ``--dry-run`` changes nothing and says what would be replayed. ``--wait`` then follows each
+  replayed record to its end (:mod:`pipelines.commands.follow`; exit 1 when one is dead-lettered
+  again or ``--timeout`` passes first); ``--json`` prints the decisions (and final states).
 - ``discard ID ... --reason R``: give up on records (kept, marked discarded, audited).
 
 Exit codes: 0 done, 1 nothing matched / nothing changed, 2 bad arguments or unknown record
@@ -24,7 +26,9 @@ import sys
 from typing import Any
 
 from pipelines.commands.arguments import record_id
+from pipelines.commands.follow import add_wait_arguments, exit_code, follow, record_progress
 from pipelines.privacy import dlq_view
+from pipelines.requests import RequestStore
 from resources.dlq import DlqRecordNotFound, DlqStore, parse_age
 from resources.idempotency import IdempotencyStore
 from resources.storage.db import shared_database
@@ -72,6 +76,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p_replay.add_argument("--dry-run", action="store_true", dest="dry_run")
     p_replay.add_argument("--actor", default=None)
     p_replay.add_argument("--reason", default="")
+    p_replay.add_argument("--json", action="store_true")
+    add_wait_arguments(p_replay)
     p_replay.set_defaults(func=_replay)
 
     p_discard = dlq_sub.add_parser("discard", help="give up on dead letters (kept, audited)")
@@ -196,19 +202,35 @@ def _replay(args: argparse.Namespace) -> int:
         idempotency=IdempotencyStore(store.db),
         dry_run=args.dry_run,
     )
+    say = sys.stderr if args.json else sys.stdout
     for d in decisions:
         verb = ("would replay" if args.dry_run else "replay requested") if d.replay else "skipped"
         reset = " (key reset)" if d.key_reset else ""
         print(
             f"{d.record.id:>5}  {verb}: {d.record.job_type} key={d.record.idempotency_key} "
-            f"{'' if d.replay else d.reason}{reset}"
+            f"{'' if d.replay else d.reason}{reset}", file=say
         )
     chosen = sum(d.replay for d in decisions)
     print(
         f"{chosen} of {len(decisions)} selected records "
-        f"{'would be replayed (dry run)' if args.dry_run else 'requested for replay'}"
+        f"{'would be replayed (dry run)' if args.dry_run else 'requested for replay'}", file=say
     )
-    return 0 if chosen else 1
+    data: dict[str, Any] = {"decisions": [
+        {"id": d.record.id, "replay": d.replay, "reason": d.reason, "key_reset": d.key_reset}
+        for d in decisions]}
+    code = 0 if chosen else 1
+    if args.wait and chosen and not args.dry_run:
+        requests = RequestStore(store.db)
+        states, timed_out = follow(
+            [record_progress(store, requests, d.record.id) for d in decisions if d.replay],
+            timeout=args.timeout,
+        )
+        code = exit_code(states, timed_out, args.timeout)
+        data["final"] = [s.as_dict() for s in states]
+        data["timed_out"] = timed_out
+    if args.json:
+        print(json.dumps(data, indent=2, default=str))
+    return code
 
 
 def _discard(args: argparse.Namespace) -> int:
