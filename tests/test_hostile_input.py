@@ -287,7 +287,7 @@ def test_a_launchpad_run_with_a_hostile_config_fails_once_and_is_kept(
     assert not result.success
     (failure,) = [e for e in result.all_events if e.event_type_value == "STEP_FAILURE"]
     described = failure.step_failure_data.user_failure_data
-    assert described is not None and "invalid order_id" in (described.description or "")
+    assert described is not None and "order_id: " in (described.description or "")
     assert described.metadata["error_class"].value == "permanent"
     assert not [e for e in result.all_events if e.event_type_value == "STEP_UP_FOR_RETRY"]
     (row,) = _rejections(db)

@@ -4,6 +4,8 @@
   [--newer-than 1d] [--json]``: unresolved records by default (open, replay_requested,
   replaying); ``--status all`` for every record.
 - ``show ID [--json]``: one record with its error, trace, failed runs and audit trail.
+
+Times are ISO-8601 in the local zone, payloads JSON; ``--out PATH`` writes the JSON to a file.
 - ``replay [ID ...] [filters] [--dry-run]``: ask for a replay of the selected open records; the
   ``dlq_replay_sensor`` launches them at its rate bound. Each selected record's idempotency key is
   reset from failed to retryable, and only those. Without ids a filter is required.
@@ -19,14 +21,25 @@ Exit codes: 0 done, 1 nothing matched / nothing changed, 2 bad arguments or unkn
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import getpass
 import json
 import sys
+import textwrap
 from typing import Any
+
+from rich import box
+from rich.table import Table
 
 from pipelines.commands.arguments import record_id
 from pipelines.commands.follow import add_wait_arguments, exit_code, follow, record_progress
+from pipelines.commands.output import (
+    add_output_arguments,
+    console,
+    emit,
+    payload_text,
+    printable,
+    when,
+)
 from pipelines.privacy import dlq_view
 from pipelines.requests import RequestStore
 from resources.dlq import DlqRecordNotFound, DlqStore, parse_age
@@ -60,12 +73,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p_list.add_argument(
         "--status", action="append", help="status to show (repeatable); 'all' for every status"
     )
-    p_list.add_argument("--json", action="store_true")
+    add_output_arguments(p_list)
     p_list.set_defaults(func=_list)
 
     p_show = dlq_sub.add_parser("show", help="one dead letter in full")
     p_show.add_argument("id", type=record_id)
-    p_show.add_argument("--json", action="store_true")
+    add_output_arguments(p_show)
     common(p_show)
     p_show.set_defaults(func=_show)
 
@@ -115,8 +128,13 @@ def _select(args: argparse.Namespace, store: Any, statuses: list[str] | None) ->
     )
 
 
-def _when(ts: float) -> str:
-    return dt.datetime.fromtimestamp(ts, tz=dt.UTC).strftime("%Y-%m-%d %H:%M:%SZ")
+def error_text(record: Any, view: dict[str, Any]) -> str:
+    """The record's error once: its message, prefixed by the error type only when the message
+    does not already start with it."""
+    message = " ".join((view["last_error"] or "").split())
+    if message.startswith(f"{record.error_type}:") or not record.error_type:
+        return message
+    return f"{record.error_type}: {message}"
 
 
 def _list(args: argparse.Namespace) -> int:
@@ -126,23 +144,27 @@ def _list(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if args.json:
-        print(json.dumps([dlq_view(r, summary=True) for r in records], indent=2))
-        return 0
-    if not records:
-        print("no dead letters match")
-        return 0
-    print(
-        f"{'id':>5}  {'status':<16} {'job_type':<20} {'class':<9} {'fingerprint':<16} "
-        f"{'fails':>5} {'replays':>7}  last failure          error"
-    )
-    for r in records:
-        print(
-            f"{r.id:>5}  {r.status:<16} {r.job_type:<20} {r.error_class:<9} "
-            f"{r.fingerprint:<16} {r.failure_count:>5} {r.replay_count:>7}  "
-            f"{_when(r.last_failed_at)}  {r.error_type}: {dlq_view(r)['last_error'][:60]}"
-        )
-    return 0
+
+    def human() -> None:
+        if not records:
+            print("no dead letters match")
+            return
+        table = Table(box=box.SIMPLE_HEAD)
+        for name in ("id", "status", "job type", "class", "fingerprint", "fails", "replays",
+                     "last failure"):
+            table.add_column(name, justify="right" if name in ("id", "fails", "replays")
+                             else "left", overflow="fold")
+        table.add_column("error", ratio=1, min_width=30)  # wraps between words, never cut
+        for r in records:
+            table.add_row(
+                str(r.id), str(r.status), r.job_type, r.error_class, r.fingerprint,
+                str(r.failure_count), str(r.replay_count), when(r.last_failed_at),
+                printable(textwrap.shorten(error_text(r, dlq_view(r, summary=True)), 300,
+                                           placeholder=" ...")),
+            )
+        console().print(table)
+
+    return emit(args, [dlq_view(r, summary=True) for r in records], human)
 
 
 def _show(args: argparse.Namespace) -> int:
@@ -157,22 +179,31 @@ def _show(args: argparse.Namespace) -> int:
         "failed_runs": store.failures(record.id),
         "audit": redact_data(store.audit(record.id)),
     }
-    if args.json:
-        print(json.dumps(data, indent=2, default=str))
-        return 0
-    for name, value in data.items():
-        if name in ("trace", "audit"):
-            continue
-        print(f"{name:>16}: {value}")
-    print("           audit:")
-    for entry in data["audit"]:
-        print(
-            f"    {_when(entry['at'])} {entry['actor']}: {entry['action']} "
-            f"{entry['from_status']} -> {entry['to_status']} {entry['detail'] or ''}"
-        )
-    print("           trace:")
-    print(data["trace"])
-    return 0
+
+    def human() -> None:
+        out = console()
+        grid = Table.grid(padding=(0, 2))
+        grid.add_column(justify="right", style="bold")
+        grid.add_column(overflow="fold")
+        for name, value in data.items():
+            if name in ("trace", "audit"):
+                continue
+            if name.endswith("_at") and isinstance(value, (int, float)):
+                value = when(value)
+            elif isinstance(value, (dict, list)):
+                value = payload_text(value)
+            grid.add_row(name, "" if value is None else printable(str(value)))
+        out.print(grid)
+        out.print("audit:")
+        for entry in data["audit"]:
+            out.print(printable(
+                f"  {when(entry['at'])}  {entry['actor']}: {entry['action']} "
+                f"{entry['from_status']} -> {entry['to_status']} {entry['detail'] or ''}"
+            ))
+        out.print("trace:")
+        out.print(printable(data["trace"] or "(none)"))
+
+    return emit(args, data, human)
 
 
 def _replay(args: argparse.Namespace) -> int:

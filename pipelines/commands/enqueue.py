@@ -84,8 +84,7 @@ def _enqueue(args: argparse.Namespace) -> int:
         )
     except ValidationError as exc:
         kept = f"rejection {exc.rejection_id}" if exc.rejection_id else "job_rejections"
-        print(f"error: {exc.field}: {_one_line(exc.problem)} (kept as {kept}; sekali rejections "
-              "list)", file=sys.stderr)
+        print(f"error: {_one_line(exc)} (kept as {kept})", file=sys.stderr)
         return 2
     except IdempotencyConflict as exc:
         print(f"error: {_one_line(exc)}", file=sys.stderr)

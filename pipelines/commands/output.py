@@ -32,9 +32,15 @@ def when(ts: float | None) -> str:
 
 
 def payload_text(value: Any, *, indent: int | None = None) -> str:
-    """``value`` as JSON text (keys in stored order, non-ASCII kept); what JSON cannot hold
-    is shown as its string."""
-    return json.dumps(value, indent=indent, ensure_ascii=False, default=str)
+    """``value`` as JSON text (keys in stored order, non-ASCII kept, a lone surrogate escaped);
+    what JSON cannot hold is shown as its string."""
+    return printable(json.dumps(value, indent=indent, ensure_ascii=False, default=str))
+
+
+def printable(text: str) -> str:
+    """``text`` with what a terminal cannot encode (a lone surrogate kept from hostile input)
+    shown as its escape (``\\ud800``)."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def console() -> Console:
@@ -62,7 +68,7 @@ def add_output_arguments(parser: argparse.ArgumentParser) -> None:
 def emit(args: argparse.Namespace, data: Any, human: Callable[[], None]) -> int:
     """Print ``data`` as JSON (``--json``) or through ``human()``; write it to ``--out`` too.
     Returns 0, or 2 with one line on stderr when ``--out`` cannot be written."""
-    text = json.dumps(data, indent=2, ensure_ascii=False, default=str)
+    text = json.dumps(data, indent=2, default=str)
     out: Path | None = getattr(args, "out", None)
     if out is not None:
         try:

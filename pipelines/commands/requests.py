@@ -22,7 +22,14 @@ from rich.table import Table
 
 from pipelines.attempts import AttemptRecorder
 from pipelines.commands.arguments import record_id
-from pipelines.commands.output import add_output_arguments, console, emit, payload_text, when
+from pipelines.commands.output import (
+    add_output_arguments,
+    console,
+    emit,
+    payload_text,
+    printable,
+    when,
+)
 from pipelines.privacy import mask_text, request_view
 from pipelines.requests import JobRequest, RequestStatus, RequestStore
 from resources.dlq import DlqStore
@@ -79,9 +86,9 @@ def _list(args: argparse.Namespace) -> int:
                              overflow="fold")
         table.add_column("last error", ratio=1, overflow="ellipsis")
         for v in views:
-            table.add_row(str(v["id"]), v["status"], v["job_type"], v["key"],
+            table.add_row(str(v["id"]), v["status"], v["job_type"], printable(v["key"]),
                           str(v["attempts"]), v["updated_at"], v["run_id"] or "",
-                          " ".join((v["last_error"] or "").split()))
+                          printable(" ".join((v["last_error"] or "").split())))
         console().print(table)
 
     return emit(args, views, human)
@@ -147,7 +154,7 @@ def _print_show(data: dict[str, Any]) -> None:
     for name, value in data["request"].items():
         if name == "payload" or isinstance(value, (dict, list)):
             value = payload_text(value)
-        grid.add_row(name, "" if value is None else str(value))
+        grid.add_row(name, "" if value is None else printable(str(value)))
     grid.add_row("outcome", data["outcome"])
     grid.add_row("runs", ", ".join(data["runs"]) or "(none yet)")
     out.print(grid)
@@ -160,10 +167,11 @@ def _print_show(data: dict[str, Any]) -> None:
             seconds = a["duration_seconds"]
             table.add_row(a["started_at"], str(a["attempt"]), a["outcome"], a["error_class"] or "",
                           a["run_id"] or "", "" if seconds is None else f"{seconds:.3f}",
-                          a["error_reason"] or "")
+                          printable(a["error_reason"] or ""))
         out.print(table)
     else:
         out.print("attempts: none yet")
     for d in data["dead_letters"]:
-        out.print(f"dead letter {d['id']} ({d['status']}, {d['error_class']}, last failed "
-                  f"{d['last_failed_at']}): {d['last_error']}  -> sekali dlq show {d['id']}")
+        out.print(printable(
+            f"dead letter {d['id']} ({d['status']}, {d['error_class']}, last failed "
+            f"{d['last_failed_at']}): {d['last_error']}  -> sekali dlq show {d['id']}"))
