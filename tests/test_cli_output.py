@@ -118,3 +118,29 @@ def test_doctor_counts_the_sandbox_gateway_charges_of_sekali_dev_by_default(
                            env={**env, **base, "SEKALI_GATEWAY_URL": "https://pay.example"})
     (finding,) = json.loads(other.stdout)
     assert finding["passed"] and "no downstream ledger" in finding["found"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="sekali cluster needs root")
+def test_cluster_status_json_and_out(tmp_path: Path) -> None:
+    """Catches: a cluster status whose --out is missing or differs from its --json."""
+    state = str(tmp_path / "cluster")
+    printed = sekali({}, "cluster", "status", "--state", state, "--json")
+    assert json.loads(printed.stdout)["phase"] == "absent"
+    out = tmp_path / "status.json"
+    written = sekali({}, "cluster", "status", "--state", state, "--out", str(out))
+    assert written.returncode == printed.returncode == 1  # absent is not healthy
+    assert json.loads(out.read_text()) == json.loads(printed.stdout)
+    assert written.stdout.startswith("no cluster recorded in ")
+
+
+def test_dlq_replay_and_discard_json(env: dict[str, str], tmp_path: Path) -> None:
+    """Catches: replay/discard decisions printed as text into --json stdout."""
+    dry = sekali(env, "dlq", "replay", "1", "--dry-run", "--json")
+    assert dry.returncode == 0, dry.stderr
+    assert json.loads(dry.stdout) == {"decisions": [
+        {"id": 1, "replay": True, "reason": "would replay (dry run)", "key_reset": False}]}
+    out = tmp_path / "discard.json"
+    gone = sekali(env, "dlq", "discard", "1", "--reason", "test", "--json", "--out", str(out))
+    assert gone.returncode == 0, gone.stderr
+    assert json.loads(gone.stdout) == json.loads(out.read_text()) == [
+        {"id": 1, "discarded": True, "reason": "discarded"}]

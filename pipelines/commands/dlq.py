@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import getpass
-import json
 import sys
 import textwrap
 from typing import Any
@@ -89,7 +88,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p_replay.add_argument("--dry-run", action="store_true", dest="dry_run")
     p_replay.add_argument("--actor", default=None)
     p_replay.add_argument("--reason", default="")
-    p_replay.add_argument("--json", action="store_true")
+    add_output_arguments(p_replay)
     add_wait_arguments(p_replay)
     p_replay.set_defaults(func=_replay)
 
@@ -97,6 +96,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p_discard.add_argument("ids", type=record_id, nargs="+")
     p_discard.add_argument("--reason", required=True)
     p_discard.add_argument("--actor", default=None)
+    add_output_arguments(p_discard)
     common(p_discard)
     p_discard.set_defaults(func=_discard)
 
@@ -259,8 +259,8 @@ def _replay(args: argparse.Namespace) -> int:
         code = exit_code(states, timed_out, args.timeout)
         data["final"] = [s.as_dict() for s in states]
         data["timed_out"] = timed_out
-    if args.json:
-        print(json.dumps(data, indent=2, default=str))
+    if args.json or args.out:
+        return emit(args, data, lambda: None) or code
     return code
 
 
@@ -271,6 +271,13 @@ def _discard(args: argparse.Namespace) -> int:
     except (DlqRecordNotFound, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    say = sys.stderr if args.json else sys.stdout
     for d in decisions:
-        print(f"{d.record.id:>5}  {'discarded' if d.replay else 'skipped: ' + d.reason}")
-    return 0 if any(d.replay for d in decisions) else 1
+        print(f"{d.record.id:>5}  {'discarded' if d.replay else 'skipped: ' + d.reason}",
+              file=say)
+    code = 0 if any(d.replay for d in decisions) else 1
+    if args.json or args.out:
+        data = [{"id": d.record.id, "discarded": d.replay, "reason": d.reason}
+                for d in decisions]
+        return emit(args, data, lambda: None) or code
+    return code
