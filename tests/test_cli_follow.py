@@ -198,3 +198,16 @@ def test_dlq_replay_wait_follows_the_record_to_its_end(
         assert final["state"] == "dead-lettered" and not final["ok"]
         assert f"dead letter {record_id} ended dead-lettered: replay failed" in err
     assert f"dead letter {record_id}: replay requested" in err
+
+
+@pytest.mark.parametrize("timeout", ["0", "-3", "nan", "soon"])
+def test_a_timeout_that_is_not_a_positive_number_is_bad_usage(
+    sqlite_url: str, timeout: str
+) -> None:
+    """Catches: a --wait that never waits (0, negative) or a traceback for a bad number."""
+    done = finish(start(sqlite_url, "enqueue", "send_email", "--payload", json.dumps(EMAIL),
+                        "--wait", "--timeout", timeout))
+    assert done[0] == 2 and done[1] == ""
+    assert done[2].strip().splitlines() == [
+        f"sekali enqueue: error: argument --timeout: {timeout!r} is not a positive number of "
+        "seconds"]

@@ -18,6 +18,7 @@ dead-lettered, or had not ended by ``--timeout``.
 
 from __future__ import annotations
 
+import argparse
 import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
@@ -190,9 +191,20 @@ def exit_code(states: Sequence[Progress], timed_out: bool, timeout: float) -> in
     return 1 if failed else 0
 
 
-def add_wait_arguments(parser: Any) -> None:
+def seconds(text: str) -> float:
+    """argparse ``type=`` of ``--timeout``: a positive number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of seconds")
+    return value
+
+
+def add_wait_arguments(parser: argparse.ArgumentParser) -> None:
     """``--wait`` and ``--timeout`` for a command that starts work."""
     parser.add_argument("--wait", action="store_true",
                         help="follow the work to its end (exit 1 if it fails or times out)")
-    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
+    parser.add_argument("--timeout", type=seconds, default=DEFAULT_TIMEOUT,
                         help=f"with --wait: give up after this many seconds ({DEFAULT_TIMEOUT:g})")
