@@ -124,6 +124,9 @@ def record_progress(
         status = str(record.status)
         request = requests.get(record.request_id) if record.request_id is not None else None
         done = status in ("open", "resolved", "discarded")
+        run_id = request.run_id if request is not None else None
+        if not done and run_id == record.run_id:
+            run_id = None  # still the run that failed before: the replay has not started
         detail = ""
         if status == "open":
             detail = f"replay failed: {' '.join((record.last_error or '').split())[:160]}"
@@ -133,7 +136,7 @@ def record_progress(
             done,
             status == "resolved",
             attempts=request.attempts if request is not None else None,
-            run_id=request.run_id if request is not None else None,
+            run_id=run_id,
             detail=detail,
             ids={"dlq_record_id": record.id, "request_id": record.request_id,
                  "key": record.idempotency_key},
