@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("pipelines.commands.bench", "run benchmarks/ and print ratios (JSON and plots too)"),
     "demo": ("pipelines.commands.demo", "a two-minute before/after tour on embedded backends"),
     "enqueue": ("pipelines.commands.enqueue", "write a job request for the intake sensor"),
+    "requests": ("pipelines.commands.requests", "job requests and what became of them"),
     "dlq": ("pipelines.commands.dlq", "inspect, replay and discard dead letters"),
     "rejections": ("pipelines.commands.rejections", "see the requests the intake refused"),
     "doctor": ("pipelines.commands.doctor", "run the production diagnosis checklist"),

@@ -8,7 +8,8 @@ in what outlives a request and is read by more people than its producer:
 - attempt errors (``job_attempts.error_reason``) and request errors (``last_error``);
 - DLQ records: message and trace are masked when the failure is recorded
   (:func:`mask_failure`); the payload is kept as it was, since a replay needs it, and is
-  masked in every view (``sekali dlq show``, ``list``: :func:`dlq_view`).
+  masked in every view (``sekali dlq show``, ``list``: :func:`dlq_view`); so is a request's
+  (``sekali requests``, ``enqueue --wait``: :func:`request_view`).
 
 The guarantee is about what sekali writes; the payload in ``job_requests`` and in a DLQ
 record's run config stays whole (the work needs it) and leaves with them under retention.
@@ -16,11 +17,12 @@ record's run config stays whole (the work needs it) and leaves with them under r
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import fields, replace
 from typing import Any
 
 from pipelines.jobs.base import JobType
 from pipelines.registry import JOB_TYPES
+from pipelines.requests import JobRequest
 from resources.dlq import DlqRecord, FailureInfo
 from resources.telemetry.redact import VALUE_MASK, redact, redact_data
 
@@ -83,3 +85,14 @@ def dlq_view(record: DlqRecord, *, summary: bool = False) -> dict[str, Any]:
         "last_error": redact(record.last_error or "", values),
         "trace": redact(record.trace or "", values),
     }
+
+
+def request_view(request: JobRequest) -> dict[str, Any]:
+    """Every field of a request record, by name (fields added to :class:`JobRequest` show up
+    without edits here), with the payload's personal fields and the error masked."""
+    view = {f.name: getattr(request, f.name) for f in fields(request)}
+    view["status"] = str(request.status)
+    view["payload"] = mask_payload(request.job_type, request.payload)
+    if request.last_error:
+        view["last_error"] = mask_text(request.last_error, request.job_type, request.payload)
+    return view

@@ -516,6 +516,31 @@ class RequestStore:
             ).first()
         return None if row is None else JobRequest.from_row(row)
 
+    def find(
+        self,
+        *,
+        status: Sequence[str] | None = None,
+        job_type: str | None = None,
+        limit: int = 50,
+    ) -> list[JobRequest]:
+        """Requests matching every filter given, newest first, at most ``limit``."""
+        where: list[str] = []
+        params: dict[str, Any] = {"limit": int(limit)}
+        if status:
+            where.append("status IN :statuses")
+            params["statuses"] = [str(s) for s in status]
+        if job_type is not None:
+            where.append("job_type = :jt")
+            params["jt"] = job_type
+        sql = f"SELECT {_COLUMNS} FROM job_requests"
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        stmt = text(sql + " ORDER BY id DESC LIMIT :limit")
+        if status:
+            stmt = stmt.bindparams(bindparam("statuses", expanding=True))
+        with self.db.statement() as conn:
+            return [JobRequest.from_row(r) for r in conn.execute(stmt, params)]
+
     def counts(self, job_type: str | None = None) -> dict[str, int]:
         """Requests per status (every status present, zero if none)."""
         where = "WHERE job_type = :jt" if job_type else ""

@@ -9,6 +9,11 @@ printed as a before/after table:
    idempotency keys (the hard case), naive code against :func:`execute_request`.
 3. Retry storm: 1,000 jobs fail together through a 30 s outage, no jitter against full jitter
    with the shared retry budget (the simulation of ``benchmarks/retry_storm.py``).
+
+The tables go to stdout; while a scene runs, each step it reaches (processes started, callers
+done, deliveries made, a simulation finished) is a line on stderr with the seconds since the
+demo began, so the tour is never silent. Each scene takes ``progress``, a callable given those
+lines (the CLI's prints them; tests collect them).
 """
 
 from __future__ import annotations
@@ -21,9 +26,12 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
+
+from rich.console import Console
 
 from benchmarks.retry_storm import Scenario, simulate
 from pipelines.domain.payments import HttpPaymentGateway
@@ -38,6 +46,12 @@ from sandbox.gateway import GatewayServer
 from sandbox.redis_server import RedisServer, free_port
 
 LOADER_SECONDS = 0.2
+
+Progress = Callable[[str], None]
+
+
+def _quiet(_: str) -> None:
+    return None
 
 
 def _table(title: str, header: list[str], rows: list[list[Any]]) -> str:
@@ -85,10 +99,12 @@ def _stampede_worker(mode: str, url: str, namespace: str, threads: int, start_at
     out.put(latencies)
 
 
-def stampede(url: str, processes: int = 4, threads: int = 25) -> list[list[Any]]:
+def stampede(url: str, processes: int = 4, threads: int = 25,
+             progress: Progress = _quiet) -> list[list[Any]]:
     ctx = mp.get_context("spawn")
     rows = []
     for mode in ("naive", "guarded"):
+        progress(f"{mode}: starting {processes} processes x {threads} threads")
         namespace = f"demo{uuid.uuid4().hex[:8]}"
         queue = ctx.Queue()
         start_at = time.time() + 4.0  # let every process import first, then go together
@@ -97,10 +113,14 @@ def stampede(url: str, processes: int = 4, threads: int = 25) -> list[list[Any]]
                  for _ in range(processes)]
         for p in procs:
             p.start()
-        latencies = [x for _ in procs for x in queue.get(timeout=120)]
+        latencies = []
+        for done in range(1, processes + 1):
+            latencies += queue.get(timeout=120)
+            progress(f"{mode}: {done * threads} of {processes * threads} callers answered")
         for p in procs:
             p.join(30)
         calls = int(redis_client(url).get(f"{namespace}:loader_calls") or 0)
+        progress(f"{mode}: the loader ran {calls} times")
         latencies.sort()
         rows.append([mode, processes * threads, calls,
                      f"{statistics.median(latencies) * 1000:.0f} ms",
@@ -111,7 +131,8 @@ def stampede(url: str, processes: int = 4, threads: int = 25) -> list[list[Any]]
 # -- scene 2: duplicate delivery --------------------------------------------------------------
 
 
-def duplicate_delivery(url: str, state: Path, orders: int = 30, copies: int = 3) -> list[list[Any]]:
+def duplicate_delivery(url: str, state: Path, orders: int = 30, copies: int = 3,
+                       progress: Progress = _quiet) -> list[list[Any]]:
     gateway = GatewayServer(f"sqlite:///{state / 'gateway.db'}", honour_idempotency_key=False)
     gateway.start()
     try:
@@ -126,12 +147,25 @@ def duplicate_delivery(url: str, state: Path, orders: int = 30, copies: int = 3)
         naive_client = HttpPaymentGateway(gateway.url, send_idempotency_key=False)
         deliveries = [(f"o{i}", c) for i in range(orders) for c in range(copies)]
         counter_lock = threading.Lock()
+        step = max(1, len(deliveries) // 3)
         rows = []
         for mode in ("naive", "guarded"):
             before = len(gateway.charges())
             suppressed = 0
+            delivered = 0
+            progress(f"{mode}: delivering {len(deliveries)} payments ({copies} per order)")
 
             def deliver(item: tuple[str, int], mode: str = mode) -> None:
+                try:
+                    charge(item, mode)
+                finally:
+                    nonlocal delivered
+                    with counter_lock:
+                        delivered += 1
+                        if delivered % step == 0 or delivered == len(deliveries):
+                            progress(f"{mode}: {delivered} of {len(deliveries)} delivered")
+
+            def charge(item: tuple[str, int], mode: str) -> None:
                 nonlocal suppressed
                 order_id = f"{mode}-{item[0]}"
                 payload = {"order_id": order_id, "amount_cents": 1250, "currency": "EUR"}
@@ -152,6 +186,7 @@ def duplicate_delivery(url: str, state: Path, orders: int = 30, copies: int = 3)
             with ThreadPoolExecutor(12) as pool:
                 list(pool.map(deliver, deliveries))
             charges = len(gateway.charges()) - before
+            progress(f"{mode}: the gateway holds {charges} charges for {orders} orders")
             rows.append([mode, len(deliveries), orders, charges, charges - orders,
                          suppressed if mode == "guarded" else "-"])
         return rows
@@ -162,11 +197,13 @@ def duplicate_delivery(url: str, state: Path, orders: int = 30, copies: int = 3)
 # -- scene 3: retry storm ---------------------------------------------------------------------
 
 
-def retry_storm() -> list[list[Any]]:
+def retry_storm(progress: Progress = _quiet) -> list[list[Any]]:
     rows = []
     for label, jitter, budget in (("no jitter", "none", False),
                                   ("full jitter + budget", "full", True)):
+        progress(f"{label}: simulating 1,000 jobs through the outage")
         r = simulate(Scenario(), jitter, budget, seed=1)
+        progress(f"{label}: drained in {r['time_to_drain_s']:.0f} s (simulated)")
         rows.append([label, r["peak_calls_after_recovery_1s"], r["total_calls"],
                      f"{r['time_to_drain_s']:.0f} s", r["dead_lettered"]])
     return rows
@@ -175,6 +212,13 @@ def retry_storm() -> list[list[Any]]:
 def run_demo() -> int:
     logging.getLogger().setLevel(logging.ERROR)  # the tables are the output
     started = time.monotonic()
+    console = Console(stderr=True, highlight=False, markup=False, emoji=False)
+
+    def scene(number: int, name: str) -> Progress:
+        def say(text: str) -> None:
+            console.print(f"[{time.monotonic() - started:5.1f}s] {number}/3 {name}: {text}")
+        return say
+
     state = Path(tempfile.mkdtemp(prefix="sekali-demo-"))
     server: RedisServer | None = None
     url = os.environ.get("REDIS_URL")
@@ -182,21 +226,23 @@ def run_demo() -> int:
         server = RedisServer(state / "redis", port=free_port()).start()
         url = server.url
     try:
-        print("sekali demo: naive code against the defences, on the embedded backends")
+        print("sekali demo: naive code against the defences, on the embedded backends",
+              flush=True)
         print(_table(
             "1. Stampede: one hot key expires under 4 processes x 25 threads (200 ms loader)",
-            ["mode", "callers", "loader calls", "p50 latency", "p99 latency"], stampede(url)))
+            ["mode", "callers", "loader calls", "p50 latency", "p99 latency"],
+            stampede(url, progress=scene(1, "stampede"))))
         print(_table(
             "2. Duplicate delivery: each payment delivered 3 times at once; the gateway ignores"
             " idempotency keys",
             ["mode", "deliveries", "orders", "charges", "duplicate charges",
              "suppressed duplicates"],
-            duplicate_delivery(url, state)))
+            duplicate_delivery(url, state, progress=scene(2, "duplicate delivery"))))
         print(_table(
             "3. Retry storm: 1,000 jobs fail together, 30 s outage, downstream serves 100/s",
             ["mode", "peak calls/s after recovery", "total calls", "time to drain",
              "dead-lettered"],
-            retry_storm()))
+            retry_storm(progress=scene(3, "retry storm"))))
         print(f"\n(done in {time.monotonic() - started:.0f} s)")
         print(
             "\nWhere to look next, with `sekali dev` running (http://127.0.0.1:3000):\n"

@@ -8,6 +8,7 @@ fix the input or the code, then replay) or transient (retry with backoff); the r
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 
@@ -43,17 +44,29 @@ class PermanentJobError(SekaliError):
 class ValidationError(PermanentJobError):
     """Bad input, naming the field (and ``limit``, the limit it broke, when there is one).
     Permanent: the request is kept, never retried. Fix the input and send it again.
-    ``rejection_id``: the ``job_rejections`` row that keeps it, once the boundary wrote it."""
+    ``rejection_id``: the ``job_rejections`` row that keeps it, once the boundary wrote it.
+
+    The message is ``field: problem``, and ``problem`` says what is wrong with what was sent
+    (``amount_cents: must be an integer, got "lots"``; ``required`` only when it is absent)."""
 
     rejection_id: int | None = None
 
     def __init__(self, field: str, problem: str, value: Any = None, *, limit: str | None = None
                  ) -> None:
-        super().__init__(f"invalid {field}: {problem}")
+        super().__init__(f"{field}: {problem}")
         self.field = field
         self.problem = problem
         self.value = value
         self.limit = limit
+
+
+def shown(value: Any, limit: int = 40) -> str:
+    """A refused value as an error quotes it: its JSON text, cut to ``limit`` characters."""
+    try:
+        text = json.dumps(value, ensure_ascii=False, default=str)
+    except ValueError:  # a structure too deep to encode is named by its type
+        text = type(value).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class IdempotencyConflict(PermanentJobError):

@@ -29,3 +29,16 @@ def test_duplicate_delivery_scene_charges_once_per_order_guarded(
 def test_retry_storm_scene_jitter_and_budget_flatten_the_peak() -> None:
     rows = {row[0]: row for row in demo.retry_storm()}
     assert rows["full jitter + budget"][1] * 5 < rows["no jitter"][1]
+
+
+def test_each_scene_reports_its_progress_while_it_runs(redis_url: str, tmp_path: Path) -> None:
+    """Catches: a demo silent for the seconds a scene takes (the steps come before the table)."""
+    said: list[str] = []
+    rows = demo.duplicate_delivery(redis_url, tmp_path, orders=4, progress=said.append)
+    assert said[0] == "naive: delivering 12 payments (3 per order)"
+    assert "naive: 12 of 12 delivered" in said and "guarded: 12 of 12 delivered" in said
+    assert said[-1] == "guarded: the gateway holds 4 charges for 4 orders"
+    assert {row[0] for row in rows} == {"naive", "guarded"}
+    storm: list[str] = []
+    demo.retry_storm(progress=storm.append)
+    assert [s.split(":")[0] for s in storm] == ["no jitter"] * 2 + ["full jitter + budget"] * 2

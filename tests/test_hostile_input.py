@@ -268,7 +268,8 @@ def test_cli_enqueue_refuses_hostile_payloads_with_one_line_and_exit_2(
 
 def _cli_args(db_url: str, job_type: str, payload: str) -> argparse.Namespace:
     return argparse.Namespace(
-        job_type=job_type, payload=payload, key=None, correlation_id=None, url=db_url
+        job_type=job_type, payload=payload, key=None, correlation_id=None, url=db_url,
+        wait=False, json=False, out=None,
     )
 
 
@@ -287,7 +288,7 @@ def test_a_launchpad_run_with_a_hostile_config_fails_once_and_is_kept(
     assert not result.success
     (failure,) = [e for e in result.all_events if e.event_type_value == "STEP_FAILURE"]
     described = failure.step_failure_data.user_failure_data
-    assert described is not None and "invalid order_id" in (described.description or "")
+    assert described is not None and "order_id: " in (described.description or "")
     assert described.metadata["error_class"].value == "permanent"
     assert not [e for e in result.all_events if e.event_type_value == "STEP_UP_FOR_RETRY"]
     (row,) = _rejections(db)
@@ -501,7 +502,7 @@ class Entry:
             text_payload = f"@{self.payload_file}"
         args = argparse.Namespace(
             job_type=str(job_type), payload=text_payload, correlation_id=None, url=self.db_url,
-            key=key if key is None else str(key),
+            key=key if key is None else str(key), wait=False, json=False, out=None,
         )
         err = io.StringIO()
         with contextlib.redirect_stderr(err):

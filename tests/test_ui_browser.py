@@ -178,7 +178,7 @@ def test_launch_twice_from_the_launchpad_then_see_outcomes_and_the_dlq(
         stack.logs,
     )
     page.goto(f"{base}/assets/dead_letters")
-    page.get_by_text("invalid currency").first.wait_for(timeout=WAIT_MS)
+    page.get_by_text("currency: must be").first.wait_for(timeout=WAIT_MS)
     page.screenshot(path=str(SHOTS / "05-dead-letters.png"), full_page=True)
     assert page.get_by_text("permanent").count() >= 1
     page.goto(f"{base}/assets/dead_letters?view=checks")

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from pipelines.cluster import Cluster, ClusterError, NotRoot, default_state_dir, require_root
+from pipelines.commands.output import add_output_arguments, emit
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -31,7 +32,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     def common(p: argparse.ArgumentParser) -> None:
         p.add_argument("--state", type=Path, default=None,
                        help=f"state folder (default {default_state_dir()})")
-        p.add_argument("--json", action="store_true", help="print the result as JSON")
+        add_output_arguments(p)
 
     up = actions.add_parser("up", help="build the hosts and start everything")
     common(up)
@@ -106,8 +107,7 @@ def _up(args: argparse.Namespace) -> int:
             print(f"left as it is: sekali cluster down --state {cluster.state_dir}",
                   file=sys.stderr)
         return 1
-    _print_status(args, cluster.status())
-    return 0
+    return _print_status(args, cluster.status())
 
 
 def _down(args: argparse.Namespace) -> int:
@@ -119,8 +119,9 @@ def _down(args: argparse.Namespace) -> int:
     except ClusterError as exc:
         print(f"sekali cluster down failed: {exc}", file=sys.stderr)
         return 1
-    if args.json:
-        print(json.dumps({"removed": removed, "leftovers": cluster.leftovers()}, indent=2))
+    if args.json or args.out:
+        data = {"removed": removed, "leftovers": cluster.leftovers()}
+        return emit(args, data, lambda: None)
     return 0
 
 
@@ -128,14 +129,16 @@ def _status(args: argparse.Namespace) -> int:
     if (code := _root_or_exit()) is not None:
         return code
     status = Cluster(args.state).status()
-    _print_status(args, status)
-    return 0 if status.get("healthy") else 1
+    return _print_status(args, status) or (0 if status.get("healthy") else 1)
 
 
-def _print_status(args: argparse.Namespace, status: dict[str, Any]) -> None:
-    if args.json:
-        print(json.dumps(status, indent=2, default=str))
-        return
+def _print_status(args: argparse.Namespace, status: dict[str, Any]) -> int:
+    """The status as JSON (``--json``, ``--out``) or lines; 2 when ``--out`` cannot be written."""
+    return emit(args, json.loads(json.dumps(status, default=str)),
+                lambda: _print_status_lines(status))
+
+
+def _print_status_lines(status: dict[str, Any]) -> None:
     if status["phase"] == "absent":
         print(f"no cluster recorded in {status['state_dir']}")
         return

@@ -47,7 +47,7 @@ from pipelines.commands.supervisor import Supervisor
 from pipelines.instance import prepare_dagster_home
 from resources.storage.db import Database
 from resources.storage.migrations import upgrade
-from resources.storage.settings import Settings, state_dir
+from resources.storage.settings import DEFAULT_GATEWAY_URL, Settings, state_dir
 from sandbox.gateway import GatewayServer
 from sandbox.mailsink import MailSink
 from sandbox.redis_server import redis_server_binary
@@ -295,12 +295,27 @@ class _Stoppable(Protocol):
     def stop(self) -> None: ...
 
 
+def sandbox_gateway_ledger() -> Path:
+    """The file where ``sekali dev``'s sandbox gateway records its charges."""
+    return state_dir() / "gateway.db"
+
+
+def dev_gateway_ledger_url(settings: Settings) -> str | None:
+    """The sandbox gateway's charge ledger when the payment downstream configured is ``sekali
+    dev``'s own (its default address, a ledger in the state folder); None otherwise (a real
+    provider's charges are not in a file here)."""
+    ledger = sandbox_gateway_ledger()
+    if settings.gateway_url.rstrip("/") != DEFAULT_GATEWAY_URL or not ledger.is_file():
+        return None
+    return f"sqlite:///{ledger}"
+
+
 def _start_sandbox(settings: Settings) -> list[_Stoppable]:
     """The sandbox downstreams on threads of this process: they end when it ends, however."""
 
     root = state_dir()
     host, port = _host_port(settings.gateway_url)
-    gateway = GatewayServer(f"sqlite:///{root / 'gateway.db'}", host=host, port=port).start()
+    gateway = GatewayServer(f"sqlite:///{sandbox_gateway_ledger()}", host=host, port=port).start()
     sink = MailSink(
         f"sqlite:///{root / 'mailsink.db'}", host=settings.smtp_host, port=settings.smtp_port
     ).start()

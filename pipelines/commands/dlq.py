@@ -8,11 +8,16 @@
   selected open records (at most N, oldest first, at most the pace); the ``dlq_replay_sensor``
   launches them at its rate bound. Each selected record's idempotency key is reset from failed
   to retryable, and only those; a skipped record gets an audit line saying why. Without ids a
-  filter is required. ``--dry-run`` changes nothing and says what would be replayed.
+  filter is required. ``--dry-run`` changes nothing and says what would be replayed. ``--wait``
+  then follows each replayed record to its end (:mod:`pipelines.commands.follow`; exit 1 when one
+  is dead-lettered again or ``--timeout`` passes first); ``--json`` prints the decisions (and
+  final states).
 - ``replay ID --patch JSON|@file [--dry-run]``: amended replay (``pipelines/replay.py``): a new
   version of the request under ``key#vN`` with the patched payload, the record closed as
   superseded; refused (exit 1, saying why) when the key's effect may have happened.
 - ``discard ID ... --reason R``: give up on records (kept, marked discarded, audited).
+
+Times are ISO-8601 in the local zone, payloads JSON; ``--out PATH`` writes the JSON to a file.
 
 Exit codes: 0 done, 1 nothing matched / nothing changed, 2 bad arguments or unknown record
 (one line on stderr; ids are whole numbers from 1 to 2**63 - 1).
@@ -21,15 +26,27 @@ Exit codes: 0 done, 1 nothing matched / nothing changed, 2 bad arguments or unkn
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import getpass
-import json
 import sys
+import textwrap
 from typing import Any
 
+from rich import box
+from rich.table import Table
+
 from pipelines.commands.arguments import record_id
+from pipelines.commands.follow import add_wait_arguments, exit_code, follow, record_progress
+from pipelines.commands.output import (
+    add_output_arguments,
+    console,
+    emit,
+    payload_text,
+    printable,
+    when,
+)
 from pipelines.privacy import dlq_view
 from pipelines.replay import AmendRefused, Selection, amend, bulk_replay, parse_pace
+from pipelines.requests import RequestStore
 from resources.dlq import DlqRecordNotFound, DlqStore, parse_age
 from resources.errors import ValidationError
 from resources.storage.db import shared_database
@@ -61,12 +78,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p_list.add_argument(
         "--status", action="append", help="status to show (repeatable); 'all' for every status"
     )
-    p_list.add_argument("--json", action="store_true")
+    add_output_arguments(p_list)
     p_list.set_defaults(func=_list)
 
     p_show = dlq_sub.add_parser("show", help="one dead letter in full")
     p_show.add_argument("id", type=record_id)
-    p_show.add_argument("--json", action="store_true")
+    add_output_arguments(p_show)
     common(p_show)
     p_show.set_defaults(func=_show)
 
@@ -83,12 +100,15 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     p_replay.add_argument("--limit", type=int, help="at most this many records (oldest first)")
     p_replay.add_argument("--pace", help="at most this rate of replay requests, e.g. 10/s")
+    add_output_arguments(p_replay)
+    add_wait_arguments(p_replay)
     p_replay.set_defaults(func=_replay)
 
     p_discard = dlq_sub.add_parser("discard", help="give up on dead letters (kept, audited)")
     p_discard.add_argument("ids", type=record_id, nargs="+")
     p_discard.add_argument("--reason", required=True)
     p_discard.add_argument("--actor", default=None)
+    add_output_arguments(p_discard)
     common(p_discard)
     p_discard.set_defaults(func=_discard)
 
@@ -120,8 +140,13 @@ def _select(args: argparse.Namespace, store: Any, statuses: list[str] | None) ->
     )
 
 
-def _when(ts: float) -> str:
-    return dt.datetime.fromtimestamp(ts, tz=dt.UTC).strftime("%Y-%m-%d %H:%M:%SZ")
+def error_text(record: Any, view: dict[str, Any]) -> str:
+    """The record's error once: its message, prefixed by the error type only when the message
+    does not already start with it."""
+    message = " ".join((view["last_error"] or "").split())
+    if message.startswith(f"{record.error_type}:") or not record.error_type:
+        return message
+    return f"{record.error_type}: {message}"
 
 
 def _list(args: argparse.Namespace) -> int:
@@ -131,23 +156,27 @@ def _list(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if args.json:
-        print(json.dumps([dlq_view(r, summary=True) for r in records], indent=2))
-        return 0
-    if not records:
-        print("no dead letters match")
-        return 0
-    print(
-        f"{'id':>5}  {'status':<16} {'job_type':<20} {'class':<9} {'fingerprint':<16} "
-        f"{'fails':>5} {'replays':>7}  last failure          error"
-    )
-    for r in records:
-        print(
-            f"{r.id:>5}  {r.status:<16} {r.job_type:<20} {r.error_class:<9} "
-            f"{r.fingerprint:<16} {r.failure_count:>5} {r.replay_count:>7}  "
-            f"{_when(r.last_failed_at)}  {r.error_type}: {dlq_view(r)['last_error'][:60]}"
-        )
-    return 0
+
+    def human() -> None:
+        if not records:
+            print("no dead letters match")
+            return
+        table = Table(box=box.SIMPLE_HEAD)
+        for name in ("id", "status", "job type", "class", "fingerprint", "fails", "replays",
+                     "last failure"):
+            table.add_column(name, justify="right" if name in ("id", "fails", "replays")
+                             else "left", overflow="fold")
+        table.add_column("error", ratio=1, min_width=30)  # wraps between words, never cut
+        for r in records:
+            table.add_row(
+                str(r.id), str(r.status), r.job_type, r.error_class, r.fingerprint,
+                str(r.failure_count), str(r.replay_count), when(r.last_failed_at),
+                printable(textwrap.shorten(error_text(r, dlq_view(r, summary=True)), 300,
+                                           placeholder=" ...")),
+            )
+        console().print(table)
+
+    return emit(args, [dlq_view(r, summary=True) for r in records], human)
 
 
 def _show(args: argparse.Namespace) -> int:
@@ -162,22 +191,31 @@ def _show(args: argparse.Namespace) -> int:
         "failed_runs": store.failures(record.id),
         "audit": redact_data(store.audit(record.id)),
     }
-    if args.json:
-        print(json.dumps(data, indent=2, default=str))
-        return 0
-    for name, value in data.items():
-        if name in ("trace", "audit"):
-            continue
-        print(f"{name:>16}: {value}")
-    print("           audit:")
-    for entry in data["audit"]:
-        print(
-            f"    {_when(entry['at'])} {entry['actor']}: {entry['action']} "
-            f"{entry['from_status']} -> {entry['to_status']} {entry['detail'] or ''}"
-        )
-    print("           trace:")
-    print(data["trace"])
-    return 0
+
+    def human() -> None:
+        out = console()
+        grid = Table.grid(padding=(0, 2))
+        grid.add_column(justify="right", style="bold")
+        grid.add_column(overflow="fold")
+        for name, value in data.items():
+            if name in ("trace", "audit"):
+                continue
+            if name.endswith("_at") and isinstance(value, (int, float)):
+                value = when(value)
+            elif isinstance(value, (dict, list)):
+                value = payload_text(value)
+            grid.add_row(name, "" if value is None else printable(str(value)))
+        out.print(grid)
+        out.print("audit:")
+        for entry in data["audit"]:
+            out.print(printable(
+                f"  {when(entry['at'])}  {entry['actor']}: {entry['action']} "
+                f"{entry['from_status']} -> {entry['to_status']} {entry['detail'] or ''}"
+            ))
+        out.print("trace:")
+        out.print(printable(data["trace"] or "(none)"))
+
+    return emit(args, data, human)
 
 
 def _replay(args: argparse.Namespace) -> int:
@@ -208,23 +246,40 @@ def _replay(args: argparse.Namespace) -> int:
     if missing:
         print(f"error: no DLQ record {sorted(missing)}", file=sys.stderr)
         return 2
+    say = sys.stderr if args.json else sys.stdout
     for d in result.decisions:
         verb = ("would replay" if args.dry_run else "replay requested") if d.replay else "skipped"
         reset = " (key reset)" if d.key_reset else ""
         print(
             f"{d.record.id:>5}  {verb}: {d.record.job_type} key={d.record.idempotency_key} "
-            f"{'' if d.replay else d.reason}{reset}"
+            f"{'' if d.replay else d.reason}{reset}", file=say
         )
     print(
         f"{result.chosen} of {len(result.decisions)} selected records "
-        f"{'would be replayed (dry run)' if args.dry_run else 'requested for replay'}"
+        f"{'would be replayed (dry run)' if args.dry_run else 'requested for replay'}", file=say
     )
-    return 0 if result.chosen else 1
+    data: dict[str, Any] = {"decisions": [
+        {"id": d.record.id, "replay": d.replay, "reason": d.reason, "key_reset": d.key_reset}
+        for d in result.decisions]}
+    code = 0 if result.chosen else 1
+    if args.wait and result.chosen and not args.dry_run:
+        requests = RequestStore(store.db)
+        states, timed_out = follow(
+            [record_progress(store, requests, d.record.id) for d in result.decisions if d.replay],
+            timeout=args.timeout,
+        )
+        code = exit_code(states, timed_out, args.timeout)
+        data["final"] = [s.as_dict() for s in states]
+        data["timed_out"] = timed_out
+    if args.json or args.out:
+        return emit(args, data, lambda: None) or code
+    return code
 
 
 def _amend(args: argparse.Namespace) -> int:
-    if len(args.ids) != 1 or args.limit is not None or args.pace is not None:
-        print("error: --patch takes exactly one record id and no --limit/--pace", file=sys.stderr)
+    if len(args.ids) != 1 or args.limit is not None or args.pace is not None or args.wait:
+        print("error: --patch takes exactly one record id and no --limit/--pace/--wait",
+              file=sys.stderr)
         return 2
     try:
         done = amend(
@@ -241,8 +296,14 @@ def _amend(args: argparse.Namespace) -> int:
     print(
         f"{'would make' if done.dry_run else 'made'} {done.key} (version {done.version}"
         f"{'' if done.request_id is None else f', request {done.request_id}'}) from record"
-        f" {done.record_id}, superseding {done.previous_key}: {changes}"
+        f" {done.record_id}, superseding {done.previous_key}: {changes}",
+        file=sys.stderr if args.json else sys.stdout,
     )
+    if args.json or args.out:
+        data = {"key": done.key, "version": done.version, "request_id": done.request_id,
+                "record_id": done.record_id, "previous_key": done.previous_key,
+                "dry_run": done.dry_run, "diff": list(done.diff)}
+        return emit(args, data, lambda: None) or 0
     return 0
 
 
@@ -253,6 +314,13 @@ def _discard(args: argparse.Namespace) -> int:
     except (DlqRecordNotFound, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    say = sys.stderr if args.json else sys.stdout
     for d in decisions:
-        print(f"{d.record.id:>5}  {'discarded' if d.replay else 'skipped: ' + d.reason}")
-    return 0 if any(d.replay for d in decisions) else 1
+        print(f"{d.record.id:>5}  {'discarded' if d.replay else 'skipped: ' + d.reason}",
+              file=say)
+    code = 0 if any(d.replay for d in decisions) else 1
+    if args.json or args.out:
+        data = [{"id": d.record.id, "discarded": d.replay, "reason": d.reason}
+                for d in decisions]
+        return emit(args, data, lambda: None) or code
+    return code

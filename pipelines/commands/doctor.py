@@ -1,9 +1,11 @@
-"""``sekali doctor [--json] [--check NAME ...]``: the production diagnosis checklist.
+"""``sekali doctor [--json] [--out PATH] [--check NAME ...]``: the production diagnosis checklist.
 
 Prints one row per checklist item with its verdict, what it found and the fix to make; ``--json``
-prints the same as a JSON list. Exit status: 1 when a check of ERROR severity fails (a broken
-invariant), 0 otherwise (warnings included). Configuration defaults to what the code location
-uses (``pipelines.profile.resource_defs()`` and the environment); flags override it.
+prints the same as a JSON list (only JSON on stdout), ``--out PATH`` writes it to a file. Exit
+status: 1 when a check of ERROR severity fails (a broken invariant), 0 otherwise (warnings
+included). Configuration defaults to what the code location uses
+(``pipelines.profile.resource_defs()`` and the environment); flags override it. In dev, the
+payment downstream's charges are read from ``sekali dev``'s sandbox gateway ledger.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import textwrap
 from dataclasses import replace
 from typing import Any
 
+from pipelines.commands.dev import dev_gateway_ledger_url
+from pipelines.commands.output import add_output_arguments, emit
 from pipelines.diagnosis import has_errors
 from pipelines.observability import build_observability
 from pipelines.profile import resource_defs
@@ -33,7 +37,8 @@ def add_source_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", help="app database URL (default: DATABASE_URL or embedded)")
     parser.add_argument("--redis-url", help="Redis URL (default: REDIS_URL or embedded)")
     parser.add_argument("--gateway-ledger-url",
-                        help="database of the payment downstream's charge ledger (sandbox)")
+                        help="database of the payment downstream's charge ledger (default: the "
+                             "sandbox gateway's of `sekali dev`, when it is the one configured)")
     parser.add_argument("--lease-seconds", type=float, help="idempotency lease to check against")
     parser.add_argument("--lock-ttl", type=float, help="lock TTL to check against")
     parser.add_argument("--no-lock-renew", action="store_true", help="locks are not renewed")
@@ -42,10 +47,19 @@ def add_source_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def observability_from_args(args: argparse.Namespace) -> Any:
+    """The checks' and metrics' sources: flags, then the code location's resources, then the
+    environment; the payment ledger defaults to ``sekali dev``'s sandbox gateway's (said on
+    stderr) when that gateway is the downstream configured."""
     settings = Settings.from_env()
     res = resource_defs()
     idem, locks, cache, obs = (res["idempotency"], res["locks"], res["cache"],
                                res["observability"])
+    ledger_url = args.gateway_ledger_url or obs.gateway_ledger_url
+    if not ledger_url:
+        ledger_url = dev_gateway_ledger_url(settings)
+        if ledger_url:
+            print(f"counting the charges of sekali dev's sandbox gateway ({ledger_url}); "
+                  "--gateway-ledger-url to choose another", file=sys.stderr)
     return build_observability(
         shared_database(args.url or res["app_db"].database_url or settings.database_url),
         lease_seconds=args.lease_seconds or idem.lease_seconds,
@@ -54,7 +68,7 @@ def observability_from_args(args: argparse.Namespace) -> Any:
         lock_auto_renew=locks.auto_renew and not args.no_lock_renew,
         redis_url=args.redis_url or cache.redis_url or settings.redis_url,
         cache_namespaces=args.cache_namespaces or [cache.namespace],
-        gateway_ledger_url=args.gateway_ledger_url or obs.gateway_ledger_url,
+        gateway_ledger_url=ledger_url,
         window_hours=args.window_hours or obs.window_hours,
         metrics_window_minutes=obs.metrics_window_minutes,
         retention=replace(RetentionSettings.from_env(), dlq=res["dlq"].retention_days * 86400),
@@ -63,7 +77,7 @@ def observability_from_args(args: argparse.Namespace) -> Any:
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = sub.add_parser("doctor", help="run the production diagnosis checklist")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    add_output_arguments(parser)
     parser.add_argument("--check", action="append", choices=CHECK_NAMES, dest="checks",
                         help="run only this check (repeatable)")
     add_source_arguments(parser)
@@ -91,10 +105,9 @@ def render_table(findings: list[Any], width: int = 100) -> str:
 
 def _doctor(args: argparse.Namespace) -> int:
     findings = observability_from_args(args).findings(args.checks)
-    if args.json:
-        print(json.dumps([f.as_dict() for f in findings], indent=2, default=_json_default))
-    else:
-        print(render_table(findings))
+    data = json.loads(json.dumps([f.as_dict() for f in findings], default=_json_default))
+    if emit(args, data, lambda: print(render_table(findings))):
+        return 2
     if has_errors(findings):
         print("doctor: at least one ERROR-severity check failed", file=sys.stderr)
         return 1

@@ -2,10 +2,19 @@
 
 ``--payload`` takes the JSON text itself, ``@path`` for a file, or ``-`` for standard input
 (bytes that are not UTF-8 reach the validation boundary as lone surrogates and are refused by
-name). Prints the request id, key and status (``created`` or ``duplicate``). Exit codes: 0
-accepted (new or duplicate), 1 the store failed (retry later), 2 bad input or usage (one line on
-stderr naming the field and the limit; the request is kept in ``job_rejections``, see ``sekali
-rejections``), 3 key conflict (same key, another payload).
+name). Prints the request id, key and status (``created`` or ``duplicate``); ``--json`` prints
+the request as JSON instead (``--out PATH`` writes it to a file too).
+
+``--wait`` then follows the request to its end (:mod:`pipelines.commands.follow`): one line on
+stderr per change (queued -> claimed -> running -> completed / failed / dead-lettered, with
+attempts and run id); with ``--json`` the final state is the JSON. Something must drive the
+request (the intake sensor of ``sekali dev`` or a Dagster daemon).
+
+Exit codes: 0 accepted (new or duplicate; with ``--wait``: completed), 1 the store failed (retry
+later), or with ``--wait`` the request failed, was dead-lettered or had not ended by
+``--timeout``; 2 bad input or usage (one line on stderr, ``field: what is wrong``; the request is
+kept in ``job_rejections``, see ``sekali rejections``), 3 key conflict (same key, another
+payload).
 """
 
 from __future__ import annotations
@@ -15,10 +24,16 @@ import logging
 import sys
 from pathlib import Path
 
+from pipelines.commands.follow import add_wait_arguments, exit_code, follow, request_progress
+from pipelines.commands.output import add_output_arguments, emit
+from pipelines.commands.requests import request_json
 from pipelines.intake import enqueue
+from pipelines.requests import RequestStore
 from pipelines.validation import admit
+from resources.dlq import DlqStore
 from resources.errors import IdempotencyConflict, SekaliError, ValidationError
 from resources.storage.db import shared_database
+from resources.storage.settings import Settings
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -30,6 +45,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser.add_argument("--key", help="idempotency key (default: the job type's key)")
     parser.add_argument("--correlation-id", dest="correlation_id")
     parser.add_argument("--url", help="app database URL (default: DATABASE_URL or embedded)")
+    add_wait_arguments(parser)
+    add_output_arguments(parser)
     parser.set_defaults(func=_enqueue)
 
 
@@ -55,6 +72,7 @@ def _enqueue(args: argparse.Namespace) -> int:
     if not getattr(args, "verbose", False):
         # A refusal is this command's answer, printed once below, not also as a log line.
         logging.getLogger(admit.__module__).setLevel(logging.ERROR)
+        logging.getLogger(enqueue.__module__).setLevel(logging.WARNING)
     try:
         result = enqueue(
             args.job_type,
@@ -66,7 +84,7 @@ def _enqueue(args: argparse.Namespace) -> int:
         )
     except ValidationError as exc:
         kept = f"rejection {exc.rejection_id}" if exc.rejection_id else "job_rejections"
-        print(f"error: field {exc.field!r}: {_one_line(exc)} (kept as {kept})", file=sys.stderr)
+        print(f"error: {_one_line(exc)} (kept as {kept})", file=sys.stderr)
         return 2
     except IdempotencyConflict as exc:
         print(f"error: {_one_line(exc)}", file=sys.stderr)
@@ -75,9 +93,31 @@ def _enqueue(args: argparse.Namespace) -> int:
         print(f"error: {_one_line(exc)}", file=sys.stderr)
         return 1
     outcome = "created" if result.created else "duplicate"
-    print(f"request {result.id} key={result.key} status={result.status} ({outcome})")
-    return 0
+    made = {"id": result.id, "key": result.key, "status": str(result.status),
+            "created": result.created, "job_type": result.request.job_type}
+    if not args.wait:
+        return emit(args, made, lambda: print(
+            f"request {result.id} key={result.key} status={result.status} ({outcome})"))
+    print(f"request {result.id} key={result.key} ({outcome}); following it", file=sys.stderr)
+    if db is None:
+        db = shared_database(Settings.from_env().database_url)
+    requests = RequestStore(db)
+    states, timed_out = follow(
+        [request_progress(requests, DlqStore(db), result.id)], timeout=args.timeout
+    )
+    code = exit_code(states, timed_out, args.timeout)
+    final = states[0]
+    request = requests.get(result.id)
+    if request is not None:
+        made["status"] = str(request.status)
+    data = {**made, "state": final.state, "ok": final.ok, "timed_out": timed_out,
+            "attempts": final.attempts, "run_id": final.run_id, "detail": final.detail,
+            "request": None if request is None else request_json(request)}
+    written = emit(args, data, lambda: print(
+        f"request {result.id} key={result.key} {final.state}"
+        + (f" run {final.run_id}" if final.run_id else "")))
+    return written or code
 
 
-def _one_line(exc: BaseException) -> str:
+def _one_line(exc: BaseException | str) -> str:
     return " ".join(str(exc).split()).encode("utf-8", "backslashreplace").decode("utf-8")

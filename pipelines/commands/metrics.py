@@ -21,6 +21,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 from prometheus_client import CollectorRegistry, make_wsgi_app
 
 from pipelines.commands.doctor import add_source_arguments, observability_from_args
+from pipelines.commands.output import add_output_arguments, emit
 from pipelines.metrics import MetricsSnapshot, SnapshotCollector
 
 log = logging.getLogger(__name__)
@@ -96,7 +97,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = sub.add_parser("metrics", help="show metrics or serve them to Prometheus")
     actions = parser.add_subparsers(dest="metrics_command", required=True)
     show = actions.add_parser("show", help="print the current metrics")
-    show.add_argument("--json", action="store_true")
+    add_output_arguments(show)
     add_source_arguments(show)
     show.set_defaults(func=_show)
     serve = actions.add_parser("serve", help="serve /metrics to Prometheus on 127.0.0.1")
@@ -110,14 +111,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 def _show(args: argparse.Namespace) -> int:
     snapshot = observability_from_args(args).collector.collect()
-    if args.json:
-        print(json.dumps(snapshot.as_dict(), indent=2, sort_keys=True))
-        return 0
-    for key, value in sorted(snapshot.flat().items()):
-        print(f"{key:<80} {value:g}")
-    if snapshot.missing:
-        print(f"(sources missing: {', '.join(snapshot.missing)})")
-    return 0
+
+    def human() -> None:
+        for key, value in sorted(snapshot.flat().items()):
+            print(f"{key:<80} {value:g}")
+        if snapshot.missing:
+            print(f"(sources missing: {', '.join(snapshot.missing)})")
+
+    return emit(args, json.loads(json.dumps(snapshot.as_dict(), sort_keys=True)), human)
 
 
 def _serve(args: argparse.Namespace) -> int:

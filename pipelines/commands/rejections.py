@@ -6,23 +6,23 @@
 - ``show ID [--json]``: one rejection in full: the excerpt of the payload as stored (at most
   ``InputLimits.excerpt_bytes``), the size and sha256 of the whole payload, the key.
 
-``--json`` prints only JSON on stdout; times are ISO-8601 (UTC). Exit codes: 0 shown, 2 bad
+``--json`` prints only JSON on stdout, ``--out PATH`` writes it to a file; times are ISO-8601
+in the local zone. Exit codes: 0 shown, 2 bad
 usage or no such rejection (one line on stderr).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
 import sys
+import textwrap
 from typing import Any
 
 from rich import box
-from rich.console import Console
 from rich.table import Table
 
 from pipelines.commands.arguments import record_id
+from pipelines.commands.output import add_output_arguments, console, emit, printable, when
 from pipelines.requests import RequestStore
 from resources.storage.db import shared_database
 from resources.storage.settings import Settings
@@ -36,22 +36,15 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p_list.add_argument("--job-type", dest="job_type")
     p_list.add_argument("--source", help="the way in: enqueue, cli, run_config, dlq_replay, ...")
     p_list.add_argument("--limit", type=record_id, default=50, help="at most this many (50)")
-    p_list.add_argument("--json", action="store_true")
+    add_output_arguments(p_list)
     p_list.add_argument("--url", help="app database URL (default: DATABASE_URL or embedded)")
     p_list.set_defaults(func=_list)
 
     p_show = rejections_sub.add_parser("show", help="one refused request in full")
     p_show.add_argument("id", type=record_id)
-    p_show.add_argument("--json", action="store_true")
+    add_output_arguments(p_show)
     p_show.add_argument("--url", help="app database URL (default: DATABASE_URL or embedded)")
     p_show.set_defaults(func=_show)
-
-
-def _console() -> Console:
-    """Plain output: what a refused request holds is never read as rich markup or emoji. Piped
-    or captured output gets wide lines instead of 80 columns of wrapped cells."""
-    width = None if sys.stdout.isatty() else 200
-    return Console(highlight=False, markup=False, emoji=False, width=width)
 
 
 def _store(args: argparse.Namespace) -> RequestStore:
@@ -59,9 +52,8 @@ def _store(args: argparse.Namespace) -> RequestStore:
 
 
 def _view(row: dict[str, Any]) -> dict[str, Any]:
-    """A rejection as the CLI shows it: ``created_at`` in ISO-8601 (UTC)."""
-    at = dt.datetime.fromtimestamp(float(row["created_at"]), tz=dt.UTC)
-    return {**row, "created_at": at.isoformat(timespec="seconds")}
+    """A rejection as the CLI shows it: ``created_at`` in ISO-8601 (local zone)."""
+    return {**row, "created_at": when(float(row["created_at"]))}
 
 
 def _list(args: argparse.Namespace) -> int:
@@ -69,12 +61,13 @@ def _list(args: argparse.Namespace) -> int:
         args.job_type, source=args.source, limit=args.limit, newest_first=True
     )
     views = [_view(r) for r in rows]
-    if args.json:
-        print(json.dumps([_summary(v) for v in views], indent=2))
-        return 0
+    return emit(args, [_summary(v) for v in views], lambda: _print_list(views))
+
+
+def _print_list(views: list[dict[str, Any]]) -> None:
     if not views:
         print("no rejections match")
-        return 0
+        return
     table = Table(box=box.SIMPLE_HEAD)
     for name in ("id", "at", "source", "job type", "field", "size"):
         table.add_column(name, no_wrap=True, justify="right" if name in ("id", "size") else "left")
@@ -82,10 +75,10 @@ def _list(args: argparse.Namespace) -> int:
     for v in views:
         table.add_row(
             str(v["id"]), v["created_at"], v["source"] or "", v["job_type"], v["field"],
-            "" if v["payload_size"] is None else str(v["payload_size"]), v["error"][:120],
+            "" if v["payload_size"] is None else str(v["payload_size"]),
+            printable(textwrap.shorten(v["error"], 200, placeholder=" ...")),
         )
-    _console().print(table)
-    return 0
+    console().print(table)
 
 
 def _summary(view: dict[str, Any]) -> dict[str, Any]:
@@ -99,15 +92,15 @@ def _show(args: argparse.Namespace) -> int:
         print(f"error: no rejection {args.id}; see `sekali rejections list`", file=sys.stderr)
         return 2
     view = _view(row)
-    if args.json:
-        print(json.dumps(view, indent=2))
-        return 0
+    return emit(args, view, lambda: _print_show(view))
+
+
+def _print_show(view: dict[str, Any]) -> None:
     table = Table.grid(padding=(0, 2))
     table.add_column(justify="right", style="bold")
     table.add_column()
     for name in ("id", "created_at", "source", "job_type", "key", "field", "error",
                  "payload_size", "payload_sha256", "payload"):
         value = view[name]
-        table.add_row(name, "" if value is None else str(value))
-    _console().print(table)
-    return 0
+        table.add_row(name, "" if value is None else printable(str(value)))
+    console().print(table)

@@ -28,7 +28,7 @@ from sqlalchemy.engine import Connection, Row
 
 from pipelines.attempts import Attempt
 from pipelines.services import Services
-from resources.errors import FencedWriteRejected, ValidationError
+from resources.errors import FencedWriteRejected, ValidationError, shown
 from resources.flow import Slot
 from resources.idempotency import Claim, Keeper
 from resources.telemetry.tracing import span
@@ -289,14 +289,19 @@ def fenced_update(
 
 def require_str(payload: dict[str, Any], field_name: str, *, max_len: int = 200) -> str:
     value = payload.get(field_name)
+    if value is None:
+        raise ValidationError(field_name, "required: a non-empty string")
     if isinstance(value, int) and not isinstance(value, bool):
         value = str(value)
     if not isinstance(value, str) or not value.strip():
-        raise ValidationError(field_name, "required, a non-empty string", value)
+        raise ValidationError(
+            field_name, f"must be a non-empty string, got {shown(value)}", value
+        )
     value = value.strip()
     if len(value) > max_len or any(ch.isspace() or ch == ":" for ch in value):
         raise ValidationError(
-            field_name, f"at most {max_len} characters, no spaces or ':'", value
+            field_name, f"must be at most {max_len} characters with no spaces or ':', "
+            f"got {shown(value)}", value
         )
     return value
 
@@ -305,22 +310,34 @@ def require_int(
     payload: dict[str, Any], field_name: str, *, minimum: int = 1, maximum: int = 10**12
 ) -> int:
     value = payload.get(field_name)
+    if value is None:
+        raise ValidationError(field_name, "required: an integer")
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValidationError(field_name, "required, an integer", value)
+        raise ValidationError(field_name, f"must be an integer, got {shown(value)}", value)
     if not minimum <= value <= maximum:
-        raise ValidationError(field_name, f"must be between {minimum} and {maximum}", value)
+        raise ValidationError(
+            field_name, f"must be between {minimum} and {maximum}, got {value}", value
+        )
     return value
 
 
 def require_items(payload: dict[str, Any], field_name: str = "items") -> list[dict[str, Any]]:
     """A non-empty list of ``{sku, quantity}``; errors name the item, e.g. ``items[2].quantity``."""
     items = payload.get(field_name)
+    if items is None:
+        raise ValidationError(field_name, "required: a non-empty list of {sku, quantity}")
     if not isinstance(items, list) or not items:
-        raise ValidationError(field_name, "required, a non-empty list of {sku, quantity}", items)
+        raise ValidationError(
+            field_name, f"must be a non-empty list of {{sku, quantity}}, got {shown(items)}",
+            items,
+        )
     clean = []
     for i, item in enumerate(items):
         if not isinstance(item, dict):
-            raise ValidationError(f"{field_name}[{i}]", "must be an object {sku, quantity}", item)
+            raise ValidationError(
+                f"{field_name}[{i}]", f"must be an object {{sku, quantity}}, got {shown(item)}",
+                item,
+            )
         try:
             reject_unknown(item, {"sku", "quantity"})
             clean.append(

@@ -24,7 +24,7 @@ from pipelines.jobs.base import (
     reject_unknown,
     require_str,
 )
-from resources.errors import ValidationError
+from resources.errors import ValidationError, shown
 
 TEMPLATES: dict[str, tuple[str, str]] = {
     "welcome": ("Welcome, $name", "Hello $name,\n\nwelcome to sekali.\n"),
@@ -53,16 +53,23 @@ def validate(payload: dict[str, Any]) -> dict[str, Any]:
     template = require_str(payload, "template")
     if template not in TEMPLATES:
         known = ", ".join(sorted(TEMPLATES))
-        raise ValidationError("template", f"unknown (known: {known})", template)
+        raise ValidationError(
+            "template", f"must be one of {known}, got {shown(template)}", template
+        )
     date = require_str(payload, "date")
     if not _DATE.match(date) or not _is_calendar_date(date):
-        raise ValidationError("date", "an ISO date YYYY-MM-DD that exists", date)
+        raise ValidationError(
+            "date", f"must be an ISO date YYYY-MM-DD that exists, got {shown(date)}", date
+        )
     to = payload.get("to")
     if not isinstance(to, str) or not _EMAIL.match(to):
-        raise ValidationError("to", "an e-mail address", to)
+        raise ValidationError("to", "must be an e-mail address", to)  # personal: not quoted
     context = payload.get("context", {})
     if not isinstance(context, dict) or not all(isinstance(k, str) for k in context):
-        raise ValidationError("context", "an object of template variables", context)
+        raise ValidationError(
+            "context", f"must be an object of template variables, got {shown(context)}",
+            context,
+        )
     return {
         "template": template,
         "user_id": require_str(payload, "user_id"),

@@ -79,7 +79,13 @@ from pipelines.jobs.base import (
     require_int,
     require_str,
 )
-from resources.errors import NotYetSettled, PermanentJobError, RateLimited, ValidationError
+from resources.errors import (
+    NotYetSettled,
+    PermanentJobError,
+    RateLimited,
+    ValidationError,
+    shown,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -136,7 +142,10 @@ def validate(payload: dict[str, Any]) -> dict[str, Any]:
     reject_unknown(payload, {"order_id", "amount_cents", "currency"})
     currency = payload.get("currency", "EUR")
     if not isinstance(currency, str) or len(currency) != 3 or not currency.isalpha():
-        raise ValidationError("currency", "a three-letter ISO code such as EUR", currency)
+        raise ValidationError(
+            "currency", f"must be a three-letter ISO code such as EUR, got {shown(currency)}",
+            currency,
+        )
     return {
         "order_id": require_str(payload, "order_id"),
         "amount_cents": require_int(payload, "amount_cents", maximum=10**9),

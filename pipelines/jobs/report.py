@@ -20,7 +20,7 @@ from typing import Any
 from sqlalchemy import text
 
 from pipelines.jobs.base import JobContext, JobType, PayloadField, reject_unknown, require_str
-from resources.errors import ValidationError
+from resources.errors import ValidationError, shown
 from resources.storage.db import Database
 from resources.storage.retention import Expiry
 
@@ -41,7 +41,9 @@ def validate(payload: dict[str, Any]) -> dict[str, Any]:
     reject_unknown(payload, {"report", "as_of"})
     report = require_str(payload, "report")
     if report not in _QUERIES:
-        raise ValidationError("report", f"unknown (known: {', '.join(sorted(_QUERIES))})", report)
+        raise ValidationError(
+            "report", f"must be one of {', '.join(sorted(_QUERIES))}, got {shown(report)}", report
+        )
     return {"report": report, "as_of": require_str(payload, "as_of", max_len=64)}
 
 

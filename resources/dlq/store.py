@@ -703,6 +703,7 @@ class DlqStore:
         older_than: float | None = None,
         newer_than: float | None = None,
         ids: Iterable[int] | None = None,
+        request_id: int | None = None,
         limit: int | None = None,
     ) -> list[DlqRecord]:
         """Records matching every filter given; ages are seconds since the last failure."""
@@ -721,6 +722,7 @@ class DlqStore:
             ("job_type", job_type),
             ("error_class", error_class),
             ("fingerprint", fingerprint),
+            ("request_id", request_id),
         ):
             if value is not None:
                 where.append(f"{column} = :{column}")

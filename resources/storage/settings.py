@@ -42,6 +42,9 @@ def state_dir() -> Path:
     return Path(os.environ.get("SEKALI_STATE_DIR", ".sekali")).resolve()
 
 
+DEFAULT_GATEWAY_URL = "http://127.0.0.1:8765"
+"""Where ``sekali dev`` runs the sandbox payment gateway unless ``SEKALI_GATEWAY_URL`` says."""
+
 RATE_ENV_PREFIX = "SEKALI_RATE_"
 
 
@@ -167,7 +170,7 @@ class Settings:
             ),
             redis_url=os.environ.get("REDIS_URL") or f"unix://{embedded_redis_socket()}",
             dagster_home=Path(os.environ.get("DAGSTER_HOME") or root / "dagster_home"),
-            gateway_url=os.environ.get("SEKALI_GATEWAY_URL", "http://127.0.0.1:8765"),
+            gateway_url=os.environ.get("SEKALI_GATEWAY_URL", DEFAULT_GATEWAY_URL),
             smtp_host=os.environ.get("SEKALI_SMTP_HOST", "127.0.0.1"),
             smtp_port=int(os.environ.get("SEKALI_SMTP_PORT", "8025")),
             rates=rate_texts(os.environ),

@@ -1,0 +1,83 @@
+"""What every subcommand prints, written once: times, payloads, tables, and ``--json``/``--out``.
+
+- :func:`when`: a time for a person, ISO-8601 in the local zone with its offset
+  (``2026-11-30T19:02:05+01:00``); JSON output keeps the same text, so a script reads the
+  zone too.
+- :func:`payload_text`: a payload (or any stored value) as JSON text, never Python's ``repr``.
+- :func:`add_output_arguments` / :func:`emit`: ``--json`` prints only JSON on stdout (progress
+  and errors go to stderr), ``--out PATH`` writes the same JSON to a file (the human view still
+  prints unless ``--json`` is given). The one meaning of these flags for every subcommand.
+- :func:`console` / :func:`err_console`: rich consoles that never read stored text as markup
+  or emoji, with wide lines when piped (a captured table is not wrapped at 80 columns).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+
+def when(ts: float | None) -> str:
+    """``ts`` (epoch seconds) as ISO-8601 in the local zone, to the second; ``""`` for None."""
+    if ts is None:
+        return ""
+    return dt.datetime.fromtimestamp(float(ts)).astimezone().isoformat(timespec="seconds")
+
+
+def payload_text(value: Any, *, indent: int | None = None) -> str:
+    """``value`` as JSON text (keys in stored order, non-ASCII kept, a lone surrogate escaped);
+    what JSON cannot hold is shown as its string."""
+    return printable(json.dumps(value, indent=indent, ensure_ascii=False, default=str))
+
+
+def printable(text: str) -> str:
+    """``text`` with what a terminal cannot encode (a lone surrogate kept from hostile input)
+    shown as its escape (``\\ud800``)."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def console() -> Console:
+    """stdout, plain: stored text is never markup; piped output gets 200 columns."""
+    width = None if sys.stdout.isatty() else 200
+    return Console(highlight=False, markup=False, emoji=False, width=width)
+
+
+def err_console() -> Console:
+    """stderr, for progress and errors (never mixed into ``--json`` stdout)."""
+    width = None if sys.stderr.isatty() else 200
+    return Console(stderr=True, highlight=False, markup=False, emoji=False, width=width)
+
+
+def add_output_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--json`` and ``--out PATH``, with the same meaning in every subcommand."""
+    parser.add_argument(
+        "--json", action="store_true", help="print only JSON on stdout (progress on stderr)"
+    )
+    parser.add_argument(
+        "--out", type=Path, default=None, metavar="PATH", help="also write the JSON to PATH"
+    )
+
+
+def emit(args: argparse.Namespace, data: Any, human: Callable[[], None]) -> int:
+    """Print ``data`` as JSON (``--json``) or through ``human()``; write it to ``--out`` too.
+    Returns 0, or 2 with one line on stderr when ``--out`` cannot be written."""
+    text = json.dumps(data, indent=2, default=str)
+    out: Path | None = getattr(args, "out", None)
+    if out is not None:
+        try:
+            out.write_text(text + "\n", encoding="utf-8")
+        except OSError as exc:
+            print(f"error: --out {out}: {exc.strerror or exc}", file=sys.stderr)
+            return 2
+    if getattr(args, "json", False):
+        print(text)
+    else:
+        human()
+    return 0
