@@ -208,9 +208,13 @@ def _show(args: argparse.Namespace) -> int:
         out.print(grid)
         out.print("audit:")
         for entry in data["audit"]:
+            moved = (
+                f"{entry['from_status']} -> {entry['to_status']} "
+                if entry["from_status"] or entry["to_status"] else ""
+            )
             out.print(printable(
                 f"  {when(entry['at'])}  {entry['actor']}: {entry['action']} "
-                f"{entry['from_status']} -> {entry['to_status']} {entry['detail'] or ''}"
+                f"{moved}{entry['detail'] or ''}"
             ))
         out.print("trace:")
         out.print(printable(data["trace"] or "(none)"))
