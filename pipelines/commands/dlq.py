@@ -25,6 +25,7 @@ from typing import Any
 
 from pipelines.commands.arguments import record_id
 from pipelines.privacy import dlq_view
+from pipelines.requests import RequestStore
 from resources.dlq import DlqRecordNotFound, DlqStore, parse_age
 from resources.idempotency import IdempotencyStore
 from resources.storage.db import shared_database
@@ -148,6 +149,9 @@ def _show(args: argparse.Namespace) -> int:
         return 2
     data = {
         **dlq_view(record),  # personal fields and e-mail addresses masked
+        "dedupe_window": RequestStore(store.db).dedupe_of(
+            record.request_id, record.idempotency_key
+        ),
         "failed_runs": store.failures(record.id),
         "audit": redact_data(store.audit(record.id)),
     }
