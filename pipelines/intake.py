@@ -71,7 +71,7 @@ def enqueue(
     conn: Connection | None = None,
     db: Database | None = None,
     source: str = "enqueue",
-    priority: int = 0,
+    priority: Any = 0,
     clock: Callable[[], float] = time.time,
 ) -> EnqueueResult:
     """Write a job request for ``job_type``; see the module docstring for the guarantees.

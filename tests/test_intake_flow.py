@@ -308,3 +308,21 @@ def test_dlq_show_and_the_request_record_show_the_dedupe_window(
     assert cli(["dlq", "show", str(ids[0]), "--url", db_url]) == 0
     assert "dedupe_window: 86400s" in capsys.readouterr().out
     db.dispose()
+
+
+def test_sekali_enqueue_takes_a_priority_and_refuses_a_bad_one(
+    db_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Catches: the CLI dropping the priority, or a bad one not kept as a rejection."""
+    db = Database.from_url(db_url)
+    payload = json.dumps(_mail("cli"))
+    assert cli(["enqueue", "send_email", "--payload", payload, "--url", db_url,
+                "--priority", "7"]) == 0
+    request = RequestStore(db).get_by_key("email:welcome:cli:2026-11-30")
+    assert request is not None and request.priority == 7
+    capsys.readouterr()
+    assert cli(["enqueue", "send_email", "--payload", payload, "--url", db_url,
+                "--priority", "urgent"]) == 2
+    assert "'priority'" in capsys.readouterr().err
+    assert RequestStore(db).rejections(source="cli")[0]["field"] == "priority"
+    db.dispose()

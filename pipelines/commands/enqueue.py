@@ -29,6 +29,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     parser.add_argument("--key", help="idempotency key (default: the job type's key)")
     parser.add_argument("--correlation-id", dest="correlation_id")
+    parser.add_argument(
+        "--priority", default="0", help="-10 (least) .. 10 (most urgent), default 0"
+    )
     parser.add_argument("--url", help="app database URL (default: DATABASE_URL or embedded)")
     parser.set_defaults(func=_enqueue)
 
@@ -63,6 +66,7 @@ def _enqueue(args: argparse.Namespace) -> int:
             correlation_id=args.correlation_id,
             db=db,
             source="cli",
+            priority=_priority(args.priority),
         )
     except ValidationError as exc:
         kept = f"rejection {exc.rejection_id}" if exc.rejection_id else "job_rejections"
@@ -77,6 +81,14 @@ def _enqueue(args: argparse.Namespace) -> int:
     outcome = "created" if result.created else "duplicate"
     print(f"request {result.id} key={result.key} status={result.status} ({outcome})")
     return 0
+
+
+def _priority(value: str) -> int | str:
+    """An integer as an int; anything else as given, for the boundary to refuse and keep."""
+    try:
+        return int(value)
+    except ValueError:
+        return value
 
 
 def _one_line(exc: BaseException) -> str:
