@@ -6,6 +6,7 @@ Module-level so ``multiprocessing`` can import them; each opens its own database
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from pipelines.consumers import report_rebuild_consumer
 from pipelines.requests import RequestStore
@@ -38,11 +39,15 @@ def ship_events(url: str, worker: int, count: int) -> int:
         db.dispose()
 
 
-def claim_at(url: str, now: float, limit: int) -> list[int]:
-    """One intake claim as a sensor tick at ``now`` would make it; returns the ids launched."""
+def claim_at(url: str, now: float, limit: int, barrier: Any = None) -> list[int]:
+    """One intake claim as a sensor tick at ``now`` would make it; returns the ids launched.
+    With ``barrier``, every claimer connects first and they claim together."""
     db = Database.from_url(url)
     try:
         store = RequestStore(db, clock=lambda: now)
+        store.get(1)  # connected before the start line
+        if barrier is not None:
+            barrier.wait(60)
         return [r.id for r in store.claim_for_launch(limit)]
     finally:
         db.dispose()

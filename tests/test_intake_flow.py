@@ -65,8 +65,9 @@ def test_a_burst_of_200_shipped_events_makes_one_rebuild_per_report(db_url: str)
     assert store.claim_for_launch(500) == []  # the burst is not over: nothing runs yet
 
     later = burst_end + WAIT + 1
-    with ctx.Pool(3) as pool:
-        claimed = pool.starmap(workers.claim_at, [(db_url, later, 500)] * 3)
+    with ctx.Manager() as manager, ctx.Pool(3) as pool:
+        barrier = manager.Barrier(3)
+        claimed = pool.starmap(workers.claim_at, [(db_url, later, 500, barrier)] * 3)
     launched = sorted(i for ids in claimed for i in ids)
     rows = _rows(store, "rebuild_report_cache")
     assert len(rows) == 401  # 200 events x 2 reports, and the example request
