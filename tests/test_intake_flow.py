@@ -18,6 +18,7 @@ import pytest
 from pipelines.cli import main as cli
 from pipelines.intake import enqueue
 from pipelines.jobs import report
+from pipelines.ops import all_jobs
 from pipelines.registry import JOB_TYPES
 from pipelines.requests import RequestStatus, RequestStore, windowed_key
 from pipelines.validation import PRIORITY_MAX
@@ -327,3 +328,10 @@ def test_sekali_enqueue_takes_a_priority_and_refuses_a_bad_one(
     assert "'priority'" in capsys.readouterr().err
     assert RequestStore(db).rejections(source="cli")[0]["field"] == "priority"
     db.dispose()
+
+
+def test_the_dagster_job_says_how_its_intake_treats_requests() -> None:
+    """Catches: a debounced or windowed job type whose job page says nothing about it."""
+    described = {j.name: j.description or "" for j in all_jobs}
+    assert "Debounced per {report}: runs 30 s" in described["rebuild_report_cache"]
+    assert "one intent until finished" in described["send_email"]

@@ -162,6 +162,19 @@ class JobType:
     def op_name(self) -> str:
         return f"{self.name}_op"
 
+    @property
+    def intake_summary(self) -> str:
+        """How the intake treats this type's requests, in words (shown on the Dagster job)."""
+        window = "until finished" if self.dedupe_window is None else f"{self.dedupe_window:g} s"
+        words = f"A key means one intent {window}."
+        if self.debounce is not None:
+            d = self.debounce
+            words += (
+                f" Debounced per {d.key}: runs {d.wait:g} s after the last request, at least "
+                f"every {d.max_wait:g} s; the others are recorded as coalesced."
+            )
+        return words
+
     def debounce_key_for(self, payload: dict[str, Any]) -> str | None:
         """The debounce group of a validated payload (job type included), or None."""
         if self.debounce is None:
