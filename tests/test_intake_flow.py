@@ -13,21 +13,33 @@ import multiprocessing
 import time
 from typing import Any
 
+import dagster as dg
 import pytest
+from sqlalchemy import text
 
 from pipelines.cli import main as cli
+from pipelines.consumers import report_rebuild_consumer
 from pipelines.intake import enqueue
 from pipelines.jobs import report
-from pipelines.ops import all_jobs
+from pipelines.ops import all_jobs, rebuild_report_cache_job
+from pipelines.profile import RequestsResource
 from pipelines.registry import JOB_TYPES
 from pipelines.requests import RequestStatus, RequestStore, windowed_key
 from pipelines.validation import PRIORITY_MAX
 from resources.dlq import DlqStore, FailureInfo
 from resources.errors import ValidationError
 from resources.idempotency import Claim, Completed, IdempotencyStore
+from resources.outbox import InAppPublisher, Inbox, OutboxPublisher, write_event
 from resources.storage.db import Database
-from sensors.intake import IntakeMode, IntakePolicy, merge_debounced, run_requests_for
+from sensors.intake import (
+    IntakeMode,
+    IntakePolicy,
+    evaluate_intake,
+    merge_debounced,
+    run_requests_for,
+)
 from tests import intake_flow_workers as workers
+from tests.job_workers import dagster_resources
 
 WAIT, MAX_WAIT = report.DEBOUNCE.wait, report.DEBOUNCE.max_wait
 
@@ -335,3 +347,52 @@ def test_the_dagster_job_says_how_its_intake_treats_requests() -> None:
     described = {j.name: j.description or "" for j in all_jobs}
     assert "Debounced per {report}: runs 30 s" in described["rebuild_report_cache"]
     assert "one intent until finished" in described["send_email"]
+
+
+@pytest.mark.dagster
+def test_shipped_events_through_the_outbox_and_the_intake_sensor_rebuild_each_report_once(
+    db: Database, db_url: str, redis_url: str, namespace: str, redis_client: Any
+) -> None:
+    """End to end: outbox -> consumer -> requests -> the intake sensor on a real instance -> the
+    runs executed. Catches: a rebuild per event, coalesced requests left pending, a coalesced
+    request whose link points at a run that did not complete."""
+    with db.transaction() as conn:
+        for i in range(30):
+            write_event(conn, aggregate_type="order", aggregate_id=f"o{i}",
+                        event_type="order.shipped", payload={"order_id": f"o{i}"},
+                        event_id=f"fulfil:o{i}:shipped")
+    inbox = Inbox(db)
+    publisher = OutboxPublisher(db, InAppPublisher(inbox, [report_rebuild_consumer()]))
+    assert publisher.publish_batch().published == 30
+    store = RequestStore(db)
+    assert store.counts()["pending"] == 60
+
+    resources = dagster_resources(db_url=db_url, redis_url=redis_url, namespace=namespace)
+    resources["requests"] = RequestsResource(database_url=db_url)
+    policy = IntakePolicy(default_mode=IntakeMode.PER_REQUEST)
+    with dg.DagsterInstance.ephemeral() as instance:
+        now = Clock(time.time())
+        timed = RequestStore(db, clock=now)
+        quiet = evaluate_intake(dg.build_sensor_context(instance=instance), timed, policy)
+        assert not quiet.run_requests  # the burst is not over
+        now.now += WAIT
+        result = evaluate_intake(dg.build_sensor_context(instance=instance), timed, policy)
+        runs = result.run_requests or []
+        assert sorted(r.run_config["ops"]["rebuild_report_cache_op"]["config"]["payload"]["report"]
+                      for r in runs) == ["fulfilment_by_status", "stock_levels"]
+        assert {r.tags["sekali/coalesced"] for r in runs} == {"29"}
+        for run in runs:
+            executed = rebuild_report_cache_job.execute_in_process(
+                run_config=run.run_config,
+                instance=instance,
+                tags={**run.tags, "dagster/run_key": run.run_key or ""},
+                resources=resources,
+                raise_on_error=False,
+            )
+            assert executed.success
+        evaluate_intake(dg.build_sensor_context(instance=instance), timed, policy)
+    counts = store.counts()
+    assert counts["completed"] == 2 and counts["coalesced"] == 58 and counts["pending"] == 0
+    with db.statement() as conn:
+        built = conn.execute(text("SELECT report FROM report_snapshots ORDER BY report")).all()
+    assert [r.report for r in built] == ["fulfilment_by_status", "stock_levels"]
