@@ -196,7 +196,7 @@ def run_requests_for(
     for (mode, _queue), members in batches.items():
         for start in range(0, len(members), policy.batch_size):
             chunk = members[start : start + policy.batch_size]
-            ids = [r.id for r in chunk]
+            ids = sorted(r.id for r in chunk)  # the run key names the set, not the order
             run_key = batch_run_key(mode, ids)
             job_name = MICRO_BATCH_JOB if mode is IntakeMode.MICRO_BATCH else FAN_OUT_JOB
             op_name = (

@@ -66,7 +66,7 @@ def _enqueue(args: argparse.Namespace) -> int:
             correlation_id=args.correlation_id,
             db=db,
             source="cli",
-            priority=_priority(args.priority),
+            priority=_priority(getattr(args, "priority", "0")),  # a Namespace built by hand
         )
     except ValidationError as exc:
         kept = f"rejection {exc.rejection_id}" if exc.rejection_id else "job_rejections"
