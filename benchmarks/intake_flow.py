@@ -1,5 +1,8 @@
 """Intake flow control: what priority ordering and debounce cost a sensor tick's claim.
 
+The claim orders by ``claim_rank`` (``created_at - priority * aging``, set at enqueue, indexed
+with the status), so a priority claim reads a page from an index like the id-ordered one did.
+
 For each app-database backend (embedded SQLite, Postgres), on one table of ``n`` pending
 requests (priorities spread over -10..10):
 
@@ -28,7 +31,7 @@ from sqlalchemy import text
 from benchmarks.intake import backend
 from benchmarks.suite import module_main
 from pipelines import requests as intake_table
-from pipelines.requests import RequestStore
+from pipelines.requests import JobRequest, RequestStore
 from resources.storage.db import Database
 from resources.storage.migrations import upgrade
 
@@ -43,9 +46,9 @@ def _fill(db: Database, n: int, *, groups: int = 0) -> None:
         conn.execute(
             text(
                 "INSERT INTO job_requests (job_type, key, payload, payload_hash, status, queue,"
-                " created_at, updated_at, attempts, priority, debounce_key, debounce_wait,"
-                " debounce_max_wait, coalesced_count) VALUES ('bench', :k, '{}', 'h',"
-                " 'pending', 'light', :t, :t, 0, :p, :g, :w, :w, 0)"
+                " created_at, updated_at, attempts, priority, claim_rank, debounce_key,"
+                " debounce_wait, debounce_max_wait, coalesced_count) VALUES ('bench', :k, '{}',"
+                " 'h', 'pending', 'light', :t, :t, 0, :p, :t - :p * 60.0, :g, :w, :w, 0)"
             ),
             [
                 {"k": f"bench:{i}", "t": 1000.0 + i * 0.001, "p": rng.randint(-10, 10),
@@ -64,11 +67,16 @@ def _reset(db: Database) -> None:
 
 
 def _old_claim(db: Database, now: float) -> int:
+    """The claim as it was before priorities: the same rows read back as requests, id order."""
     template = intake_table._CLAIM_PG if db.is_postgres else intake_table._CLAIM
-    columns = "job_requests.id" if db.is_postgres else "id"
-    sql = text(template.format(claimable=_OLD_CLAIMABLE, order="id", types="", columns=columns))
+    columns = intake_table._COLUMNS
+    if db.is_postgres:
+        columns = ", ".join(f"job_requests.{c.strip()}" for c in columns.split(","))
+    sql = text(template.format(claimable=_OLD_CLAIMABLE, order="id", types="", columns=columns,
+                               indexed=""))
     with db.transaction() as conn:
-        return len(conn.execute(sql, {"now": now, "cutoff": now - 120, "limit": PAGE}).all())
+        rows = conn.execute(sql, {"now": now, "cutoff": now - 120, "limit": PAGE}).all()
+    return len(sorted((JobRequest.from_row(r) for r in rows), key=lambda r: r.id))
 
 
 def _drain(claim: Any) -> tuple[float, int]:

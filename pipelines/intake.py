@@ -12,7 +12,9 @@ Guarantees:
 - Same key, same payload: a no-op returning the existing request (``result.created`` is False).
   Same key, other payload: :class:`IdempotencyConflict` naming the key.
 - ``priority`` (``PRIORITY_MIN``..``PRIORITY_MAX``, default 0) is checked at the boundary and
-  stored; the intake claims higher (aged) priorities first and tags the run ``dagster/priority``.
+  stored with the request's claim rank (``created_at - priority * SEKALI_INTAKE_PRIORITY_AGING``,
+  default 60 s a step); the intake claims the lowest rank first and tags the run
+  ``dagster/priority``.
 - A job type's dedupe window is applied here: the stored key is ``<key>@<window start>``
   (:func:`pipelines.requests.windowed_key`), so the same key is one intent within the window and
   a new one after it; the request row keeps the window (``dedupe_window``).
@@ -29,15 +31,17 @@ The intake sensor (``sensors/intake.py``) turns pending requests into runs.
 from __future__ import annotations
 
 import logging
+import math
+import os
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from sqlalchemy.engine import Connection
 
-from pipelines.requests import Debounced, EnqueueResult, RequestStore
+from pipelines.requests import DEFAULT_PRIORITY_AGING, Debounced, EnqueueResult, RequestStore
 from pipelines.validation import admit
 from resources.storage.db import Database, shared_database
 from resources.storage.migrations import upgrade
@@ -56,6 +60,21 @@ def _ensure_schema(db: Database) -> None:
         if id(db) not in _migrated:
             upgrade(db)
             _migrated.add(id(db))
+
+
+def priority_aging(env: Mapping[str, str] | None = None) -> float:
+    """Seconds of waiting worth one priority step: ``SEKALI_INTAKE_PRIORITY_AGING`` (default 60).
+    A value that is not a positive number is a ValueError naming the variable."""
+    raw = (os.environ if env is None else env).get("SEKALI_INTAKE_PRIORITY_AGING", "")
+    if not raw.strip():
+        return DEFAULT_PRIORITY_AGING
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"SEKALI_INTAKE_PRIORITY_AGING={raw!r}: expected seconds > 0")
+    return value
 
 
 def _default_db() -> Database:
@@ -133,6 +152,7 @@ def _enqueue(
         priority=admitted.priority,
         dedupe_window=spec.dedupe_window,
         debounce=debounce,
+        aging=priority_aging(),
     )
     log.info(
         "enqueued %s key=%s request=%s created=%s",

@@ -46,6 +46,8 @@ from resources.storage.queries import load_queries
 from resources.storage.retention import Expiry
 
 Clock = Callable[[], float]
+DEFAULT_PRIORITY_AGING = 60.0
+"""Seconds of waiting worth one priority step (``SEKALI_INTAKE_PRIORITY_AGING``)."""
 Merge = Callable[[str, list[dict[str, Any]]], dict[str, Any]]
 """How a debounced job type folds its group's payloads (oldest first) into the one that runs."""
 
@@ -122,6 +124,7 @@ job_requests = Table(
     Column("error_class", Text),
     Column("traceparent", Text),
     Column("priority", Integer, nullable=False),
+    Column("claim_rank", Float, nullable=False),
     Column("dedupe_window", Float),
     Column("debounce_key", Text),
     Column("debounce_wait", Float),
@@ -152,7 +155,7 @@ _REJECTION_COLUMNS = (
 _COLUMNS = (
     "id, job_type, key, payload, payload_hash, status, queue, correlation_id, run_key, run_id,"
     " created_at, updated_at, attempts, last_error, error_class, traceparent, priority,"
-    " dedupe_window, debounce_key, debounce_wait, debounce_max_wait, coalesced_into,"
+    " claim_rank, dedupe_window, debounce_key, debounce_wait, debounce_max_wait, coalesced_into,"
     " coalesced_count"
 )
 _Q = load_queries(Path(__file__).with_suffix(".sql"))
@@ -180,6 +183,8 @@ class JobRequest:
     traceparent: str | None = None
     priority: int = 0
     """Claim order (higher first, aged by waiting: :meth:`RequestStore.claim_for_launch`)."""
+    claim_rank: float = 0.0
+    """``created_at - priority * aging``: the intake claims the lowest first."""
     dedupe_window: float | None = None
     """Seconds the key meant one intent when it was derived; None: until finished (forever
     while the records are kept). A windowed key ends in ``@<window start, UTC>``."""
@@ -217,6 +222,7 @@ class JobRequest:
             error_class=m["error_class"],
             traceparent=m["traceparent"],
             priority=int(m["priority"] or 0),
+            claim_rank=float(m["claim_rank"]),
             dedupe_window=m["dedupe_window"],
             debounce_key=m["debounce_key"],
             debounce_wait=m["debounce_wait"],
@@ -281,27 +287,26 @@ class EnqueueResult:
 _INSERT = f"""
 INSERT INTO job_requests
     (job_type, key, payload, payload_hash, status, queue, correlation_id, created_at,
-     updated_at, attempts, traceparent, priority, dedupe_window, debounce_key, debounce_wait,
-     debounce_max_wait, coalesced_count)
+     updated_at, attempts, traceparent, priority, claim_rank, dedupe_window, debounce_key,
+     debounce_wait, debounce_max_wait, coalesced_count)
 VALUES (:job_type, :key, :payload, :hash, 'pending', :queue, :cid, :now, :now, 0, :traceparent,
-        :priority, :dedupe_window, :debounce_key, :debounce_wait, :debounce_max_wait, 0)
+        :priority, :rank, :dedupe_window, :debounce_key, :debounce_wait, :debounce_max_wait, 0)
 ON CONFLICT (key) DO NOTHING
 RETURNING {_COLUMNS}
 """
 
 _CLAIMABLE = (
-    "((status = 'pending' AND debounce_key IS NULL)"
+    "status IN ('pending', 'launched') AND ((status = 'pending' AND debounce_key IS NULL)"
     " OR (status = 'launched' AND updated_at <= :cutoff))"
 )
 """Pending requests outside a debounce group (those leave through :meth:`_claim_debounced`),
-and launched ones whose tick may have failed before Dagster launched their runs."""
-
-_AGED_PRIORITY = "(priority + (:now - created_at) / :aging)"
-"""Effective priority: the request's own, plus one step for every ``aging`` seconds waited."""
+and launched ones whose tick may have failed before Dagster launched their runs. The leading
+``status IN`` lets both databases read the partial index ``job_requests_claim`` in claim order
+and stop after a page, instead of sorting the backlog."""
 
 _DUE_GROUPS = """
 SELECT debounce_key, COUNT(*) AS n
-FROM job_requests
+FROM job_requests {indexed}
 WHERE status = 'pending' AND debounce_key IS NOT NULL {types}
 GROUP BY debounce_key
 HAVING MAX(created_at) <= :now - MIN(debounce_wait)
@@ -310,14 +315,16 @@ ORDER BY MIN(created_at), debounce_key
 LIMIT :limit
 """
 
+# SQLite: one statement under the write lock (BEGIN IMMEDIATE), so the rows the subquery picks
+# are still claimable when they are updated. ``indexed`` names the claim index: without
+# statistics the planner would OR two other indexes and sort the whole backlog.
 _CLAIM = """
 UPDATE job_requests SET status = 'launched', updated_at = :now
 WHERE id IN (
-    SELECT id FROM job_requests
+    SELECT id FROM job_requests {indexed}
     WHERE {claimable} {types}
     ORDER BY {order} LIMIT :limit
 )
-AND {claimable}
 RETURNING {columns}
 """
 
@@ -358,15 +365,19 @@ class RequestStore:
         priority: int = 0,
         dedupe_window: float | None = None,
         debounce: Debounced | None = None,
+        aging: float = DEFAULT_PRIORITY_AGING,
     ) -> EnqueueResult:
         """Write a pending request, or return the existing one for the same key and payload.
 
+        The claim order is ``claim_rank = now - priority * aging``: the request is served as if
+        it had arrived ``priority * aging`` seconds earlier (see :meth:`claim_for_launch`).
         ``priority``, ``dedupe_window`` and ``debounce`` are stored as given (the caller,
         :func:`pipelines.intake.enqueue`, checked them and derived the key); a duplicate keeps the
         first request's. Raises :class:`IdempotencyConflict` when the key exists with another
         payload or type.
         """
         given = payload_hash(payload)
+        now = self.clock()
         params = {
             "job_type": job_type,
             "key": key,
@@ -375,8 +386,9 @@ class RequestStore:
             "queue": queue,
             "cid": correlation_id,
             "traceparent": traceparent,
-            "now": self.clock(),
+            "now": now,
             "priority": int(priority),
+            "rank": now - int(priority) * aging,
             "dedupe_window": dedupe_window,
             "debounce_key": debounce.key if debounce else None,
             "debounce_wait": debounce.wait if debounce else None,
@@ -445,14 +457,14 @@ class RequestStore:
         *,
         relaunch_after: float = 120.0,
         job_types: Iterable[str] | None = None,
-        aging: float = 60.0,
         merge: Merge | None = None,
     ) -> list[JobRequest]:
         """Move up to ``limit`` requests to ``launched`` and return them, first claimed first.
 
         Claims ``pending`` ones and ``launched`` ones untouched for ``relaunch_after`` seconds,
-        highest effective priority first: ``priority + waited / aging`` (ties: oldest first). A
-        request waiting ``aging`` seconds gains one step, so a request of priority ``p`` is
+        lowest ``claim_rank`` first (``created_at - priority * aging``, fixed at enqueue; ties by
+        id). That is the highest effective priority ``priority + waited / aging`` at any moment,
+        read from an index instead of sorting the backlog. A request of priority ``p`` is
         overtaken only by requests created less than ``(PRIORITY_MAX - p) * aging`` seconds after
         it: a finite set, so nothing starves however much urgent work keeps arriving.
 
@@ -469,22 +481,13 @@ class RequestStore:
         types = sorted(job_types) if job_types is not None else None
         if types is not None and not types:
             return []
-        params: dict[str, Any] = {
-            "now": now,
-            "cutoff": now - relaunch_after,
-            "limit": limit,
-            "aging": max(float(aging), 1e-6),
-        }
+        params: dict[str, Any] = {"now": now, "cutoff": now - relaunch_after, "limit": limit}
         with self.db.transaction() as conn:
             claimed = self._claim_debounced(conn, params, types, merge)
             if len(claimed) < limit:
                 claimed += self._claim_plain(conn, {**params, "limit": limit - len(claimed)},
                                              types)
-        aging_s = params["aging"]
-        return sorted(
-            claimed,
-            key=lambda r: (-(r.priority + (now - r.created_at) / aging_s), r.created_at, r.id),
-        )
+        return sorted(claimed, key=lambda r: (r.claim_rank, r.id))
 
     def _typed(self, sql: str, types: list[str] | None) -> Any:
         statement = text(sql)
@@ -500,8 +503,9 @@ class RequestStore:
         if self.db.is_postgres:
             columns = ", ".join(f"job_requests.{c.strip()}" for c in _COLUMNS.split(","))
         sql = template.format(
+            indexed="" if self.db.is_postgres else "INDEXED BY job_requests_claim",
             claimable=_CLAIMABLE,
-            order=f"{_AGED_PRIORITY} DESC, created_at, id",
+            order="claim_rank, id",
             types="AND job_type IN :types" if types is not None else "",
             columns=columns,
         )
@@ -517,7 +521,10 @@ class RequestStore:
     ) -> list[JobRequest]:
         due = conn.execute(
             self._typed(
-                _DUE_GROUPS.format(types="AND job_type IN :types" if types is not None else ""),
+                _DUE_GROUPS.format(
+                    types="AND job_type IN :types" if types is not None else "",
+                    indexed="" if self.db.is_postgres else "INDEXED BY job_requests_debounce",
+                ),
                 types,
             ),
             {**params, "types": types},

@@ -4,7 +4,7 @@
 -- Failed requests that no DLQ record points at (the DLQ links back through request_id).
 SELECT id, job_type, key, payload, payload_hash, status, queue, correlation_id, run_key, run_id,
        created_at, updated_at, attempts, last_error, error_class, traceparent, priority,
-       dedupe_window, debounce_key, debounce_wait, debounce_max_wait, coalesced_into,
+       claim_rank, dedupe_window, debounce_key, debounce_wait, debounce_max_wait, coalesced_into,
        coalesced_count
 FROM job_requests r
 WHERE r.status = 'failed'
@@ -16,7 +16,7 @@ LIMIT :limit;
 -- The requests one run marked failed, in id order.
 SELECT id, job_type, key, payload, payload_hash, status, queue, correlation_id, run_key, run_id,
        created_at, updated_at, attempts, last_error, error_class, traceparent, priority,
-       dedupe_window, debounce_key, debounce_wait, debounce_max_wait, coalesced_into,
+       claim_rank, dedupe_window, debounce_key, debounce_wait, debounce_max_wait, coalesced_into,
        coalesced_count
 FROM job_requests
 WHERE run_id = :run AND status = 'failed'

@@ -8,8 +8,9 @@ and a fresh deployment drain the intake without a click; stop it in the UI to pa
    FAILURE or CANCELED marks its requests that are not completed ``failed`` (with the run id),
    where the DLQ picks them up. Batch ops also move their requests themselves, per request.
 2. Claim up to ``max_requests_per_tick`` requests (pending, or launched longer than
-   ``relaunch_after_seconds`` ago), highest aged priority first (``SEKALI_INTAKE_PRIORITY_AGING``
-   seconds of waiting add one step, default 60), debounced groups once due (one request of the
+   ``relaunch_after_seconds`` ago), highest aged priority first (``claim_rank``, set at enqueue:
+   ``SEKALI_INTAKE_PRIORITY_AGING`` seconds of waiting are worth one step, default 60), debounced
+   groups once due (one request of the
    group launched, the rest recorded ``coalesced``), and emit runs for them in the request's
    mode, tagged ``dagster/priority`` (Dagster's run queue honours it), ``sekali/priority``,
    ``sekali/coalesced`` and ``sekali/dedupe_window``:
@@ -79,7 +80,6 @@ class IntakePolicy:
     batch_size: int = 50
     max_requests_per_tick: int = 200
     relaunch_after_seconds: float = 120.0
-    priority_aging_seconds: float = 60.0
 
     def mode_for(self, job_type: str) -> IntakeMode:
         return self.modes.get(job_type, self.default_mode)
@@ -99,7 +99,6 @@ class IntakePolicy:
             batch_size=int(env.get("SEKALI_INTAKE_BATCH_SIZE", "50")),
             max_requests_per_tick=int(env.get("SEKALI_INTAKE_MAX_PER_TICK", "200")),
             relaunch_after_seconds=float(env.get("SEKALI_INTAKE_RELAUNCH_AFTER", "120")),
-            priority_aging_seconds=float(env.get("SEKALI_INTAKE_PRIORITY_AGING", "60")),
         )
 
 
@@ -329,7 +328,6 @@ def evaluate_intake(
     claimed = store.claim_for_launch(
         policy.max_requests_per_tick,
         relaunch_after=policy.relaunch_after_seconds,
-        aging=policy.priority_aging_seconds,
         merge=merge_debounced,
     )
     claimed = without_runs_in_flight(context.instance, claimed)

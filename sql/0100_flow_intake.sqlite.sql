@@ -1,6 +1,8 @@
 -- Intake flow control (docs/flow.md): a request's priority, the dedupe window its key was
 -- derived under (NULL: until finished), its debounce group with the group's wait and maximum
 -- wait, and, for a request coalesced into another, the status 'coalesced' and the link.
+-- claim_rank is the order the intake claims in: created_at - priority x aging (a request of
+-- priority p is served as if it had arrived p x aging seconds earlier), indexed for the claim.
 -- SQLite cannot change a CHECK constraint in place: the table is rebuilt in this transaction.
 CREATE TABLE job_requests_0100 (
     id                INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -21,6 +23,7 @@ CREATE TABLE job_requests_0100 (
     error_class       TEXT,
     traceparent       TEXT,
     priority          INTEGER NOT NULL DEFAULT 0,
+    claim_rank        DOUBLE PRECISION NOT NULL,
     dedupe_window     DOUBLE PRECISION,
     debounce_key      TEXT,
     debounce_wait     DOUBLE PRECISION,
@@ -30,13 +33,16 @@ CREATE TABLE job_requests_0100 (
 );
 INSERT INTO job_requests_0100 (id, job_type, key, payload, payload_hash, status, queue,
     correlation_id, run_key, run_id, created_at, updated_at, attempts, last_error, error_class,
-    traceparent)
+    traceparent, claim_rank)
 SELECT id, job_type, key, payload, payload_hash, status, queue, correlation_id, run_key, run_id,
-    created_at, updated_at, attempts, last_error, error_class, traceparent
+    created_at, updated_at, attempts, last_error, error_class, traceparent, created_at
 FROM job_requests;
 DROP TABLE job_requests;
 ALTER TABLE job_requests_0100 RENAME TO job_requests;
 CREATE INDEX IF NOT EXISTS job_requests_status_id ON job_requests (status, id);
 CREATE INDEX IF NOT EXISTS job_requests_status_updated ON job_requests (status, updated_at);
-CREATE INDEX IF NOT EXISTS job_requests_debounce ON job_requests (debounce_key, status);
+CREATE INDEX IF NOT EXISTS job_requests_claim ON job_requests (claim_rank, id)
+    WHERE status IN ('pending', 'launched');
+CREATE INDEX IF NOT EXISTS job_requests_debounce ON job_requests (debounce_key, created_at)
+    WHERE status = 'pending' AND debounce_key IS NOT NULL;
 CREATE INDEX IF NOT EXISTS job_requests_coalesced_into ON job_requests (coalesced_into);

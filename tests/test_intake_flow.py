@@ -204,17 +204,20 @@ def test_urgent_requests_overtake_a_backlog_of_500(db: Database) -> None:
     }
     clock.now += 1
     store = RequestStore(db, clock=clock)
-    first = store.claim_for_launch(10, aging=60)
+    first = store.claim_for_launch(10)
     assert {r.id for r in first} == urgent
     assert all(r.priority == PRIORITY_MAX for r in first)
-    second = store.claim_for_launch(10, aging=60)
+    second = store.claim_for_launch(10)
     assert [r.priority for r in second] == [0] * 10
     assert [r.id for r in second] == sorted(r.id for r in second)  # the oldest normal ones
 
 
-def test_the_oldest_normal_request_is_claimed_within_the_aging_bound(db: Database) -> None:
+def test_the_oldest_normal_request_is_claimed_within_the_aging_bound(
+    db: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Catches: starvation: a backlog request never claimed while urgent work keeps arriving."""
     aging = 6.0
+    monkeypatch.setenv("SEKALI_INTAKE_PRIORITY_AGING", str(aging))
     clock = Clock(5_000_000.0)
     backlog = _normal_backlog(db, clock, 500)
     oldest = backlog[0]
@@ -226,7 +229,7 @@ def test_the_oldest_normal_request_is_claimed_within_the_aging_bound(db: Databas
         for i in range(10):  # as much urgent work arrives as a tick claims
             enqueue("send_email", _mail(f"u{tick}-{i}"), db=db, clock=clock,
                     priority=PRIORITY_MAX)
-        got = [r.id for r in store.claim_for_launch(10, aging=aging)]
+        got = [r.id for r in store.claim_for_launch(10)]
         if oldest in got:
             claimed_at_tick = tick
             break
