@@ -85,9 +85,6 @@ class RequestStatus(StrEnum):
     COALESCED = "coalesced"
 
 
-FINISHED = (RequestStatus.COMPLETED, RequestStatus.COALESCED)
-"""Statuses after which a request never runs again."""
-
 _S = RequestStatus
 TRANSITIONS: dict[RequestStatus | None, frozenset[RequestStatus]] = {
     None: frozenset({_S.PENDING}),
@@ -551,7 +548,8 @@ class RequestStore:
             row = conn.execute(
                 text(
                     "UPDATE job_requests SET status = 'launched', updated_at = :now,"
-                    " payload = :payload, payload_hash = :hash, coalesced_count = :n"
+                    " payload = :payload, payload_hash = :hash,"
+                    " coalesced_count = coalesced_count + :n"
                     f" WHERE id = :id AND status = 'pending' RETURNING {_COLUMNS}"
                 ),
                 {"now": params["now"], "payload": canonical(payload),
