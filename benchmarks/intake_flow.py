@@ -63,7 +63,8 @@ def _fill(db: Database, n: int, *, groups: int = 0) -> None:
 
 def _reset(db: Database) -> None:
     with db.transaction() as conn:
-        conn.execute(text("UPDATE job_requests SET status = 'pending', coalesced_into = NULL"))
+        conn.execute(text("UPDATE job_requests SET status = 'pending', coalesced_into = NULL,"
+                          " coalesced_count = 0"))
 
 
 def _old_claim(db: Database, now: float) -> int:
