@@ -10,7 +10,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import multiprocessing
+import shutil
 import time
+from pathlib import Path
 from typing import Any
 
 import dagster as dg
@@ -31,6 +33,7 @@ from resources.errors import ValidationError
 from resources.idempotency import Claim, Completed, IdempotencyStore
 from resources.outbox import InAppPublisher, Inbox, OutboxPublisher, write_event
 from resources.storage.db import Database
+from resources.storage.migrations import sql_dir, upgrade
 from sensors.intake import (
     IntakeMode,
     IntakePolicy,
@@ -399,3 +402,37 @@ def test_shipped_events_through_the_outbox_and_the_intake_sensor_rebuild_each_re
     with db.statement() as conn:
         built = conn.execute(text("SELECT report FROM report_snapshots ORDER BY report")).all()
     assert [r.report for r in built] == ["fulfilment_by_status", "stock_levels"]
+
+
+def test_requests_written_before_the_migration_keep_everything_and_claim_in_order(
+    db_url: str, tmp_path: Path
+) -> None:
+    """Catches: the SQLite table rebuild losing rows, ids or columns, new ids reusing old ones,
+    or old rows left without a claim rank (never claimed)."""
+    before = tmp_path / "sql"
+    shutil.copytree(sql_dir(), before)
+    for path in before.glob("0100_*.sql"):
+        path.unlink()
+    db = Database.from_url(db_url)
+    upgrade(db, before)
+    with db.transaction() as conn:
+        for i, status in enumerate(["pending", "failed", "completed", "pending"]):
+            conn.execute(
+                text(
+                    "INSERT INTO job_requests (job_type, key, payload, payload_hash, status,"
+                    " queue, created_at, updated_at, attempts, last_error, error_class,"
+                    " traceparent) VALUES ('send_email', :k, '{}', 'h', :s, 'light', :t, :t,"
+                    " 1, 'e', 'transient', 'tp')"
+                ),
+                {"k": f"old:{i}", "s": status, "t": 100.0 + i},
+            )
+    assert upgrade(db) == ["0100_flow_intake"]
+    store = RequestStore(db)
+    old = [store.get_by_key(f"old:{i}") for i in range(4)]
+    assert [r.status for r in old if r] == ["pending", "failed", "completed", "pending"]
+    assert all(r is not None and r.priority == 0 and r.claim_rank == r.created_at
+               and r.last_error == "e" and r.traceparent == "tp" for r in old)
+    new = store.enqueue("send_email", "new", {}, queue="light")
+    assert new.id > max(r.id for r in old if r)
+    assert [r.key for r in store.claim_for_launch(10)] == ["old:0", "old:3", "new"]
+    db.dispose()
