@@ -120,6 +120,7 @@ job_requests = Table(
     Column("last_error", Text),
     Column("error_class", Text),
     Column("traceparent", Text),
+    Column("superseded_by", Text),
     Column("priority", Integer, nullable=False),
     Column("claim_rank", Float, nullable=False),
     Column("dedupe_window", Float),

@@ -411,7 +411,7 @@ def test_requests_written_before_the_migration_keep_everything_and_claim_in_orde
     or old rows left without a claim rank (never claimed)."""
     before = tmp_path / "sql"
     shutil.copytree(sql_dir(), before)
-    for path in before.glob("0100_*.sql"):
+    for path in before.glob("0110_*.sql"):
         path.unlink()
     db = Database.from_url(db_url)
     upgrade(db, before)
@@ -426,12 +426,18 @@ def test_requests_written_before_the_migration_keep_everything_and_claim_in_orde
                 ),
                 {"k": f"old:{i}", "s": status, "t": 100.0 + i},
             )
-    assert upgrade(db) == ["0100_flow_intake"]
+    with db.transaction() as conn:  # the amended-replay column (0105) survives the rebuild
+        conn.execute(text("UPDATE job_requests SET superseded_by = 'old:1#v2' WHERE key = 'old:1'"))
+    assert upgrade(db) == ["0110_flow_intake"]
     store = RequestStore(db)
     old = [store.get_by_key(f"old:{i}") for i in range(4)]
     assert [r.status for r in old if r] == ["pending", "failed", "completed", "pending"]
     assert all(r is not None and r.priority == 0 and r.claim_rank == r.created_at
                and r.last_error == "e" and r.traceparent == "tp" for r in old)
+    with db.statement() as conn:
+        kept = conn.execute(text("SELECT key, superseded_by FROM job_requests"
+                                 " WHERE superseded_by IS NOT NULL")).all()
+    assert [tuple(r) for r in kept] == [("old:1", "old:1#v2")]
     new = store.enqueue("send_email", "new", {}, queue="light")
     assert new.id > max(r.id for r in old if r)
     assert [r.key for r in store.claim_for_launch(10)] == ["old:0", "old:3", "new"]
