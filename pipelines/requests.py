@@ -29,7 +29,7 @@ import json
 import math
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from enum import StrEnum
 from pathlib import Path
@@ -193,11 +193,12 @@ class JobRequest:
     """For a ``coalesced`` request: the request of its debounce group that ran instead."""
     coalesced_count: int = 0
     """For the request that ran: how many requests of its group were coalesced into it."""
+    dedupe: str = field(init=False)
+    """The dedupe window as people read it, ``until_finished`` or e.g. ``86400s``: a field, so
+    every generic view of the record (``sekali requests show``) prints it."""
 
-    @property
-    def dedupe(self) -> str:
-        """The dedupe window as people read it: ``until_finished`` or e.g. ``86400s``."""
-        return dedupe_label(self.dedupe_window)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dedupe", dedupe_label(self.dedupe_window))
 
     @classmethod
     def from_row(cls, row: Any) -> JobRequest:

@@ -442,3 +442,12 @@ def test_requests_written_before_the_migration_keep_everything_and_claim_in_orde
     assert new.id > max(r.id for r in old if r)
     assert [r.key for r in store.claim_for_launch(10)] == ["old:0", "old:3", "new"]
     db.dispose()
+
+
+def test_the_request_record_carries_its_dedupe_window_as_a_field(db: Database) -> None:
+    """Catches: ``requests show`` (which prints every field of the record) not saying
+    ``until_finished`` for a key that means one intent until it is done."""
+    made = enqueue("send_email", _mail("f"), db=db)
+    fields = {f.name for f in dataclasses.fields(made.request)}
+    assert {"dedupe", "dedupe_window", "priority", "coalesced_into", "coalesced_count"} <= fields
+    assert made.request.dedupe == "until_finished"
