@@ -43,8 +43,8 @@ def _fill(db: Database, n: int) -> None:
         conn.execute(
             text(
                 "INSERT INTO job_requests (job_type, key, payload, payload_hash, status, queue,"
-                " created_at, updated_at, attempts) VALUES"
-                " ('bench', 'bench:pending', '{}', 'h', 'pending', 'light', 0, 0, 0)"
+                " created_at, updated_at, attempts, claim_rank) VALUES"
+                " ('bench', 'bench:pending', '{}', 'h', 'pending', 'light', 0, 0, 0, 0)"
             )
         )
         pending = conn.execute(text("SELECT id FROM job_requests")).scalar_one()

@@ -36,7 +36,7 @@ from typing import Any
 from benchmarks.plotting import RESULTS
 
 SUITES = ["idempotency", "locks", "stampede", "retry_storm", "intake", "chaos", "observability",
-          "outbox", "flow", "tracing", "cluster", "retention"]
+          "outbox", "flow", "intake_flow", "tracing", "cluster", "retention"]
 RESULTS_DIR = RESULTS
 
 HEADLINE: dict[str, tuple[str, float, str]] = {

@@ -1,7 +1,9 @@
 """The in-app consumers of the outbox: what sekali's own business does after a commit.
 
-Today one: cache invalidation when an order is fulfilled (the cached order and fulfilment/stock
-reports go stale). The outbox machinery itself (:mod:`resources.outbox`) knows no event type.
+Cache invalidation when an order is fulfilled (the cached order and fulfilment/stock reports go
+stale), and the report rebuilds an ``order.shipped`` asks for: one ``rebuild_report_cache``
+request per event and report, debounced by the job type so a burst of shipments makes one
+rebuild per report. The outbox machinery itself (:mod:`resources.outbox`) knows no event type.
 """
 
 from __future__ import annotations
@@ -11,10 +13,13 @@ from typing import Any
 
 from sqlalchemy.engine import Connection
 
+from pipelines.intake import enqueue
 from resources.outbox import Consumer, OutboxEvent
 
 FULFILLED_EVENTS = frozenset({"order_fulfilled", "order.fulfilled", "order.shipped"})
 REPORTS_CHANGED_BY_FULFILMENT = ("report:fulfilment_by_status:", "report:stock_levels:")
+SHIPPED_EVENTS = frozenset({"order.shipped"})
+REPORTS_REBUILT_ON_SHIPMENT = ("fulfilment_by_status", "stock_levels")
 
 
 def order_report_keys(cache: Any, event: OutboxEvent) -> list[str]:
@@ -42,6 +47,32 @@ def cache_invalidation_consumer(
     return Consumer(name, frozenset(event_types), handle)
 
 
+def report_rebuild_consumer(
+    *,
+    name: str = "report-rebuild",
+    event_types: Iterable[str] = SHIPPED_EVENTS,
+    reports: Sequence[str] = REPORTS_REBUILT_ON_SHIPMENT,
+) -> Consumer:
+    """Ask for the reports a shipment changes, in the inbox's transaction (the request exists
+    if and only if the event is marked consumed). Each event makes its own request (``as_of``
+    ``shipped-<outbox id>``), so none is lost; the job type's debounce coalesces them."""
+
+    def handle(conn: Connection, event: OutboxEvent) -> None:
+        for report in reports:
+            enqueue(
+                "rebuild_report_cache",
+                {"report": report, "as_of": f"shipped-{event.id}"},
+                correlation_id=None,
+                conn=conn,
+                source="outbox",
+            )
+
+    return Consumer(name, frozenset(event_types), handle)
+
+
 def default_consumers(cache: Any | None) -> list[Consumer]:
-    """The in-app consumers: cache invalidation when a cache is configured."""
-    return [cache_invalidation_consumer(cache)] if cache is not None else []
+    """The in-app consumers when a cache is configured: cache invalidation, and the report
+    rebuilds after shipments (the rebuild fills that cache)."""
+    if cache is None:
+        return []
+    return [cache_invalidation_consumer(cache), report_rebuild_consumer()]

@@ -26,9 +26,11 @@ Guarantees (SQLite and Postgres alike):
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -44,6 +46,10 @@ from resources.storage.queries import load_queries
 from resources.storage.retention import Expiry
 
 Clock = Callable[[], float]
+DEFAULT_PRIORITY_AGING = 60.0
+"""Seconds of waiting worth one priority step (``SEKALI_INTAKE_PRIORITY_AGING``)."""
+Merge = Callable[[str, list[dict[str, Any]]], dict[str, Any]]
+"""How a debounced job type folds its group's payloads (oldest first) into the one that runs."""
 
 
 class RequestStatus(StrEnum):
@@ -61,7 +67,10 @@ class RequestStatus(StrEnum):
     failed
     pending/launched/running    permanent error, retries exhausted, run failed      failed
     failed                      requeue (operator or DLQ replay)                    pending
+    pending                     debounced: another request of its group ran         coalesced
     completed                   (terminal)
+    coalesced                   (terminal; ``coalesced_into`` names the one that
+                                ran, whose status is this request's outcome)
     ==========================  ==================================================  ===========
 
     ``failed`` may still move to ``running``/``completed``: a run retry or a DLQ replay run can
@@ -73,16 +82,18 @@ class RequestStatus(StrEnum):
     RUNNING = "running"
     COMPLETED = "completed"
     FAILED = "failed"
+    COALESCED = "coalesced"
 
 
 _S = RequestStatus
 TRANSITIONS: dict[RequestStatus | None, frozenset[RequestStatus]] = {
     None: frozenset({_S.PENDING}),
-    _S.PENDING: frozenset({_S.LAUNCHED, _S.RUNNING, _S.COMPLETED, _S.FAILED}),
+    _S.PENDING: frozenset({_S.LAUNCHED, _S.RUNNING, _S.COMPLETED, _S.FAILED, _S.COALESCED}),
     _S.LAUNCHED: frozenset({_S.LAUNCHED, _S.RUNNING, _S.COMPLETED, _S.FAILED}),
     _S.RUNNING: frozenset({_S.RUNNING, _S.COMPLETED, _S.FAILED}),
     _S.FAILED: frozenset({_S.PENDING, _S.RUNNING, _S.COMPLETED}),
     _S.COMPLETED: frozenset(),
+    _S.COALESCED: frozenset(),
 }
 
 
@@ -110,6 +121,14 @@ job_requests = Table(
     Column("error_class", Text),
     Column("traceparent", Text),
     Column("superseded_by", Text),
+    Column("priority", Integer, nullable=False),
+    Column("claim_rank", Float, nullable=False),
+    Column("dedupe_window", Float),
+    Column("debounce_key", Text),
+    Column("debounce_wait", Float),
+    Column("debounce_max_wait", Float),
+    Column("coalesced_into", BigInteger),
+    Column("coalesced_count", Integer, nullable=False),
 )
 
 job_rejections = Table(
@@ -133,7 +152,9 @@ _REJECTION_COLUMNS = (
 
 _COLUMNS = (
     "id, job_type, key, payload, payload_hash, status, queue, correlation_id, run_key, run_id,"
-    " created_at, updated_at, attempts, last_error, error_class, traceparent"
+    " created_at, updated_at, attempts, last_error, error_class, traceparent, priority,"
+    " claim_rank, dedupe_window, debounce_key, debounce_wait, debounce_max_wait, coalesced_into,"
+    " coalesced_count"
 )
 _Q = load_queries(Path(__file__).with_suffix(".sql"))
 
@@ -158,6 +179,26 @@ class JobRequest:
     last_error: str | None
     error_class: str | None = None
     traceparent: str | None = None
+    priority: int = 0
+    """Claim order (higher first, aged by waiting: :meth:`RequestStore.claim_for_launch`)."""
+    claim_rank: float = 0.0
+    """``created_at - priority * aging``: the intake claims the lowest first."""
+    dedupe_window: float | None = None
+    """Seconds the key meant one intent when it was derived; None: until finished (forever
+    while the records are kept). A windowed key ends in ``@<window start, UTC>``."""
+    debounce_key: str | None = None
+    debounce_wait: float | None = None
+    debounce_max_wait: float | None = None
+    coalesced_into: int | None = None
+    """For a ``coalesced`` request: the request of its debounce group that ran instead."""
+    coalesced_count: int = 0
+    """For the request that ran: how many requests of its group were coalesced into it."""
+    dedupe: str = field(init=False)
+    """The dedupe window as people read it, ``until_finished`` or e.g. ``86400s``: a field, so
+    every generic view of the record (``sekali requests show``) prints it."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dedupe", dedupe_label(self.dedupe_window))
 
     @classmethod
     def from_row(cls, row: Any) -> JobRequest:
@@ -179,7 +220,43 @@ class JobRequest:
             last_error=m["last_error"],
             error_class=m["error_class"],
             traceparent=m["traceparent"],
+            priority=int(m["priority"] or 0),
+            claim_rank=float(m["claim_rank"]),
+            dedupe_window=m["dedupe_window"],
+            debounce_key=m["debounce_key"],
+            debounce_wait=m["debounce_wait"],
+            debounce_max_wait=m["debounce_max_wait"],
+            coalesced_into=None if m["coalesced_into"] is None else int(m["coalesced_into"]),
+            coalesced_count=int(m["coalesced_count"] or 0),
         )
+
+
+def windowed_key(key: str, window: float | None, now: float) -> str:
+    """The key stored for an intent under a dedupe window: ``key`` itself for "until finished"
+    (None), else ``key@<start of the window holding now, UTC>``. Windows are aligned on the Unix
+    epoch (a 24 h window starts at 00:00 UTC), so every producer derives the same key for the
+    same window without asking anyone; only a producer whose clock is off by more than its
+    distance to a boundary derives the neighbouring window's key."""
+    if window is None:
+        return key
+    start = math.floor(now / window) * window
+    stamp = datetime.fromtimestamp(start, tz=UTC)
+    text_ = stamp.strftime("%Y-%m-%dT%H:%M:%SZ") if start == int(start) else stamp.isoformat()
+    return f"{key}@{text_}"
+
+
+def dedupe_label(window: float | None) -> str:
+    """``until_finished`` for None, else the window in whole seconds (``86400s``)."""
+    return "until_finished" if window is None else f"{window:g}s"
+
+
+@dataclass(frozen=True)
+class Debounced:
+    """What a request's debounce group is: its key (job type included) and the timings."""
+
+    key: str
+    wait: float
+    max_wait: float
 
 
 @dataclass(frozen=True)
@@ -209,20 +286,44 @@ class EnqueueResult:
 _INSERT = f"""
 INSERT INTO job_requests
     (job_type, key, payload, payload_hash, status, queue, correlation_id, created_at,
-     updated_at, attempts, traceparent)
-VALUES (:job_type, :key, :payload, :hash, 'pending', :queue, :cid, :now, :now, 0, :traceparent)
+     updated_at, attempts, traceparent, priority, claim_rank, dedupe_window, debounce_key,
+     debounce_wait, debounce_max_wait, coalesced_count)
+VALUES (:job_type, :key, :payload, :hash, 'pending', :queue, :cid, :now, :now, 0, :traceparent,
+        :priority, :rank, :dedupe_window, :debounce_key, :debounce_wait, :debounce_max_wait, 0)
 ON CONFLICT (key) DO NOTHING
 RETURNING {_COLUMNS}
 """
 
+_CLAIMABLE = (
+    "status IN ('pending', 'launched') AND ((status = 'pending' AND debounce_key IS NULL)"
+    " OR (status = 'launched' AND updated_at <= :cutoff))"
+)
+"""Pending requests outside a debounce group (those leave through :meth:`_claim_debounced`),
+and launched ones whose tick may have failed before Dagster launched their runs. The leading
+``status IN`` lets both databases read the partial index ``job_requests_claim`` in claim order
+and stop after a page, instead of sorting the backlog."""
+
+_DUE_GROUPS = """
+SELECT debounce_key, COUNT(*) AS n
+FROM job_requests {indexed}
+WHERE status = 'pending' AND debounce_key IS NOT NULL {types}
+GROUP BY debounce_key
+HAVING MAX(created_at) <= :now - MIN(debounce_wait)
+    OR MIN(created_at) <= :now - MIN(debounce_max_wait)
+ORDER BY MIN(created_at), debounce_key
+LIMIT :limit
+"""
+
+# SQLite: one statement under the write lock (BEGIN IMMEDIATE), so the rows the subquery picks
+# are still claimable when they are updated. ``indexed`` names the claim index: without
+# statistics the planner would OR two other indexes and sort the whole backlog.
 _CLAIM = """
 UPDATE job_requests SET status = 'launched', updated_at = :now
 WHERE id IN (
-    SELECT id FROM job_requests
-    WHERE (status = 'pending' OR (status = 'launched' AND updated_at <= :cutoff)) {types}
-    ORDER BY id LIMIT :limit
+    SELECT id FROM job_requests {indexed}
+    WHERE {claimable} {types}
+    ORDER BY {order} LIMIT :limit
 )
-AND (status = 'pending' OR (status = 'launched' AND updated_at <= :cutoff))
 RETURNING {columns}
 """
 
@@ -231,8 +332,8 @@ RETURNING {columns}
 _CLAIM_PG = """
 WITH picked AS MATERIALIZED (
     SELECT id FROM job_requests
-    WHERE (status = 'pending' OR (status = 'launched' AND updated_at <= :cutoff)) {types}
-    ORDER BY id LIMIT :limit FOR UPDATE SKIP LOCKED
+    WHERE {claimable} {types}
+    ORDER BY {order} LIMIT :limit FOR UPDATE SKIP LOCKED
 )
 UPDATE job_requests SET status = 'launched', updated_at = :now
 FROM picked
@@ -260,12 +361,22 @@ class RequestStore:
         correlation_id: str | None = None,
         traceparent: str | None = None,
         conn: Connection | None = None,
+        priority: int = 0,
+        dedupe_window: float | None = None,
+        debounce: Debounced | None = None,
+        aging: float = DEFAULT_PRIORITY_AGING,
     ) -> EnqueueResult:
         """Write a pending request, or return the existing one for the same key and payload.
 
-        Raises :class:`IdempotencyConflict` when the key exists with another payload or type.
+        The claim order is ``claim_rank = now - priority * aging``: the request is served as if
+        it had arrived ``priority * aging`` seconds earlier (see :meth:`claim_for_launch`).
+        ``priority``, ``dedupe_window`` and ``debounce`` are stored as given (the caller,
+        :func:`pipelines.intake.enqueue`, checked them and derived the key); a duplicate keeps the
+        first request's. Raises :class:`IdempotencyConflict` when the key exists with another
+        payload or type.
         """
         given = payload_hash(payload)
+        now = self.clock()
         params = {
             "job_type": job_type,
             "key": key,
@@ -274,7 +385,13 @@ class RequestStore:
             "queue": queue,
             "cid": correlation_id,
             "traceparent": traceparent,
-            "now": self.clock(),
+            "now": now,
+            "priority": int(priority),
+            "rank": now - int(priority) * aging,
+            "dedupe_window": dedupe_window,
+            "debounce_key": debounce.key if debounce else None,
+            "debounce_wait": debounce.wait if debounce else None,
+            "debounce_max_wait": debounce.max_wait if debounce else None,
         }
         if conn is not None:
             return self._enqueue(conn, params, given)
@@ -339,31 +456,131 @@ class RequestStore:
         *,
         relaunch_after: float = 120.0,
         job_types: Iterable[str] | None = None,
+        merge: Merge | None = None,
     ) -> list[JobRequest]:
-        """Move up to ``limit`` requests (oldest first) to ``launched`` and return them.
+        """Move up to ``limit`` requests to ``launched`` and return them, first claimed first.
 
-        Claims ``pending`` ones and ``launched`` ones untouched for ``relaunch_after`` seconds.
+        Claims ``pending`` ones and ``launched`` ones untouched for ``relaunch_after`` seconds,
+        lowest ``claim_rank`` first (``created_at - priority * aging``, fixed at enqueue; ties by
+        id). That is the highest effective priority ``priority + waited / aging`` at any moment,
+        read from an index instead of sorting the backlog. A request of priority ``p`` is
+        overtaken only by requests created less than ``(PRIORITY_MAX - p) * aging`` seconds after
+        it: a finite set, so nothing starves however much urgent work keeps arriving.
+
+        Debounced requests (``debounce_key`` set) are claimed a group at a time, once the group
+        is due: its newest request is ``debounce_wait`` old (the burst is over) or its oldest is
+        ``debounce_max_wait`` old (a steady stream still runs that often). The newest request of
+        the group is launched (``merge(job_type, payloads oldest first)`` may replace its payload)
+        with ``coalesced_count`` set; every other one becomes ``coalesced`` with ``coalesced_into``
+        naming it, in the same transaction, so two claimers never launch one group twice.
         """
+        if limit <= 0:
+            return []
         now = self.clock()
         types = sorted(job_types) if job_types is not None else None
         if types is not None and not types:
             return []
+        params: dict[str, Any] = {"now": now, "cutoff": now - relaunch_after, "limit": limit}
+        with self.db.transaction() as conn:
+            claimed = self._claim_debounced(conn, params, types, merge)
+            if len(claimed) < limit:
+                claimed += self._claim_plain(conn, {**params, "limit": limit - len(claimed)},
+                                             types)
+        return sorted(claimed, key=lambda r: (r.claim_rank, r.id))
+
+    def _typed(self, sql: str, types: list[str] | None) -> Any:
+        statement = text(sql)
+        if types is not None:
+            statement = statement.bindparams(bindparam("types", expanding=True))
+        return statement
+
+    def _claim_plain(
+        self, conn: Connection, params: dict[str, Any], types: list[str] | None
+    ) -> list[JobRequest]:
         template = _CLAIM_PG if self.db.is_postgres else _CLAIM
         columns = _COLUMNS
         if self.db.is_postgres:
             columns = ", ".join(f"job_requests.{c.strip()}" for c in _COLUMNS.split(","))
-        sql = text(
-            template.format(
-                types="AND job_type IN :types" if types is not None else "", columns=columns
-            )
+        sql = template.format(
+            indexed="" if self.db.is_postgres else "INDEXED BY job_requests_claim",
+            claimable=_CLAIMABLE,
+            order="claim_rank, id",
+            types="AND job_type IN :types" if types is not None else "",
+            columns=columns,
         )
-        params: dict[str, Any] = {"now": now, "cutoff": now - relaunch_after, "limit": limit}
-        if types is not None:
-            sql = sql.bindparams(bindparam("types", expanding=True))
-            params["types"] = types
-        with self.db.transaction() as conn:
-            rows = conn.execute(sql, params).all()
-        return sorted((JobRequest.from_row(r) for r in rows), key=lambda r: r.id)
+        rows = conn.execute(self._typed(sql, types), {**params, "types": types}).all()
+        return [JobRequest.from_row(r) for r in rows]
+
+    def _claim_debounced(
+        self,
+        conn: Connection,
+        params: dict[str, Any],
+        types: list[str] | None,
+        merge: Merge | None,
+    ) -> list[JobRequest]:
+        due = conn.execute(
+            self._typed(
+                _DUE_GROUPS.format(
+                    types="AND job_type IN :types" if types is not None else "",
+                    indexed="" if self.db.is_postgres else "INDEXED BY job_requests_debounce",
+                ),
+                types,
+            ),
+            {**params, "types": types},
+        ).all()
+        lock = " FOR UPDATE" if self.db.is_postgres else ""
+        out: list[JobRequest] = []
+        for group in sorted(str(g.debounce_key) for g in due):
+            # Every claimer locks a group's rows in the same order; a second claimer waits here,
+            # then finds them no longer pending (READ COMMITTED re-reads the locked rows).
+            rows = conn.execute(
+                text(
+                    f"SELECT {_COLUMNS} FROM job_requests WHERE debounce_key = :k"
+                    f" AND status = 'pending' ORDER BY created_at, id{lock}"
+                ),
+                {"k": group},
+            ).all()
+            members = [JobRequest.from_row(r) for r in rows]
+            if not members:
+                continue
+            winner, rest = members[-1], members[:-1]
+            payload = winner.payload
+            if merge is not None and rest:
+                payload = merge(winner.job_type, [m.payload for m in members])
+            row = conn.execute(
+                text(
+                    "UPDATE job_requests SET status = 'launched', updated_at = :now,"
+                    " payload = :payload, payload_hash = :hash,"
+                    " coalesced_count = coalesced_count + :n"
+                    f" WHERE id = :id AND status = 'pending' RETURNING {_COLUMNS}"
+                ),
+                {"now": params["now"], "payload": canonical(payload),
+                 "hash": payload_hash(payload), "n": len(rest), "id": winner.id},
+            ).first()
+            if row is None:
+                continue
+            if rest:
+                conn.execute(
+                    text(
+                        "UPDATE job_requests SET status = 'coalesced', coalesced_into = :into,"
+                        " updated_at = :now WHERE id IN :ids AND status = 'pending'"
+                    ).bindparams(bindparam("ids", expanding=True)),
+                    {"into": winner.id, "now": params["now"], "ids": [m.id for m in rest]},
+                )
+            out.append(JobRequest.from_row(row))
+        return out
+
+    def coalesced_into(self, request_id: int) -> list[JobRequest]:
+        """The requests coalesced into ``request_id`` (oldest first)."""
+        with self.db.statement() as conn:
+            rows = conn.execute(
+                text(
+                    f"SELECT {_COLUMNS} FROM job_requests WHERE coalesced_into = :id"
+                    " ORDER BY created_at, id"
+                ),
+                {"id": request_id},
+            ).all()
+        return [JobRequest.from_row(r) for r in rows]
 
     def set_run_keys(self, run_keys: dict[int, str]) -> None:
         """Record the run key each launched request was emitted under (for lookups in the UI)."""
@@ -500,6 +717,14 @@ class RequestStore:
             ).first()
         return None if row is None else JobRequest.from_row(row)
 
+    def dedupe_of(self, request_id: int | None, key: str | None = None) -> str | None:
+        """The dedupe window the request (by id, else by key) was stored with, as
+        :func:`dedupe_label` prints it; None when no such request is kept."""
+        request = self.get(request_id) if request_id is not None else None
+        if request is None and key:
+            request = self.get_by_key(key)
+        return None if request is None else request.dedupe
+
     def get_many(self, request_ids: Sequence[int]) -> list[JobRequest]:
         if not request_ids:
             return []
@@ -590,7 +815,7 @@ class RequestStore:
         return Expiry.of(
             "job_requests",
             "id",
-            "updated_at <= :cutoff AND (status = 'completed'"
+            "updated_at <= :cutoff AND (status IN ('completed', 'coalesced')"
             f" OR (status = 'failed' AND {dead_lettered}))",
             {"cutoff": self.clock() - older_than},
             keep=keep,
@@ -608,7 +833,7 @@ class RequestStore:
         may still run (or be replayed) under that key."""
         return (
             "EXISTS (SELECT 1 FROM job_requests r"
-            f" WHERE r.key = {column} AND r.status <> 'completed')"
+            f" WHERE r.key = {column} AND r.status NOT IN ('completed', 'coalesced'))"
         )
 
     @staticmethod
@@ -616,7 +841,7 @@ class RequestStore:
         """SQL, true while the request whose id is in ``column`` exists and has not completed."""
         return (
             "EXISTS (SELECT 1 FROM job_requests r"
-            f" WHERE r.id = {column} AND r.status <> 'completed')"
+            f" WHERE r.id = {column} AND r.status NOT IN ('completed', 'coalesced'))"
         )
 
     def rejections(

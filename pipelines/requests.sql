@@ -3,7 +3,9 @@
 -- failed_without_dlq_record --
 -- Failed requests that no DLQ record points at (the DLQ links back through request_id).
 SELECT id, job_type, key, payload, payload_hash, status, queue, correlation_id, run_key, run_id,
-       created_at, updated_at, attempts, last_error, error_class, traceparent
+       created_at, updated_at, attempts, last_error, error_class, traceparent, priority,
+       claim_rank, dedupe_window, debounce_key, debounce_wait, debounce_max_wait, coalesced_into,
+       coalesced_count
 FROM job_requests r
 WHERE r.status = 'failed'
   AND NOT EXISTS (SELECT 1 FROM dlq_records d WHERE d.request_id = r.id)
@@ -13,7 +15,9 @@ LIMIT :limit;
 -- failed_in_run --
 -- The requests one run marked failed, in id order.
 SELECT id, job_type, key, payload, payload_hash, status, queue, correlation_id, run_key, run_id,
-       created_at, updated_at, attempts, last_error, error_class, traceparent
+       created_at, updated_at, attempts, last_error, error_class, traceparent, priority,
+       claim_rank, dedupe_window, debounce_key, debounce_wait, debounce_max_wait, coalesced_into,
+       coalesced_count
 FROM job_requests
 WHERE run_id = :run AND status = 'failed'
 ORDER BY id;

@@ -35,6 +35,12 @@ OUTCOME: Final = "sekali/outcome"
 """How the run's request ended, a :class:`RunOutcome`; set from inside the op."""
 ORIGINAL_RUN: Final = "sekali/original_run"
 """On a ``duplicate``: the run whose attempt made the effect."""
+PRIORITY: Final = "sekali/priority"
+"""The request's own priority (the highest of a batch's); Dagster's queue reads ``PRIORITY_RUN``."""
+COALESCED: Final = "sekali/coalesced"
+"""How many debounced requests were coalesced into the one(s) this run serves."""
+DEDUPE_WINDOW: Final = "sekali/dedupe_window"
+"""How long the run's key means one intent: ``until_finished`` or seconds (``86400s``)."""
 
 
 class RunOutcome(StrEnum):
@@ -54,6 +60,8 @@ class RunOutcome(StrEnum):
 
 # Dagster's
 MAX_RUNTIME: Final = "dagster/max_runtime"
+PRIORITY_RUN: Final = "dagster/priority"
+"""Dagster's run queue launches higher values first; the intake sets the request's priority."""
 RUN_KEY: Final = "dagster/run_key"
 """Set by Dagster on runs launched from a RunRequest."""
 WILL_RETRY: Final = "dagster/will_retry"

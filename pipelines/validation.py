@@ -35,13 +35,16 @@ from sqlalchemy.engine import Connection
 
 from pipelines.jobs.base import JobType
 from pipelines.registry import get_job_type
-from pipelines.requests import JobRequest, RequestStore
+from pipelines.requests import JobRequest, RequestStore, windowed_key
 from resources.errors import ValidationError
 from resources.storage.settings import InputLimits
 
 log = logging.getLogger(__name__)
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+PRIORITY_MIN, PRIORITY_MAX = -10, 10
+"""A request's priority (``enqueue(priority=)``): 0 is normal, 10 the most urgent. Bounded so
+that aging (one step per ``SEKALI_INTAKE_PRIORITY_AGING`` seconds waited) bounds every wait."""
 __all__ = [
     "Admitted",
     "InputLimits",
@@ -49,11 +52,12 @@ __all__ = [
     "admit",
     "admit_request_row",
     "check_id",
+    "check_priority",
     "check_request",
     "check_text",
 ]
 
-SOURCES = ("enqueue", "cli", "run_config", "dlq_replay", "micro_batch", "fan_out")
+SOURCES = ("enqueue", "cli", "run_config", "dlq_replay", "micro_batch", "fan_out", "outbox")
 """The ways in, as a rejection records them."""
 
 _CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
@@ -70,6 +74,7 @@ class Admitted:
     job_type: JobType
     payload: dict[str, Any]
     key: str
+    priority: int = 0
 
 
 def admit(
@@ -83,11 +88,14 @@ def admit(
     correlation_id: Any = None,
     limits: InputLimits | None = None,
     conn: Connection | None = None,
+    priority: Any = 0,
+    dedupe_at: float | None = None,
 ) -> Admitted:
     """Check a request (:func:`check_request`); on refusal keep one rejection row and raise.
 
     ``conn``: the caller's transaction. The rejection joins it on SQLite (a second writer would
     wait on the caller's own write lock) and is written on its own connection on Postgres.
+    ``priority`` and ``dedupe_at``: see :func:`check_request`.
     """
     limits = limits or InputLimits.from_env()
     try:
@@ -98,6 +106,8 @@ def admit(
             request_id=request_id,
             correlation_id=correlation_id,
             limits=limits,
+            priority=priority,
+            dedupe_at=dedupe_at,
         )
     except ValidationError as exc:
         own_connection = conn is None or requests.db.is_postgres
@@ -144,10 +154,18 @@ def check_request(
     request_id: Any = None,
     correlation_id: Any = None,
     limits: InputLimits | None = None,
+    priority: Any = 0,
+    dedupe_at: float | None = None,
 ) -> Admitted:
-    """The checks alone, nothing written: :class:`Admitted` or :class:`ValidationError`."""
+    """The checks alone, nothing written: :class:`Admitted` or :class:`ValidationError`.
+
+    ``dedupe_at``: a new request's time. When given and the job type has a dedupe window, the
+    key becomes the window's key (:func:`pipelines.requests.windowed_key`) before its length is
+    checked; a key read back from the table (already derived) is passed without it.
+    """
     limits = limits or InputLimits.from_env()
     name = check_text("job_type", job_type, limits.id_length, "id_length")
+    level = check_priority(priority)
     if key is not None:
         check_text("key", key, limits.key_length, "key_length")
     if request_id is not None:
@@ -167,8 +185,24 @@ def check_request(
         raise ValidationError(
             "payload", f"refused by the {name} job type's checks ({type(exc).__name__})"
         ) from None
+    if dedupe_at is not None:
+        chosen = windowed_key(chosen, spec.dedupe_window, dedupe_at)
     check_text("key", chosen, limits.key_length, "key_length")
-    return Admitted(spec, normalised, chosen)
+    return Admitted(spec, normalised, chosen, level)
+
+
+def check_priority(value: Any) -> int:
+    """A priority: a whole number from :data:`PRIORITY_MIN` to :data:`PRIORITY_MAX`."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValidationError("priority", f"must be a whole number, got {type(value).__name__}")
+    if not PRIORITY_MIN <= value <= PRIORITY_MAX:
+        raise ValidationError(
+            "priority",
+            f"must be from {PRIORITY_MIN} to {PRIORITY_MAX}",
+            value,
+            limit=f"priority={PRIORITY_MIN}..{PRIORITY_MAX}",
+        )
+    return value
 
 
 def check_text(field: str, value: Any, max_chars: int, limit_name: str, *,

@@ -8,7 +8,12 @@ and a fresh deployment drain the intake without a click; stop it in the UI to pa
    FAILURE or CANCELED marks its requests that are not completed ``failed`` (with the run id),
    where the DLQ picks them up. Batch ops also move their requests themselves, per request.
 2. Claim up to ``max_requests_per_tick`` requests (pending, or launched longer than
-   ``relaunch_after_seconds`` ago) and emit runs for them in the request's mode:
+   ``relaunch_after_seconds`` ago), highest aged priority first (``claim_rank``, set at enqueue:
+   ``SEKALI_INTAKE_PRIORITY_AGING`` seconds of waiting are worth one step, default 60), debounced
+   groups once due (one request of the
+   group launched, the rest recorded ``coalesced``), and emit runs for them in the request's
+   mode, tagged ``dagster/priority`` (Dagster's run queue honours it), ``sekali/priority``,
+   ``sekali/coalesced`` and ``sekali/dedupe_window``:
 
    ``per_request``  ``RunRequest(run_key="intake:{key}", job_name=<job type>)``, one run each:
                     the most visible in the UI, and the costliest (a run per request).
@@ -109,18 +114,33 @@ def per_request_run_config(request: JobRequest) -> dict[str, Any]:
     )
 
 
+def merge_debounced(job_type: str, payloads: list[dict[str, Any]]) -> dict[str, Any]:
+    """The payload a debounced group runs with: the job type's ``merge``, else the newest."""
+    debounce = get_job_type(job_type).debounce
+    if debounce is None or debounce.merge is None:
+        return payloads[-1]
+    return debounce.merge(payloads)
+
+
 def _tags(mode: IntakeMode, requests: Sequence[JobRequest]) -> dict[str, str]:
+    priority = max(r.priority for r in requests)
     tags = {
         tag.INTAKE: str(mode),
         tag.QUEUE: requests[0].queue,
         tag.REQUEST_IDS: ",".join(str(r.id) for r in requests),
+        tag.PRIORITY: str(priority),
+        tag.PRIORITY_RUN: str(priority),
     }
+    coalesced = sum(r.coalesced_count for r in requests)
+    if coalesced:
+        tags[tag.COALESCED] = str(coalesced)
     if mode is not IntakeMode.PER_REQUEST:  # per-request jobs carry their own
         tags[tag.MAX_RUNTIME] = str(int(sum(_max_runtime(r.job_type) for r in requests)))
     if len(requests) == 1:
         only = requests[0]
         tags[tag.KEY] = only.key
         tags[tag.REQUEST_ID] = str(only.id)
+        tags[tag.DEDUPE_WINDOW] = only.dedupe
         if only.correlation_id:
             tags[tag.CORRELATION_ID] = only.correlation_id
         if only.traceparent:
@@ -175,7 +195,7 @@ def run_requests_for(
     for (mode, _queue), members in batches.items():
         for start in range(0, len(members), policy.batch_size):
             chunk = members[start : start + policy.batch_size]
-            ids = [r.id for r in chunk]
+            ids = sorted(r.id for r in chunk)  # the run key names the set, not the order
             run_key = batch_run_key(mode, ids)
             job_name = MICRO_BATCH_JOB if mode is IntakeMode.MICRO_BATCH else FAN_OUT_JOB
             op_name = (
@@ -306,7 +326,9 @@ def evaluate_intake(
         context.instance, store, float(cursor.get("runs_after", 0.0))
     )
     claimed = store.claim_for_launch(
-        policy.max_requests_per_tick, relaunch_after=policy.relaunch_after_seconds
+        policy.max_requests_per_tick,
+        relaunch_after=policy.relaunch_after_seconds,
+        merge=merge_debounced,
     )
     claimed = without_runs_in_flight(context.instance, claimed)
     refused: dict[int, ValidationError] = {}

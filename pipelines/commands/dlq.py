@@ -188,6 +188,9 @@ def _show(args: argparse.Namespace) -> int:
         return 2
     data = {
         **dlq_view(record),  # personal fields and e-mail addresses masked
+        "dedupe_window": RequestStore(store.db).dedupe_of(
+            record.request_id, record.idempotency_key
+        ),
         "failed_runs": store.failures(record.id),
         "audit": redact_data(store.audit(record.id)),
     }

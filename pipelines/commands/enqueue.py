@@ -44,6 +44,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     )
     parser.add_argument("--key", help="idempotency key (default: the job type's key)")
     parser.add_argument("--correlation-id", dest="correlation_id")
+    parser.add_argument(
+        "--priority", default="0", help="-10 (least) .. 10 (most urgent), default 0"
+    )
     parser.add_argument("--url", help="app database URL (default: DATABASE_URL or embedded)")
     add_wait_arguments(parser)
     add_output_arguments(parser)
@@ -81,6 +84,7 @@ def _enqueue(args: argparse.Namespace) -> int:
             correlation_id=args.correlation_id,
             db=db,
             source="cli",
+            priority=_priority(getattr(args, "priority", "0")),  # a Namespace built by hand
         )
     except ValidationError as exc:
         kept = f"rejection {exc.rejection_id}" if exc.rejection_id else "job_rejections"
@@ -117,6 +121,14 @@ def _enqueue(args: argparse.Namespace) -> int:
         f"request {result.id} key={result.key} {final.state}"
         + (f" run {final.run_id}" if final.run_id else "")))
     return written or code
+
+
+def _priority(value: str) -> int | str:
+    """An integer as an int; anything else as given, for the boundary to refuse and keep."""
+    try:
+        return int(value)
+    except ValueError:
+        return value
 
 
 def _one_line(exc: BaseException | str) -> str:

@@ -85,6 +85,29 @@ ITEMS = PayloadField(
 
 
 @dataclass(frozen=True)
+class Debounce:
+    """Coalesce a job type's requests of one key: the intake waits until ``wait`` seconds pass
+    without a new request for the key, but never longer than ``max_wait`` after the first one
+    waiting, then runs one of them (the newest; ``merge`` may fold the payloads, oldest first,
+    into the one that runs). The others are kept as ``coalesced`` with a link to it.
+
+    ``key`` is a format string over the validated payload (``"{report}"``).
+    """
+
+    wait: float
+    max_wait: float
+    key: str
+    merge: Callable[[list[dict[str, Any]]], dict[str, Any]] | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 < self.wait <= self.max_wait:
+            raise ValueError(f"debounce needs 0 < wait <= max_wait, got {self.wait}, "
+                             f"{self.max_wait}")
+        if not [f for _, f, _, _ in string.Formatter().parse(self.key) if f]:
+            raise ValueError(f"debounce key {self.key!r} names no payload field")
+
+
+@dataclass(frozen=True)
 class JobType:
     """One kind of job: how to check its input, name its intent, and do its effect."""
 
@@ -104,8 +127,16 @@ class JobType:
     # handler holds the slot around its side effect with ``ctx.concurrency_slot(JOB_TYPE)``.
     concurrency_key: str | None = None
     concurrency_limit: int = 1
+    debounce: Debounce | None = None
+    """Coalesce bursts of requests at intake (see :class:`Debounce`); None: every request runs."""
+    dedupe_window: float | None = None
+    """How long a key means the same intent: None is "until finished" (a key done once is done
+    while its records are kept); seconds (86400 for a daily digest) make the stored key
+    ``<key>@<window start, UTC>``, so the same key in a later window is a new intent."""
 
     def __post_init__(self) -> None:
+        if self.dedupe_window is not None and self.dedupe_window < 1:
+            raise ValueError(f"{self.name}: dedupe_window must be at least 1 second")
         if self.concurrency_limit < 1:
             raise ValueError(f"{self.name}: concurrency_limit must be >= 1")
         if self.concurrency_key is not None:
@@ -130,6 +161,25 @@ class JobType:
     @property
     def op_name(self) -> str:
         return f"{self.name}_op"
+
+    @property
+    def intake_summary(self) -> str:
+        """How the intake treats this type's requests, in words (shown on the Dagster job)."""
+        window = "until finished" if self.dedupe_window is None else f"{self.dedupe_window:g} s"
+        words = f"A key means one intent {window}."
+        if self.debounce is not None:
+            d = self.debounce
+            words += (
+                f" Debounced per {d.key}: runs {d.wait:g} s after the last request, at least "
+                f"every {d.max_wait:g} s; the others are recorded as coalesced."
+            )
+        return words
+
+    def debounce_key_for(self, payload: dict[str, Any]) -> str | None:
+        """The debounce group of a validated payload (job type included), or None."""
+        if self.debounce is None:
+            return None
+        return f"{self.name}:{self.debounce.key.format_map(payload)}"
 
     def concurrency_key_for(self, payload: dict[str, Any]) -> str | None:
         """The concurrency key of a validated payload, or None when the type has no limit."""

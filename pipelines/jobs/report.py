@@ -19,7 +19,14 @@ from typing import Any
 
 from sqlalchemy import text
 
-from pipelines.jobs.base import JobContext, JobType, PayloadField, reject_unknown, require_str
+from pipelines.jobs.base import (
+    Debounce,
+    JobContext,
+    JobType,
+    PayloadField,
+    reject_unknown,
+    require_str,
+)
 from resources.errors import ValidationError, shown
 from resources.storage.db import Database
 from resources.storage.retention import Expiry
@@ -35,6 +42,10 @@ _QUERIES: dict[str, str] = {
 }
 
 REPORT_TTL_SECONDS = 3600.0
+DEBOUNCE = Debounce(wait=30.0, max_wait=300.0, key="{report}")
+"""Rebuild requests of one report coalesce: a burst of ``order.shipped`` events makes one
+rebuild 30 s after the last of them, and a steady stream still one every 5 minutes. The newest
+request runs (its ``as_of`` names the latest event)."""
 
 
 def validate(payload: dict[str, Any]) -> dict[str, Any]:
@@ -115,4 +126,5 @@ JOB_TYPE = JobType(
     ),
     example={"report": "stock_levels", "as_of": "2026-11-29T10"},
     result_fields=("cache_key", "rows"),
+    debounce=DEBOUNCE,
 )

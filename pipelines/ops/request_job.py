@@ -269,7 +269,7 @@ def request_job(jt: JobType) -> dg.JobDefinition:
 
     @dg.job(
         name=jt.name,
-        description=jt.description,
+        description=f"{jt.description} {jt.intake_summary}".strip(),
         executor_def=dg.in_process_executor,
         tags=job_tags(jt),
         config={"ops": {jt.op_name: {"config": {"payload": dict(jt.example)}}}},
