@@ -36,7 +36,7 @@ from sqlalchemy.engine import Connection
 from pipelines.jobs.base import JobType
 from pipelines.registry import get_job_type
 from pipelines.requests import JobRequest, RequestStore, windowed_key
-from resources.errors import ValidationError
+from resources.errors import ValidationError, shown
 from resources.storage.settings import InputLimits
 
 log = logging.getLogger(__name__)
@@ -194,7 +194,7 @@ def check_request(
 def check_priority(value: Any) -> int:
     """A priority: a whole number from :data:`PRIORITY_MIN` to :data:`PRIORITY_MAX`."""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ValidationError("priority", f"must be a whole number, got {type(value).__name__}")
+        raise ValidationError("priority", f"must be a whole number, got {shown(value)}")
     if not PRIORITY_MIN <= value <= PRIORITY_MAX:
         raise ValidationError(
             "priority",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import multiprocessing
+import re
 import shutil
 import time
 from pathlib import Path
@@ -326,7 +327,7 @@ def test_dlq_show_and_the_request_record_show_the_dedupe_window(
         shown.append(json.loads(capsys.readouterr().out)["dedupe_window"])
     assert shown == ["86400s", "until_finished"]
     assert cli(["dlq", "show", str(ids[0]), "--url", db_url]) == 0
-    assert "dedupe_window: 86400s" in capsys.readouterr().out
+    assert re.search(r"dedupe_window\s+86400s", capsys.readouterr().out)
     db.dispose()
 
 
@@ -343,7 +344,7 @@ def test_sekali_enqueue_takes_a_priority_and_refuses_a_bad_one(
     capsys.readouterr()
     assert cli(["enqueue", "send_email", "--payload", payload, "--url", db_url,
                 "--priority", "urgent"]) == 2
-    assert "'priority'" in capsys.readouterr().err
+    assert "priority: must be a whole number" in capsys.readouterr().err
     assert RequestStore(db).rejections(source="cli")[0]["field"] == "priority"
     db.dispose()
 

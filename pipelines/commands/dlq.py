@@ -212,7 +212,7 @@ def _show(args: argparse.Namespace) -> int:
         out.print("audit:")
         for entry in data["audit"]:
             moved = (
-                f"{entry['from_status']} -> {entry['to_status']} "
+                f"{entry['from_status'] or '-'} -> {entry['to_status'] or '-'} "
                 if entry["from_status"] or entry["to_status"] else ""
             )
             out.print(printable(
