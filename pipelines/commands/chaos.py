@@ -64,6 +64,10 @@ def _run(args: argparse.Namespace) -> int:
 
     if args.topology == "hosts":
         return run_hosts_command(args)
+    if args.json_path == "-":
+        print("sekali chaos: --json without a path is --topology hosts only here; "
+              "give a path (--json PATH or --out PATH)", file=sys.stderr)
+        return 2
 
     if not args.verbose:  # the sandbox servers log every charge and mail
         for name in ("mail.log", "sandbox.gateway", "sandbox.mailsink", "resources"):
