@@ -905,42 +905,89 @@ def _rows(db: Any, sql: str, **params: Any) -> list[Any]:
         return list(conn.execute(text(sql), params).all())
 
 
-def check(world: ChaosWorld, coordinator: Coordinator) -> tuple[list[RequestVerdict], list[str]]:
-    """Judge the run from the stores and the sandbox's records. Returns verdicts, violations."""
+@dataclass
+class Evidence:
+    """What the sandbox and the stores recorded, read once after a run: the checker's only
+    source (never what workers said)."""
 
-    cfg = world.config
-    db = world.db
-    now = time.time()
-    violations: list[str] = []
+    charges: dict[str, list[dict[str, Any]]]  # by correlation id
+    mails: dict[str, list[dict[str, Any]]]  # by correlation id
+    records: dict[str, Any]  # idempotency records by key
+    dlq: dict[int, Any]  # by request id
+    attempts: dict[int, list[Any]]  # by request id
+    stock: dict[str, int]
+    orders: dict[str, int]
+    res_fences: dict[str, set[int]]
 
-    charges: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    for ch in world.gateway.charges():
-        charges[str(ch.get("correlation_id"))].append(ch)
-    mails: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    for m in world.sink.messages():
-        mails[str(m.get("correlation_id"))].append(m)
-    records = {r.key: r for r in _rows(db, "SELECT key, status, fence, lease_expires_at"
-                                           " FROM idempotency_records")}
-    dlq = {int(r.request_id): r for r in _rows(
-        db, "SELECT request_id, status, error_class, last_error, failure_count FROM dlq_records"
-            " WHERE request_id IS NOT NULL")}
+
+def gather_evidence(
+    db: Any, charges: list[dict[str, Any]], mails: list[dict[str, Any]]
+) -> Evidence:
+    """Read the stores of ``db`` once; ``charges`` and ``mails`` come from the provider."""
+    by_charge: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for ch in charges:
+        by_charge[str(ch.get("correlation_id"))].append(ch)
+    by_mail: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for m in mails:
+        by_mail[str(m.get("correlation_id"))].append(m)
     attempts: dict[int, list[Any]] = defaultdict(list)
     for a in _rows(db, "SELECT request_id, idempotency_key, outcome, fence FROM job_attempts"):
         if a.request_id is not None:
             attempts[int(a.request_id)].append(a)
-    stock = {r.sku: int(r.reserved) for r in _rows(db, "SELECT sku, reserved FROM stock")}
-    orders = {r.order_id: int(r.payment_fence) for r in _rows(
-        db, "SELECT order_id, payment_fence FROM orders")}
     res_fences: dict[str, set[int]] = defaultdict(set)
     for r in _rows(db, "SELECT cart_id, fence FROM reservations"):
         res_fences[r.cart_id].add(int(r.fence))
+    return Evidence(
+        charges=by_charge,
+        mails=by_mail,
+        records={r.key: r for r in _rows(db, "SELECT key, status, fence, lease_expires_at"
+                                              " FROM idempotency_records")},
+        dlq={int(r.request_id): r for r in _rows(
+            db, "SELECT request_id, status, error_class, last_error, failure_count"
+                " FROM dlq_records WHERE request_id IS NOT NULL")},
+        attempts=attempts,
+        stock={r.sku: int(r.reserved) for r in _rows(db, "SELECT sku, reserved FROM stock")},
+        orders={r.order_id: int(r.payment_fence) for r in _rows(
+            db, "SELECT order_id, payment_fence FROM orders")},
+        res_fences=res_fences,
+    )
+
+
+def check(world: ChaosWorld, coordinator: Coordinator) -> tuple[list[RequestVerdict], list[str]]:
+    """Judge the run from the stores and the sandbox's records. Returns verdicts, violations."""
+    evidence = gather_evidence(world.db, world.gateway.charges(), world.sink.messages())
     retries: Counter[int] = Counter()
     for d in coordinator.deliveries:
         retries[d.request] += d.retries
+    return judge(coordinator.requests, evidence, naive=world.config.naive, retries=retries,
+                 stats=coordinator.stats)
 
+
+def judge(
+    requests: list[Request],
+    evidence: Evidence,
+    *,
+    naive: bool,
+    retries: Counter[int],
+    stats: Counter[str],
+    request_ids: dict[int, int] | None = None,
+    correlation_prefix: str = "chaos-req-",
+    now: float | None = None,
+) -> tuple[list[RequestVerdict], list[str]]:
+    """The invariants over ``evidence``, per workload request: at most one effect, none lost,
+    no stale write, poison permanent and never retried. ``request_ids`` maps a workload id to
+    the request id the stores know it by (default: the same); the provider knows it by
+    ``correlation_prefix`` + workload id. Unplanned takeovers are counted into ``stats``."""
+    now = time.time() if now is None else now
+    violations: list[str] = []
+    charges, mails, records = evidence.charges, evidence.mails, evidence.records
+    dlq, attempts_by_id, stock = evidence.dlq, evidence.attempts, evidence.stock
+    orders, res_fences = evidence.orders, evidence.res_fences
     verdicts = []
-    for req in coordinator.requests:
-        cid = f"chaos-req-{req.id}"
+    for req in requests:
+        rid = request_ids.get(req.id, -1) if request_ids is not None else req.id
+        mine = attempts_by_id.get(rid, [])
+        cid = f"{correlation_prefix}{req.id}"
         jt = get_job_type(req.job_type)
         try:
             key: str | None = jt.key_for(jt.validate(dict(req.payload)))
@@ -964,22 +1011,22 @@ def check(world: ChaosWorld, coordinator: Coordinator) -> tuple[list[RequestVerd
             # a takeover that no planned kill or stop explains is a holder stalled past its
             # lease by the machine itself (scheduling, I/O): the same window as a stop, so the
             # same one resend (same Message-ID) is allowed per such takeover, and counted
-            takeovers = len({a.fence for a in attempts[req.id] if a.fence is not None}) - 1
+            takeovers = len({a.fence for a in mine if a.fence is not None}) - 1
             planned = sum(n for fault, n in req.struck.items()
                           if fault.startswith(("kill:", "stop:")))
             unplanned = max(0, takeovers - planned)
             allowed_resends += unplanned
-            coordinator.stats["takeovers_unplanned"] += unplanned
+            stats["takeovers_unplanned"] += unplanned
         else:
             qty = sum(i["quantity"] for i in req.payload["items"]) or 1
             effects = sum(stock.get(i["sku"], 0) for i in req.payload["items"]) // qty
         record = records.get(key) if key else None
         status = record.status if record is not None else None
-        dl = dlq.get(req.id)
+        dl = dlq.get(rid)
         in_dlq = dl is not None and dl.status == "open" and bool(dl.last_error)
         live = (status == "in_progress" and record is not None
                 and (record.lease_expires_at or 0) > now)
-        if cfg.naive:
+        if naive:
             accounted = in_dlq or effects >= 1
         else:
             accounted = in_dlq or live or (status == "completed" and effects >= 1)
@@ -1001,11 +1048,11 @@ def check(world: ChaosWorld, coordinator: Coordinator) -> tuple[list[RequestVerd
         if req.poison:
             if dl is None or dl.error_class != "permanent":
                 violations.append(f"poison not dead-lettered as permanent: {tag}")
-            retried = [a for a in attempts.get(req.id, []) if a.outcome == "retried"]
+            retried = [a for a in mine if a.outcome == "retried"]
             if retried or retries[req.id]:
                 violations.append(f"poison retried: {tag}")
-        if not cfg.naive and status == "completed" and record is not None:
-            done = [a for a in attempts.get(req.id, []) if a.outcome == "completed"]
+        if not naive and status == "completed" and record is not None:
+            done = [a for a in mine if a.outcome == "completed"]
             if len(done) > 1:
                 violations.append(f"stale write: {tag} has {len(done)} completed attempts")
             if any(int(a.fence) != int(record.fence) for a in done):

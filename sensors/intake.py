@@ -6,7 +6,9 @@ and a fresh deployment drain the intake without a click; stop it in the UI to pa
 1. Reconcile: runs launched by this sensor that ended since the cursor move their requests on.
    A per-request run that succeeded marks its request ``completed``; any intake run that ended
    FAILURE or CANCELED marks its requests that are not completed ``failed`` (with the run id),
-   where the DLQ picks them up. Batch ops also move their requests themselves, per request.
+   where the DLQ picks them up, unless Dagster will retry the run (``dagster/will_retry``): then
+   the retry moves them, and those it does not run stay ``launched`` and are relaunched. Batch
+   ops also move their requests themselves, per request.
 2. Claim up to ``max_requests_per_tick`` requests (pending, or launched longer than
    ``relaunch_after_seconds`` ago), highest aged priority first (``claim_rank``, set at enqueue:
    ``SEKALI_INTAKE_PRIORITY_AGING`` seconds of waiting are worth one step, default 60), debounced
@@ -274,6 +276,10 @@ def _move_requests(store: RequestStore, run: dg.DagsterRun) -> int:
         if run.tags.get(tag.INTAKE) != IntakeMode.PER_REQUEST:
             return 0
         return sum(store.mark_completed(i, run_id=run.run_id, run_key=run_key) for i in ids)
+    if run.tags.get(tag.WILL_RETRY, "").lower() == "true":
+        # the retry moves what it runs; a resume retry runs only the steps that were in flight,
+        # so the requests no step took stay launched and are relaunched after relaunch_after
+        return 0
     error = f"run {run.run_id} ended {run.status.value}"
     return sum(store.mark_failed(i, error, run_id=run.run_id, run_key=run_key) for i in ids)
 

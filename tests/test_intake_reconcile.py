@@ -9,9 +9,16 @@ import dagster as dg
 import pytest
 
 from pipelines.ops import send_email_job
+from pipelines.ops.batch import BATCH_JOBS
 from pipelines.requests import RequestStatus, RequestStore
 from resources.storage.db import Database
-from sensors.intake import IntakePolicy, reconcile_finished_runs, run_requests_for
+from sensors.intake import (
+    IntakeMode,
+    IntakePolicy,
+    reconcile_finished_runs,
+    run_requests_for,
+    without_runs_in_flight,
+)
 
 pytestmark = pytest.mark.dagster
 
@@ -67,8 +74,6 @@ def test_a_relaunch_skips_requests_whose_batch_run_has_not_ended(
     """Catches a backed-up queue feeding itself: requests of a batch run still QUEUED past
     relaunch_after were claimed again, re-chunked under a new batch run key and launched a
     second time."""
-    from sensors.intake import IntakeMode, without_runs_in_flight
-
     now = [1000.0]
     store = RequestStore(db, clock=lambda: now[0])
     for i in range(3):
@@ -77,8 +82,6 @@ def test_a_relaunch_skips_requests_whose_batch_run_has_not_ended(
     claimed = store.claim_for_launch(10, relaunch_after=120)
     (batch,), run_keys = run_requests_for(claimed, policy)
     store.set_run_keys(run_keys)
-    from pipelines.ops.batch import BATCH_JOBS
-
     micro_batch_job = next(j for j in BATCH_JOBS if j.name == batch.job_name)
     run = instance.create_run_for_job(
         micro_batch_job, run_config=batch.run_config,
@@ -94,3 +97,35 @@ def test_a_relaunch_skips_requests_whose_batch_run_has_not_ended(
     now[0] += 121
     relaunched = without_runs_in_flight(instance, store.claim_for_launch(10, relaunch_after=120))
     assert sorted(r.key for r in relaunched) == [f"email:w:q{i}:2026-11-29" for i in range(4)]
+
+
+def test_a_failed_run_dagster_will_retry_leaves_its_requests_to_the_retry_and_the_relaunch(
+    db: Database, instance: dg.DagsterInstance
+) -> None:
+    """Catches requests stranded by a run retry: a fan-out run whose process was SIGKILLed ends
+    FAILURE with ``dagster/will_retry``; its resume retry re-runs only the step that was in
+    flight (Dagster's ``step_keys_to_execute``), and the reconcile had already marked every
+    request of the failed run ``failed``, so the requests whose steps never started were
+    neither run nor relaunched (and the DLQ sensor skips a run that will retry). Found by
+    ``sekali chaos --topology hosts``."""
+    now = [1000.0]
+    store = RequestStore(db, clock=lambda: now[0])
+    for i in range(3):
+        store.enqueue("send_email", f"email:w:k{i}:2026-11-29", {"i": i}, queue="light")
+    claimed = store.claim_for_launch(10, relaunch_after=120)
+    (batch,), run_keys = run_requests_for(claimed, IntakePolicy(default_mode=IntakeMode.FAN_OUT))
+    store.set_run_keys(run_keys)
+    fan_out_job = next(j for j in BATCH_JOBS if j.name == batch.job_name)
+    run = instance.create_run_for_job(
+        fan_out_job, run_config=batch.run_config,
+        tags={**batch.tags, "dagster/run_key": batch.run_key or "", "dagster/will_retry": "true"},
+    )
+    cursor, _ = reconcile_finished_runs(instance, store, 0.0)
+    instance.report_run_failed(run)
+    _, moved = reconcile_finished_runs(instance, store, cursor)
+    assert moved == 0
+    assert {store.get(r.id).status for r in claimed} == {RequestStatus.LAUNCHED}  # type: ignore[union-attr]
+
+    now[0] += 121  # the retry ran none of them: they go again after relaunch_after
+    again = without_runs_in_flight(instance, store.claim_for_launch(10, relaunch_after=120))
+    assert sorted(r.key for r in again) == [f"email:w:k{i}:2026-11-29" for i in range(3)]

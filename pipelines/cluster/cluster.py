@@ -869,8 +869,31 @@ class Cluster:
                              one_way=one_way, loss=loss)
         return part
 
-    def heal(self) -> int:
-        """Remove every partition; returns how many there were."""
+    def heal(self, a: str | None = None, b: str | None = None) -> int:
+        """Remove the partitions between ``a`` and ``b`` (either direction), or every partition
+        when no hosts are given; returns how many were removed."""
+        if a is None and b is None:
+            return self.heal_all()
+        if a is None or b is None:
+            raise ClusterError("heal: name both hosts, or none to heal every partition")
+        ha, hb = self.host(a), self.host(b)
+        kept, removed = [], 0
+        for data in self.state.get("partitions", []):
+            part = Partition.from_json(data)
+            if {part.a, part.b} != {a, b}:
+                kept.append(data)
+                continue
+            src, dst = (ha, hb) if part.a == a else (hb, ha)
+            network.undrop_between(src.namespace, src.address, dst.namespace, dst.address,
+                                   one_way=part.one_way, loss=part.loss)
+            removed += 1
+        self.state["partitions"] = kept
+        self._save()
+        return removed
+
+    def heal_all(self) -> int:
+        """Remove every partition (every rule in the hosts' filter chains, recorded or not);
+        returns how many were recorded."""
         count = len(self.state.get("partitions", []))
         for h in self.hosts:
             network.clear_partitions(h.namespace)

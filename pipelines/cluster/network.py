@@ -223,8 +223,8 @@ class Partition:
         )
 
 
-def _drop(chain: str, direction: str, peer: str, loss: float) -> list[str]:
-    rule = ["-I", chain, direction, f"{peer}/32"]
+def _drop(chain: str, direction: str, peer: str, loss: float, verb: str = "-I") -> list[str]:
+    rule = [verb, chain, direction, f"{peer}/32"]
     if loss < 1.0:
         rule += ["-m", "statistic", "--mode", "random", "--probability", f"{loss:.4f}"]
     return [*rule, "-m", "comment", "--comment", PARTITION_COMMENT, "-j", "DROP"]
@@ -242,6 +242,23 @@ def drop_between(
     if not one_way:
         run(["ip", "netns", "exec", ns_b, "iptables", *_drop("OUTPUT", "-d", addr_a, loss)])
         run(["ip", "netns", "exec", ns_a, "iptables", *_drop("INPUT", "-s", addr_b, loss)])
+
+
+def undrop_between(
+    ns_a: str, addr_a: str, ns_b: str, addr_b: str, *, one_way: bool = False, loss: float = 1.0
+) -> None:
+    """Remove the rules :func:`drop_between` added for the same arguments (absent ones are
+    skipped, so healing twice is fine); other partitions stay in force."""
+    rules = [(ns_a, "OUTPUT", "-d", addr_b), (ns_b, "INPUT", "-s", addr_a)]
+    if not one_way:
+        rules += [(ns_b, "OUTPUT", "-d", addr_a), (ns_a, "INPUT", "-s", addr_b)]
+    for ns, chain, direction, peer in rules:
+        if not netns_exists(ns):
+            continue
+        check = ["ip", "netns", "exec", ns, "iptables", *_drop(chain, direction, peer, loss, "-C")]
+        if run(check, check=False).returncode == 0:
+            run(["ip", "netns", "exec", ns, "iptables",
+                 *_drop(chain, direction, peer, loss, "-D")], check=False)
 
 
 def clear_partitions(namespace: str) -> None:

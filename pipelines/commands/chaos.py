@@ -20,6 +20,7 @@ from proof.chaos import (
     format_table,
     run_chaos,
 )
+from proof.chaos_hosts import run_hosts_command
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -38,7 +39,15 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                         "local test database); with pg-restart the run starts a private cluster "
                         "and refuses a URL")
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--json", dest="json_path", help="write the full report here")
+    p.add_argument("--json", dest="json_path", nargs="?", const="-",
+                   help="the full report as JSON: alone, on stdout (progress on stderr); with a "
+                        "path, written there")
+    p.add_argument("--out", help="write the full JSON report to this file")
+    p.add_argument("--topology", choices=["local", "hosts"], default="local",
+                   help="local: worker processes on this host; hosts: through `sekali cluster` "
+                        "(network namespaces, root only) with partitions (proof/chaos_hosts.py)")
+    p.add_argument("--workers-hosts", dest="workers_hosts", type=int, default=2,
+                   help="worker hosts with --topology hosts (default 2)")
     p.add_argument("--naive", action="store_true",
                    help="defences off: no claim, no lock, no Idempotency-Key, ack before work")
     p.add_argument("--lease", type=float, default=2.0, help="lease and lock TTL in seconds")
@@ -53,6 +62,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 def _run(args: argparse.Namespace) -> int:
     import logging  # noqa: PLC0415
 
+    if args.topology == "hosts":
+        return run_hosts_command(args)
+    if args.json_path == "-":
+        print("sekali chaos: --json without a path is --topology hosts only here; "
+              "give a path (--json PATH or --out PATH)", file=sys.stderr)
+        return 2
 
     if not args.verbose:  # the sandbox servers log every charge and mail
         for name in ("mail.log", "sandbox.gateway", "sandbox.mailsink", "resources"):
@@ -97,9 +112,9 @@ def _run(args: argparse.Namespace) -> int:
           f" unplanned worker deaths {s.get('unplanned_deaths', 0)}")
     if report.state_dir:
         print(f"state kept in {report.state_dir} (worker logs, databases)")
-    if args.json_path:
-        Path(args.json_path).write_text(json.dumps(report.to_dict(), indent=2, default=str))
-        print(f"report written to {args.json_path}")
+    for path in (p for p in (args.json_path, args.out) if p and p != "-"):
+        Path(path).write_text(json.dumps(report.to_dict(), indent=2, default=str))
+        print(f"report written to {path}")
     if report.ok:
         print("OK: every invariant held")
         return 0

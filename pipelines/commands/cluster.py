@@ -1,10 +1,12 @@
-"""``sekali cluster up|down|status``: sekali on several hosts made of network namespaces.
+"""``sekali cluster up|down|status|partition|heal``: sekali on hosts made of network namespaces.
 
 ``up`` builds a store host (private PostgreSQL + Redis), a control host (dagster-webserver and
 dagster-daemon on ``deploy/production/dagster.yaml``), N worker hosts (a gRPC code server each:
 runs execute there) and a provider host (sandbox gateway and mail sink), joined by a bridge; the
 Dagster UI answers on the control host's address from this machine. ``down`` removes every
-namespace, link, rule and process it made, and may be run again at any time. See
+namespace, link, rule and process it made, and may be run again at any time. ``partition A B``
+drops packets between two hosts (connects time out, nothing is refused); ``heal [A B]`` removes
+that partition, or every one. See
 ``deploy/cluster/README.md`` and :mod:`pipelines.cluster`.
 
 Exit codes: 0 done, 1 failed (the message says why), 2 not root or bad arguments.
@@ -56,6 +58,20 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     status = actions.add_parser("status", help="hosts, addresses, processes and health")
     common(status)
     status.set_defaults(func=_status)
+
+    part = actions.add_parser("partition", help="drop packets between two hosts")
+    common(part)
+    part.add_argument("a", help="a host name (store, control, provider, w1, ...)")
+    part.add_argument("b", help="the other host")
+    part.add_argument("--one-way", action="store_true", help="drop only packets from A to B")
+    part.add_argument("--loss", type=float, default=1.0,
+                      help="share of packets dropped, 0 < loss <= 1 (default 1)")
+    part.set_defaults(func=_partition)
+
+    heal = actions.add_parser("heal", help="remove the partition between two hosts, or all")
+    common(heal)
+    heal.add_argument("hosts", nargs="*", metavar="HOST", help="two hosts, or none for all")
+    heal.set_defaults(func=_heal)
 
 
 def _say(args: argparse.Namespace, message: str) -> None:
@@ -130,6 +146,42 @@ def _status(args: argparse.Namespace) -> int:
         return code
     status = Cluster(args.state).status()
     return _print_status(args, status) or (0 if status.get("healthy") else 1)
+
+
+def _partition(args: argparse.Namespace) -> int:
+    if (code := _root_or_exit()) is not None:
+        return code
+    cluster = Cluster(args.state)
+    if not cluster.exists:
+        print(f"sekali cluster partition: no cluster recorded in {cluster.state_dir}",
+              file=sys.stderr)
+        return 2
+    try:
+        part = cluster.partition(args.a, args.b, one_way=args.one_way, loss=args.loss)
+    except ClusterError as exc:
+        print(f"sekali cluster partition: {exc}", file=sys.stderr)
+        return 2
+    return emit(args, {"partition": part.to_json()}, lambda: print(
+        f"partition {part.a} {'->' if part.one_way else '<->'} {part.b} loss {part.loss}"))
+
+
+def _heal(args: argparse.Namespace) -> int:
+    if (code := _root_or_exit()) is not None:
+        return code
+    if len(args.hosts) not in (0, 2):
+        print("sekali cluster heal: name two hosts, or none to heal every partition",
+              file=sys.stderr)
+        return 2
+    cluster = Cluster(args.state)
+    if not cluster.exists:
+        print(f"sekali cluster heal: no cluster recorded in {cluster.state_dir}", file=sys.stderr)
+        return 2
+    try:
+        healed = cluster.heal(*args.hosts)
+    except ClusterError as exc:
+        print(f"sekali cluster heal: {exc}", file=sys.stderr)
+        return 2
+    return emit(args, {"healed": healed}, lambda: print(f"healed {healed} partition(s)"))
 
 
 def _print_status(args: argparse.Namespace, status: dict[str, Any]) -> int:
