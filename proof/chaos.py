@@ -600,6 +600,10 @@ class WorkerProcess:
 NO_ANSWER_HINT = "gave no answer"  # GatewayUnavailable after a dropped response
 
 
+def _lane(fault: str) -> str:
+    return "provider" if fault in ("slow-provider", "drip-provider") else "servers"
+
+
 class Coordinator:
     """An at-least-once broker for the workers, with the fault schedule. Single-threaded: every
     report arrives on one queue, so the state below needs no locks."""
@@ -680,8 +684,9 @@ class Coordinator:
         self.stop_log: list[dict[str, Any]] = []
         self.pending_stops = 0
         self.restart_windows: list[tuple[str, float, float]] = []
-        self._restarting: threading.Thread | None = None
-        self._current_restart = ""
+        # background faults under way, per lane: the servers (Redis, Postgres) one at a time,
+        # the provider beside them (name, thread)
+        self._running: dict[str, tuple[str, threading.Thread]] = {}
 
     # -- workers
     def _spawn(self, wid: int) -> None:
@@ -725,8 +730,7 @@ class Coordinator:
             msg["stop"] = STOP_POINTS[self.stats["stops_armed"] % len(STOP_POINTS)]
             self.stats["stops_armed"] += 1
             self.armed[d.tok] = ("stop", msg["stop"])
-        if self._restart_active(now):
-            req.faults.add(self._restart_active(now))
+        req.faults.update(self._active_faults(now))
         if w.clock_offset:
             req.faults.add("clock-skew")
         self.dispatches += 1
@@ -752,7 +756,7 @@ class Coordinator:
             self.stop_at.pop(0)
             self.pending_stops += 1
         for name, due in self.due.items():
-            if due and due[0] <= n and self._restarting is None:
+            if due and due[0] <= n and _lane(name) not in self._running:
                 due.pop(0)
                 self._start_restart(name, self._background_action(name))
 
@@ -788,20 +792,20 @@ class Coordinator:
                 logger.error("%s failed: %s", name, exc)
                 self.stats[f"{name}_failed"] += 1
             self.restart_windows.append((name, began, time.monotonic() + 0.5))
-            self._restarting = None
+            self._running.pop(_lane(name), None)
 
         self.stats[name] += 1
-        self._current_restart = name
-        self._restarting = threading.Thread(target=run, daemon=True)
-        self._restarting.start()
+        thread = threading.Thread(target=run, daemon=True)
+        self._running[_lane(name)] = (name, thread)
+        thread.start()
 
-    def _restart_active(self, now: float) -> str:
-        if self._restarting is not None:
-            return self._current_restart
+    def _active_faults(self, now: float) -> set[str]:
+        """The background faults under way now, or ended less than half a second ago."""
+        active = {name for name, _ in list(self._running.values())}
         for name, start, end in self.restart_windows:
             if start <= now <= end:
-                return name
-        return ""
+                active.add(name)
+        return active
 
     # -- reports
     def _on_event(self, wid: int, gen: int, msg: dict[str, Any] | None) -> None:
@@ -877,7 +881,7 @@ class Coordinator:
         req = self.requests[d.request]
         error, message = str(msg.get("error")), str(msg.get("message", ""))
         self.stats[f"error:{error}"] += 1
-        if error == "StoreUnavailable" and self._restart_active(time.monotonic()) == "pg-restart":
+        if error == "StoreUnavailable" and "pg-restart" in self._active_faults(time.monotonic()):
             # the app database went away under this delivery, perhaps after its mail was
             # accepted and before the key completed: a window for one resend, as a kill there is
             req.struck["pg-restart:outage"] += 1
@@ -1144,7 +1148,7 @@ class Coordinator:
     def _quiet(self) -> bool:
         """No worker still stopped or working on an old delivery, no restart under way: their
         late writes must happen inside the run, where the checker sees them."""
-        return self._restarting is None and all(
+        return not self._running and all(
             w.state != "stopped" and not w.inflight for w in self.workers.values()
         )
 
@@ -1156,9 +1160,8 @@ class Coordinator:
             except Exception:  # noqa: BLE001 - one worker must not keep the others alive
                 logger.exception("closing worker %s failed", w.wid)
         self.probe.dispose()
-        restart = self._restarting  # joined here, before the world stops Redis
-        if restart is not None:
-            restart.join(timeout=60)
+        for _, thread in list(self._running.values()):  # joined before the world stops
+            thread.join(timeout=60)
 
 
 # -- the checker -------------------------------------------------------------------------------
