@@ -142,6 +142,7 @@ class ChaosConfig:
     clock_skew: float | None = None  # seconds; default 0.4 x the lease (clocks agree within it)
     travel_days: float = 8.0  # retention-travel: how far after the run the purge runs
     travel_records: int = 3  # retention-travel: completed requests whose success report is lost
+    settle: float | None = None  # the workers' settle window; default: see settle_seconds
     drop_rate: float = 0.05
     poison_rate: float = 0.04
     retry_base: float = 0.1
@@ -198,6 +199,8 @@ class ChaosConfig:
 
     @property
     def settle_seconds(self) -> float:
+        if self.settle is not None:
+            return self.settle
         return 1.0 + self.charge_delay + 2 * self.skew
 
     @property

@@ -327,3 +327,19 @@ def test_production_faults_on_postgres_keep_every_invariant() -> None:
     report = run_chaos(_new_faults_config(backend="postgres", database_url=PG_URL, seed=22))
     _assert_guarded(report, min_deliveries=300)
     _assert_new_faults_struck(report)
+
+
+@pytest.mark.timeout(200)
+def test_slow_provider_catches_a_settle_window_shorter_than_the_provider() -> None:
+    """Proof that the slow-provider fault can see the break it stands for: with the workers'
+    settle window (0.05 s) shorter than the provider's processing time (2.5 s, keys ignored),
+    a retry's lookup finds nothing yet and charges again, and the checker reports it."""
+    report = run_chaos(ChaosConfig(
+        requests=60, workers=3, threads=2, redelivery=3, faults=("slow-provider",),
+        settle=0.05, seed=5, timeout=150,
+    ))
+    why = _explain(report)
+    assert report.stats.get("slow-provider", 0) == 1, why
+    assert _row(report, "all")["duplicates"] >= 1, why
+    assert any(v.startswith("duplicate effect") and "charge_payment" in v
+               for v in report.violations), why
