@@ -141,7 +141,7 @@ class ChaosConfig:
     provider_windows: int = 1  # per provider fault (slow-provider, drip-provider)
     clock_skew: float | None = None  # seconds; default 0.4 x the lease (clocks agree within it)
     travel_days: float = 8.0  # retention-travel: how far after the run the purge runs
-    travel_records: int = 3  # retention-travel: completed requests whose success report is lost
+    travel_records: int = 4  # retention-travel: completed requests whose success report is lost
     settle: float | None = None  # the workers' settle window; default: see settle_seconds
     drop_rate: float = 0.05
     poison_rate: float = 0.04
@@ -1009,6 +1009,10 @@ class Coordinator:
         except ValidationError:
             return None
 
+    def _ledger_has(self, key: str) -> bool:
+        return bool(_rows(self.world.db, "SELECT 1 FROM idempotency_records WHERE key = :k",
+                          k=key))
+
     def _key_state(self, request: int) -> tuple[int, str | None]:
         """``(fence, status)`` of the request's idempotency record (``(0, None)`` if none)."""
 
@@ -1077,14 +1081,20 @@ class Coordinator:
         every open dead letter that is not poison is replayed, as an operator would on that
         day. Planted first: ``travel_records`` completed requests get a DLQ record as if their
         worker died after the key completed and before the step reported success (the window
-        in which a replay after the purge would repeat the effect). The checker then sees
-        whether any effect happened twice."""
+        in which a replay after the purge would repeat the effect). Every second one carries no
+        payload, as a record written by a sensor that could not read the run's config: nothing
+        proves it the same intent, so it is not resolved, stays open, its key must survive the
+        purge, and its replay must find the key completed. The checker then sees whether any
+        effect happened twice."""
         cfg = self.config
         done = [r for r in self.requests if r.id in self.done_requests and not r.poison
                 and self._key_state(r.id)[1] == "completed"]
         done.sort(key=lambda r: (r.job_type != "send_email", r.id))
-        for req in done[:cfg.travel_records]:
+        kept: list[str] = []
+        for n, req in enumerate(done[:cfg.travel_records]):
             key = self._key_for(req)
+            if n % 2 and key is not None:
+                kept.append(key)
             self.dlq.record_failure(FailureInfo(
                 job_type=req.job_type,
                 dedupe_key=dedupe_key_for(req.job_type, request_id=req.id,
@@ -1094,7 +1104,7 @@ class Coordinator:
                         " success (planted by retention-travel)",
                 run_id=f"chaos-travel-{req.id}", error_class=FailureClass.TRANSIENT,
                 step=f"{req.job_type}_op", idempotency_key=key, request_id=req.id,
-                payload=req.payload, correlation_id=f"chaos-req-{req.id}",
+                payload=None if n % 2 else req.payload, correlation_id=f"chaos-req-{req.id}",
                 tags={tag.CHAOS: "true"},
             ), actor="chaos")
             req.faults.add("retention-travel")
@@ -1113,6 +1123,7 @@ class Coordinator:
                                 dlq=DlqStore(self.world.db, clock=later), clock=later).run()
         self.stats["travel_resolved"] = len(report.resolved_dead_letters)
         self.stats["travel_purged_keys"] = int(report.purged.get("idempotency_records", 0))
+        self.stats["travel_kept_keys"] = sum(1 for key in kept if self._ledger_has(key))
         if open_before:
             self.stats["retention-travel"] += 1
         replay = [r for r in self.dlq.list_records(status=[DlqStatus.OPEN])

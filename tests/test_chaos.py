@@ -31,6 +31,7 @@ from proof.chaos import (
     parse_faults,
     run_chaos,
 )
+from resources.dlq import DlqStore
 from sandbox.postgres_server import PostgresUnavailable, postgres_bindir
 from tests.conftest import PG_URL, _postgres_error, need_server
 
@@ -290,7 +291,10 @@ def _assert_new_faults_struck(report: ChaosReport) -> None:
     # retention ran "days later" with dead letters open and purged completed keys, and the
     # planted records (success report lost after the key completed) resolved, not replayed
     assert stats["travel_open_dead_letters"] >= 1 and stats["travel_purged_keys"] >= 1, why
-    assert stats["travel_resolved"] >= stats["travel_planted"] >= 1, why
+    assert stats["travel_planted"] >= 2 and stats["travel_resolved"] >= 1, why
+    # the planted records nothing proves the same intent stay open: their completed keys
+    # survive the purge and their replays find them completed
+    assert stats["travel_kept_keys"] >= 1 and stats["travel_replayed"] >= 1, why
     assert stats["longest_delivery_ms"] <= stats["stall_bound_ms"], why
 
 
@@ -342,4 +346,22 @@ def test_slow_provider_catches_a_settle_window_shorter_than_the_provider() -> No
     assert report.stats.get("slow-provider", 0) == 1, why
     assert _row(report, "all")["duplicates"] >= 1, why
     assert any(v.startswith("duplicate effect") and "charge_payment" in v
+               for v in report.violations), why
+
+
+@pytest.mark.timeout(200)
+def test_retention_travel_catches_a_purge_that_drops_keys_open_records_name(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Proof that retention-travel can see the break it stands for: with the purge's rule
+    "keep every key an unresolved DLQ record names" taken out (the code before the fix), the
+    day-8 replay of an open record runs against an empty ledger and mails a second time."""
+    monkeypatch.setattr(DlqStore, "unresolved_key_reference", staticmethod(lambda column: "1 = 0"))
+    report = run_chaos(ChaosConfig(
+        requests=80, workers=3, threads=2, redelivery=3, faults=("retention-travel", "poison"),
+        seed=3, timeout=150,
+    ))
+    why = _explain(report)
+    assert report.stats["travel_kept_keys"] == 0 and report.stats["travel_replayed"] >= 1, why
+    assert any(v.startswith("duplicate mail") or v.startswith("duplicate effect")
                for v in report.violations), why
