@@ -1377,8 +1377,11 @@ def reconcile_double_charges(world: ChaosWorld) -> int:
     per_reference = Counter(str(c.get("reference")) for c in world.gateway.charges())
     if not any(n > 1 for n in per_reference.values()):
         return 0
+    # the run's orders are seconds old: no grace for in-flight work (every delivery settled),
+    # and the workers' settle window
     report = Reconciler(world.db, store=IdempotencyStore(world.db), dlq=DlqStore(world.db),
-                        gateway=HttpPaymentGateway(world.gateway.url)).run()
+                        gateway=HttpPaymentGateway(world.gateway.url), grace_seconds=0.0,
+                        settle_seconds=world.config.settle_seconds).run()
     return int(report.fixed.get("double_charged", 0))
 
 
