@@ -154,7 +154,8 @@ class ChaosConfig:
     def validate(self) -> None:
         unknown = sorted(set(self.faults) - set(FAULTS))
         if unknown:
-            raise ChaosConfigError(f"unknown fault(s) {unknown}; choose from {', '.join(FAULTS)}")
+            raise ChaosConfigError(
+                f"unknown fault(s) {unknown}; choose from {', '.join(FAULTS)}, or all")
         if self.backend not in ("sqlite", "postgres"):
             raise ChaosConfigError("--backend must be sqlite or postgres")
         if "pg-restart" in self.faults:
