@@ -468,7 +468,7 @@ def run_hosts_command(args: Any) -> int:
     the report on stdout, ``--out PATH`` the report in a file. Exit 0 every invariant held, 1 a
     violation, 2 bad arguments or not root."""
     err = Console(stderr=True, soft_wrap=True)
-    to_stdout = args.json_path == "-"
+    to_stdout = bool(args.json)
     config = HostsConfig(requests=args.requests, worker_hosts=args.workers_hosts, seed=args.seed,
                          kills=args.kills if args.kills is not None else 2)
     for name in ("alembic", "pipelines.intake", "pipelines.cluster"):
@@ -479,9 +479,9 @@ def run_hosts_command(args: Any) -> int:
         err.print(f"sekali chaos: {exc}")
         return 2
     data = json.dumps(report.to_dict(), indent=2, default=str)
-    for path in (p for p in (args.json_path, args.out) if p and p != "-"):
-        Path(path).write_text(data)
-        err.print(f"report written to {path}")
+    if args.out_path:
+        Path(args.out_path).write_text(data)
+        err.print(f"report written to {args.out_path}")
     if to_stdout:
         print(data)
     out = err if to_stdout else Console(soft_wrap=True)

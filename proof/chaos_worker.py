@@ -73,6 +73,12 @@ class WorkerConfig:
     threads: int = 1
     # the sandbox commits a charge before it answers: a second is past its longest processing
     settle_seconds: float = 1.0
+    # the payment client's bounds (None: the production defaults); the provider faults need
+    # them short, so that a slow or dripping provider outlasts the client within the run
+    gateway_timeout: float | None = None
+    gateway_deadline: float | None = None
+    # this process's wall clock is off by this much (clock-skew; see proof.skewed_clock)
+    clock_offset: float = 0.0
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__)
@@ -236,9 +242,10 @@ class Worker:
             lease_seconds=config.lease_seconds,
             send_idempotency_key=not config.naive,
         )
-        if config.naive:
+        if config.naive or config.gateway_timeout is not None:
             self.services.gateway = HttpPaymentGateway(
-                config.gateway_url, send_idempotency_key=False
+                config.gateway_url, send_idempotency_key=not config.naive,
+                timeout=config.gateway_timeout or 5.0, deadline=config.gateway_deadline or 15.0,
             )
         Hooks.gate.wrap(self.services.db)  # the store and the attempts share this Database
         self.services.gateway = HookedGateway(self.services.gateway, self.hooks)

@@ -46,11 +46,17 @@ class RedisServer:
     """A redis-server process on a Unix socket or a loopback TCP port."""
 
     def __init__(
-        self, directory: Path, *, port: int | None = None, socket_path: Path | None = None
+        self,
+        directory: Path,
+        *,
+        port: int | None = None,
+        socket_path: Path | None = None,
+        replica_of: int | None = None,
     ) -> None:
         self.directory = directory
         self.port = port
         self.socket_path = socket_path
+        self.replica_of = replica_of  # a loopback port: start as that server's replica
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -85,6 +91,8 @@ class RedisServer:
             args += ["--unixsocketperm", "700"]
         else:
             args += ["--port", str(self.port), "--bind", "127.0.0.1"]
+        if self.replica_of is not None:
+            args += ["--replicaof", "127.0.0.1", str(self.replica_of)]
         self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -109,10 +117,24 @@ class RedisServer:
         self.stop()
         self.start()
 
+    def promote(self) -> None:
+        """``REPLICAOF NO ONE``: this replica becomes a primary with the data it has now."""
+        client = self.client()
+        try:
+            client.replicaof("NO", "ONE")
+        finally:
+            client.close()
+        self.replica_of = None
+
     def snapshot(self, to: Path) -> Path:
         """``SAVE`` now and keep a copy of the RDB file at ``to``: the state to go back to."""
         client = self.client()
         try:
+            deadline = time.monotonic() + 30.0
+            while client.info("persistence").get("rdb_bgsave_in_progress"):
+                if time.monotonic() > deadline:  # a replica's full sync holds the RDB writer
+                    raise RuntimeError("redis-server kept a background save running for 30 s")
+                time.sleep(0.05)
             client.save()
         finally:
             client.close()

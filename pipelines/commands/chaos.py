@@ -2,7 +2,9 @@
 job was lost (see :mod:`proof.chaos` and docs/chaos.md).
 
 Exit codes: 0 every invariant held (or ``--naive``, whose violations are the point: they are
-printed, not failed on), 1 a violation in guarded mode, 2 bad arguments.
+printed, not failed on), 1 a violation in guarded mode, 2 bad arguments. ``--json`` prints the
+report (only JSON) on stdout and the human summary on stderr; ``--out PATH`` writes the report
+to a file as well.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from proof.chaos import (
     ChaosConfig,
     ChaosConfigError,
     format_table,
+    parse_faults,
     run_chaos,
 )
 from proof.chaos_hosts import run_hosts_command
@@ -32,17 +35,17 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--workers", type=int, default=4, help="worker processes (default 4)")
     p.add_argument("--redelivery", type=int, default=3, help="deliveries per request (default 3)")
     p.add_argument("--faults", default=",".join(DEFAULT_FAULTS),
-                   help=f"comma-separated, from {','.join(FAULTS)} (default: all but pg-restart)")
+                   help=f"comma-separated, from {','.join(FAULTS)}; 'all' for every fault the "
+                        f"run can strike (default: {','.join(DEFAULT_FAULTS)})")
     p.add_argument("--backend", choices=["sqlite", "postgres"], default="sqlite")
     p.add_argument("--database-url", dest="database_url",
                    help="Postgres URL to create the run's schema in (default DATABASE_URL or the "
                         "local test database); with pg-restart the run starts a private cluster "
                         "and refuses a URL")
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--json", dest="json_path", nargs="?", const="-",
-                   help="the full report as JSON: alone, on stdout (progress on stderr); with a "
-                        "path, written there")
-    p.add_argument("--out", help="write the full JSON report to this file")
+    p.add_argument("--json", action="store_true",
+                   help="print the full report as JSON on stdout (the summary goes to stderr)")
+    p.add_argument("--out", dest="out_path", help="write the full report (JSON) to this file")
     p.add_argument("--topology", choices=["local", "hosts"], default="local",
                    help="local: worker processes on this host; hosts: through `sekali cluster` "
                         "(network namespaces, root only) with partitions (proof/chaos_hosts.py)")
@@ -62,22 +65,23 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 def _run(args: argparse.Namespace) -> int:
     import logging  # noqa: PLC0415
 
+
     if args.topology == "hosts":
         return run_hosts_command(args)
-    if args.json_path == "-":
-        print("sekali chaos: --json without a path is --topology hosts only here; "
-              "give a path (--json PATH or --out PATH)", file=sys.stderr)
-        return 2
-
     if not args.verbose:  # the sandbox servers log every charge and mail
         for name in ("mail.log", "sandbox.gateway", "sandbox.mailsink", "resources"):
             logging.getLogger(name).setLevel(logging.WARNING)
 
+    faults, notes = parse_faults(args.faults, backend=args.backend,
+                                 database_url=args.database_url)
+    out = sys.stderr if args.json else sys.stdout
+    for note in notes:
+        print(f"sekali chaos: {note}", file=sys.stderr)
     config = ChaosConfig(
         requests=args.requests,
         workers=args.workers,
         redelivery=args.redelivery,
-        faults=tuple(f.strip() for f in args.faults.split(",") if f.strip()),
+        faults=faults,
         backend=args.backend,
         database_url=args.database_url,
         seed=args.seed,
@@ -96,8 +100,9 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     mode = "naive (defences off)" if config.naive else "guarded"
     print(f"sekali chaos: {mode}, {config.requests} requests x {config.redelivery} deliveries, "
-          f"{config.workers} workers, backend {config.backend}, faults {','.join(config.faults)}")
-    print(format_table(report.rows))
+          f"{config.workers} workers, backend {config.backend}, faults {','.join(config.faults)}",
+          file=out)
+    print(format_table(report.rows), file=out)
     s = report.stats
     def struck(name: str, stat: str) -> str:
         planned = s.get(f"{name}_scheduled")
@@ -109,21 +114,29 @@ def _run(args: argparse.Namespace) -> int:
           f" kills {struck('kills', 'kills')}, stops {struck('stops', 'stops')},"
           f" redis restarts {struck('redis-restart', 'redis-restart')},{pg}"
           f" stale writes rejected {s.get('stale_writes_rejected', 0)},"
-          f" unplanned worker deaths {s.get('unplanned_deaths', 0)}")
+          f" unplanned worker deaths {s.get('unplanned_deaths', 0)}", file=out)
+    newer = [f for f in config.faults if f"{f}_scheduled" in s and f not in (
+        "redis-restart", "pg-restart")]
+    if newer:
+        print("struck: " + ", ".join(f"{f} {struck(f, f)}" for f in newer), file=out)
     if report.state_dir:
-        print(f"state kept in {report.state_dir} (worker logs, databases)")
-    for path in (p for p in (args.json_path, args.out) if p and p != "-"):
-        Path(path).write_text(json.dumps(report.to_dict(), indent=2, default=str))
-        print(f"report written to {path}")
+        print(f"state kept in {report.state_dir} (worker logs, databases)", file=out)
+    document = json.dumps(report.to_dict(), indent=2, default=str)
+    if args.out_path:
+        Path(args.out_path).write_text(document)
+        print(f"report written to {args.out_path}", file=out)
+    if args.json:
+        print(document)
     if report.ok:
-        print("OK: every invariant held")
+        print("OK: every invariant held", file=out)
         return 0
-    print(f"\n{len(report.violations)} violation(s):")
+    print(f"\n{len(report.violations)} violation(s):", file=out)
     for line in report.violations[:30]:
-        print(f"  - {line}")
+        print(f"  - {line}", file=out)
     if len(report.violations) > 30:
-        print(f"  ... and {len(report.violations) - 30} more (see --json)")
+        print(f"  ... and {len(report.violations) - 30} more (see --json)", file=out)
     if config.naive:
-        print("(naive mode: these are what the defences prevent; not a failure of this command)")
+        print("(naive mode: these are what the defences prevent; not a failure of this command)",
+              file=out)
         return 0
     return 1
