@@ -436,6 +436,7 @@ def amend(
                 queue=admitted.job_type.queue,
                 correlation_id=correlation_id,
                 conn=conn,
+                amends=key,
             )
         except IdempotencyConflict as exc:
             raise AmendRefused(

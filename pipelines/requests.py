@@ -129,6 +129,7 @@ job_requests = Table(
     Column("debounce_max_wait", Float),
     Column("coalesced_into", BigInteger),
     Column("coalesced_count", Integer, nullable=False),
+    Column("amends", Text),
 )
 
 job_rejections = Table(
@@ -154,7 +155,7 @@ _COLUMNS = (
     "id, job_type, key, payload, payload_hash, status, queue, correlation_id, run_key, run_id,"
     " created_at, updated_at, attempts, last_error, error_class, traceparent, priority,"
     " claim_rank, dedupe_window, debounce_key, debounce_wait, debounce_max_wait, coalesced_into,"
-    " coalesced_count"
+    " coalesced_count, superseded_by, amends"
 )
 _Q = load_queries(Path(__file__).with_suffix(".sql"))
 
@@ -193,6 +194,10 @@ class JobRequest:
     """For a ``coalesced`` request: the request of its debounce group that ran instead."""
     coalesced_count: int = 0
     """For the request that ran: how many requests of its group were coalesced into it."""
+    superseded_by: str | None = None
+    """For a failed request an amended replay replaced: the key of the new version."""
+    amends: str | None = None
+    """For an amended version (``key#vN``): the key of the version it replaces."""
     dedupe: str = field(init=False)
     """The dedupe window as people read it, ``until_finished`` or e.g. ``86400s``: a field, so
     every generic view of the record (``sekali requests show``) prints it."""
@@ -228,6 +233,8 @@ class JobRequest:
             debounce_max_wait=m["debounce_max_wait"],
             coalesced_into=None if m["coalesced_into"] is None else int(m["coalesced_into"]),
             coalesced_count=int(m["coalesced_count"] or 0),
+            superseded_by=m["superseded_by"],
+            amends=m["amends"],
         )
 
 
@@ -287,9 +294,10 @@ _INSERT = f"""
 INSERT INTO job_requests
     (job_type, key, payload, payload_hash, status, queue, correlation_id, created_at,
      updated_at, attempts, traceparent, priority, claim_rank, dedupe_window, debounce_key,
-     debounce_wait, debounce_max_wait, coalesced_count)
+     debounce_wait, debounce_max_wait, coalesced_count, amends)
 VALUES (:job_type, :key, :payload, :hash, 'pending', :queue, :cid, :now, :now, 0, :traceparent,
-        :priority, :rank, :dedupe_window, :debounce_key, :debounce_wait, :debounce_max_wait, 0)
+        :priority, :rank, :dedupe_window, :debounce_key, :debounce_wait, :debounce_max_wait, 0,
+        :amends)
 ON CONFLICT (key) DO NOTHING
 RETURNING {_COLUMNS}
 """
@@ -365,6 +373,7 @@ class RequestStore:
         dedupe_window: float | None = None,
         debounce: Debounced | None = None,
         aging: float = DEFAULT_PRIORITY_AGING,
+        amends: str | None = None,
     ) -> EnqueueResult:
         """Write a pending request, or return the existing one for the same key and payload.
 
@@ -392,6 +401,7 @@ class RequestStore:
             "debounce_key": debounce.key if debounce else None,
             "debounce_wait": debounce.wait if debounce else None,
             "debounce_max_wait": debounce.max_wait if debounce else None,
+            "amends": amends,
         }
         if conn is not None:
             return self._enqueue(conn, params, given)

@@ -5,7 +5,7 @@
 SELECT id, job_type, key, payload, payload_hash, status, queue, correlation_id, run_key, run_id,
        created_at, updated_at, attempts, last_error, error_class, traceparent, priority,
        claim_rank, dedupe_window, debounce_key, debounce_wait, debounce_max_wait, coalesced_into,
-       coalesced_count
+       coalesced_count, superseded_by, amends
 FROM job_requests r
 WHERE r.status = 'failed'
   AND NOT EXISTS (SELECT 1 FROM dlq_records d WHERE d.request_id = r.id)
@@ -17,7 +17,7 @@ LIMIT :limit;
 SELECT id, job_type, key, payload, payload_hash, status, queue, correlation_id, run_key, run_id,
        created_at, updated_at, attempts, last_error, error_class, traceparent, priority,
        claim_rank, dedupe_window, debounce_key, debounce_wait, debounce_max_wait, coalesced_into,
-       coalesced_count
+       coalesced_count, superseded_by, amends
 FROM job_requests
 WHERE run_id = :run AND status = 'failed'
 ORDER BY id;

@@ -39,6 +39,8 @@ PRIORITY: Final = "sekali/priority"
 """The request's own priority (the highest of a batch's); Dagster's queue reads ``PRIORITY_RUN``."""
 COALESCED: Final = "sekali/coalesced"
 """How many debounced requests were coalesced into the one(s) this run serves."""
+AMENDS: Final = "sekali/amends"
+"""On the run of an amended version (``key#vN``): the key of the version it replaces."""
 DEDUPE_WINDOW: Final = "sekali/dedupe_window"
 """How long the run's key means one intent: ``until_finished`` or seconds (``86400s``)."""
 

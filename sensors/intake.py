@@ -143,6 +143,8 @@ def _tags(mode: IntakeMode, requests: Sequence[JobRequest]) -> dict[str, str]:
         tags[tag.KEY] = only.key
         tags[tag.REQUEST_ID] = str(only.id)
         tags[tag.DEDUPE_WINDOW] = only.dedupe
+        if only.amends:
+            tags[tag.AMENDS] = only.amends
         if only.correlation_id:
             tags[tag.CORRELATION_ID] = only.correlation_id
         if only.traceparent:

@@ -381,6 +381,8 @@ def test_the_version_runs_through_intake_and_dagster_under_its_own_key(
     assert done.success
     assert second.run_key == "intake:payment:o8#v2"
     assert second.tags["sekali/key"] == "payment:o8#v2"
+    assert second.tags["sekali/amends"] == "payment:o8"  # the UI links the version to its origin
+    assert "sekali/amends" not in first.tags
     assert done.dagster_run.tags["sekali/outcome"] == "effect"
     assert requests.get(made.request_id or 0).status == "completed"
     assert _charges(gateway, "payment:o8#v2") == 1 and _charges(gateway, "payment:o8") == 0
