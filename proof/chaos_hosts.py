@@ -340,7 +340,7 @@ def run_hosts_chaos(
     root.chmod(0o755)  # the private PostgreSQL runs as user postgres
     cluster = Cluster(root / "cluster")
     violations: list[str] = []
-    stats: dict[str, Any] = {}
+    stats: dict[str, Any] = {"cluster_id": cluster.cluster_id}
     nemesis_log: list[dict[str, Any]] = []
     verdicts: list[Any] = []
     try:

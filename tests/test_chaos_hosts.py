@@ -83,9 +83,11 @@ def test_hosts_chaos_no_duplicate_nothing_lost_and_down_leaves_nothing(root: Non
     assert stats["completed"] + stats["dead_lettered"] >= 100, stats
     assert len(stats["attempts_by_host"]) == 2, stats  # both worker hosts did work
     assert stats["leftovers_after_down"] == 0, stats
-    assert namespaces() == before_ns
-    assert links() == before_links
-    assert root_rules() == before_rules
+    # other clusters (a benchmark, another test) may come and go meanwhile: judge this run's own
+    mine = stats["cluster_id"]
+    assert not {n for n in namespaces() - before_ns if n.startswith(f"sekali-{mine}-")}
+    assert not {link for link in links() - before_links if link.startswith(f"sk{mine}")}
+    assert not [r for r in root_rules() if r not in before_rules and f"sk{mine}" in r]
 
 
 def tcp(namespace: str, address: str, port: int) -> str:
