@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import multiprocessing
-import os
 import random
 import statistics
 import threading
@@ -26,6 +25,7 @@ from typing import Any
 
 import redis
 
+from benchmarks.backends import redis_url
 from benchmarks.plotting import RESULTS, pyplot, save
 from benchmarks.suite import module_main
 from resources.cache.core import StampedeCache
@@ -36,7 +36,7 @@ THREADS = 50
 
 
 def _redis_url() -> str:
-    return os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+    return redis_url()
 
 
 # -- scenario workers (module level: started with the spawn context) -----------------------------
