@@ -90,7 +90,7 @@ from resources.cache.scripts import (
 from resources.cache.stats import CacheRecorder
 from resources.errors import CacheLoaderFailed, CacheLoadTimeout, StoreUnavailable
 from resources.storage.redis import client_timeouts, redis_client
-from resources.telemetry.tracing import set_attributes, span
+from resources.telemetry.tracing import set_attributes, span, tracing_enabled
 
 log = logging.getLogger(__name__)
 
@@ -168,6 +168,7 @@ def jittered(ttl: float, jitter: float, rand: float) -> float:
 
 
 _XFETCH_NEGLIGIBLE = 40.0
+_UNREAD: Final = object()
 """A value further than ``40 * beta * delta`` from its refresh point refreshes early with
 probability ``exp(-40)`` (4e-18): the hit path then skips the XFetch draw."""
 
@@ -310,10 +311,21 @@ class StampedeCache:
         caller's load failed, or negative cache) or :class:`CacheLoadTimeout`.
         """
         started = time.monotonic()
+        raw: bytes | str | None | object = _UNREAD
         try:
+            if not tracing_enabled():
+                # The hit path: one GET and one decode, outside the single flight (it only
+                # matters when a load may follow); whatever is not a fresh hit goes on below
+                # with what was read, so a miss still costs one GET.
+                raw = self._read(key)
+                if raw is not None:
+                    d = json.loads(raw)
+                    if self._surely_fresh(d, self.clock()):
+                        self.recorder.hit(key)
+                        return d["v"]
             with span("cache.get_or_load", cache_key=key, namespace=self.namespace):
                 (value, outcome), led = self._flight.run(
-                    ("get", key), lambda: self._look(key, loader, ttl, stale_ttl, jitter)
+                    ("get", key), lambda: self._look(key, loader, ttl, stale_ttl, jitter, raw)
                 )
                 set_attributes(outcome=outcome, led=led)
         except Exception:
@@ -336,19 +348,18 @@ class StampedeCache:
         ttl: float | None,
         stale_ttl: float | None,
         jitter: float | None,
+        raw: bytes | str | None | object = _UNREAD,
     ) -> tuple[Any, str]:
-        """One flight: the hit path (one GET, judged here), else the script."""
-        try:
-            raw = self.client.get(f"{PREFIX}{{{self.namespace}:{key}}}")
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
-            raise StoreUnavailable(f"Redis did not answer: {exc}; retry later") from exc
+        """One flight: the hit path (one GET, judged here, unless the caller already read it:
+        the single flight's leader uses its own read), else the script."""
+        if raw is _UNREAD:
+            raw = self._read(key)
         factor: float | None = None  # the call's one XFetch draw, made only when it can matter
         if raw is not None:
-            d = json.loads(raw)
+            d = json.loads(raw)  # type: ignore[arg-type]
             now = self.clock()
             if now < d["h"]:
-                gap = d["s"] - now
-                if gap > 0 and gap > d["d"] * self.beta * _XFETCH_NEGLIGIBLE:
+                if self._surely_fresh(d, now):
                     return d["v"], "hit"
                 factor = self._xfetch_factor()
                 if now + d["d"] * factor < d["s"]:
@@ -360,6 +371,18 @@ class StampedeCache:
         if factor is None:
             factor = self._xfetch_factor()
         return self._resolve(key, loader, opts, force=False, factor=factor)
+
+    def _read(self, key: str) -> bytes | str | None:
+        try:
+            raw: bytes | str | None = self.client.get(f"{PREFIX}{{{self.namespace}:{key}}}")
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            raise StoreUnavailable(f"Redis did not answer: {exc}; retry later") from exc
+        return raw
+
+    def _surely_fresh(self, d: dict[str, Any], now: float) -> bool:
+        """Fresh, and so far from its soft expiry that no XFetch draw could refresh it early."""
+        gap = float(d["s"]) - now
+        return bool(now < d["h"] and gap > 0 and gap > d["d"] * self.beta * _XFETCH_NEGLIGIBLE)
 
     def get(self, key: str) -> Any:
         """The cached value (fresh or within its stale window), or ``NO_VALUE``; never loads."""
