@@ -168,7 +168,6 @@ def jittered(ttl: float, jitter: float, rand: float) -> float:
 
 
 _XFETCH_NEGLIGIBLE = 40.0
-_UNREAD: Final = object()
 """A value further than ``40 * beta * delta`` from its refresh point refreshes early with
 probability ``exp(-40)`` (4e-18): the hit path then skips the XFetch draw."""
 
@@ -311,23 +310,16 @@ class StampedeCache:
         caller's load failed, or negative cache) or :class:`CacheLoadTimeout`.
         """
         started = time.monotonic()
-        raw: bytes | str | None | object = _UNREAD
+        def look() -> tuple[Any, str]:
+            return self._look(key, loader, ttl, stale_ttl, jitter)
+
         try:
-            if not tracing_enabled():
-                # The hit path: one GET and one decode, outside the single flight (it only
-                # matters when a load may follow); whatever is not a fresh hit goes on below
-                # with what was read, so a miss still costs one GET.
-                raw = self._read(key)
-                if raw is not None:
-                    d = json.loads(raw)
-                    if self._surely_fresh(d, self.clock()):
-                        self.recorder.hit(key)
-                        return d["v"]
-            with span("cache.get_or_load", cache_key=key, namespace=self.namespace):
-                (value, outcome), led = self._flight.run(
-                    ("get", key), lambda: self._look(key, loader, ttl, stale_ttl, jitter, raw)
-                )
-                set_attributes(outcome=outcome, led=led)
+            if tracing_enabled():
+                with span("cache.get_or_load", cache_key=key, namespace=self.namespace):
+                    (value, outcome), led = self._flight.run(("get", key), look)
+                    set_attributes(outcome=outcome, led=led)
+            else:  # the hit path: no span to open and close when nobody collects them
+                (value, outcome), led = self._flight.run(("get", key), look)
         except Exception:
             self.recorder.record(key, "misses", access=True)
             raise
@@ -348,18 +340,20 @@ class StampedeCache:
         ttl: float | None,
         stale_ttl: float | None,
         jitter: float | None,
-        raw: bytes | str | None | object = _UNREAD,
     ) -> tuple[Any, str]:
-        """One flight: the hit path (one GET, judged here, unless the caller already read it:
-        the single flight's leader uses its own read), else the script."""
-        if raw is _UNREAD:
-            raw = self._read(key)
+        """One flight: the hit path (one GET, judged here), else the script. Concurrent callers
+        of one key in this process share the flight, so a cold stampede costs one GET."""
+        try:
+            raw = self.client.get(f"{PREFIX}{{{self.namespace}:{key}}}")
+        except (redis.ConnectionError, redis.TimeoutError) as exc:
+            raise StoreUnavailable(f"Redis did not answer: {exc}; retry later") from exc
         factor: float | None = None  # the call's one XFetch draw, made only when it can matter
         if raw is not None:
-            d = json.loads(raw)  # type: ignore[arg-type]
+            d = json.loads(raw)
             now = self.clock()
             if now < d["h"]:
-                if self._surely_fresh(d, now):
+                gap = d["s"] - now
+                if gap > 0 and gap > d["d"] * self.beta * _XFETCH_NEGLIGIBLE:
                     return d["v"], "hit"
                 factor = self._xfetch_factor()
                 if now + d["d"] * factor < d["s"]:
@@ -371,18 +365,6 @@ class StampedeCache:
         if factor is None:
             factor = self._xfetch_factor()
         return self._resolve(key, loader, opts, force=False, factor=factor)
-
-    def _read(self, key: str) -> bytes | str | None:
-        try:
-            raw: bytes | str | None = self.client.get(f"{PREFIX}{{{self.namespace}:{key}}}")
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
-            raise StoreUnavailable(f"Redis did not answer: {exc}; retry later") from exc
-        return raw
-
-    def _surely_fresh(self, d: dict[str, Any], now: float) -> bool:
-        """Fresh, and so far from its soft expiry that no XFetch draw could refresh it early."""
-        gap = float(d["s"]) - now
-        return bool(now < d["h"] and gap > 0 and gap > d["d"] * self.beta * _XFETCH_NEGLIGIBLE)
 
     def get(self, key: str) -> Any:
         """The cached value (fresh or within its stale window), or ``NO_VALUE``; never loads."""
