@@ -62,7 +62,8 @@ def _naive(db: Database) -> int:
             rows = conn.execute(
                 text(
                     "SELECT id, event_id, aggregate_type, aggregate_id, event_type, payload,"
-                    " created_at, attempts FROM outbox WHERE published_at IS NULL ORDER BY id"
+                    " created_at, attempts, traceparent FROM outbox WHERE published_at IS NULL"
+                    " ORDER BY id"
                     " LIMIT 100"
                 )
             ).all()
