@@ -18,7 +18,6 @@ under contention, and what one acquire costs against a bare Redis round trip.
 from __future__ import annotations
 
 import multiprocessing
-import os
 import statistics
 import threading
 import time
@@ -26,13 +25,13 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from benchmarks.backends import redis_url
 from benchmarks.plotting import RESULTS, pyplot, save
 from benchmarks.suite import module_main
 from resources.flow import ConcurrencyLimiter, RateLimiter
 from resources.locks import MemoryLockStats, RedisLock
 from resources.storage.redis import redis_client
 
-REDIS_URL = os.environ.get("SEKALI_BENCH_REDIS_URL", "redis://127.0.0.1:6379/0")
 PROCESSES = 4
 LIMIT = 2
 KEYS = ["a", "b"]
@@ -82,7 +81,7 @@ def _in_processes(
 
 
 def _cleanup(tag: str) -> None:
-    client = redis_client(REDIS_URL)
+    client = redis_client(redis_url())
     for key in client.scan_iter(match=f"*{tag}*", count=1000):
         client.delete(key)
 
@@ -115,7 +114,7 @@ def take_tokens(
 def rate_accuracy(rate: float, burst: float, seconds: float) -> dict[str, Any]:
     name = f"bench:flow:rate:{uuid.uuid4().hex[:8]}"
     results = _in_processes(
-        PROCESSES, take_tokens, (REDIS_URL, name, rate, burst, seconds + 1.0), seconds + 180
+        PROCESSES, take_tokens, (redis_url(), name, rate, burst, seconds + 1.0), seconds + 180
     )
     _cleanup(name)
     turns = sorted(t for r in results for t in r["turns"])
@@ -211,10 +210,11 @@ def take_slots(
 def contention(processes: int, threads: int, seconds: float, hold: float = 0.002) -> dict[str, Any]:
     tag = f"bench:flow:slots:{uuid.uuid4().hex[:8]}"
     results = _in_processes(
-        processes, take_slots, (REDIS_URL, tag, LIMIT, threads, None, seconds, hold), seconds + 180
+        processes, take_slots, (redis_url(), tag, LIMIT, threads, None, seconds, hold),
+        seconds + 180,
     )
     per_thread = [[w for _, _, w in grants] for r in results for grants in r["grants"]]
-    client = redis_client(REDIS_URL)
+    client = redis_client(redis_url())
     most = {k: int(client.get(gauge_keys(tag, k)[1]) or 0) for k in KEYS}
     _cleanup(tag)
     waits = [w for ws in per_thread for w in ws]
@@ -241,7 +241,7 @@ def contention(processes: int, threads: int, seconds: float, hold: float = 0.002
 
 
 def cost(quick: bool) -> dict[str, Any]:
-    client = redis_client(REDIS_URL)
+    client = redis_client(redis_url())
     tag = f"bench:flow:cost:{uuid.uuid4().hex[:8]}"
     bucket = RateLimiter(client, tag, rate=1e9, burst=1e9)
     limiter = ConcurrencyLimiter(client, tag, limit=1)
@@ -290,7 +290,7 @@ def run(quick: bool = False) -> dict[str, Any]:
         "rate": rate_accuracy(rate, burst, seconds),
         "concurrency": contention(8, 2, 1.5 if quick else 4.0),
         "cost": cost(quick),
-        "settings": {"quick": quick, "redis": REDIS_URL},
+        "settings": {"quick": quick, "redis": redis_url()},
     }
     result["summary"] = summary(result)
     return result

@@ -37,14 +37,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import create_engine, text
-
+from benchmarks.backends import postgres_schema, postgres_url, redis_url
 from benchmarks.suite import module_main
 
-PG_URL = os.environ.get(
-    "SEKALI_BENCH_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/sekali_test"
-)
-REDIS_URL = os.environ.get("SEKALI_BENCH_REDIS_URL", "redis://127.0.0.1:6379/0")
 BATCH_SIZE = 50
 TARGET = 2.0  # micro-batch jobs/s over the per-key handler loop
 QUIET = {"loggers": {"console": {"config": {"log_level": "WARNING"}}}}
@@ -55,16 +50,8 @@ def backend(name: str, tmp: Path) -> Iterator[str]:
     if name == "sqlite":
         yield f"sqlite:///{tmp / f'bench-{uuid.uuid4().hex[:6]}.db'}"
         return
-    schema = "bench_" + uuid.uuid4().hex[:10]
-    admin = create_engine(PG_URL, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f"CREATE SCHEMA {schema}"))
-    try:
-        yield f"{PG_URL}?options=-csearch_path%3D{schema}"
-    finally:
-        with admin.connect() as conn:
-            conn.execute(text(f"DROP SCHEMA IF EXISTS {schema} CASCADE"))
-        admin.dispose()
+    with postgres_schema() as url:
+        yield url
 
 
 def payloads(tag: str, n: int) -> list[dict[str, Any]]:
@@ -219,11 +206,11 @@ def _resources(db_url: str, smtp_port: int, tag: str) -> dict[str, Any]:
         "idempotency": IdempotencyResource(database_url=db_url),
         "app_db": DatabaseResource(database_url=db_url),
         "locks": LockResource(backend="db", database_url=db_url),
-        "cache": CacheResource(redis_url=REDIS_URL, namespace=tag),
+        "cache": CacheResource(redis_url=redis_url(), namespace=tag),
         "gateway": PaymentGatewayResource(base_url="http://127.0.0.1:9"),
         "mailer": MailerResource(host="127.0.0.1", port=smtp_port),
-        "retry": RetryResource(redis_url=REDIS_URL, budget_namespace=tag),
-        "concurrency": ConcurrencyResource(redis_url=REDIS_URL, prefix=f"{tag}:flow:limit:"),
+        "retry": RetryResource(redis_url=redis_url(), budget_namespace=tag),
+        "concurrency": ConcurrencyResource(redis_url=redis_url(), prefix=f"{tag}:flow:limit:"),
         "requests": RequestsResource(database_url=db_url),
     }
 
@@ -248,12 +235,15 @@ def run(quick: bool = False) -> dict[str, Any]:
         sink = SinkProcess(tmp / "sink.db")
         try:
             for name in ("sqlite", "postgres"):
+                if name == "postgres" and postgres_url() is None:
+                    results["skipped"] = {name: "PostgreSQL is not available"}
+                    continue
                 with backend(name, tmp) as url, dg.DagsterInstance.ephemeral() as instance:
                     tag = "bi" + uuid.uuid4().hex[:8]
                     os.environ.update(
                         {
                             "DATABASE_URL": url,
-                            "REDIS_URL": REDIS_URL,
+                            "REDIS_URL": redis_url(),
                             "SEKALI_SMTP_PORT": str(sink.port),
                         }
                     )

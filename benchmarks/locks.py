@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import multiprocessing
-import os
 import statistics
 import sys
 import time
@@ -25,9 +24,9 @@ from typing import Any
 import redis
 import redis_lock
 
+from benchmarks.backends import redis_url
 from resources.locks import MemoryLockStats, RedisLock
 
-REDIS_URL = os.environ.get("SEKALI_BENCH_REDIS_URL", "redis://127.0.0.1:6379/0")
 _DELETE = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
@@ -83,7 +82,7 @@ def _python_redis_lock(client: redis.Redis, name: str) -> Callable[[], None]:
 
 
 def uncontended(quick: bool) -> dict[str, Any]:
-    client = redis.Redis.from_url(REDIS_URL)
+    client = redis.Redis.from_url(redis_url())
     run_id = uuid.uuid4().hex[:8]
     contenders: dict[str, Callable[[], None]] = {
         "floor (SET NX PX + Lua DEL)": _floor(client, run_id),
@@ -118,7 +117,7 @@ def uncontended(quick: bool) -> dict[str, Any]:
 def _client_loop(
     kind: str, name: str, barrier: Any, duration: float, hold: float, out: Any
 ) -> None:
-    client = redis.Redis.from_url(REDIS_URL)
+    client = redis.Redis.from_url(redis_url())
     lock: Any
     if kind == "sekali":
         lock = RedisLock(client, name, ttl=10, blocking_timeout=60, observer=MemoryLockStats())
@@ -187,7 +186,9 @@ def run(quick: bool = False) -> dict[str, Any]:
             if theirs["throughput_per_s"]
             else None
         )
-    result["settings"] = {"quick": quick, "duration_s": duration, "hold_ms": 2, "redis": REDIS_URL}
+    result["settings"] = {
+        "quick": quick, "duration_s": duration, "hold_ms": 2, "redis": redis_url()
+    }
     result["summary"] = summary(result)
     return result
 

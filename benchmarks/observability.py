@@ -14,17 +14,16 @@ Run: ``python -m benchmarks.observability [--quick]``.
 from __future__ import annotations
 
 import logging
-import os
 import random
 import statistics
 import tempfile
 import time
-import uuid
 from collections.abc import Callable
 from typing import Any
 
-from sqlalchemy import create_engine, text
+from sqlalchemy import text
 
+from benchmarks.backends import BackendUnavailable, postgres_schema
 from benchmarks.suite import module_main
 from pipelines.attempts import Attempt, AttemptRecorder
 from pipelines.diagnosis import DiagnosisSetup, diagnose
@@ -32,9 +31,6 @@ from pipelines.metrics import MetricsCollector
 from resources.storage.db import Database
 from resources.storage.migrations import upgrade
 
-PG_URL = os.environ.get(
-    "SEKALI_BENCH_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/sekali_test"
-)
 TARGET_RATIO = 2.0  # a snapshot may cost at most 2x the bare read of its rows
 OUTCOMES = ["completed"] * 8 + ["duplicate_suppressed", "retried"]
 JOB_TYPES = ["charge_payment", "send_email", "reserve_inventory", "fulfill_order"]
@@ -119,22 +115,16 @@ def run(quick: bool = False) -> dict[str, Any]:
         upgrade(db)
         results["backends"]["sqlite"] = _measure(db, rows, rounds)
         db.dispose()
-    schema = "bench_obs_" + uuid.uuid4().hex[:8]
-    admin = create_engine(PG_URL, isolation_level="AUTOCOMMIT")
     try:
-        with admin.connect() as conn:
-            conn.execute(text(f"CREATE SCHEMA {schema}"))
-        sep = "&" if "?" in PG_URL else "?"
-        db = Database.from_url(f"{PG_URL}{sep}options=-csearch_path%3D{schema}")
-        upgrade(db)
-        results["backends"]["postgres"] = _measure(db, rows, rounds)
-        db.dispose()
+        with postgres_schema("bench_obs_") as url:
+            db = Database.from_url(url)
+            upgrade(db)
+            results["backends"]["postgres"] = _measure(db, rows, rounds)
+            db.dispose()
+    except BackendUnavailable as exc:
+        results["skipped"] = {"postgres": str(exc)}
     except Exception as exc:  # noqa: BLE001 - report, keep the SQLite numbers
         results["backends"]["postgres"] = {"error": f"{type(exc).__name__}: {exc}"}
-    finally:
-        with admin.connect() as conn:
-            conn.execute(text(f"DROP SCHEMA IF EXISTS {schema} CASCADE"))
-        admin.dispose()
     measured = [r["collect_ratio"] for r in results["backends"].values() if "error" not in r]
     results["headline"] = {
         "metrics_snapshot_over_read": max(measured) if measured else None,

@@ -13,24 +13,21 @@ Run: ``python -m benchmarks.outbox [--quick]``.
 
 from __future__ import annotations
 
-import os
 import tempfile
 import threading
 import time
 import uuid
 from typing import Any
 
-from sqlalchemy import create_engine, text
+from sqlalchemy import text
 
+from benchmarks.backends import BackendUnavailable, postgres_schema
 from benchmarks.suite import module_main
 from resources.outbox import write_event
 from resources.outbox.publisher import Consumer, InAppPublisher, Inbox, OutboxEvent, OutboxPublisher
 from resources.storage.db import Database
 from resources.storage.migrations import upgrade
 
-PG_URL = os.environ.get(
-    "SEKALI_BENCH_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/sekali_test"
-)
 TARGET_RATIO = 0.5
 AGGREGATES = 50
 
@@ -65,7 +62,8 @@ def _naive(db: Database) -> int:
             rows = conn.execute(
                 text(
                     "SELECT id, event_id, aggregate_type, aggregate_id, event_type, payload,"
-                    " created_at, attempts FROM outbox WHERE published_at IS NULL ORDER BY id"
+                    " created_at, attempts, traceparent FROM outbox WHERE published_at IS NULL"
+                    " ORDER BY id"
                     " LIMIT 100"
                 )
             ).all()
@@ -137,24 +135,13 @@ def run(quick: bool = False) -> dict[str, Any]:
     out: dict[str, Any] = {"backends": {}, "summary": []}
     with tempfile.TemporaryDirectory() as tmp:
         out["backends"]["sqlite"] = _backend(f"sqlite:///{tmp}/outbox.db", n, rounds)
-    schema = "bench_" + uuid.uuid4().hex[:8]
-    admin = create_engine(PG_URL, isolation_level="AUTOCOMMIT")
     try:
-        with admin.connect() as conn:
-            conn.execute(text(f"CREATE SCHEMA {schema}"))
-        sep = "&" if "?" in PG_URL else "?"
-        out["backends"]["postgres"] = _backend(
-            f"{PG_URL}{sep}options=-csearch_path%3D{schema}", n, rounds
-        )
+        with postgres_schema() as url:
+            out["backends"]["postgres"] = _backend(url, n, rounds)
+    except BackendUnavailable as exc:
+        out["skipped"] = {"postgres": str(exc)}
     except Exception as exc:  # noqa: BLE001 - report, do not hide the SQLite numbers
         out["backends"]["postgres"] = {"error": f"{type(exc).__name__}: {exc}"}
-    finally:
-        try:
-            with admin.connect() as conn:
-                conn.execute(text(f"DROP SCHEMA IF EXISTS {schema} CASCADE"))
-        except Exception:  # noqa: BLE001
-            pass
-        admin.dispose()
     for name, res in out["backends"].items():
         if "error" in res:
             continue

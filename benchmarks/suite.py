@@ -11,7 +11,10 @@ the machine was (load averages before and after), writes everything to
 ``benchmarks/results/latest.json`` and keeps the plots the suites draw there.
 
 ``--json`` prints that report, and nothing else, on stdout (progress, the suites' own output
-and their subprocesses' go to stderr). ``--markdown`` prints the headline as the README's table,
+and their subprocesses' go to stderr); ``--out PATH`` writes it to ``PATH`` as well. The servers
+come from :mod:`benchmarks.backends`: the Postgres database is created when missing, and with no
+Postgres the suites run the embedded backend alone (said on stderr, the report's ``backends``
+says which ran). ``--markdown`` prints the headline as the README's table,
 with the command that produced it; ``--from FILE`` renders a saved report instead of running,
 and ``--readme README.md`` writes the table between the README's ``bench:start`` and
 ``bench:end`` markers.
@@ -33,6 +36,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from benchmarks.backends import postgres_url
 from benchmarks.plotting import RESULTS
 
 SUITES = ["idempotency", "locks", "stampede", "retry_storm", "intake", "chaos", "observability",
@@ -82,6 +86,7 @@ def run_suites(names: list[str], *, quick: bool) -> dict[str, Any]:
         },
         "suites": {},
     }
+    postgres_url()  # decided (database created, or the fallback said) before any suite runs
     for name in names:
         started = time.monotonic()
         print(f"== {name} ...", file=sys.stderr, flush=True)
@@ -96,6 +101,7 @@ def run_suites(names: list[str], *, quick: bool) -> dict[str, Any]:
         result["_seconds"] = round(time.monotonic() - started, 1)
         report["suites"][name] = result
         print(f"   {status} in {result['_seconds']} s", file=sys.stderr, flush=True)
+    report["backends"] = {"postgres": postgres_url() is not None}
     report["machine"]["load_after"] = _load()
     report["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     report["headline"], report["headline_targets"] = headline(report)
@@ -233,9 +239,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--readme", metavar="PATH", help="write the table between PATH's bench markers"
     )
     parser.add_argument("--only", action="append", choices=SUITES, help="run only these")
+    parser.add_argument("--out", metavar="PATH", help="write the JSON report to PATH too")
 
 
 def run_from_args(args: argparse.Namespace) -> int:
+    if args.out and not Path(args.out).resolve().parent.is_dir():
+        print(f"sekali bench: --out {args.out}: no such folder", file=sys.stderr)
+        return 2
     if args.from_file:
         try:
             report = json.loads(Path(args.from_file).read_text())
@@ -263,6 +273,13 @@ def run_from_args(args: argparse.Namespace) -> int:
                     print(render_table(summary_rows(report)), file=stdout)
         ok = all(r.get("_status") == "ok" for r in report["suites"].values())
     table = render_markdown(report, command)
+    if args.out:
+        try:
+            Path(args.out).write_text(json.dumps(report, indent=2, default=str) + "\n")
+        except OSError as exc:
+            print(f"sekali bench: cannot write {args.out}: {exc}", file=sys.stderr)
+            return 2
+        print(f"sekali bench: report written to {args.out}", file=sys.stderr)
     if args.readme:
         write_readme(Path(args.readme), table)
     if args.json:

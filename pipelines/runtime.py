@@ -34,7 +34,7 @@ from typing import Any
 
 from pipelines.attempts import Attempt, Outcome
 from pipelines.failures import FailurePath
-from pipelines.jobs.base import JobContext, JobType
+from pipelines.jobs.base import JobContext, JobType, batch_slots
 from pipelines.privacy import personal_values
 from pipelines.registry import get_job_type
 from pipelines.services import Services
@@ -308,16 +308,18 @@ def _run_batch(jt: JobType, items: list[_Item], out: list[Any], services: Servic
 
 def _handle(jt: JobType, items: list[_Item]) -> list[Any]:
     """Every claimed request's result or exception, through ``handler_many`` when the job type
-    has one, else ``handler`` one by one."""
+    has one (under the batch's concurrency slots: :func:`batch_slots`), else ``handler`` one by
+    one (each holds its own slot)."""
     pairs = [(item.ctx, item.clean) for item in items if item.ctx is not None]
     if jt.handler_many is not None:
-        try:
-            results = jt.handler_many(pairs)
-        except Exception as exc:  # noqa: BLE001 - the hook failed as a whole: so did each request
-            return [exc] * len(items)
-        if len(results) != len(items):
-            error = RuntimeError(f"{jt.name}.handler_many returned {len(results)} results")
-            return [error] * len(items)
+        results: list[Any] = [None] * len(pairs)
+        with batch_slots(jt, [ctx for ctx, _ in pairs]) as refused:
+            run = [n for n in range(len(pairs)) if n not in refused]
+            for n, error in refused.items():
+                results[n] = error
+            if run:
+                for n, result in zip(run, _handle_many(jt, [pairs[n] for n in run]), strict=True):
+                    results[n] = result
         return results
     results = []
     for ctx, clean in pairs:
@@ -326,6 +328,18 @@ def _handle(jt: JobType, items: list[_Item]) -> list[Any]:
         except Exception as exc:  # noqa: BLE001 - this request's failure, not the batch's
             results.append(exc)
     return results
+
+
+def _handle_many(jt: JobType, pairs: list[tuple[JobContext, dict[str, Any]]]) -> list[Any]:
+    assert jt.handler_many is not None
+    try:
+        results = jt.handler_many(pairs)
+    except Exception as exc:  # noqa: BLE001 - the hook failed as a whole: so did each request
+        return [exc] * len(pairs)
+    if len(results) != len(pairs):
+        error = RuntimeError(f"{jt.name}.handler_many returned {len(results)} results")
+        return [error] * len(pairs)
+    return list(results)
 
 
 def _complete(services: Services, items: list[_Item], results: list[Any]) -> None:

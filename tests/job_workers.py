@@ -171,6 +171,91 @@ def batch_worker(spec: dict[str, Any]) -> dict[str, Any]:
         db.dispose()
 
 
+_TALLY = """
+-- KEYS[1] - holders now of the group   KEYS[2] - the most ever seen at once
+-- ARGV[1] - +1 on entering the effect, -1 on leaving; returns the holders now
+local n = redis.call('INCRBY', KEYS[1], ARGV[1])
+if n > tonumber(redis.call('GET', KEYS[2]) or '0') then redis.call('SET', KEYS[2], n) end
+return n
+"""
+
+TALLY_LIMIT = 2
+
+
+def tally_job_type(redis_url: str, namespace: str) -> Any:
+    """A job type whose requests (distinct keys) share a concurrency key, ``group:{group}``
+    (limit :data:`TALLY_LIMIT`), and whose batch hook, like ``reserve_inventory``'s, takes no
+    slot itself; every effect counts itself in and out of its group in Redis, keeping the most
+    ever inside at once under ``{namespace}:tally:max:{group}``."""
+    from pipelines.jobs.base import JobContext, JobType
+    from resources.storage.redis import redis_client
+
+    tally = redis_client(redis_url).register_script(_TALLY)
+
+    def effect(p: dict[str, Any]) -> dict[str, Any]:
+        keys = [f"{namespace}:tally:now:{p['group']}", f"{namespace}:tally:max:{p['group']}"]
+        tally(keys=keys, args=[1])
+        time.sleep(0.02)  # the effect's work: a window for another holder to overlap it
+        tally(keys=keys, args=[-1])
+        return {"n": p["n"]}
+
+    def handler(ctx: JobContext, p: dict[str, Any]) -> dict[str, Any]:
+        with ctx.concurrency_slot(job_type):
+            return effect(p)
+
+    def handler_many(items: Any) -> list[Any]:
+        out = []
+        for ctx, p in items:
+            ctx.check_lease()
+            out.append(effect(p))
+        return out
+
+    job_type = JobType(
+        name="tally_group", queue="light", validate=dict,
+        key_for=lambda p: f"tally:{p['group']}:{p['n']}", max_runtime_seconds=60,
+        side_effect=True, handler=handler, resource_id=lambda p: str(p["group"]),
+        lock="none", concurrency_key="group:{group}", concurrency_limit=TALLY_LIMIT,
+        handler_many=handler_many,
+    )
+    return job_type
+
+
+def limited_batch_worker(spec: dict[str, Any]) -> list[str]:
+    """Run ``spec["payloads"]`` of ``tally_group`` as micro-batches of ``spec["batch"]``
+    through ``execute_batch``, with the concurrency limits on the shared Redis, after waiting
+    for ``spec["go"]``; returns each request's status or error class."""
+    from pipelines.attempts import AttemptRecorder
+    from pipelines.registry import JOB_TYPES
+    from pipelines.runtime import BatchRequest, execute_batch
+    from pipelines.services import Services
+    from resources.flow import ConcurrencyLimits
+    from resources.idempotency import IdempotencyStore
+    from resources.storage.db import Database
+    from resources.storage.redis import redis_client
+
+    JOB_TYPES["tally_group"] = tally_job_type(spec["redis_url"], spec["namespace"])
+    db = Database.from_url(spec["db_url"])
+    services = Services(
+        db=db, store=IdempotencyStore(db), attempts=AttemptRecorder(db),
+        concurrency=ConcurrencyLimits(
+            redis_client(spec["redis_url"]), wait=60, prefix=f"{spec['namespace']}:limit:"
+        ),
+    )
+    time.sleep(max(0.0, spec["go"] - time.time()))
+    statuses: list[str] = []
+    payloads = spec["payloads"]
+    try:
+        for lo in range(0, len(payloads), spec["batch"]):
+            batch = [BatchRequest("tally_group", p) for p in payloads[lo:lo + spec["batch"]]]
+            for outcome in execute_batch(batch, services=services, run_id=spec["run_id"]):
+                statuses.append(
+                    type(outcome).__name__ if isinstance(outcome, Exception) else outcome.status
+                )
+    finally:
+        db.dispose()
+    return statuses
+
+
 def main() -> None:
     """``python tests/job_workers.py JSON``: run one job in process (the crash tests), with
     ``job_type`` in the JSON :func:`request_loop` without Dagster, or one micro-batch when the

@@ -9,16 +9,22 @@ import subprocess
 import sys
 from pathlib import Path
 
+from sqlalchemy import create_engine, text
+
 from benchmarks.suite import HEADLINE
+from sandbox.postgres_server import PostgresServer, PostgresUnavailable
+from tests.conftest import need_server
 
 ROOT = Path(__file__).resolve().parents[1]
 SEKALI = [sys.executable, "-m", "pipelines.cli"]
 
 
-def bench(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
+def bench(
+    *args: str, cwd: Path = ROOT, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [*SEKALI, "bench", *args], cwd=cwd, capture_output=True, text=True, timeout=600,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
     )
 
 
@@ -34,6 +40,7 @@ def test_json_is_the_only_thing_on_stdout_and_holds_every_headline_name() -> Non
     assert report["headline_targets"]["metrics_snapshot_over_read"]["target"] == "<= 2"
     assert len(report["machine"]["load_before"]) == 3
     assert "== observability" in proc.stderr
+    assert report["backends"] == {"postgres": True}
 
 
 def test_markdown_table_from_a_saved_report_and_into_the_readme(tmp_path: Path) -> None:
@@ -72,3 +79,59 @@ def test_an_unreadable_report_is_bad_input(tmp_path: Path) -> None:
     proc = bench("--markdown", "--from", str(tmp_path / "missing.json"))
     assert proc.returncode == 2
     assert proc.stdout == "" and "cannot read" in proc.stderr
+
+
+def test_without_postgres_it_runs_the_embedded_backend_says_so_and_writes_out(
+    tmp_path: Path,
+) -> None:
+    """Catches a bench that dies (or prints a traceback into the JSON) on a machine without
+    the Postgres it expects, one that leaves the fallback unsaid, and an ``--out`` that
+    writes something other than the document printed on stdout."""
+    out = tmp_path / "report.json"
+    proc = bench(
+        "--json", "--quick", "--only", "observability", "--out", str(out),
+        env={"SEKALI_BENCH_PG_URL": "postgresql+psycopg://postgres@127.0.0.1:1/nowhere"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    assert json.loads(out.read_text()) == report
+    assert report["backends"] == {"postgres": False}
+    assert "the embedded backend (SQLite) runs alone" in proc.stderr
+    suite = report["suites"]["observability"]
+    assert set(suite["backends"]) == {"sqlite"} and "postgres" in suite["skipped"]
+    assert isinstance(report["headline"]["metrics_snapshot_over_read"], float)
+
+
+def test_a_missing_database_is_created_on_a_fresh_server(tmp_path: Path) -> None:
+    """Catches a bench that needs its database made by hand: on a private, fresh cluster it
+    creates the database named by its URL, says so, and measures Postgres there."""
+    try:
+        server = PostgresServer().start()
+    except PostgresUnavailable as exc:
+        need_server("a private PostgreSQL cluster (initdb, pg_ctl)", exc)
+        raise
+    try:
+        url = server.url("bench_fresh")
+        proc = bench(
+            "--json", "--quick", "--only", "observability",
+            env={"SEKALI_BENCH_PG_URL": url},
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "created database 'bench_fresh'" in proc.stderr
+        report = json.loads(proc.stdout)
+        assert report["backends"] == {"postgres": True}
+        assert "error" not in report["suites"]["observability"]["backends"]["postgres"]
+        assert isinstance(report["headline"]["metrics_snapshot_over_read_postgres"], float)
+        engine = create_engine(server.url())
+        with engine.connect() as conn:
+            names = conn.execute(text("SELECT datname FROM pg_database")).scalars().all()
+        engine.dispose()
+        assert "bench_fresh" in names
+    finally:
+        server.stop()
+
+
+def test_out_into_a_missing_folder_is_bad_usage_before_anything_runs(tmp_path: Path) -> None:
+    proc = bench("--json", "--only", "observability", "--out", str(tmp_path / "no" / "r.json"))
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert "no such folder" in proc.stderr and "== observability" not in proc.stderr

@@ -220,6 +220,45 @@ def test_store_calls_on_a_frozen_postgres_raise_within_the_bound_and_the_lease_i
         db.dispose()
 
 
+def test_a_batch_keeper_on_a_frozen_postgres_stops_its_jobs_and_revives_nothing(
+    private_pg: PostgresServer, private_db_url: str
+) -> None:
+    """Catches a micro-batch's lease keeper that lets its jobs go on after the leases it could
+    not renew ran out (the single-key keeper stops its job), or that renews them once the
+    database answers again, after its jobs were told to stop.
+
+    t=0    a batch claims K1, K2 (lease 2 s), one keeper beats both every 0.5 s; Postgres freezes
+    t=2+   the leases last confirmed run out: each job's check() raises LeaseLost
+    thaw   B claims K1 and K2: takeovers; the batch's late completions are refused
+    """
+    db = Database.from_url(private_db_url, timeouts=PG)
+    upgrade(db)
+    store = IdempotencyStore(db, lease_seconds=2.0)
+    claims = store.begin_many([("frozen:b1", {"n": 1}), ("frozen:b2", {"n": 2})])
+    assert all(isinstance(c, Claim) for c in claims)
+    try:
+        with store.keep_alive_many(claims, interval=0.5) as keeper:  # type: ignore[arg-type]
+            members = [keeper.keeper_for(c) for c in claims]  # type: ignore[arg-type]
+            private_pg.freeze()
+            try:
+                time.sleep(max(0.0, max(c.lease_expires_at for c in claims) - time.time()))
+                for member in members:
+                    stopped = ends_within(PATIENCE * PG.bound, member.check)
+                    assert isinstance(stopped, LeaseLost), repr(stopped)
+            finally:
+                private_pg.thaw()
+            time.sleep(1.0)  # two beat intervals: a keeper still beating would renew now
+            other_db = Database.from_url(private_db_url, timeouts=PG)
+            other = IdempotencyStore(other_db, lease_seconds=2)
+            taken = other.begin_many([("frozen:b1", {"n": 1}), ("frozen:b2", {"n": 2})])
+            assert all(isinstance(t, Claim) and t.takeover for t in taken), taken
+        lost = store.complete_many([(c, {"stale": True}) for c in claims])  # type: ignore[misc]
+        assert all(isinstance(x, LeaseLost) for x in lost)
+        other_db.dispose()
+    finally:
+        db.dispose()
+
+
 def test_server_side_bounds_apply_to_every_transaction(private_db_url: str) -> None:
     """Catches a connection opened without statement_timeout / lock_timeout: a slow statement or
     a row lock held by a stalled transaction would hold the caller for as long as they last."""

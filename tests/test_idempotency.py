@@ -470,3 +470,25 @@ def test_postgres_replay_takes_no_row_lock(postgres_url: str) -> None:
         assert isinstance(answers["busy"], AlreadyInProgress)
     finally:
         db.dispose()
+
+
+def test_batch_keeper_stops_its_holder_once_the_confirmed_lease_ran_out(
+    store: IdempotencyStore, clock: FakeClock
+) -> None:
+    """Catches a batch lease keeper that lets its jobs go on after the lease it last confirmed
+    ran out (no heartbeat got through: a store that does not answer), where the single-key
+    keeper stops them: another worker may take the key over from then on, so each member's
+    check() and confirm() must raise LeaseLost before the next side effect."""
+    claims = [claim_of(o) for o in store.begin_many([("b1", None), ("b2", None)])]
+    with store.keep_alive_many(claims, interval=3600) as keeper:  # no beat gets through
+        members = [keeper.keeper_for(c) for c in claims]
+        clock.advance(9)
+        for member in members:
+            member.check()  # still within the lease the claim confirmed
+        clock.advance(2)
+        for member in members:
+            with pytest.raises(LeaseLost, match="ran out"):
+                member.check()
+            with pytest.raises(LeaseLost):
+                member.confirm()
+        assert set(keeper.lost) == {"b1", "b2"}

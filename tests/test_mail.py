@@ -120,14 +120,18 @@ def dripping_server() -> Iterator[int]:
     listener = socket.create_server(("127.0.0.1", 0))
     stop = threading.Event()
 
+    def drip(conn: socket.socket) -> None:
+        with contextlib.suppress(OSError), conn:
+            for byte in b"220 " + b"x" * 200 + b"\r\n":
+                if stop.wait(0.2):
+                    return
+                conn.sendall(bytes([byte]))
+
     def serve() -> None:
         with contextlib.suppress(OSError):
-            conn, _ = listener.accept()
-            with conn:
-                for byte in b"220 " + b"x" * 200 + b"\r\n":
-                    if stop.wait(0.2):
-                        return
-                    conn.sendall(bytes([byte]))
+            while not stop.is_set():  # every connection drips, each on its own thread
+                conn, _ = listener.accept()
+                threading.Thread(target=drip, args=(conn,), daemon=True).start()
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
@@ -135,6 +139,8 @@ def dripping_server() -> Iterator[int]:
         yield int(listener.getsockname()[1])
     finally:
         stop.set()
+        with contextlib.suppress(OSError):  # wake the accept so the server sees the stop
+            socket.create_connection(listener.getsockname(), timeout=1).close()
         listener.close()
         thread.join(5)
 
@@ -158,6 +164,34 @@ def test_a_dripping_server_is_cut_at_the_total_deadline(dripping_server: int) ->
     assert not sender.is_alive(), "the send outlived 8 x its deadline"
     assert len(outcome) == 1 and isinstance(outcome[0], MailUnavailable), outcome
     assert "deadline" in str(outcome[0]) and classify(outcome[0]) is ErrorClass.TRANSIENT
+
+
+def test_every_send_of_a_session_is_cut_at_its_own_deadline(dripping_server: int) -> None:
+    """Catches a session whose one deadline keeper guards only its first send: after the first
+    send was cut, the next one (a new connection, the same session) must be cut at its own
+    deadline too, and closing the session ends the keeper's thread."""
+    mailer = SmtpMailer("127.0.0.1", dripping_server, timeout=1.0, deadline=1.5)
+    outcome: list[BaseException] = []
+
+    def send_twice() -> None:
+        with mailer.session() as session:
+            for n in range(2):
+                try:
+                    session.send(to="a@example.com", subject="x", body="x",
+                                 message_id=f"<s{n}@sekali>")
+                except BaseException as exc:  # noqa: BLE001 - handed to the test
+                    outcome.append(exc)
+
+    sender = threading.Thread(target=send_twice, daemon=True)
+    sender.start()
+    sender.join(8 * 2 * mailer.deadline)
+    assert not sender.is_alive(), "a send of the session outlived 8 x its deadline"
+    assert len(outcome) == 2 and all(isinstance(e, MailUnavailable) for e in outcome), outcome
+    assert all("deadline" in str(e) for e in outcome)
+    keepers = [t for t in threading.enumerate() if t.name == "smtp-deadline"]
+    for keeper in keepers:
+        keeper.join(5)
+    assert not any(t.is_alive() for t in keepers)
 
 
 def test_resource_reads_settings_at_use(monkeypatch: pytest.MonkeyPatch, sink: MailSink) -> None:

@@ -32,11 +32,13 @@ from pipelines.jobs.email import validate
 from pipelines.ops.batch import run_batch
 from pipelines.requests import RequestStatus, RequestStore
 from pipelines.services import Services
+from resources.flow import ConcurrencyLimits
 from resources.idempotency import Claim, Completed, IdempotencyStore, Status
 from resources.storage.db import Database
 from resources.storage.driver import DriverConnection, Sql
+from resources.storage.redis import redis_client as redis_client_for
 from sandbox.mailsink import MailSink
-from tests.job_workers import batch_worker
+from tests.job_workers import TALLY_LIMIT, batch_worker, limited_batch_worker
 
 WORKER = Path(__file__).resolve().parent / "job_workers.py"
 
@@ -244,3 +246,58 @@ def test_inventory_batch_commits_its_carts_together_and_a_bad_cart_alone_rolls_b
     for i in (0, 1, 3):
         again = store.begin(f"inventory-reserve:c{i}", payload=inventory_job.validate(payloads[i]))
         assert isinstance(again, Completed) and again.result["cart_id"] == f"c{i}"
+
+
+def test_batches_in_several_processes_never_exceed_a_job_types_concurrency_limit(
+    db: Database, db_url: str, redis_url: str, namespace: str
+) -> None:
+    """Catches a micro-batch whose batch hook makes its effects without the job type's
+    concurrency slots (the per-request handlers hold them): four processes run batches whose
+    requests (distinct keys) share two concurrency keys of limit 2, and at no moment are more
+    than 2 effects of one key under way."""
+    go = time.time() + 6.0
+    specs = [
+        {"db_url": db_url, "redis_url": redis_url, "namespace": namespace, "go": go,
+         "run_id": f"w{w}", "batch": 4,
+         "payloads": [{"group": f"g{i % 2}", "n": f"{w}-{i}"} for i in range(12)]}
+        for w in range(4)
+    ]
+    with multiprocessing.get_context("spawn").Pool(4) as pool:
+        statuses = pool.map(limited_batch_worker, specs)
+    assert [s for each in statuses for s in each] == ["completed"] * 48
+    client = redis_client_for(redis_url)
+    most = {g: int(client.get(f"{namespace}:tally:max:{g}") or 0) for g in ("g0", "g1")}
+    assert 1 <= most["g0"] <= TALLY_LIMIT and 1 <= most["g1"] <= TALLY_LIMIT, most
+    client.close()
+
+
+def test_a_cart_whose_slot_another_worker_holds_waits_out_and_fails_alone(
+    db: Database, redis_client: Any, namespace: str, sink: MailSink
+) -> None:
+    """Catches an inventory batch that reserves a cart while another worker holds the only
+    slot of ``cart:{cart_id}``: that cart fails with LimitNotAcquired (transient: replayed by
+    the DLQ) and reserves nothing; the batch's other carts complete; and once the slot is free
+    the cart goes through."""
+    inventory = Inventory(db)
+    inventory.set_stock("sku-a", 10)
+    inventory.set_stock("sku-b", 10)
+    services = services_for(db, sink)
+    services.concurrency = ConcurrencyLimits(
+        redis_client, wait=0.3, prefix=f"{namespace}:limit:"
+    )
+    other = services.concurrency.limiter("reserve_inventory", 1).acquire("cart:c1")
+    payloads = [cart(0), cart(1), cart(2)]
+    ids = enqueue(db, "reserve_inventory", payloads, lambda p: f"inventory-reserve:{p['cart_id']}")
+
+    summary = run_batch(RequestStore(db), ids, services=services, run_id="held")
+
+    assert (summary["completed"], summary["failed"]) == (2, 1)
+    assert "LimitNotAcquired" in summary["failures"]["inventory-reserve:c1"]
+    with db.statement() as conn:
+        rows = conn.execute(text("SELECT DISTINCT cart_id FROM reservations"))
+        assert sorted(r[0] for r in rows) == ["c0", "c2"]
+    waited = AttemptRecorder(db).for_key("inventory-reserve:c0")[-1]["durations"]
+    assert "concurrency_wait" in waited
+    other.release()
+    again = run_batch(RequestStore(db), [ids[1]], services=services, run_id="free")
+    assert again["completed"] == 1 and inventory.stock("sku-a") == (10, 3)

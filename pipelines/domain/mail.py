@@ -26,6 +26,7 @@ import logging
 import smtplib
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from email.header import Header
@@ -69,6 +70,57 @@ def _cut(smtp: smtplib.SMTP, cut: threading.Event) -> None:
     if sock is not None:
         with contextlib.suppress(OSError):
             sock.shutdown(socket.SHUT_RDWR)
+
+
+class _Cutter:
+    """The deadline of each send of one session, kept by one thread for the whole session.
+
+    ``arm`` before a send, ``disarm`` after it: a send still running when its deadline passes has
+    its socket shut down (:func:`_cut`), which wakes the read blocked on it. A thread per send
+    (``threading.Timer``) cost more than the send itself on a busy machine: starting one waits
+    for the new thread to be scheduled. The thread starts on the first ``arm`` and ends with
+    :meth:`close`.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._armed: tuple[float, smtplib.SMTP, threading.Event] | None = None
+        self._closed = False
+        self._thread: threading.Thread | None = None
+
+    def arm(self, seconds: float, smtp: smtplib.SMTP, cut: threading.Event) -> None:
+        with self._cond:
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name="smtp-deadline", daemon=True
+                )
+                self._thread.start()
+            self._armed = (time.monotonic() + seconds, smtp, cut)
+            self._cond.notify()
+
+    def disarm(self) -> None:
+        with self._cond:
+            self._armed = None
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._armed = None
+            self._cond.notify()
+
+    def _run(self) -> None:
+        with self._cond:
+            while not self._closed:
+                if self._armed is None:
+                    self._cond.wait()
+                    continue
+                at, smtp, cut = self._armed
+                left = at - time.monotonic()
+                if left > 0:
+                    self._cond.wait(left)
+                    continue
+                self._armed = None
+                _cut(smtp, cut)
 
 
 def _text(reply: bytes | str) -> str:
@@ -162,6 +214,7 @@ class SmtpSession:
     def __init__(self, mailer: SmtpMailer) -> None:
         self.mailer = mailer
         self._smtp: smtplib.SMTP | None = None
+        self._cutter = _Cutter()
 
     def send(
         self,
@@ -178,9 +231,7 @@ class SmtpSession:
         )
         smtp = self._smtp or smtplib.SMTP(timeout=min(m.timeout, m.deadline))  # connects below
         cut = threading.Event()
-        cutter = threading.Timer(m.deadline, _cut, args=(smtp, cut))
-        cutter.daemon = True
-        cutter.start()
+        self._cutter.arm(m.deadline, smtp, cut)
         try:
             if self._smtp is None:
                 smtp.connect(m.host, m.port)
@@ -217,7 +268,7 @@ class SmtpSession:
                 ) from exc
             raise MailUnavailable(f"mail server at {m.host}:{m.port} unavailable: {exc!r}") from exc
         finally:
-            cutter.cancel()
+            self._cutter.disarm()
         log.info(
             "sent %s",
             message_id,
@@ -226,9 +277,13 @@ class SmtpSession:
 
     def close(self) -> None:
         if self._smtp is not None:
+            cut = threading.Event()
+            self._cutter.arm(self.mailer.deadline, self._smtp, cut)  # QUIT has a deadline too
             with contextlib.suppress(smtplib.SMTPException, OSError):
                 self._smtp.quit()
-            self._drop(self._smtp)
+            if self._smtp is not None:
+                self._drop(self._smtp)
+        self._cutter.close()
 
     def _drop(self, smtp: smtplib.SMTP) -> None:
         with contextlib.suppress(OSError):

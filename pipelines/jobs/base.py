@@ -199,6 +199,9 @@ class JobContext:
     correlation_id: str | None = None
     keeper: Keeper | None = None
     completed: bool = False
+    slot: Slot | None = None
+    """The concurrency slot of this payload's key that the caller already holds (a micro-batch
+    holds its keys' slots around its effects): :meth:`concurrency_slot` then uses it."""
     _lock_wait: float = field(default=0.0, repr=False)
 
     @property
@@ -288,6 +291,10 @@ class JobContext:
         if key is None or limits is None:
             yield None
             return
+        if self.slot is not None:  # held by the batch around every request of this key
+            self.check_lease()
+            yield self.slot
+            return
         self.check_lease()
         started = time.perf_counter()
         with limits.hold(job_type.name, key, job_type.concurrency_limit) as slot:
@@ -307,6 +314,52 @@ class JobContext:
         """Mark the key completed in the same transaction as the final effect."""
         self.services.store.complete(self.claim, result, conn=conn)
         self.completed = True
+
+
+@contextlib.contextmanager
+def batch_slots(
+    job_type: JobType, contexts: Sequence[JobContext]
+) -> Iterator[dict[int, Exception]]:
+    """Hold, around a micro-batch's effects, one of ``job_type``'s concurrency slots for each
+    distinct key among its payloads, so a batch honours the limit exactly as the per-request
+    handlers do with :meth:`JobContext.concurrency_slot`: across every worker, at most
+    ``concurrency_limit`` holders of one key make its effects at once (the requests of one
+    batch that share a key run one after another under the one slot).
+
+    Keys are taken in sorted order, so two batches never wait on each other in a cycle. A key
+    whose slot could not be had within the limits' wait (:class:`LimitNotAcquired`, transient)
+    or at all (Redis down) fails its requests: yields ``{index: error}`` for them, and the caller
+    leaves them out. Each other context gets its slot as ``ctx.slot`` for the block, with the
+    wait recorded as ``concurrency_wait``. A no-op (yielding ``{}``) when the type declares no
+    key or the services carry no limits.
+    """
+    limits = contexts[0].services.concurrency if contexts else None
+    if job_type.concurrency_key is None or limits is None:
+        yield {}
+        return
+    by_key: dict[str, list[int]] = {}
+    for i, ctx in enumerate(contexts):
+        by_key.setdefault(str(job_type.concurrency_key_for(ctx.payload)), []).append(i)
+    refused: dict[int, Exception] = {}
+    with contextlib.ExitStack() as held:
+        for key in sorted(by_key):
+            started = time.perf_counter()
+            try:
+                slot = held.enter_context(
+                    limits.hold(job_type.name, key, job_type.concurrency_limit)
+                )
+            except Exception as exc:  # noqa: BLE001 - this key's requests fail, not the batch
+                refused.update(dict.fromkeys(by_key[key], exc))
+                continue
+            waited = time.perf_counter() - started
+            for i in by_key[key]:
+                contexts[i].slot = slot
+                contexts[i].attempt.add_duration("concurrency_wait", waited)
+        try:
+            yield refused
+        finally:
+            for ctx in contexts:
+                ctx.slot = None
 
 
 def fenced_update(

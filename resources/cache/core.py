@@ -90,7 +90,7 @@ from resources.cache.scripts import (
 from resources.cache.stats import CacheRecorder
 from resources.errors import CacheLoaderFailed, CacheLoadTimeout, StoreUnavailable
 from resources.storage.redis import client_timeouts, redis_client
-from resources.telemetry.tracing import set_attributes, span
+from resources.telemetry.tracing import set_attributes, span, tracing_enabled
 
 log = logging.getLogger(__name__)
 
@@ -310,12 +310,16 @@ class StampedeCache:
         caller's load failed, or negative cache) or :class:`CacheLoadTimeout`.
         """
         started = time.monotonic()
+        def look() -> tuple[Any, str]:
+            return self._look(key, loader, ttl, stale_ttl, jitter)
+
         try:
-            with span("cache.get_or_load", cache_key=key, namespace=self.namespace):
-                (value, outcome), led = self._flight.run(
-                    ("get", key), lambda: self._look(key, loader, ttl, stale_ttl, jitter)
-                )
-                set_attributes(outcome=outcome, led=led)
+            if tracing_enabled():
+                with span("cache.get_or_load", cache_key=key, namespace=self.namespace):
+                    (value, outcome), led = self._flight.run(("get", key), look)
+                    set_attributes(outcome=outcome, led=led)
+            else:  # the hit path: no span to open and close when nobody collects them
+                (value, outcome), led = self._flight.run(("get", key), look)
         except Exception:
             self.recorder.record(key, "misses", access=True)
             raise
@@ -337,7 +341,8 @@ class StampedeCache:
         stale_ttl: float | None,
         jitter: float | None,
     ) -> tuple[Any, str]:
-        """One flight: the hit path (one GET, judged here), else the script."""
+        """One flight: the hit path (one GET, judged here), else the script. Concurrent callers
+        of one key in this process share the flight, so a cold stampede costs one GET."""
         try:
             raw = self.client.get(f"{PREFIX}{{{self.namespace}:{key}}}")
         except (redis.ConnectionError, redis.TimeoutError) as exc:

@@ -994,6 +994,12 @@ class BatchLeaseKeeper:
 
     A key leaves the batch with :meth:`release` once it completed or failed (its later beats
     would only report it "lost"). :meth:`keeper_for` gives each job its own :class:`Keeper`.
+
+    It stops its jobs exactly as :class:`LeaseKeeper` stops one: a key's :meth:`check` raises
+    :class:`LeaseLost` once a beat found the key taken over, or once the expiry the store last
+    confirmed for it has passed (no beat got through: from then on another worker may take the
+    key over), so each job stops before its next effect. An expired key is never beaten again,
+    so a store that comes back does not revive a lease its holder gave up.
     """
 
     def __init__(
@@ -1010,6 +1016,7 @@ class BatchLeaseKeeper:
         self.failed_beats = 0
         self.confirmed_at = confirmed_at if confirmed_at is not None else -math.inf
         self._claims = {claim.key: claim for claim in claims}
+        self._expires = {claim.key: claim.lease_expires_at for claim in claims}
         self._lock = threading.Lock()
         self._beating = threading.Lock()
         self._stop = threading.Event()
@@ -1025,11 +1032,27 @@ class BatchLeaseKeeper:
     def release(self, key: str) -> None:
         with self._lock:
             self._claims.pop(key, None)
+            self._expires.pop(key, None)
 
     def check(self, key: str) -> None:
-        lost = self.lost.get(key)
+        """Raise :class:`LeaseLost` if ``key`` was taken over or its lease may have run out."""
+        lost = self.lost.get(key) or self._expired(key)
         if lost is not None:
             raise lost
+
+    def _expired(self, key: str) -> LeaseLost | None:
+        with self._lock:
+            claim = self._claims.get(key)
+            if claim is None or self.store.clock() < self._expires[key]:
+                return None
+            return self.lost.setdefault(
+                key,
+                LeaseLost(
+                    key,
+                    claim.owner_token,
+                    reason="ran out before a heartbeat could renew it (the store did not answer)",
+                ),
+            )
 
     def confirm(self, key: str) -> None:
         """:meth:`LeaseKeeper.confirm` for one key; a heartbeat, when needed, beats them all."""
@@ -1048,20 +1071,32 @@ class BatchLeaseKeeper:
                 self.beats += 1
             except Exception:  # noqa: BLE001 - store briefly unavailable: beat again
                 self.failed_beats += 1
+                with self._lock:
+                    keys = list(self._claims)
+                if all(self._expired(key) is not None for key in keys):
+                    logger.warning("the batch's leases ran out unrenewed; its jobs must stop",
+                                   exc_info=True)
+                    return
                 logger.warning("heartbeat of a batch failed; retrying", exc_info=True)
 
     def _beat(self) -> None:
         with self._beating:
             with self._lock:
+                keys = list(self._claims)
+            for key in keys:
+                self._expired(key)
+            with self._lock:
                 live = [c for key, c in self._claims.items() if key not in self.lost]
             if not live:
                 return
             asked = time.monotonic()
-            _, lost = self.store.heartbeat_many(live)
+            expires, lost = self.store.heartbeat_many(live)
             with self._lock:
                 for claim in live:
                     if claim.key in lost and claim.key in self._claims:
                         self.lost[claim.key] = LeaseLost(claim.key, claim.owner_token)
+                    elif claim.key in self._expires:
+                        self._expires[claim.key] = expires
             self.confirmed_at = asked
 
 
