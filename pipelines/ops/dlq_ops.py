@@ -161,7 +161,7 @@ def records_table(records: list[DlqRecord], decision: dict[int, str]) -> dg.Meta
                 "class": r.error_class,
                 "fingerprint": r.fingerprint,
                 "failures": r.failure_count,
-                "last_failed": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(r.last_failed_at)),
+                "last_failed": _iso(r.last_failed_at),
                 "key": r.idempotency_key or "",
                 "error": " ".join((r.last_error or "").split())[:120],
                 "decision": decision.get(r.id, "listed"),
