@@ -51,7 +51,7 @@ from pipelines.registry import JOB_TYPES
 from pipelines.requests import RequestStatus, RequestStore
 from pipelines.validation import admit
 from resources.dlq import DlqRecord, DlqStatus, DlqStore, ReplayDecision
-from resources.errors import IdempotencyConflict, SekaliError, ValidationError
+from resources.errors import IdempotencyConflict, SekaliError, ValidationError, shown
 from resources.flow.limits import RateSetting
 from resources.idempotency import IdempotencyStore
 from resources.storage.db import metadata
@@ -523,7 +523,13 @@ def parse_pace(value: str | None) -> float | None:
     """``10/s``, ``600/min``, ``5`` -> requests per second; bad text names ``pace``."""
     if value is None or value == "":
         return None
-    return RateSetting.parse(value, name="pace").rate
+    try:
+        if "," not in value:
+            return RateSetting.parse(value, name="pace").rate
+    except ValidationError:
+        pass
+    raise ValidationError("pace", f"expected a rate like 10/s, 600/min or 5, got {shown(value)}",
+                          value)
 
 
 def bulk_replay(
