@@ -101,7 +101,7 @@ class HostsConfig:
         if self.intake_mode not in ("per_request", "fan_out", "micro_batch"):
             raise ChaosConfigError("intake mode: per_request, fan_out or micro_batch")
         if self.partition_seconds <= 0 or self.settle_bound <= 0:
-            raise ChaosConfigError("--partition-seconds and the settle bound must be positive")
+            raise ChaosConfigError("the partition seconds and the settle bound must be positive")
 
     def worker_env(self) -> dict[str, str]:
         return {
