@@ -129,17 +129,16 @@ def _actor(args: argparse.Namespace) -> str:
         return "cli"
 
 
-def _select(args: argparse.Namespace, store: Any, statuses: list[str] | None) -> list[Any]:
-    return list(
-        store.list_records(
-            status=statuses,
-            job_type=args.job_type,
-            error_class=args.error_class,
-            fingerprint=args.fingerprint,
-            older_than=args.older_than,
-            newer_than=args.newer_than,
-            ids=getattr(args, "ids", None) or None,
-        )
+def _selection(args: argparse.Namespace) -> Selection:
+    """The filters of ``list`` and ``replay`` (``--limit`` only where the command has it)."""
+    return Selection(
+        job_type=args.job_type,
+        error_class=args.error_class,
+        fingerprint=args.fingerprint,
+        older_than=args.older_than,
+        newer_than=args.newer_than,
+        ids=getattr(args, "ids", None) or None,
+        limit=getattr(args, "limit", None),
     )
 
 
@@ -155,7 +154,7 @@ def error_text(record: Any, view: dict[str, Any]) -> str:
 def _list(args: argparse.Namespace) -> int:
     statuses = None if args.status and "all" in args.status else (args.status or UNRESOLVED)
     try:
-        records = _select(args, _store(args), statuses)
+        records = _selection(args).records(_store(args), statuses)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -235,15 +234,7 @@ def _replay(args: argparse.Namespace) -> int:
     try:
         result = bulk_replay(
             store,
-            Selection(
-                job_type=args.job_type,
-                error_class=args.error_class,
-                fingerprint=args.fingerprint,
-                older_than=args.older_than,
-                newer_than=args.newer_than,
-                ids=args.ids or None,
-                limit=args.limit,
-            ),
+            _selection(args),
             actor=_actor(args),
             reason=args.reason,
             dry_run=args.dry_run,
