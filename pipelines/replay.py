@@ -51,7 +51,7 @@ from pipelines.registry import JOB_TYPES
 from pipelines.requests import RequestStatus, RequestStore
 from pipelines.validation import admit
 from resources.dlq import DlqRecord, DlqStatus, DlqStore, ReplayDecision
-from resources.errors import IdempotencyConflict, SekaliError, ValidationError
+from resources.errors import IdempotencyConflict, SekaliError, ValidationError, shown
 from resources.flow.limits import RateSetting
 from resources.idempotency import IdempotencyStore
 from resources.storage.db import metadata
@@ -507,6 +507,21 @@ class Selection:
             )
         )
 
+    def records(self, store: DlqStore, status: Sequence[str] | None) -> list[DlqRecord]:
+        """The records in ``status`` (None: any) that every filter given matches, at most
+        ``limit``: the one reading of a selection for ``sekali dlq``, the bulk replay and the
+        ``dlq_operations`` job."""
+        return store.list_records(
+            status=status,
+            job_type=self.job_type,
+            error_class=self.error_class,
+            fingerprint=self.fingerprint,
+            older_than=self.older_than,
+            newer_than=self.newer_than,
+            ids=self.ids or None,
+            limit=self.limit,
+        )
+
 
 @dataclass
 class BulkReplay:
@@ -524,7 +539,13 @@ def parse_pace(value: str | None) -> float | None:
     """``10/s``, ``600/min``, ``5`` -> requests per second; bad text names ``pace``."""
     if value is None or value == "":
         return None
-    return RateSetting.parse(value, name="pace").rate
+    try:
+        if "," not in value:
+            return RateSetting.parse(value, name="pace").rate
+    except ValidationError:
+        pass
+    raise ValidationError("pace", f"expected a rate like 10/s, 600/min or 5, got {shown(value)}",
+                          value)
 
 
 def bulk_replay(
@@ -547,16 +568,7 @@ def bulk_replay(
         raise ValidationError("limit", "at least 1", selection.limit)
     if pace is not None and pace <= 0:
         raise ValidationError("pace", "more than 0 a second", pace)
-    records = store.list_records(
-        status=None if selection.ids else [str(DlqStatus.OPEN)],
-        job_type=selection.job_type,
-        error_class=selection.error_class,
-        fingerprint=selection.fingerprint,
-        older_than=selection.older_than,
-        newer_than=selection.newer_than,
-        ids=selection.ids or None,
-        limit=selection.limit,
-    )
+    records = selection.records(store, None if selection.ids else [str(DlqStatus.OPEN)])
     out = BulkReplay(dry_run=dry_run)
     ledger = IdempotencyStore(store.db)
     start = clock()

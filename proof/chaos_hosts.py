@@ -34,7 +34,6 @@ the longest of these with room for the shared machine.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import random
@@ -49,7 +48,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
 from sqlalchemy import text
 
 from pipelines.cluster import Cluster, ClusterError, NotRoot, processes, require_root
@@ -61,7 +59,6 @@ from proof.chaos import (
     Request,
     build_workload,
     fault_rows,
-    format_table,
     gather_evidence,
     judge,
 )
@@ -104,7 +101,7 @@ class HostsConfig:
         if self.intake_mode not in ("per_request", "fan_out", "micro_batch"):
             raise ChaosConfigError("intake mode: per_request, fan_out or micro_batch")
         if self.partition_seconds <= 0 or self.settle_bound <= 0:
-            raise ChaosConfigError("--partition-seconds and the settle bound must be positive")
+            raise ChaosConfigError("the partition seconds and the settle bound must be positive")
 
     def worker_env(self) -> dict[str, str]:
         return {
@@ -459,47 +456,3 @@ def _attempt_hosts(db: Database) -> list[Any]:
     with db.statement() as conn:
         return list(conn.execute(text("SELECT host FROM job_attempts")).all())
 
-
-# -- the command -------------------------------------------------------------------------------
-
-
-def run_hosts_command(args: Any) -> int:
-    """``sekali chaos --topology hosts``: progress and the table on stderr, with ``--json`` only
-    the report on stdout, ``--out PATH`` the report in a file. Exit 0 every invariant held, 1 a
-    violation, 2 bad arguments or not root."""
-    err = Console(stderr=True, soft_wrap=True)
-    to_stdout = bool(args.json)
-    config = HostsConfig(requests=args.requests, worker_hosts=args.workers_hosts, seed=args.seed,
-                         kills=args.kills if args.kills is not None else 2)
-    for name in ("alembic", "pipelines.intake", "pipelines.cluster"):
-        logging.getLogger(name).setLevel(logging.WARNING)
-    try:
-        report = run_hosts_chaos(config, say=lambda m: err.print(f"[dim]chaos hosts:[/] {m}"))
-    except ChaosConfigError as exc:
-        err.print(f"sekali chaos: {exc}")
-        return 2
-    data = json.dumps(report.to_dict(), indent=2, default=str)
-    if args.out_path:
-        Path(args.out_path).write_text(data)
-        err.print(f"report written to {args.out_path}")
-    if to_stdout:
-        print(data)
-    out = err if to_stdout else Console(soft_wrap=True)
-    s = report.stats
-    out.print(f"sekali chaos --topology hosts: {config.requests} requests, "
-              f"{config.worker_hosts} worker hosts, seed {config.seed}, {report.seconds} s")
-    out.print(format_table(report.rows) if report.rows else "(no verdicts)")
-    out.print(f"partitions struck {s.get('partition_struck', 0)} of "
-              f"{s.get('partition_planned', 0)} planned, kills {s.get('kill_struck', 0)} of "
-              f"{s.get('kill_planned', 0)}, redis restarts {s.get('redis-restart_struck', 0)} of "
-              f"{s.get('redis-restart_planned', 0)}; completed {s.get('completed')}, "
-              f"dead-lettered {s.get('dead_lettered')}; settled "
-              f"{s.get('settled_seconds_after_last_heal')} s after the last heal "
-              f"(bound {s.get('settle_bound_seconds')} s)")
-    if report.ok:
-        out.print("OK: every invariant held")
-        return 0
-    out.print(f"{len(report.violations)} violation(s):")
-    for line in report.violations[:30]:
-        out.print(f"  - {line}", markup=False)
-    return 1

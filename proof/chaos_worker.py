@@ -37,6 +37,8 @@ from email.utils import make_msgid
 from pathlib import Path
 from typing import Any
 
+from sqlalchemy import text
+
 from pipelines.domain.payments import HttpPaymentGateway
 from pipelines.jobs import email, payment
 from pipelines.registry import get_job_type
@@ -324,9 +326,6 @@ class Worker:
         self.hooks.point("after_record")
 
     def _naive_effect(self, job_type: str, payload: dict[str, Any], req: int) -> None:
-        from sqlalchemy import text  # noqa: PLC0415
-
-
         jt = get_job_type(job_type)
         clean = jt.validate(dict(payload))
         key = jt.key_for(clean)

@@ -47,7 +47,7 @@ class ValidationError(PermanentJobError):
     ``rejection_id``: the ``job_rejections`` row that keeps it, once the boundary wrote it.
 
     The message is ``field: problem``, and ``problem`` says what is wrong with what was sent
-    (``amount_cents: must be an integer, got "lots"``; ``required`` only when it is absent)."""
+    (``limit: must be an integer, got "lots"``; ``required`` only when it is absent)."""
 
     rejection_id: int | None = None
 

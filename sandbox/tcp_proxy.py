@@ -5,6 +5,12 @@ Clients connect to ``proxy.port``; each connection is piped to the current targe
 points new connections at another port and closes every connection that is open, so a client
 sees its connection reset and reconnects, now to the new target: what a client of a Redis
 failover behind a virtual IP or a Sentinel-aware proxy sees.
+
+Every socket has a deadline: ``CONNECT_TIMEOUT`` to reach the target, and ``idle_timeout`` on
+each read and write afterwards. A connection that carries nothing in one direction for that long
+(a peer gone without a FIN, a target frozen past any client's own deadline) is closed at both
+ends, as a production proxy's client/server timeouts do, so no thread or socket is held forever.
+The default is longer than any blocking call the chaos run makes through it.
 """
 
 from __future__ import annotations
@@ -14,13 +20,15 @@ import socket
 import threading
 
 CONNECT_TIMEOUT = 2.0
+IDLE_TIMEOUT = 600.0
 
 
 class TcpProxy:
     """Thread-per-connection proxy on 127.0.0.1; ``start``, ``retarget``, ``stop``."""
 
-    def __init__(self, target_port: int) -> None:
+    def __init__(self, target_port: int, *, idle_timeout: float = IDLE_TIMEOUT) -> None:
         self.target_port = target_port
+        self.idle_timeout = idle_timeout
         self._listener = socket.socket()
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._listener.bind(("127.0.0.1", 0))
@@ -45,7 +53,8 @@ class TcpProxy:
                 port = self.target_port
             try:
                 upstream = socket.create_connection(("127.0.0.1", port), timeout=CONNECT_TIMEOUT)
-                upstream.settimeout(None)
+                upstream.settimeout(self.idle_timeout)
+                client.settimeout(self.idle_timeout)
             except OSError:
                 client.close()
                 continue

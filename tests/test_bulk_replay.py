@@ -94,8 +94,14 @@ def test_filters_limit_dry_run_and_an_audit_line_per_record(
 
     assert cli([*args, "--limit", "0", *url]) == 2
     assert "limit" in capsys.readouterr().err
-    assert cli([*args, "--pace", "fast", *url]) == 2
-    assert "pace" in capsys.readouterr().err
+    # bad usage is argparse's exit 2 naming the flag; a pace is a rate only (a limiter's burst
+    # or wait would be silently ignored)
+    for bad in ([*args, "--pace", "fast"], [*args, "--pace", "10/s,burst=50"],
+                ["dlq", "list", "--older-than", "2x"]):
+        with pytest.raises(SystemExit) as usage:
+            cli([*bad, *url])
+        assert usage.value.code == 2
+        assert f"argument {bad[-2]}:" in capsys.readouterr().err
 
     who = ["--actor", "ops@test", "--reason", "mailbox fixed"]
     assert cli([*args, "--limit", "2", *who, *url]) == 0

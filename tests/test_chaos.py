@@ -162,6 +162,23 @@ def test_cli_json_on_stdout_report_file_and_exit_zero_when_the_invariants_hold(
     assert "every invariant held" in captured.err
 
 
+@pytest.mark.timeout(120)
+def test_cli_out_path_it_cannot_write_is_exit_2_with_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--out`` means what it means in every command: a path that cannot be written is exit 2
+    and one line naming it, not a traceback."""
+    out = tmp_path / "missing" / "chaos.json"
+    code = sekali([
+        "chaos", "--requests", "10", "--workers", "1", "--redelivery", "1",
+        "--faults", "poison", "--json", "--out", str(out), "--no-progress",
+    ])
+    captured = capsys.readouterr()
+    assert code == 2, captured.err
+    assert f"--out {out}" in captured.err and "Traceback" not in captured.err
+    assert captured.out == ""
+
+
 def test_faults_all_means_every_fault_the_run_can_strike() -> None:
     """``--faults all``: every fault, but pg-restart only where the run can start its own
     cluster, and a note saying why it was left out."""

@@ -10,10 +10,13 @@ to a file as well.
 from __future__ import annotations
 
 import argparse
-import json
+import logging
 import sys
-from pathlib import Path
+from typing import Any
 
+from rich.console import Console
+
+from pipelines.commands.output import add_output_arguments, emit
 from proof.chaos import (
     DEFAULT_FAULTS,
     FAULTS,
@@ -23,7 +26,7 @@ from proof.chaos import (
     parse_faults,
     run_chaos,
 )
-from proof.chaos_hosts import run_hosts_command
+from proof.chaos_hosts import HostsConfig, run_hosts_chaos
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -43,9 +46,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                         "local test database); with pg-restart the run starts a private cluster "
                         "and refuses a URL")
     p.add_argument("--seed", type=int, default=1)
-    p.add_argument("--json", action="store_true",
-                   help="print the full report as JSON on stdout (the summary goes to stderr)")
-    p.add_argument("--out", dest="out_path", help="write the full report (JSON) to this file")
+    add_output_arguments(p)
     p.add_argument("--topology", choices=["local", "hosts"], default="local",
                    help="local: worker processes on this host; hosts: through `sekali cluster` "
                         "(network namespaces, root only) with partitions (proof/chaos_hosts.py)")
@@ -62,12 +63,18 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.set_defaults(func=_run)
 
 
+def _report(args: argparse.Namespace, report: dict[str, Any], say: Any) -> int:
+    """The report through the one ``--json``/``--out`` path; the summary was printed before
+    (on stderr under ``--json``). 0, or 2 when ``--out`` cannot be written."""
+    code = emit(args, report, lambda: None)
+    if code == 0 and args.out is not None:
+        say(f"report written to {args.out}")
+    return code
+
+
 def _run(args: argparse.Namespace) -> int:
-    import logging  # noqa: PLC0415
-
-
     if args.topology == "hosts":
-        return run_hosts_command(args)
+        return _run_hosts(args)
     if not args.verbose:  # the sandbox servers log every charge and mail
         for name in ("mail.log", "sandbox.gateway", "sandbox.mailsink", "resources"):
             logging.getLogger(name).setLevel(logging.WARNING)
@@ -121,12 +128,9 @@ def _run(args: argparse.Namespace) -> int:
         print("struck: " + ", ".join(f"{f} {struck(f, f)}" for f in newer), file=out)
     if report.state_dir:
         print(f"state kept in {report.state_dir} (worker logs, databases)", file=out)
-    document = json.dumps(report.to_dict(), indent=2, default=str)
-    if args.out_path:
-        Path(args.out_path).write_text(document)
-        print(f"report written to {args.out_path}", file=out)
-    if args.json:
-        print(document)
+    code = _report(args, report.to_dict(), lambda m: print(m, file=out))
+    if code:
+        return code
     if report.ok:
         print("OK: every invariant held", file=out)
         return 0
@@ -139,4 +143,42 @@ def _run(args: argparse.Namespace) -> int:
         print("(naive mode: these are what the defences prevent; not a failure of this command)",
               file=out)
         return 0
+    return 1
+
+
+def _run_hosts(args: argparse.Namespace) -> int:
+    """``--topology hosts``: progress and the table on stderr, with ``--json`` only the report
+    on stdout, ``--out PATH`` the report in a file. Exit 0 every invariant held, 1 a violation,
+    2 bad arguments or not root."""
+    err = Console(stderr=True, soft_wrap=True)
+    config = HostsConfig(requests=args.requests, worker_hosts=args.workers_hosts, seed=args.seed,
+                         kills=args.kills if args.kills is not None else 2)
+    for name in ("alembic", "pipelines.intake", "pipelines.cluster"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    try:
+        report = run_hosts_chaos(config, say=lambda m: err.print(f"[dim]chaos hosts:[/] {m}"))
+    except ChaosConfigError as exc:
+        err.print(f"sekali chaos: {exc}")
+        return 2
+    code = _report(args, report.to_dict(), err.print)
+    if code:
+        return code
+    out = err if args.json else Console(soft_wrap=True)
+    s = report.stats
+    out.print(f"sekali chaos --topology hosts: {config.requests} requests, "
+              f"{config.worker_hosts} worker hosts, seed {config.seed}, {report.seconds} s")
+    out.print(format_table(report.rows) if report.rows else "(no verdicts)")
+    out.print(f"partitions struck {s.get('partition_struck', 0)} of "
+              f"{s.get('partition_planned', 0)} planned, kills {s.get('kill_struck', 0)} of "
+              f"{s.get('kill_planned', 0)}, redis restarts {s.get('redis-restart_struck', 0)} of "
+              f"{s.get('redis-restart_planned', 0)}; completed {s.get('completed')}, "
+              f"dead-lettered {s.get('dead_lettered')}; settled "
+              f"{s.get('settled_seconds_after_last_heal')} s after the last heal "
+              f"(bound {s.get('settle_bound_seconds')} s)")
+    if report.ok:
+        out.print("OK: every invariant held")
+        return 0
+    out.print(f"{len(report.violations)} violation(s):")
+    for line in report.violations[:30]:
+        out.print(f"  - {line}", markup=False)
     return 1

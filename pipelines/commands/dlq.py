@@ -34,7 +34,7 @@ from typing import Any
 from rich import box
 from rich.table import Table
 
-from pipelines.commands.arguments import record_id
+from pipelines.commands.arguments import age, pace, record_id
 from pipelines.commands.follow import add_wait_arguments, exit_code, follow, record_progress
 from pipelines.commands.output import (
     add_output_arguments,
@@ -45,9 +45,9 @@ from pipelines.commands.output import (
     when,
 )
 from pipelines.privacy import dlq_view
-from pipelines.replay import AmendRefused, Selection, amend, bulk_replay, parse_pace
+from pipelines.replay import AmendRefused, Selection, amend, bulk_replay
 from pipelines.requests import RequestStore
-from resources.dlq import DlqRecordNotFound, DlqStore, parse_age
+from resources.dlq import DlqRecordNotFound, DlqStore
 from resources.errors import ValidationError
 from resources.storage.db import shared_database
 from resources.storage.settings import Settings
@@ -69,8 +69,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
             "--class", dest="error_class", choices=["permanent", "transient", "data_bug", "unknown"]
         )
         p.add_argument("--fingerprint")
-        p.add_argument("--older-than", dest="older_than", help="last failure at least this old")
-        p.add_argument("--newer-than", dest="newer_than", help="last failure at most this old")
+        p.add_argument("--older-than", dest="older_than", type=age,
+                       help="last failure at least this old (90s, 15m, 2h, 3d, 1w)")
+        p.add_argument("--newer-than", dest="newer_than", type=age,
+                       help="last failure at most this old")
 
     p_list = dlq_sub.add_parser("list", help="list dead letters")
     filters(p_list)
@@ -99,7 +101,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         " a new version of the request (key#vN) and closes the record as superseded",
     )
     p_replay.add_argument("--limit", type=int, help="at most this many records (oldest first)")
-    p_replay.add_argument("--pace", help="at most this rate of replay requests, e.g. 10/s")
+    p_replay.add_argument("--pace", type=pace,
+                          help="at most this rate of replay requests, e.g. 10/s or 600/min")
     add_output_arguments(p_replay)
     add_wait_arguments(p_replay)
     p_replay.set_defaults(func=_replay)
@@ -126,17 +129,16 @@ def _actor(args: argparse.Namespace) -> str:
         return "cli"
 
 
-def _select(args: argparse.Namespace, store: Any, statuses: list[str] | None) -> list[Any]:
-    return list(
-        store.list_records(
-            status=statuses,
-            job_type=args.job_type,
-            error_class=args.error_class,
-            fingerprint=args.fingerprint,
-            older_than=parse_age(args.older_than),
-            newer_than=parse_age(args.newer_than),
-            ids=getattr(args, "ids", None) or None,
-        )
+def _selection(args: argparse.Namespace) -> Selection:
+    """The filters of ``list`` and ``replay`` (``--limit`` only where the command has it)."""
+    return Selection(
+        job_type=args.job_type,
+        error_class=args.error_class,
+        fingerprint=args.fingerprint,
+        older_than=args.older_than,
+        newer_than=args.newer_than,
+        ids=getattr(args, "ids", None) or None,
+        limit=getattr(args, "limit", None),
     )
 
 
@@ -152,7 +154,7 @@ def error_text(record: Any, view: dict[str, Any]) -> str:
 def _list(args: argparse.Namespace) -> int:
     statuses = None if args.status and "all" in args.status else (args.status or UNRESOLVED)
     try:
-        records = _select(args, _store(args), statuses)
+        records = _selection(args).records(_store(args), statuses)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -232,19 +234,11 @@ def _replay(args: argparse.Namespace) -> int:
     try:
         result = bulk_replay(
             store,
-            Selection(
-                job_type=args.job_type,
-                error_class=args.error_class,
-                fingerprint=args.fingerprint,
-                older_than=parse_age(args.older_than),
-                newer_than=parse_age(args.newer_than),
-                ids=args.ids or None,
-                limit=args.limit,
-            ),
+            _selection(args),
             actor=_actor(args),
             reason=args.reason,
             dry_run=args.dry_run,
-            pace=parse_pace(args.pace),
+            pace=args.pace,
         )
     except (ValidationError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -21,7 +21,7 @@ from typing import Any
 from rich import box
 from rich.table import Table
 
-from pipelines.commands.arguments import record_id
+from pipelines.commands.arguments import count, record_id
 from pipelines.commands.output import add_output_arguments, console, emit, printable, when
 from pipelines.requests import RequestStore
 from resources.storage.db import shared_database
@@ -35,7 +35,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p_list = rejections_sub.add_parser("list", help="refused requests, newest first")
     p_list.add_argument("--job-type", dest="job_type")
     p_list.add_argument("--source", help="the way in: enqueue, cli, run_config, dlq_replay, ...")
-    p_list.add_argument("--limit", type=record_id, default=50, help="at most this many (50)")
+    p_list.add_argument("--limit", type=count, default=50, help="at most this many (50)")
     add_output_arguments(p_list)
     p_list.add_argument("--url", help="app database URL (default: DATABASE_URL or embedded)")
     p_list.set_defaults(func=_list)

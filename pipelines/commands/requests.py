@@ -21,7 +21,7 @@ from rich import box
 from rich.table import Table
 
 from pipelines.attempts import AttemptRecorder
-from pipelines.commands.arguments import record_id
+from pipelines.commands.arguments import count
 from pipelines.commands.output import (
     add_output_arguments,
     console,
@@ -49,7 +49,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p_list.add_argument("--status", action="append", choices=[str(s) for s in RequestStatus],
                         help="only this status (repeatable)")
     p_list.add_argument("--job-type", dest="job_type")
-    p_list.add_argument("--limit", type=record_id, default=50, help="at most this many (50)")
+    p_list.add_argument("--limit", type=count, default=50, help="at most this many (50)")
     p_list.add_argument("--url", help="app database URL (default: DATABASE_URL or embedded)")
     add_output_arguments(p_list)
     p_list.set_defaults(func=_list)

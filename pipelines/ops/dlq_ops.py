@@ -161,7 +161,7 @@ def records_table(records: list[DlqRecord], decision: dict[int, str]) -> dg.Meta
                 "class": r.error_class,
                 "fingerprint": r.fingerprint,
                 "failures": r.failure_count,
-                "last_failed": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(r.last_failed_at)),
+                "last_failed": _iso(r.last_failed_at),
                 "key": r.idempotency_key or "",
                 "error": " ".join((r.last_error or "").split())[:120],
                 "decision": decision.get(r.id, "listed"),
@@ -251,20 +251,20 @@ def dlq_operation(context: dg.OpExecutionContext, config: DlqOperationConfig) ->
     dlq: DlqResource = context.resources.dlq
     store = dlq.get_store()
     action = config.action.value
-    records = store.list_records(
-        status=(
-            ["open"] if action == "replay" and not config.ids
-            else [DlqStatusChoice(s).value for s in config.status]
-        ),
-        ids=config.ids or None,
+    selection = Selection(
         job_type=config.job_type.value if config.job_type else None,
         error_class=config.error_class.value if config.error_class else None,
         fingerprint=config.fingerprint,
         older_than=parse_age(config.older_than),
         newer_than=parse_age(config.newer_than),
+        ids=config.ids or None,
+        limit=config.limit if action == "replay" else None,
     )
-    if action == "replay" and config.limit is not None:
-        records = records[: config.limit]
+    records = selection.records(
+        store,
+        ["open"] if action == "replay" and not config.ids
+        else [DlqStatusChoice(s).value for s in config.status],
+    )
     ids = [r.id for r in records]
     changed: list[int] = []
     decision: dict[int, str] = {}

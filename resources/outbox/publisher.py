@@ -1,7 +1,7 @@
 """The outbox publisher and the inbox: events leave the database at least once, in order per
 aggregate, and each consumer applies each event once.
 
-The writer (``resources/outbox.py``) puts events in the business transaction. This module
+The writer (``resources/outbox/events.py``) puts events in the business transaction. This module
 delivers them:
 
 - :meth:`OutboxPublisher.publish_batch` claims up to ``batch_size`` unpublished rows in one short

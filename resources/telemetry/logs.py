@@ -6,7 +6,7 @@ three places, later ones winning:
 
 1. the ambient context set by :func:`correlation_context` (a ``contextvars`` scope, so threads
    and asyncio tasks each see their own);
-2. ``extra={...}`` keys named in :data:`CORRELATION_FIELDS` (what ``resources/payments.py``,
+2. ``extra={...}`` keys named in :data:`CORRELATION_FIELDS` (what ``pipelines/domain/payments.py``,
    ``pipelines/intake.py`` and others already pass);
 3. the ``extra={"sekali": {...}}`` dict the attempt recorder logs (every attempt field).
 
