@@ -33,10 +33,10 @@ from typing import Any
 
 from rich.console import Console
 
-from benchmarks.retry_storm import Scenario, simulate
 from pipelines.domain.payments import HttpPaymentGateway
 from pipelines.runtime import execute_request
 from pipelines.services import Services
+from proof.retry_storm import Scenario, simulate
 from resources.cache import StampedeCache
 from resources.errors import SekaliError
 from resources.storage.migrations import upgrade
