@@ -62,8 +62,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def request_json(request: JobRequest) -> dict[str, Any]:
-    """A request as the CLI prints it in JSON: every record field, masked, times in ISO-8601."""
-    return {k: when(v) if k.endswith("_at") and isinstance(v, (int, float)) else v
+    """A request as the CLI prints it in JSON: every record field, masked, times in ISO-8601
+    (``claim_rank`` too: it is the virtual arrival time the intake claims by)."""
+    return {k: when(v) if (k.endswith("_at") or k == "claim_rank")
+            and isinstance(v, (int, float)) else v
             for k, v in request_view(request).items()}
 
 
