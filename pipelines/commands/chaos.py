@@ -34,7 +34,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "chaos",
         help="fault-injection run with an invariant checker (duplicates, losses, stale writes)",
     )
-    p.add_argument("--requests", type=int, default=300, help="job requests (default 300)")
+    p.add_argument("--requests", type=int, default=None,
+                   help="job requests (default 300; 100 with --topology hosts)")
     p.add_argument("--workers", type=int, default=4, help="worker processes (default 4)")
     p.add_argument("--redelivery", type=int, default=3, help="deliveries per request (default 3)")
     p.add_argument("--faults", default=",".join(DEFAULT_FAULTS),
@@ -85,7 +86,7 @@ def _run(args: argparse.Namespace) -> int:
     for note in notes:
         print(f"sekali chaos: {note}", file=sys.stderr)
     config = ChaosConfig(
-        requests=args.requests,
+        requests=300 if args.requests is None else args.requests,
         workers=args.workers,
         redelivery=args.redelivery,
         faults=faults,
@@ -151,7 +152,8 @@ def _run_hosts(args: argparse.Namespace) -> int:
     on stdout, ``--out PATH`` the report in a file. Exit 0 every invariant held, 1 a violation,
     2 bad arguments or not root."""
     err = Console(stderr=True, soft_wrap=True)
-    config = HostsConfig(requests=args.requests, worker_hosts=args.workers_hosts, seed=args.seed,
+    config = HostsConfig(requests=100 if args.requests is None else args.requests,
+                         worker_hosts=args.workers_hosts, seed=args.seed,
                          kills=args.kills if args.kills is not None else 2)
     for name in ("alembic", "pipelines.intake", "pipelines.cluster"):
         logging.getLogger(name).setLevel(logging.WARNING)
