@@ -265,3 +265,28 @@ def test_a_failed_request_without_a_dead_letter_ends_failed_after_the_grace(
     last = probe()
     assert last.state == "failed" and last.done and not last.ok
     assert "waiting" not in last.detail and "550 no such user" in last.detail
+
+
+def test_dlq_replay_patch_wait_follows_the_new_version_to_completed(
+    db: Database, db_url: str
+) -> None:
+    """Catches: an amended replay that cannot be followed (``--patch`` refused ``--wait``), or a
+    --wait that follows the superseded request instead of the new version."""
+    from pipelines.intake import enqueue
+
+    request = enqueue("send_email", EMAIL, db=db).request
+    record_id = _fail_with_dead_letter(db, request.id, "run-failed-1")
+    proc = start(db_url, "dlq", "replay", str(record_id), "--patch",
+                 json.dumps({"to": "u7b@example.com"}), "--wait", "--timeout", "150", "--json")
+    store = RequestStore(db)
+    amended = until("the new version", lambda: store.get_by_key(f"{KEY}#v2"), proc)
+    store.claim_for_launch(10)
+    store.mark_running(amended.id, run_id="run-amended-1")
+    store.mark_completed(amended.id, run_id="run-amended-1")
+    code, out, err = finish(proc)
+    assert code == 0, (out, err)
+    data = json.loads(out)
+    assert data["key"] == f"{KEY}#v2" and data["request_id"] == amended.id
+    (final,) = data["final"]
+    assert final["state"] == "completed" and final["ok"] and final["run_id"] == "run-amended-1"
+    assert f"request {amended.id}: completed" in err
