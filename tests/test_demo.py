@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import pytest
@@ -42,3 +43,12 @@ def test_each_scene_reports_its_progress_while_it_runs(redis_url: str, tmp_path:
     storm: list[str] = []
     demo.retry_storm(progress=storm.append)
     assert [s.split(":")[0] for s in storm] == ["no jitter"] * 2 + ["full jitter + budget"] * 2
+
+
+def test_progress_lines_stay_whole_in_a_log_file() -> None:
+    """Catches: progress lines cut at 80 columns when stderr is a pipe or a log file, so one
+    event reads as two lines."""
+    buf = io.StringIO()
+    line = "[  9.5s] 2/3 duplicate delivery: naive: the gateway holds 90 charges for 30 orders"
+    demo.progress_console(buf).print(line + " " + "x" * 60)
+    assert buf.getvalue().splitlines() == [line + " " + "x" * 60]
