@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import shutil
 import statistics
 import tempfile
 import threading
@@ -265,3 +266,4 @@ def run_demo() -> int:
     finally:
         if server is not None:
             server.stop()
+        shutil.rmtree(state, ignore_errors=True)
