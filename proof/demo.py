@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import shutil
 import statistics
 import tempfile
 import threading
@@ -29,7 +30,7 @@ import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from rich.console import Console
 
@@ -209,10 +210,17 @@ def retry_storm(progress: Progress = _quiet) -> list[list[Any]]:
     return rows
 
 
+def progress_console(file: IO[str] | None = None) -> Console:
+    """stderr for the progress lines: one line per event also when stderr is a pipe or a log
+    file (a plain Console wraps at 80 columns there)."""
+    return Console(file=file, stderr=file is None, highlight=False, markup=False, emoji=False,
+                   soft_wrap=True)
+
+
 def run_demo() -> int:
     logging.getLogger().setLevel(logging.ERROR)  # the tables are the output
     started = time.monotonic()
-    console = Console(stderr=True, highlight=False, markup=False, emoji=False)
+    console = progress_console()
 
     def scene(number: int, name: str) -> Progress:
         def say(text: str) -> None:
@@ -258,3 +266,4 @@ def run_demo() -> int:
     finally:
         if server is not None:
             server.stop()
+        shutil.rmtree(state, ignore_errors=True)

@@ -212,3 +212,81 @@ def test_a_timeout_that_is_not_a_positive_number_is_bad_usage(
     assert done[2].strip().splitlines() == [
         f"sekali enqueue: error: argument --timeout: {timeout!r} is not a positive number of "
         "seconds"]
+
+
+def test_enqueue_wait_on_a_failed_request_waits_for_its_dead_letter(
+    db: Database, db_url: str
+) -> None:
+    """Catches: a --wait that ends on ``failed`` between the run's failure and its dead letter
+    (the DLQ sensor writes it ticks later), so the user never learns the record's id."""
+    proc = start(db_url, "enqueue", "send_email", "--payload", json.dumps(EMAIL), "--wait",
+                 "--timeout", "150")
+    store = RequestStore(db)
+    request = until("the request", lambda: store.get_by_key(KEY), proc)
+    store.claim_for_launch(10)
+    store.mark_running(request.id, run_id="run-failed-1")
+    store.mark_failed(request.id, "SmtpRefused: 550 no such user", run_id="run-failed-1")
+    assert proc.stderr is not None
+    seen = []
+    for line in proc.stderr:  # the CLI has seen the failure before the dead letter exists
+        seen.append(line)
+        if f"request {request.id}: failed" in line:
+            break
+    recorded = DlqStore(db).record_failure(FailureInfo(
+        job_type="send_email", dedupe_key=f"request:{request.id}", error_type="SmtpRefused",
+        message="550 no such user", run_id="run-failed-1", error_class=FailureClass.PERMANENT,
+        idempotency_key=KEY, request_id=request.id, payload=EMAIL))
+    code, out, err = finish(proc)
+    assert code == 1, (seen, out, err)
+    assert f"request {request.id}: dead-lettered" in err, (seen, err)
+    assert f"sekali dlq show {recorded.record.id}" in err
+
+
+def test_a_failed_request_without_a_dead_letter_ends_failed_after_the_grace(
+    db: Database
+) -> None:
+    """Catches: a --wait that hangs to its timeout when nothing dead-letters the failure (no
+    DLQ sensor running)."""
+    from pipelines.commands.follow import request_progress
+    from pipelines.intake import enqueue
+
+    request = enqueue("send_email", EMAIL, db=db).request
+    store = RequestStore(db)
+    store.claim_for_launch(10)
+    store.mark_running(request.id, run_id="run-failed-1")
+    store.mark_failed(request.id, "SmtpRefused: 550 no such user", run_id="run-failed-1")
+    now = [100.0]
+    probe = request_progress(store, DlqStore(db), request.id, grace=30, clock=lambda: now[0])
+    first = probe()
+    assert first.state == "failed" and not first.done
+    now[0] += 29
+    assert not probe().done
+    now[0] += 1
+    last = probe()
+    assert last.state == "failed" and last.done and not last.ok
+    assert "waiting" not in last.detail and "550 no such user" in last.detail
+
+
+def test_dlq_replay_patch_wait_follows_the_new_version_to_completed(
+    db: Database, db_url: str
+) -> None:
+    """Catches: an amended replay that cannot be followed (``--patch`` refused ``--wait``), or a
+    --wait that follows the superseded request instead of the new version."""
+    from pipelines.intake import enqueue
+
+    request = enqueue("send_email", EMAIL, db=db).request
+    record_id = _fail_with_dead_letter(db, request.id, "run-failed-1")
+    proc = start(db_url, "dlq", "replay", str(record_id), "--patch",
+                 json.dumps({"to": "u7b@example.com"}), "--wait", "--timeout", "150", "--json")
+    store = RequestStore(db)
+    amended = until("the new version", lambda: store.get_by_key(f"{KEY}#v2"), proc)
+    store.claim_for_launch(10)
+    store.mark_running(amended.id, run_id="run-amended-1")
+    store.mark_completed(amended.id, run_id="run-amended-1")
+    code, out, err = finish(proc)
+    assert code == 0, (out, err)
+    data = json.loads(out)
+    assert data["key"] == f"{KEY}#v2" and data["request_id"] == amended.id
+    (final,) = data["final"]
+    assert final["state"] == "completed" and final["ok"] and final["run_id"] == "run-amended-1"
+    assert f"request {amended.id}: completed" in err

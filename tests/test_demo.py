@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import io
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -42,3 +46,24 @@ def test_each_scene_reports_its_progress_while_it_runs(redis_url: str, tmp_path:
     storm: list[str] = []
     demo.retry_storm(progress=storm.append)
     assert [s.split(":")[0] for s in storm] == ["no jitter"] * 2 + ["full jitter + budget"] * 2
+
+
+def test_progress_lines_stay_whole_in_a_log_file() -> None:
+    """Catches: progress lines cut at 80 columns when stderr is a pipe or a log file, so one
+    event reads as two lines."""
+    buf = io.StringIO()
+    line = "[  9.5s] 2/3 duplicate delivery: naive: the gateway holds 90 charges for 30 orders"
+    demo.progress_console(buf).print(line + " " + "x" * 60)
+    assert buf.getvalue().splitlines() == [line + " " + "x" * 60]
+
+
+@pytest.mark.slow
+def test_the_demo_leaves_no_state_behind(tmp_path: Path) -> None:
+    """Catches: every ``sekali demo`` leaving its databases and Redis folder in the temp dir."""
+    env = {k: v for k, v in os.environ.items() if k != "REDIS_URL"}
+    env["TMPDIR"] = str(tmp_path)
+    sekali = str(Path(sys.executable).with_name("sekali"))
+    done = subprocess.run([sekali, "demo"], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert "(done in" in done.stdout
+    assert list(tmp_path.glob("sekali-demo-*")) == []

@@ -12,9 +12,10 @@
   then follows each replayed record to its end (:mod:`pipelines.commands.follow`; exit 1 when one
   is dead-lettered again or ``--timeout`` passes first); ``--json`` prints the decisions (and
   final states).
-- ``replay ID --patch JSON|@file [--dry-run]``: amended replay (``pipelines/replay.py``): a new
-  version of the request under ``key#vN`` with the patched payload, the record closed as
-  superseded; refused (exit 1, saying why) when the key's effect may have happened.
+- ``replay ID --patch JSON|@file [--dry-run] [--wait]``: amended replay (``pipelines/replay.py``):
+  a new version of the request under ``key#vN`` with the patched payload, the record closed as
+  superseded (``--wait`` follows the new request like ``sekali enqueue --wait``); refused
+  (exit 1, saying why) when the key's effect may have happened.
 - ``discard ID ... --reason R``: give up on records (kept, marked discarded, audited).
 
 Times are ISO-8601 in the local zone, payloads JSON; ``--out PATH`` writes the JSON to a file.
@@ -35,7 +36,13 @@ from rich import box
 from rich.table import Table
 
 from pipelines.commands.arguments import age, pace, record_id
-from pipelines.commands.follow import add_wait_arguments, exit_code, follow, record_progress
+from pipelines.commands.follow import (
+    add_wait_arguments,
+    exit_code,
+    follow,
+    record_progress,
+    request_progress,
+)
 from pipelines.commands.output import (
     add_output_arguments,
     console,
@@ -278,13 +285,14 @@ def _replay(args: argparse.Namespace) -> int:
 
 
 def _amend(args: argparse.Namespace) -> int:
-    if len(args.ids) != 1 or args.limit is not None or args.pace is not None or args.wait:
-        print("error: --patch takes exactly one record id and no --limit/--pace/--wait",
+    if len(args.ids) != 1 or args.limit is not None or args.pace is not None:
+        print("error: --patch takes exactly one record id and no --limit/--pace",
               file=sys.stderr)
         return 2
+    store = _store(args)
     try:
         done = amend(
-            _store(args), args.ids[0], args.patch, actor=_actor(args), reason=args.reason,
+            store, args.ids[0], args.patch, actor=_actor(args), reason=args.reason,
             dry_run=args.dry_run,
         )
     except (ValidationError, DlqRecordNotFound) as exc:
@@ -300,12 +308,22 @@ def _amend(args: argparse.Namespace) -> int:
         f" {done.record_id}, superseding {done.previous_key}: {changes}",
         file=sys.stderr if args.json else sys.stdout,
     )
+    data: dict[str, Any] = {
+        "key": done.key, "version": done.version, "request_id": done.request_id,
+        "record_id": done.record_id, "previous_key": done.previous_key,
+        "dry_run": done.dry_run, "diff": list(done.diff)}
+    code = 0
+    if args.wait and done.request_id is not None and not done.dry_run:
+        states, timed_out = follow(
+            [request_progress(RequestStore(store.db), store, done.request_id)],
+            timeout=args.timeout,
+        )
+        code = exit_code(states, timed_out, args.timeout)
+        data["final"] = [s.as_dict() for s in states]
+        data["timed_out"] = timed_out
     if args.json or args.out:
-        data = {"key": done.key, "version": done.version, "request_id": done.request_id,
-                "record_id": done.record_id, "previous_key": done.previous_key,
-                "dry_run": done.dry_run, "diff": list(done.diff)}
-        return emit(args, data, lambda: None) or 0
-    return 0
+        return emit(args, data, lambda: None) or code
+    return code
 
 
 def _discard(args: argparse.Namespace) -> int:

@@ -22,7 +22,7 @@ import argparse
 import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from pipelines.commands.output import err_console, when
@@ -30,6 +30,7 @@ from pipelines.requests import JobRequest, RequestStatus, RequestStore
 from resources.dlq import DlqRecordNotFound, DlqStore
 
 DEFAULT_TIMEOUT = 300.0
+DEAD_LETTER_GRACE = 60.0
 
 _REQUEST_STATES = {
     RequestStatus.PENDING: "queued",
@@ -76,16 +77,35 @@ class Progress:
 
 
 def request_progress(
-    requests: RequestStore, dlq: DlqStore, request_id: int
+    requests: RequestStore,
+    dlq: DlqStore,
+    request_id: int,
+    *,
+    grace: float = DEAD_LETTER_GRACE,
+    clock: Callable[[], float] = time.monotonic,
 ) -> Callable[[], Progress]:
-    """A probe of one request's state (and of the dead letter that keeps it, once failed)."""
+    """A probe of one request's state (and of the dead letter that keeps it, once failed).
+
+    The request turns ``failed`` when its run fails; its dead letter is written a few sensor
+    ticks later. A failed request without one is therefore not done until one appears or
+    ``grace`` seconds passed, so ``--wait`` ends on ``dead-lettered`` with the record's id
+    instead of ending before the record exists."""
+    failed_since: list[float] = []
 
     def probe() -> Progress:
         request = requests.get(request_id)
         if request is None:
             return Progress(f"request {request_id}", "gone", True, False,
                             detail="no such request (purged?)")
-        return _of_request(request, dlq)
+        progress = _of_request(request, dlq)
+        if progress.state != "failed":
+            return progress
+        if not failed_since:
+            failed_since.append(clock())
+        if clock() - failed_since[0] >= grace:
+            return progress
+        return replace(progress, done=False,
+                       detail=f"{progress.detail}; waiting for its dead letter".lstrip("; "))
 
     return probe
 
