@@ -24,8 +24,13 @@ from pathlib import Path
 
 import pytest
 
+from pipelines.commands.dev import SANDBOX_CATALOGUE, setup
 from pipelines.commands.log_filter import QuietFilter
 from pipelines.commands.preflight import port_in_use
+from pipelines.domain.inventory import Inventory
+from pipelines.jobs import inventory
+from resources.storage.db import Database
+from resources.storage.settings import Settings
 
 pytestmark = [pytest.mark.slow, pytest.mark.dagster, pytest.mark.timeout(400)]
 
@@ -290,3 +295,22 @@ def test_quiet_filter_drops_maturity_notices_with_their_source_line() -> None:
         "  old()",
     ]
     assert [line for line in lines if quiet.keep(line)] == lines[5:]
+
+
+def test_setup_seeds_the_sandbox_catalogue_once_and_never_resets_it(tmp_path: Path) -> None:
+    """Catches: a fresh dev stack where the inventory and fulfilment examples fail with
+    UnknownSku (nothing seeded), and a restart that resets stock someone changed."""
+    url = f"sqlite:///{tmp_path / 'dev.db'}"
+    settings = Settings(database_url=url, redis_url="redis://127.0.0.1:9/0",
+                        dagster_home=tmp_path / "home", gateway_url="http://127.0.0.1:9",
+                        smtp_host="127.0.0.1", smtp_port=9)
+    setup(settings, verbose=False)
+    db = Database.from_url(url)
+    stock = Inventory(db)
+    example_skus = {item["sku"] for item in inventory.JOB_TYPE.example["items"]}
+    assert example_skus <= set(SANDBOX_CATALOGUE)
+    assert all(stock.stock(sku) == (SANDBOX_CATALOGUE[sku], 0) for sku in SANDBOX_CATALOGUE)
+    stock.set_stock("apple", 3)
+    setup(settings, verbose=False)
+    assert stock.stock("apple") == (3, 0)
+    db.dispose()

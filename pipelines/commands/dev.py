@@ -44,6 +44,7 @@ import redis
 from pipelines.commands.log_filter import pump
 from pipelines.commands.preflight import DevPreflightError, InstanceLock, check_ports
 from pipelines.commands.supervisor import Supervisor
+from pipelines.domain.inventory import Inventory
 from pipelines.instance import prepare_dagster_home
 from resources.storage.db import Database
 from resources.storage.migrations import upgrade
@@ -96,11 +97,23 @@ def environment() -> dict[str, str]:
     return env
 
 
-def setup(settings: Settings, *, verbose: bool = True) -> None:
-    applied = upgrade(Database.from_url(settings.database_url))
+SANDBOX_CATALOGUE = {"apple": 1000, "pear": 1000, "banana": 1000}
+"""Stock ``sekali dev`` creates when missing, so the inventory and fulfilment examples (which
+reserve ``apple``) run on a fresh machine; stock someone changed is never reset."""
+
+
+def setup(settings: Settings, *, verbose: bool = True, sandbox: bool = True) -> None:
+    db = Database.from_url(settings.database_url)
+    try:
+        applied = upgrade(db)
+        seeded = Inventory(db).seed_stock(SANDBOX_CATALOGUE) if sandbox else []
+    finally:
+        db.dispose()
     prepare_dagster_home(settings.dagster_home)
     if verbose:
         print(f"schema: {'applied ' + ', '.join(applied) if applied else 'up to date'}")
+        if seeded:
+            print(f"sandbox stock: {', '.join(f'{s} {SANDBOX_CATALOGUE[s]}' for s in seeded)}")
         print(f"dagster home: {settings.dagster_home}", flush=True)
 
 
@@ -160,7 +173,7 @@ def run_dev(args: argparse.Namespace) -> int:
         return 2
     try:
         if args.setup_only:
-            setup(settings)
+            setup(settings, sandbox=not args.no_sandbox)
             return 0
         return _serve(args, settings, verbose)
     finally:
@@ -179,7 +192,7 @@ def _serve(args: argparse.Namespace, settings: Settings, verbose: bool) -> int:
         env = environment()
         if not os.environ.get("REDIS_URL"):
             _start_redis(supervisor, env["REDIS_URL"], verbose=verbose)
-        setup(settings, verbose=verbose)
+        setup(settings, verbose=verbose, sandbox=not args.no_sandbox)
         if not args.no_sandbox and not stop.event.is_set():
             sandbox = _start_sandbox(settings)
         if not stop.event.is_set():

@@ -122,6 +122,23 @@ class Inventory:
                 {"sku": sku, "n": on_hand, "now": time.time()},
             )
 
+    def seed_stock(self, catalogue: Mapping[str, int]) -> list[str]:
+        """Create the SKUs of ``catalogue`` that do not exist yet, with that stock on hand; an
+        existing SKU is left exactly as it is. Returns the SKUs created."""
+        created = []
+        with self.db.transaction() as conn:
+            for sku, on_hand in sorted(catalogue.items()):
+                row = conn.execute(
+                    text(
+                        "INSERT INTO stock (sku, on_hand, reserved, updated_at)"
+                        " VALUES (:sku, :n, 0, :now) ON CONFLICT (sku) DO NOTHING RETURNING sku"
+                    ),
+                    {"sku": sku, "n": on_hand, "now": time.time()},
+                ).first()
+                if row is not None:
+                    created.append(sku)
+        return created
+
     def stock(self, sku: str) -> tuple[int, int]:
         """``(on_hand, reserved)`` of ``sku``."""
         with self.db.statement() as conn:
