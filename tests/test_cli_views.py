@@ -13,10 +13,12 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from pipelines.attempts import AttemptRecorder, Outcome
+from pipelines.commands.dlq import error_text
 from pipelines.intake import enqueue
 from pipelines.requests import RequestStore
 from resources.dlq import DlqStore, FailureClass, FailureInfo
@@ -161,3 +163,17 @@ def test_enqueue_says_each_error_once_and_what_is_wrong(
     assert done.returncode == 2 and done.stdout == ""
     (line,) = done.stderr.strip().splitlines()
     assert line.startswith(f"error: {message} (kept as rejection ")
+
+
+@pytest.mark.parametrize(
+    ("message", "shown"),
+    [
+        ("pipelines.domain.inventory.UnknownSku: no sku nope", "UnknownSku: no sku nope"),
+        ("UnknownSku: no sku nope", "UnknownSku: no sku nope"),
+        ("no sku nope", "UnknownSku: no sku nope"),
+    ],
+)
+def test_dlq_error_names_the_class_once(message: str, shown: str) -> None:
+    """Catches: ``UnknownSku: pipelines.domain.inventory.UnknownSku: ...`` in ``dlq list``."""
+    record = SimpleNamespace(error_type="UnknownSku")
+    assert error_text(record, {"last_error": message}) == shown

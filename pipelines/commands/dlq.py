@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import getpass
+import re
 import sys
 import textwrap
 from typing import Any
@@ -153,7 +154,12 @@ def error_text(record: Any, view: dict[str, Any]) -> str:
     """The record's error once: its message, prefixed by the error type only when the message
     does not already start with it."""
     message = " ".join((view["last_error"] or "").split())
-    if message.startswith(f"{record.error_type}:") or not record.error_type:
+    if not record.error_type:
+        return message
+    qualified = re.match(rf"[\w.]*\.{re.escape(record.error_type)}:", message)
+    if qualified:  # ``pkg.module.UnknownSku: ...`` reads as ``UnknownSku: ...``
+        return record.error_type + message[qualified.end() - 1:]
+    if message.startswith(f"{record.error_type}:"):
         return message
     return f"{record.error_type}: {message}"
 
