@@ -17,7 +17,9 @@ Two rules make that lookup trustworthy:
    ``charged_not_confirmed`` with no ``charge_id`` and ``charge_sent_at`` (the claim gets the
    checkpoint ``charge_sent`` in the same transaction), and the lease is confirmed in the store
    (:meth:`JobContext.confirm_lease`). A holder frozen before that point and taken over is
-   refused there (fence, owner token) and charges nothing.
+   refused there (fence, owner token) and charges nothing. The confirmation gives a send bound
+   the client checks right before writing the request: a holder frozen after it sends nothing
+   once the bound passed, re-confirms, and stops with ``LeaseLost`` if taken over.
 2. **An unknown outcome is never charged blind.** When no answer came (a timeout, a reset or
    the deadline after the request was sent; the worker died mid-call), a slow provider may
    still commit the charge, and a lookup now would miss it. Until ``charge_sent_at`` plus the
