@@ -26,6 +26,7 @@ import logging
 import smtplib
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from email.header import Header
@@ -34,7 +35,7 @@ from email.mime.text import MIMEText
 from email.utils import formatdate
 from typing import Protocol, runtime_checkable
 
-from resources.errors import PermanentJobError, TransientJobError
+from resources.errors import PermanentJobError, SendDeadlinePassed, TransientJobError
 from resources.telemetry.redact import redact
 
 log = logging.getLogger(__name__)
@@ -87,7 +88,11 @@ class Mailer(Protocol):
         body: str,
         message_id: str,
         correlation_id: str | None = None,
-    ) -> None: ...
+        send_by: float | None = None,
+    ) -> None:
+        """Send once; with ``send_by`` (``time.monotonic()`` scale), raise
+        :class:`SendDeadlinePassed` instead of handing the message over once it has passed."""
+        ...
 
 
 class SmtpMailer:
@@ -137,11 +142,12 @@ class SmtpMailer:
         body: str,
         message_id: str,
         correlation_id: str | None = None,
+        send_by: float | None = None,
     ) -> None:
         with self.session() as session:
             session.send(
                 to=to, subject=subject, body=body, message_id=message_id,
-                correlation_id=correlation_id,
+                correlation_id=correlation_id, send_by=send_by,
             )
 
     @contextlib.contextmanager
@@ -171,7 +177,11 @@ class SmtpSession:
         body: str,
         message_id: str,
         correlation_id: str | None = None,
+        send_by: float | None = None,
     ) -> None:
+        """Send one message on this session's connection. ``send_by`` is checked after the
+        connection is up and right before the envelope (MAIL FROM) goes out: once it has passed,
+        :class:`SendDeadlinePassed` and nothing of this message was sent."""
         m = self.mailer
         msg = m.build(
             to=to, subject=subject, body=body, message_id=message_id, correlation_id=correlation_id
@@ -185,6 +195,8 @@ class SmtpSession:
             if self._smtp is None:
                 smtp.connect(m.host, m.port)
                 self._smtp = smtp
+            if send_by is not None and time.monotonic() > send_by:
+                raise SendDeadlinePassed(f"mail {message_id}", time.monotonic() - send_by)
             smtp.send_message(msg)
         except smtplib.SMTPRecipientsRefused as exc:
             code, reply = next(iter(exc.recipients.values()))
