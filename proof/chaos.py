@@ -1366,10 +1366,11 @@ def judge(
             accounted = in_dlq or live or (status == "completed" and effects >= 1)
         lost = not accounted
         tag = f"request {req.id} ({req.job_type}, key {key})"
-        if effects > 1 and _refunded_unclosable_window(req, effects, refunds):
-            stats["double_charges_refund_marked"] += effects - 1
-        elif effects > 1:
+        if effects > 1:
             violations.append(f"duplicate effect: {tag} has {effects} effects")
+            if req.job_type == "charge_payment":
+                marked = min(effects - 1, refunds[str(req.payload["order_id"])])
+                stats["double_charges_refund_marked"] += marked
         if resends > allowed_resends:
             violations.append(f"duplicate mail: {tag} sent {resends} resend(s) of one Message-ID"
                               f" but only {allowed_resends} after-effect fault(s) struck it")
@@ -1413,17 +1414,6 @@ def judge(
             lost=lost,
         ))
     return verdicts, violations
-
-
-def _refunded_unclosable_window(req: Request, effects: int, refunds: Counter[str]) -> bool:
-    """A second charge in the one window no client-side check closes (docs/chaos.md): the
-    holder froze after its last lease confirmation, inside the charge call before the POST
-    left (stop:before_effect), was taken over, and resumed to POST while the provider ignored
-    idempotency keys (slow-provider). It is allowed only when reconciliation found it and marked
-    each extra charge for a refund; it still counts under ``duplicates``."""
-    return (req.job_type == "charge_payment" and req.struck["stop:before_effect"] > 0
-            and "slow-provider" in req.faults
-            and refunds[str(req.payload["order_id"])] >= effects - 1)
 
 
 def reconcile_double_charges(world: ChaosWorld) -> int:

@@ -112,6 +112,21 @@ class NotYetSettled(TransientJobError):
         self.settles_at = settles_at
 
 
+class SendDeadlinePassed(TransientJobError):
+    """A call to a downstream was refused by its own client before a byte of the request was
+    written: the caller's send bound (a monotonic time) had passed. Nothing was sent, so no
+    outcome is unknown. The caller confirms it still holds its lease and, if so, sends again
+    with a new bound.
+    """
+
+    def __init__(self, what: str, late_by: float) -> None:
+        super().__init__(
+            f"{what} not sent: its send bound passed {late_by:.3f}s ago (the worker was paused "
+            "or slow after confirming its lease); nothing left this process"
+        )
+        self.late_by = late_by
+
+
 class LeaseLost(SekaliError):
     """This holder's lease was taken over (it expired and another worker claimed the key), or
     ran out while the holder could not renew it (the store did not answer), so it may be.

@@ -6,6 +6,8 @@ Module-level functions only, so ``multiprocessing`` with the "spawn" context can
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -80,6 +82,24 @@ def run_job(job_name: str, run_config: dict[str, Any], resources: dict[str, Any]
     return bool(result.success)
 
 
+class _StopInCharge:
+    """The real gateway client, frozen (SIGSTOP, until SIGCONT) once inside ``charge`` just
+    before the real client runs: past the job's last lease confirmation, before any byte."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.stopped = False
+
+    def charge(self, **kwargs: Any) -> Any:
+        if not self.stopped:
+            self.stopped = True
+            os.kill(os.getpid(), signal.SIGSTOP)
+        return self.inner.charge(**kwargs)
+
+    def find_charges(self, reference: str) -> Any:
+        return self.inner.find_charges(reference)
+
+
 def request_loop(args: dict[str, Any]) -> list[dict[str, Any]]:
     """Run ``execute_request`` for each payload, waiting out ``AlreadyInProgress``.
 
@@ -109,6 +129,8 @@ def request_loop(args: dict[str, Any]) -> list[dict[str, Any]]:
         cache_namespace=args["namespace"],
         send_idempotency_key=bool(args.get("send_idempotency_key", True)),
     )
+    if args.get("stop_in_charge"):
+        services.gateway = _StopInCharge(services.gateway)
     if args.get("ready_dir"):
         _wait_for_go(Path(args["ready_dir"]))
     out: list[dict[str, Any]] = []

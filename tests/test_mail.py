@@ -25,6 +25,7 @@ import pytest
 
 from pipelines.domain.mail import Mailer, MailRejected, MailUnavailable, SmtpMailer, message_id_for
 from pipelines.profile import MailerResource
+from resources.errors import SendDeadlinePassed
 from resources.retry import ErrorClass, classify
 from sandbox.mailsink import MailSink
 from sandbox.redis_server import free_port
@@ -228,3 +229,20 @@ def test_cli_process_records_into_its_database(tmp_path: Path) -> None:
         assert [m["message_id"] for m in reopened.messages()] == ["<cli@sekali>"]
     finally:
         reopened.stop()
+
+
+def test_a_mail_whose_send_bound_passed_is_not_handed_over(sink: MailSink) -> None:
+    """The send bound is checked with the connection up, right before the envelope: once it
+    has passed, SendDeadlinePassed (transient, nothing sent) and the sink has no message; the
+    same session then sends within a new bound."""
+    mailer = SmtpMailer("127.0.0.1", sink.port)
+    message_id = message_id_for("email:welcome:u-late:2026-01-01")
+    with mailer.session() as session:
+        with pytest.raises(SendDeadlinePassed) as late:
+            session.send(to="late@example.com", subject="hi", body="b", message_id=message_id,
+                         send_by=time.monotonic() - 0.2)
+        assert "not sent" in str(late.value)
+        assert sink.messages() == []
+        session.send(to="late@example.com", subject="hi", body="b", message_id=message_id,
+                     send_by=time.monotonic() + 30)
+    assert [m["message_id"] for m in sink.messages()] == [message_id]

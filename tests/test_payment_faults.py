@@ -41,6 +41,7 @@ from pipelines.reconciliation import Reconciler
 from pipelines.runtime import execute_request
 from pipelines.services import Services
 from resources.dlq import DlqStore
+from resources.errors import SendDeadlinePassed
 from resources.idempotency import IdempotencyStore, Status
 from resources.storage.db import Database
 from resources.storage.migrations import upgrade
@@ -143,6 +144,78 @@ def test_worker_frozen_before_the_charge_past_its_lease_never_charges_again(
     assert paid == tries
 
 
+def test_worker_frozen_inside_the_charge_call_past_its_lease_does_not_send(
+    db: Database, db_url: str, redis_url: str, namespace: str, redis_client: Any,
+    gateway: GatewayServer,
+) -> None:
+    """Regression caught: with keys ignored, a worker that had written its send down and
+    confirmed its lease froze (SIGSTOP) inside the charge call, before the request left; a
+    second worker took over, waited out the settle window, found nothing by reference, charged
+    and completed; the first resumed and POSTed: two charges. The send now carries a bound
+    (monotonic, half the lease after the last confirmation) checked right before the request
+    is written: the resumed holder finds it passed, sends nothing, re-confirms its lease and
+    stops with LeaseLost. Three frozen workers side by side."""
+    gateway.set_faults(honour_idempotency_key=False)
+    orders = [f"o-frozen-send-{i}" for i in range(3)]
+    args = {"job_type": "charge_payment", "db_url": db_url, "redis_url": redis_url,
+            "namespace": namespace, "gateway_url": gateway.url, "lease_seconds": LEASE,
+            "send_idempotency_key": False, "settle_seconds": 1.0}
+    payloads = [{"order_id": o, "amount_cents": 900, "currency": "EUR"} for o in orders]
+    frozen = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER),
+             json.dumps({**args, "payloads": [p], "stop_in_charge": True})],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for p in payloads
+    ]
+    try:
+        deadline = time.monotonic() + 120
+        for proc in frozen:
+            while _state(proc.pid) != "T":
+                assert proc.poll() is None, proc.communicate()[1][-2000:]
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+        store = IdempotencyStore(db)
+        for order in orders:
+            record = store.get(f"payment:{order}")
+            assert record is not None and record.status is Status.IN_PROGRESS
+            assert record.lease_expires_at is not None
+            with db.statement() as conn:
+                sent_at = conn.execute(
+                    text("SELECT charge_sent_at FROM orders WHERE order_id = :o"), {"o": order}
+                ).scalar()
+            assert sent_at is not None  # the send was written down before the freeze
+            time.sleep(max(0.0, record.lease_expires_at - time.time(),
+                           float(sent_at) + 1.0 - time.time()) + 0.2)
+        takeover = request_loop({**args, "payloads": payloads})
+        assert [r["status"] for r in takeover] == ["completed"] * 3, takeover
+        for proc in frozen:
+            proc.send_signal(signal.SIGCONT)
+        resumed = []
+        for proc in frozen:
+            out, err = proc.communicate(timeout=120)
+            assert proc.returncode == 0, err[-2000:]
+            resumed.extend(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for proc in frozen:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    counts = {o: len(gateway.ledger.by_reference(reference_for(f"payment:{o}"))) for o in orders}
+    assert counts == dict.fromkeys(orders, 1), counts
+    assert [r["status"] for r in resumed] == ["LeaseLost"] * 3, resumed
+    for order in orders:
+        record = store.get(f"payment:{order}")
+        assert record is not None and record.status is Status.COMPLETED, record
+    with db.statement() as conn:
+        paid = conn.execute(
+            text("SELECT COUNT(*) FROM orders WHERE payment_status = 'paid' AND payment_fence = 2"
+                 " AND order_id LIKE 'o-frozen-send-%'")
+        ).scalar()
+    assert paid == 3
+
+
 @KEYS
 def test_slow_provider_charges_once_and_completes_after_the_settle_window(
     db: Database, db_url: str, redis_url: str, namespace: str, redis_client: Any,
@@ -216,6 +289,65 @@ def test_the_dagster_retry_after_an_unanswered_charge_waits_out_the_window(
         sent_at = conn.execute(text("SELECT charge_sent_at FROM orders")).scalar()
     assert rows[1]["started_at"] >= sent_at + 2.5
     db.dispose()
+
+
+def test_the_client_sends_nothing_once_the_send_bound_passed(gateway: GatewayServer) -> None:
+    """The bound is checked before a byte leaves: a charge whose ``send_by`` has passed raises
+    SendDeadlinePassed (transient, nothing sent) and the gateway records no charge; one within
+    its bound charges."""
+    gateway.set_faults(honour_idempotency_key=False)
+    client = HttpPaymentGateway(gateway.url, timeout=1.0, deadline=2.0)
+    with pytest.raises(SendDeadlinePassed) as late:
+        client.charge(reference="ref-late", amount_cents=100, currency="EUR",
+                      idempotency_key="k-late", send_by=time.monotonic() - 0.5)
+    assert late.value.late_by >= 0.5 and "not sent" in str(late.value)
+    assert gateway.ledger.by_reference("ref-late") == []
+    client.charge(reference="ref-late", amount_cents=100, currency="EUR",
+                  idempotency_key="k-late", send_by=time.monotonic() + 30)
+    assert len(gateway.ledger.by_reference("ref-late")) == 1
+
+
+class _LateOnce:
+    """The real client, handed a send bound already passed on its first charge: what a holder
+    paused after its lease confirmation, but not taken over, sees when it resumes."""
+
+    def __init__(self, inner: HttpPaymentGateway) -> None:
+        self.inner = inner
+        self.bounds: list[float] = []
+
+    def charge(self, **kwargs: Any) -> Any:
+        self.bounds.append(kwargs["send_by"])
+        if len(self.bounds) == 1:
+            kwargs["send_by"] = time.monotonic() - 0.1
+        return self.inner.charge(**kwargs)
+
+    def find_charges(self, reference: str) -> Any:
+        return self.inner.find_charges(reference)
+
+
+def test_a_holder_still_holding_after_a_passed_bound_confirms_and_charges_once(
+    db: Database, db_url: str, redis_url: str, namespace: str, redis_client: Any,
+    gateway: GatewayServer,
+) -> None:
+    """After SendDeadlinePassed the job writes the send down again, confirms its lease (still
+    its own: nobody took over) and sends with a new bound, in the same attempt: one charge, the
+    order paid, no unknown outcome left behind."""
+    services = services_for(db_url, redis_url, namespace, gateway, keys=False)
+    assert isinstance(services.gateway, HttpPaymentGateway)
+    late = _LateOnce(services.gateway)
+    services.gateway = late
+    payload = {"order_id": "o-late-once", "amount_cents": 500, "currency": "EUR"}
+    outcome = execute_request("charge_payment", payload, services=services)
+    assert outcome.status == "completed"
+    assert len(late.bounds) == 2 and late.bounds[1] > late.bounds[0]
+    assert len(gateway.ledger.by_reference(reference_for("payment:o-late-once"))) == 1
+    rows = AttemptRecorder(db).for_key("payment:o-late-once")
+    assert [r["outcome"] for r in rows] == ["completed"]
+    with db.statement() as conn:
+        status = conn.execute(
+            text("SELECT payment_status FROM orders WHERE order_id = 'o-late-once'")
+        ).scalar()
+    assert status == "paid"
 
 
 def test_a_dripping_provider_is_cut_off_at_the_deadline(gateway: GatewayServer) -> None:

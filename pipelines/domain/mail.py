@@ -35,7 +35,7 @@ from email.mime.text import MIMEText
 from email.utils import formatdate
 from typing import Protocol, runtime_checkable
 
-from resources.errors import PermanentJobError, TransientJobError
+from resources.errors import PermanentJobError, SendDeadlinePassed, TransientJobError
 from resources.telemetry.redact import redact
 
 log = logging.getLogger(__name__)
@@ -139,7 +139,11 @@ class Mailer(Protocol):
         body: str,
         message_id: str,
         correlation_id: str | None = None,
-    ) -> None: ...
+        send_by: float | None = None,
+    ) -> None:
+        """Send once; with ``send_by`` (``time.monotonic()`` scale), raise
+        :class:`SendDeadlinePassed` instead of handing the message over once it has passed."""
+        ...
 
 
 class SmtpMailer:
@@ -189,11 +193,12 @@ class SmtpMailer:
         body: str,
         message_id: str,
         correlation_id: str | None = None,
+        send_by: float | None = None,
     ) -> None:
         with self.session() as session:
             session.send(
                 to=to, subject=subject, body=body, message_id=message_id,
-                correlation_id=correlation_id,
+                correlation_id=correlation_id, send_by=send_by,
             )
 
     @contextlib.contextmanager
@@ -224,7 +229,11 @@ class SmtpSession:
         body: str,
         message_id: str,
         correlation_id: str | None = None,
+        send_by: float | None = None,
     ) -> None:
+        """Send one message on this session's connection. ``send_by`` is checked after the
+        connection is up and right before the envelope (MAIL FROM) goes out: once it has passed,
+        :class:`SendDeadlinePassed` and nothing of this message was sent."""
         m = self.mailer
         msg = m.build(
             to=to, subject=subject, body=body, message_id=message_id, correlation_id=correlation_id
@@ -236,6 +245,8 @@ class SmtpSession:
             if self._smtp is None:
                 smtp.connect(m.host, m.port)
                 self._smtp = smtp
+            if send_by is not None and time.monotonic() > send_by:
+                raise SendDeadlinePassed(f"mail {message_id}", time.monotonic() - send_by)
             smtp.send_message(msg)
         except smtplib.SMTPRecipientsRefused as exc:
             code, reply = next(iter(exc.recipients.values()))

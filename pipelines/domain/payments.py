@@ -28,7 +28,7 @@ from urllib.parse import urlencode
 
 import urllib3
 
-from resources.errors import PermanentJobError, TransientJobError
+from resources.errors import PermanentJobError, SendDeadlinePassed, TransientJobError
 
 log = logging.getLogger(__name__)
 
@@ -100,8 +100,12 @@ class PaymentGateway(Protocol):
         currency: str,
         idempotency_key: str | None,
         correlation_id: str | None = None,
+        send_by: float | None = None,
     ) -> Charge:
-        """Charge once per ``idempotency_key`` (when the provider honours keys)."""
+        """Charge once per ``idempotency_key`` (when the provider honours keys).
+
+        ``send_by`` (``time.monotonic()`` scale): write no byte of the request after it; once it
+        has passed, raise :class:`SendDeadlinePassed` (nothing sent) instead."""
         ...
 
     def find_charges(self, reference: str) -> list[Charge]:
@@ -158,17 +162,16 @@ class HttpPaymentGateway:
         self.timeout = timeout
         self.deadline = deadline
         self.send_idempotency_key = send_idempotency_key
+        self._timeouts = urllib3.Timeout(
+            connect=min(timeout, deadline), read=min(timeout, deadline), total=deadline
+        )
         self._http = urllib3.PoolManager(
-            maxsize=pool_maxsize,
-            block=False,
-            retries=False,
-            timeout=urllib3.Timeout(
-                connect=min(timeout, deadline), read=min(timeout, deadline), total=deadline
-            ),
+            maxsize=pool_maxsize, block=False, retries=False, timeout=self._timeouts
         )
 
     def _request(
-        self, method: str, path: str, *, body: Any = None, headers: dict[str, str] | None = None
+        self, method: str, path: str, *, body: Any = None, headers: dict[str, str] | None = None,
+        send_by: float | None = None,
     ) -> Any:
         url = self.base_url + path
         ends_at = time.monotonic() + self.deadline
@@ -177,9 +180,22 @@ class HttpPaymentGateway:
         if body is not None:
             payload = json.dumps(body).encode()
             all_headers["Content-Type"] = "application/json"
+        timeout = self._timeouts
+        if send_by is not None:
+            # The last check before urllib3 writes the request; a new connection must be up
+            # before the bound too, so no byte leaves after send_by (see :meth:`charge`).
+            left = send_by - time.monotonic()
+            if left <= 0:
+                raise SendDeadlinePassed(f"{method} {path}", -left)
+            timeout = urllib3.Timeout(
+                connect=min(self.timeout, self.deadline, left),
+                read=min(self.timeout, self.deadline),
+                total=self.deadline,
+            )
         try:
             response = self._http.request(
-                method, url, body=payload, headers=all_headers, preload_content=False
+                method, url, body=payload, headers=all_headers, preload_content=False,
+                timeout=timeout,
             )
         except urllib3.exceptions.NewConnectionError as exc:
             raise GatewayUnavailable(f"payment gateway unreachable at {url}: {exc}") from exc
@@ -245,7 +261,16 @@ class HttpPaymentGateway:
         currency: str,
         idempotency_key: str | None,
         correlation_id: str | None = None,
+        send_by: float | None = None,
     ) -> Charge:
+        """POST the charge; with ``send_by``, refuse to write it once the bound passed.
+
+        The bound is checked right before urllib3 is handed the request, and a connection
+        urllib3 opens for it gets a connect timeout cut to what is left of the bound (a connect
+        timeout is not charged: :class:`GatewayUnavailable` without ``maybe_charged``). So the
+        request's bytes leave before ``send_by``, unless this process is paused between the
+        check and the socket write (a few instructions inside urllib3), the one window left.
+        """
         headers: dict[str, str] = {}
         if idempotency_key is not None and self.send_idempotency_key:
             headers["Idempotency-Key"] = idempotency_key
@@ -256,6 +281,7 @@ class HttpPaymentGateway:
             "/charges",
             body={"reference": reference, "amount_cents": amount_cents, "currency": currency},
             headers=headers,
+            send_by=send_by,
         )
         charge = Charge.from_json(data)
         log.info(

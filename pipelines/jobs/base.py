@@ -220,24 +220,47 @@ class JobContext:
         if self.keeper is not None:
             self.keeper.check()
 
-    def confirm_lease(self) -> None:
+    def confirm_lease(self) -> float:
         """Make sure the lease is still ours now: raises :class:`LeaseLost` if the key was taken
-        over.
+        over. Returns the send bound: a monotonic time after which no request may leave for the
+        downstream on the strength of this confirmation.
 
         Every job type calls it right before each call to a downstream (an SMTP send, a charge):
         effects no fenced write guards. :meth:`check_lease` only reads
         what the background heartbeat last saw, which a worker just resumed from a pause has not
         refreshed yet; this asks the store, unless the claim or a heartbeat was confirmed within
         a tenth of the lease by the monotonic clock (no takeover can happen before the whole
-        lease has passed, and a paused process sees the pause on that clock, so it asks). A pause
-        between this call and the effect is still possible: the effect's own idempotent
-        identity (the Message-ID) closes that last window.
+        lease has passed, and a paused process sees the pause on that clock, so it asks).
+
+        The bound is ``asked + 0.4 * lease``, ``asked`` read on the monotonic clock BEFORE the
+        round trip. The lease was last confirmed at or after ``asked - lease / 10`` (the
+        freshness shortcut), so the bound is at most half a lease after the store extended the
+        lease to ``confirmation + lease``. A pause after this call is seen by the downstream
+        client, which refuses to write the request once the bound passed
+        (:class:`SendDeadlinePassed`: nothing sent). Timeline, lease L, keys ignored::
+
+            m0      A reads the monotonic clock, then heartbeats: expiry E >= m0 + L (store time)
+            m0+.4L  A's bound: A's client writes no byte after it (a connect is cut to it too)
+            E       the lease may run out; a takeover B judges E on its own clock, skewed by s
+            E - s   the earliest B can claim; B then waits the settle window from A's sent_at
+                    before it looks up by reference and charges blind
+            later   A wakes: its bound passed, it sends nothing, re-confirms, gets LeaseLost
+
+        So A's bytes and B's blind charge cannot both happen as long as the skew between the
+        clocks judging expiry stays under 0.6 L (18 s with a 30 s lease); the settle window only
+        adds margin. Half the lease, not all of it, because skew, the store's own processing
+        time and the bound check itself all eat into it. What is left: a pause between the
+        client's bound check and its socket write (a few instructions), documented in
+        ``docs/design.md``.
         """
         self.check_lease()
+        asked = time.monotonic()
         if self.keeper is not None:
             self.keeper.confirm()
         else:
             self.services.store.heartbeat(self.claim)
+        lease = self.services.store.lease_seconds
+        return asked + lease / 2 - lease / 10
 
     @contextlib.contextmanager
     def timed(self, name: str) -> Iterator[None]:

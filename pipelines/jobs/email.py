@@ -24,7 +24,7 @@ from pipelines.jobs.base import (
     reject_unknown,
     require_str,
 )
-from resources.errors import ValidationError, shown
+from resources.errors import SendDeadlinePassed, ValidationError, shown
 
 TEMPLATES: dict[str, tuple[str, str]] = {
     "welcome": ("Welcome, $name", "Hello $name,\n\nwelcome to sekali.\n"),
@@ -118,17 +118,28 @@ def send_emails(items: Sequence[tuple[JobContext, dict[str, Any]]]) -> list[Any]
     return results
 
 
+SEND_TRIES = 3
+"""Lease confirmations per attempt when the mailer found the send bound passed before sending."""
+
+
 def _send(ctx: JobContext, p: dict[str, Any], mailer: Mailer) -> dict[str, Any]:
     subject, body = render(p)
     message_id = message_id_for(ctx.key)
     ctx.attempt.status_before = "not_sent"
     ctx.crash_point("before_send")
-    ctx.confirm_lease()
-    with ctx.timed("smtp"):
-        mailer.send(
-            to=p["to"], subject=subject, body=body, message_id=message_id,
-            correlation_id=ctx.correlation_id,
-        )
+    for tries_left in range(SEND_TRIES - 1, -1, -1):
+        send_by = ctx.confirm_lease()
+        try:
+            with ctx.timed("smtp"):
+                mailer.send(
+                    to=p["to"], subject=subject, body=body, message_id=message_id,
+                    correlation_id=ctx.correlation_id, send_by=send_by,
+                )
+            break
+        except SendDeadlinePassed:
+            # nothing was handed over: confirm again (LeaseLost when taken over), then resend
+            if not tries_left:
+                raise
     ctx.crash_point("after_send")
     ctx.attempt.status_after = "sent"
     return {"message_id": message_id, "to": p["to"]}

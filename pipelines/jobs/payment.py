@@ -17,7 +17,9 @@ Two rules make that lookup trustworthy:
    ``charged_not_confirmed`` with no ``charge_id`` and ``charge_sent_at`` (the claim gets the
    checkpoint ``charge_sent`` in the same transaction), and the lease is confirmed in the store
    (:meth:`JobContext.confirm_lease`). A holder frozen before that point and taken over is
-   refused there (fence, owner token) and charges nothing.
+   refused there (fence, owner token) and charges nothing. The confirmation gives a send bound
+   the client checks right before writing the request: a holder frozen after it sends nothing
+   once the bound passed, re-confirms, and stops with ``LeaseLost`` if taken over.
 2. **An unknown outcome is never charged blind.** When no answer came (a timeout, a reset or
    the deadline after the request was sent; the worker died mid-call), a slow provider may
    still commit the charge, and a lookup now would miss it. Until ``charge_sent_at`` plus the
@@ -83,6 +85,7 @@ from resources.errors import (
     NotYetSettled,
     PermanentJobError,
     RateLimited,
+    SendDeadlinePassed,
     ValidationError,
     shown,
 )
@@ -177,53 +180,77 @@ def _set_payment(ctx: JobContext, order_id: str, name: str, assignments: str) ->
         )
 
 
+SEND_TRIES = 3
+"""How many times one attempt writes a send down and confirms its lease when the client found
+the send bound passed before sending (a pause or a stall each time); then the attempt gives up
+as transient, nothing sent."""
+
+
 def _send_charge(
     ctx: JobContext, gateway: PaymentGateway, p: dict[str, Any], reference: str
 ) -> Charge:
-    """Write the send down, confirm the lease, charge. Raises :class:`PaymentNotSettled` when
-    the outcome is unknown (the order keeps its ``charge_sent_at``)."""
+    """Write the send down, confirm the lease, charge within the send bound the confirmation
+    gave. Raises :class:`PaymentNotSettled` when the outcome is unknown (the order keeps its
+    ``charge_sent_at``).
+
+    When the client refused to send because the bound passed (:class:`SendDeadlinePassed`:
+    nothing left this process, so no outcome is unknown), the send is written down again
+    (a new ``sent_at``) and the lease confirmed again: a holder taken over meanwhile stops
+    there with :class:`LeaseLost` and the new owner's lookup after the settle window is still
+    conclusive, because this holder never sent."""
     order_id = p["order_id"]
     ctx.crash_point("before_charge")
     with ctx.concurrency_slot(JOB_TYPE):
-        sent_at = time.time()
-        with ctx.locked_row("orders", "order_id", order_id, "record_send") as (conn, _):
-            fenced_update(
-                conn, "orders", "order_id", order_id, fence_column="payment_fence",
-                fence=ctx.fence,
-                assignments="payment_status = 'charged_not_confirmed', charge_id = NULL,"
-                " charge_sent_at = :sent, updated_at = :sent",
-                params={"sent": sent_at},
-            )
-            ctx.checkpoint(CHARGE_SENT, {"reference": reference, "sent_at": sent_at}, conn=conn)
-        ctx.confirm_lease()
-        try:
-            with ctx.timed("gateway_charge"):
-                return gateway.charge(
-                    reference=reference,
-                    amount_cents=p["amount_cents"],
-                    currency=p["currency"],
-                    idempotency_key=ctx.key,
-                    correlation_id=ctx.correlation_id,
+        for tries_left in range(SEND_TRIES - 1, -1, -1):
+            sent_at = time.time()
+            with ctx.locked_row("orders", "order_id", order_id, "record_send") as (conn, _):
+                fenced_update(
+                    conn, "orders", "order_id", order_id, fence_column="payment_fence",
+                    fence=ctx.fence,
+                    assignments="payment_status = 'charged_not_confirmed', charge_id = NULL,"
+                    " charge_sent_at = :sent, updated_at = :sent",
+                    params={"sent": sent_at},
                 )
-        except GatewayRejected:
-            _set_payment(ctx, order_id, "record_failure",
-                         "payment_status = 'payment_failed', charge_sent_at = NULL")
-            ctx.attempt.status_after = str(PaymentStatus.FAILED)
-            raise
-        except RateLimited:  # our own pacing refused the call before anything was sent
-            _set_payment(ctx, order_id, "record_not_charged",
-                         "payment_status = 'payment_pending', charge_sent_at = NULL")
-            raise
-        except GatewayUnavailable as exc:
-            if exc.maybe_charged:
-                ctx.attempt.status_after = CHARGE_UNKNOWN
-                settles_at = sent_at + ctx.services.gateway_settle_seconds
-                raise PaymentNotSettled(
-                    order_id, sent_at, settles_at, time.time(), str(exc)
-                ) from exc
-            _set_payment(ctx, order_id, "record_not_charged",
-                         "payment_status = 'payment_pending', charge_sent_at = NULL")
-            raise
+                ctx.checkpoint(CHARGE_SENT, {"reference": reference, "sent_at": sent_at},
+                               conn=conn)
+            send_by = ctx.confirm_lease()
+            try:
+                with ctx.timed("gateway_charge"):
+                    return gateway.charge(
+                        reference=reference,
+                        amount_cents=p["amount_cents"],
+                        currency=p["currency"],
+                        idempotency_key=ctx.key,
+                        correlation_id=ctx.correlation_id,
+                        send_by=send_by,
+                    )
+            except SendDeadlinePassed as exc:
+                if tries_left:
+                    logger.warning("%s: %s; confirming the lease again", ctx.key, exc)
+                    continue
+                _set_payment(ctx, order_id, "record_not_charged",
+                             "payment_status = 'payment_pending', charge_sent_at = NULL")
+                raise
+            except GatewayRejected:
+                _set_payment(ctx, order_id, "record_failure",
+                             "payment_status = 'payment_failed', charge_sent_at = NULL")
+                ctx.attempt.status_after = str(PaymentStatus.FAILED)
+                raise
+            except RateLimited:  # our own pacing refused the call before anything was sent
+                _set_payment(ctx, order_id, "record_not_charged",
+                             "payment_status = 'payment_pending', charge_sent_at = NULL")
+                raise
+            except GatewayUnavailable as exc:
+                if exc.maybe_charged:
+                    ctx.attempt.status_after = CHARGE_UNKNOWN
+                    settles_at = sent_at + ctx.services.gateway_settle_seconds
+                    raise PaymentNotSettled(
+                        order_id, sent_at, settles_at, time.time(), str(exc)
+                    ) from exc
+                _set_payment(ctx, order_id, "record_not_charged",
+                             "payment_status = 'payment_pending', charge_sent_at = NULL")
+                raise
+    raise AssertionError("the last try returns or raises")
 
 
 def charge_payment(ctx: JobContext, p: dict[str, Any]) -> dict[str, Any]:
