@@ -154,14 +154,15 @@ def error_text(record: Any, view: dict[str, Any]) -> str:
     """The record's error once: its message, prefixed by the error type only when the message
     does not already start with it."""
     message = " ".join((view["last_error"] or "").split())
-    if not record.error_type:
+    kind = str(record.error_type or "")
+    if not kind:
         return message
-    qualified = re.match(rf"[\w.]*\.{re.escape(record.error_type)}:", message)
+    qualified = re.match(rf"[\w.]*\.{re.escape(kind)}:", message)
     if qualified:  # ``pkg.module.UnknownSku: ...`` reads as ``UnknownSku: ...``
-        return record.error_type + message[qualified.end() - 1:]
-    if message.startswith(f"{record.error_type}:"):
+        return kind + message[qualified.end() - 1:]
+    if message.startswith(f"{kind}:"):
         return message
-    return f"{record.error_type}: {message}"
+    return f"{kind}: {message}"
 
 
 def _list(args: argparse.Namespace) -> int:
