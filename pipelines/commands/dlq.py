@@ -276,19 +276,11 @@ def _replay(args: argparse.Namespace) -> int:
     data: dict[str, Any] = {"decisions": [
         {"id": d.record.id, "replay": d.replay, "reason": d.reason, "key_reset": d.key_reset}
         for d in result.decisions]}
-    code = 0 if result.chosen else 1
-    if args.wait and result.chosen and not args.dry_run:
-        requests = RequestStore(store.db)
-        states, timed_out = follow(
-            [record_progress(store, requests, d.record.id) for d in result.decisions if d.replay],
-            timeout=args.timeout,
-        )
-        code = exit_code(states, timed_out, args.timeout)
-        data["final"] = [s.as_dict() for s in states]
-        data["timed_out"] = timed_out
-    if args.json or args.out:
-        return emit(args, data, lambda: None) or code
-    return code
+    if not (args.wait and result.chosen and not args.dry_run):
+        return _finish(args, data, [], 0 if result.chosen else 1)
+    requests = RequestStore(store.db)
+    return _finish(args, data, [record_progress(store, requests, d.record.id)
+                                for d in result.decisions if d.replay])
 
 
 def _amend(args: argparse.Namespace) -> int:
@@ -319,12 +311,17 @@ def _amend(args: argparse.Namespace) -> int:
         "key": done.key, "version": done.version, "request_id": done.request_id,
         "record_id": done.record_id, "previous_key": done.previous_key,
         "dry_run": done.dry_run, "diff": list(done.diff)}
-    code = 0
-    if args.wait and done.request_id is not None and not done.dry_run:
-        states, timed_out = follow(
-            [request_progress(RequestStore(store.db), store, done.request_id)],
-            timeout=args.timeout,
-        )
+    if not (args.wait and done.request_id is not None and not done.dry_run):
+        return _finish(args, data, [], 0)
+    return _finish(args, data, [request_progress(RequestStore(store.db), store, done.request_id)])
+
+
+def _finish(args: argparse.Namespace, data: dict[str, Any], progress: list[Any],
+            code: int = 0) -> int:
+    """Follow ``progress`` to its end when there is any (``--wait``), adding the final states
+    to ``data``; then print ``data`` as JSON when asked. Returns the exit code."""
+    if progress:
+        states, timed_out = follow(progress, timeout=args.timeout)
         code = exit_code(states, timed_out, args.timeout)
         data["final"] = [s.as_dict() for s in states]
         data["timed_out"] = timed_out
