@@ -121,7 +121,7 @@ def stampede(url: str, processes: int = 4, threads: int = 25,
         for p in procs:
             p.join(30)
         calls = int(redis_client(url).get(f"{namespace}:loader_calls") or 0)
-        progress(f"{mode}: the loader ran {calls} times")
+        progress(f"{mode}: the loader ran {calls} time{'' if calls == 1 else 's'}")
         latencies.sort()
         rows.append([mode, processes * threads, calls,
                      f"{statistics.median(latencies) * 1000:.0f} ms",
