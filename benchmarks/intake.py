@@ -32,7 +32,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -52,6 +52,20 @@ def backend(name: str, tmp: Path) -> Iterator[str]:
         return
     with postgres_schema() as url:
         yield url
+
+
+def each_backend(measure: Callable[[str], dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """``measure(url)`` on a fresh SQLite file and a fresh Postgres schema; a backend that fails
+    is reported as ``{"error": ...}`` without hiding the other's numbers."""
+    results: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in ("sqlite", "postgres"):
+            try:
+                with backend(name, Path(tmp)) as url:
+                    results[name] = measure(url)
+            except Exception as exc:  # noqa: BLE001 - report, do not hide the other numbers
+                results[name] = {"error": f"{type(exc).__name__}: {exc}"}
+    return results
 
 
 def payloads(tag: str, n: int) -> list[dict[str, Any]]:

@@ -21,14 +21,12 @@ from __future__ import annotations
 
 import random
 import statistics
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 from sqlalchemy import text
 
-from benchmarks.intake import backend
+from benchmarks.intake import each_backend
 from benchmarks.suite import module_main
 from pipelines import requests as intake_table
 from pipelines.requests import JobRequest, RequestStore
@@ -131,14 +129,9 @@ def _backend(url: str, n: int, rounds: int) -> dict[str, Any]:
 
 def run(quick: bool = False) -> dict[str, Any]:
     n, rounds = (2_000, 1) if quick else (10_000, 3)
-    out: dict[str, Any] = {"backends": {}, "summary": []}
-    with tempfile.TemporaryDirectory() as tmp:
-        for name in ("sqlite", "postgres"):
-            try:
-                with backend(name, Path(tmp)) as url:
-                    out["backends"][name] = _backend(url, n, rounds)
-            except Exception as exc:  # noqa: BLE001 - report, do not hide the other numbers
-                out["backends"][name] = {"error": f"{type(exc).__name__}: {exc}"}
+    out: dict[str, Any] = {
+        "backends": each_backend(lambda url: _backend(url, n, rounds)), "summary": []
+    }
     for name, res in out["backends"].items():
         if "error" in res:
             continue

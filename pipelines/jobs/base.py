@@ -188,6 +188,12 @@ class JobType:
         return self.concurrency_key.format_map(payload)
 
 
+SEND_TRIES = 3
+"""How many times one attempt confirms its lease and tries a downstream call whose client found
+the send bound passed before sending (a pause or a stall each time); then the attempt gives up
+as transient, nothing sent. See :meth:`JobContext.confirm_lease`."""
+
+
 @dataclass
 class JobContext:
     """Everything a handler may touch for one claimed attempt."""

@@ -18,6 +18,7 @@ from typing import Any
 
 from pipelines.domain.mail import Mailer, mail_session, message_id_for
 from pipelines.jobs.base import (
+    SEND_TRIES,
     JobContext,
     JobType,
     PayloadField,
@@ -117,9 +118,6 @@ def send_emails(items: Sequence[tuple[JobContext, dict[str, Any]]]) -> list[Any]
                 results.append(exc)
     return results
 
-
-SEND_TRIES = 3
-"""Lease confirmations per attempt when the mailer found the send bound passed before sending."""
 
 
 def _send(ctx: JobContext, p: dict[str, Any], mailer: Mailer) -> dict[str, Any]:

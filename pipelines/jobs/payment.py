@@ -73,6 +73,7 @@ from sqlalchemy import text
 
 from pipelines.domain.payments import Charge, GatewayRejected, GatewayUnavailable, PaymentGateway
 from pipelines.jobs.base import (
+    SEND_TRIES,
     JobContext,
     JobType,
     PayloadField,
@@ -178,12 +179,6 @@ def _set_payment(ctx: JobContext, order_id: str, name: str, assignments: str) ->
             conn, "orders", "order_id", order_id, fence_column="payment_fence", fence=ctx.fence,
             assignments=f"{assignments}, updated_at = :now", params={"now": time.time()},
         )
-
-
-SEND_TRIES = 3
-"""How many times one attempt writes a send down and confirms its lease when the client found
-the send bound passed before sending (a pause or a stall each time); then the attempt gives up
-as transient, nothing sent."""
 
 
 def _send_charge(
