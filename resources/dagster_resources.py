@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 from typing import Any, Literal
 
-import redis
 from dagster import ConfigurableResource, Failure, RetryRequested
 from pydantic import PrivateAttr
 
@@ -27,7 +26,7 @@ from resources.locks import DbLock, NoLock, RedisLock
 from resources.retry import RetryBudget, RetryDecision, RetryPolicy
 from resources.storage.db import Database, shared_database
 from resources.storage.migrations import upgrade
-from resources.storage.redis import redis_client
+from resources.storage.redis import RedisClient, redis_client
 from resources.storage.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -60,7 +59,7 @@ class SettingsResource(ConfigurableResource):
         """The shared :class:`Database` of ``database_url`` (``DATABASE_URL`` if unset)."""
         return shared_database(self.database_url or self.settings().database_url)
 
-    def redis(self) -> redis.Redis:
+    def redis(self) -> RedisClient:
         """A Redis client of ``redis_url`` (``REDIS_URL`` if unset), with explicit timeouts."""
         return redis_client(self.redis_url or self.settings().redis_url)
 
@@ -161,7 +160,7 @@ class LockResource(SettingsResource):
     wait_seconds: float | None = 10.0
     max_hold_seconds: float | None = None
 
-    def _build(self) -> redis.Redis | Database:
+    def _build(self) -> RedisClient | Database:
         return self.redis() if self.backend == "redis" else self.database()
 
     def lock(self, name: str) -> RedisLock | DbLock | NoLock:

@@ -206,6 +206,44 @@ class StoreUnavailable(TransientJobError):
     """The database or Redis did not answer (connection refused, timeout, failover). Retry."""
 
 
+class StoreFull(StoreUnavailable):
+    """The store refused a write because it is full: the database's disk (SQLite "database or
+    disk is full", Postgres ``disk_full``) or Redis's memory (``maxmemory`` reached under
+    ``noeviction``). Nothing was written. Retry later; free space or memory, or raise the limit,
+    so the retries succeed."""
+
+
+class StoreReadOnly(StoreUnavailable):
+    """The store accepts no writes now: a read-only Postgres session or hot standby, a read-only
+    SQLite file, a Redis replica answering READONLY (a failover under way). Nothing was written.
+    Retry once writes reach the primary again; if it lasts, point the URL at the primary."""
+
+
+class EvictingRedis(SekaliError):
+    """The Redis that would keep sekali's locks, fences, concurrency slots, rate buckets or retry
+    budget may evict keys under memory pressure (any ``maxmemory-policy`` but ``noeviction``):
+    an evicted lock key lets a second holder in while the first still works. Refused at the
+    client's first use rather than failing silently later. Permanent until the configuration
+    changes: set ``maxmemory-policy noeviction`` (``CONFIG SET`` and ``redis.conf``) or give these
+    keys a Redis of their own, then replay what was dead-lettered (docs/locks.md)."""
+
+    permanent = True
+
+    def __init__(self, node: str, policy: str, maxmemory: int, keeps: str) -> None:
+        limit = f"maxmemory {maxmemory} bytes" if maxmemory else "no maxmemory set yet"
+        super().__init__(
+            f"Redis at {node} has maxmemory-policy {policy} ({limit}): it may evict keys under "
+            f"memory pressure, and sekali will not keep {keeps} where they can vanish (a second "
+            "holder would get what the first still holds). Set maxmemory-policy noeviction on "
+            "it (CONFIG SET maxmemory-policy noeviction, and in redis.conf), or point REDIS_URL "
+            "at a Redis of their own that never evicts; see docs/locks.md"
+        )
+        self.node = node
+        self.policy = policy
+        self.maxmemory = maxmemory
+        self.keeps = keeps
+
+
 class CacheLoadTimeout(TransientJobError):
     """A cache miss waited for another process's rebuild and the wait ran out (no stale value).
 

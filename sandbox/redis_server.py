@@ -12,11 +12,12 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import redis
 
-from resources.storage.redis import redis_client
+from resources.storage.redis import RedisClient, redis_client
 
 RDB_FILE = "dump.rdb"  # redis-server's default ``dbfilename``; start() keeps it
 
@@ -52,11 +53,13 @@ class RedisServer:
         port: int | None = None,
         socket_path: Path | None = None,
         replica_of: int | None = None,
+        options: Sequence[str] = (),
     ) -> None:
         self.directory = directory
         self.port = port
         self.socket_path = socket_path
         self.replica_of = replica_of  # a loopback port: start as that server's replica
+        self.options = list(options)  # more redis-server arguments (``--cluster-enabled yes``)
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -65,7 +68,7 @@ class RedisServer:
             return f"unix://{self.socket_path}"
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def client(self) -> redis.Redis:
+    def client(self) -> RedisClient:
         return redis_client(self.url)
 
     def is_up(self) -> bool:
@@ -93,6 +96,7 @@ class RedisServer:
             args += ["--port", str(self.port), "--bind", "127.0.0.1"]
         if self.replica_of is not None:
             args += ["--replicaof", "127.0.0.1", str(self.replica_of)]
+        args += self.options
         self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

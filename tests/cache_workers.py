@@ -11,9 +11,8 @@ import threading
 import time
 from typing import Any
 
-import redis
-
 from resources.cache.core import StampedeCache
+from resources.storage.redis import redis_client
 
 
 def calls_key(namespace: str) -> str:
@@ -36,7 +35,7 @@ def stampede_callers(
 ) -> None:
     """``mode='sleep'``: the loader takes 0.3 s. ``mode='block'``: it waits for the parent's
     release (so callers that return before the release provably did not wait for it)."""
-    client = redis.Redis.from_url(redis_url)
+    client = redis_client(redis_url)
     cache = StampedeCache.from_url(redis_url, namespace=namespace, wait_timeout=60, lock_ttl=60)
 
     def loader() -> dict[str, Any]:

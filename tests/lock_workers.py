@@ -14,12 +14,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-import redis
 from sqlalchemy import text
 
 from resources.errors import FencedWriteRejected, LockLost
 from resources.locks import DbLock, MemoryLockStats, RedisLock, fenced_write
 from resources.storage.db import Database
+from resources.storage.redis import redis_client
 
 COUNTER_DDL = "CREATE TABLE IF NOT EXISTS lock_counter (name TEXT PRIMARY KEY, value INTEGER)"
 BUSINESS_DDL = (
@@ -74,7 +74,7 @@ def exclusion_worker(
     backend: ``redis`` (counter is a Redis key), ``db`` (DbLock lease, counter a row) or ``tx``
     (DbLock.transactional inside the transaction that does the increment).
     """
-    target: Any = redis.Redis.from_url(url) if backend == "redis" else Database.from_url(url)
+    target: Any = redis_client(url) if backend == "redis" else Database.from_url(url)
     fences: list[int] = []
     errors: list[str] = []
     guard = threading.Lock()
@@ -107,7 +107,7 @@ def fairness_worker(
     url: str, name: str, barrier: Any, duration: float, hold: float
 ) -> dict[str, Any]:
     """Loop acquire / hold / release for ``duration`` seconds after every process is ready."""
-    client = redis.Redis.from_url(url)
+    client = redis_client(url)
     lock = RedisLock(client, name, ttl=10, blocking_timeout=60, observer=MemoryLockStats())
     barrier.wait()
     count = 0
@@ -141,7 +141,7 @@ def stale_holder(
         sys.stdout.flush()
 
     db = Database.from_url(db_url)
-    target: Any = redis.Redis.from_url(lock_url) if backend == "redis" else db
+    target: Any = redis_client(lock_url) if backend == "redis" else db
     # SQLite's lock is in-process: a holder stopped mid-renewal would block everyone, so the
     # SQLite variant holds without renewal. Redis and Postgres renew while running.
     renew = not (backend == "db" and db.dialect == "sqlite")

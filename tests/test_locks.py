@@ -41,6 +41,7 @@ from resources.locks import (
 )
 from resources.storage.db import Database
 from resources.storage.migrations import upgrade
+from resources.storage.redis import redis_client as connect_redis
 from sandbox.redis_server import RedisServer
 from tests import lock_workers
 from tests.lock_workers import BUSINESS_DDL, COUNTER_DDL, write_business
@@ -109,7 +110,7 @@ def test_mutual_exclusion_threads_and_processes(
     name = f"{namespace}:counter"
     if backend == "redis":
         url = redis_url
-        redis.Redis.from_url(url).set(name, 0)
+        connect_redis(url).set(name, 0)
     else:
         url = request.getfixturevalue("sqlite_url" if dialect == "sqlite" else "postgres_url")
         db = migrated(url)
@@ -125,7 +126,7 @@ def test_mutual_exclusion_threads_and_processes(
     assert errors == []
     total = processes * threads * rounds
     if backend == "redis":
-        final = int(redis.Redis.from_url(url).get(name) or 0)
+        final = int(connect_redis(url).get(name) or 0)
     else:
         with db.statement() as conn:
             final = conn.execute(
@@ -204,7 +205,7 @@ def test_stopped_holder_loses_lock_and_its_fenced_write_is_rejected(
         first = json.loads(holder.stdout.readline())
         assert first["event"] == "acquired"
         os.kill(holder.pid, signal.SIGSTOP)
-        target = redis.Redis.from_url(redis_url) if backend == "redis" else db
+        target = connect_redis(redis_url) if backend == "redis" else db
         second = new_lock(backend, target, name, ttl=30, blocking_timeout=20)
         with second:
             assert second.fence > first["fence"]
@@ -604,7 +605,7 @@ def test_lock_resource_builds_each_backend_without_connecting_early(
         assert isinstance(lock, kind)
         with lock:
             lock.check()
-    redis.Redis.from_url(redis_url).delete(f"sekali:lock:{{{namespace}:res}}:fence")
+    connect_redis(redis_url).delete(f"sekali:lock:{{{namespace}:res}}:fence")
 
 
 def test_redis_dead_or_departed_waiters_do_not_block_the_queue(

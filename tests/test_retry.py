@@ -43,6 +43,8 @@ from resources.errors import (
     ValidationError,
 )
 from resources.retry import JITTERS, ErrorClass, RetryBudget, RetryPolicy, classify, retry_delay
+from resources.storage.redis import redis_client as connect_redis
+from resources.storage.settings import RedisTimeouts
 from sandbox.redis_server import free_port
 
 # --- delays -----------------------------------------------------------------------------------
@@ -166,7 +168,7 @@ def test_classify_real_transient_errors(redis_url: str) -> None:
         lambda: create_engine("sqlite:////nonexistent-dir/x/app.db").connect().execute(text("1"))
     )
     redis_down = _raised(lambda: redis.Redis(port=free_port(), socket_connect_timeout=2).ping())
-    blocked = redis.Redis.from_url(redis_url, socket_timeout=0.1)
+    blocked = connect_redis(redis_url, timeouts=RedisTimeouts(socket=0.1))
     redis_slow = _raised(lambda: blocked.blpop(["sekali-test-never-" + str(time.time())], 2))
     blocked.close()
     assert isinstance(redis_slow, redis.TimeoutError)
@@ -235,7 +237,7 @@ def test_retry_after_is_honoured_but_bounded_by_the_time_budget() -> None:
 def _spend_worker(redis_url: str, namespace: str, capacity: float, threads: int,
                   tries: int) -> int:
     """Worker for spawned processes: ``threads`` threads each try ``tries`` spends."""
-    client = redis.Redis.from_url(redis_url)
+    client = connect_redis(redis_url)
     budget = RetryBudget(client, capacity=capacity, namespace=namespace)
     barrier = threading.Barrier(threads)
 

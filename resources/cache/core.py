@@ -89,7 +89,7 @@ from resources.cache.scripts import (
 )
 from resources.cache.stats import CacheRecorder
 from resources.errors import CacheLoaderFailed, CacheLoadTimeout, StoreUnavailable
-from resources.storage.redis import client_timeouts, redis_client
+from resources.storage.redis import RedisClient, Script, client_timeouts, redis_client
 from resources.telemetry.tracing import set_attributes, span, tracing_enabled
 
 log = logging.getLogger(__name__)
@@ -233,7 +233,7 @@ class StampedeCache:
 
     def __init__(
         self,
-        client: redis.Redis,
+        client: RedisClient,
         *,
         namespace: str,
         ttl: float = 60.0,
@@ -281,10 +281,11 @@ class StampedeCache:
         self._pending: set[Future[Any]] = set()
         self._pending_lock = threading.Lock()
         self._refreshing: set[str] = set()
-        self._fetch = client.register_script(FETCH)
-        self._write = client.register_script(WRITE)
-        self._fail = client.register_script(FAIL)
-        self._invalidate = client.register_script(INVALIDATE)
+        # keeps=None: a cache may live on an evicting Redis (docs/locks.md, "Eviction")
+        self._fetch = Script(client, FETCH, keeps=None)
+        self._write = Script(client, WRITE, keeps=None)
+        self._fail = Script(client, FAIL, keeps=None)
+        self._invalidate = Script(client, INVALIDATE, keeps=None)
 
     @classmethod
     def from_url(cls, url: str, *, namespace: str, **kwargs: Any) -> StampedeCache:

@@ -24,13 +24,13 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 
-import redis
-
 from resources.cache.scripts import DECAY, namespace_keys
+from resources.storage.redis import REDIS_ERRORS, RedisClient
 from resources.telemetry import counters
 from resources.telemetry.patterns import key_pattern
 
 log = logging.getLogger(__name__)
+_FLUSH_ERRORS: tuple[type[Exception], ...] = (*REDIS_ERRORS, OSError, ValueError)  # closed client
 
 FIELDS = (
     "hits",
@@ -50,7 +50,7 @@ class CacheRecorder:
 
     def __init__(
         self,
-        client: redis.Redis,
+        client: RedisClient,
         namespace: str,
         *,
         flush_interval: float = 1.0,
@@ -137,7 +137,7 @@ class CacheRecorder:
                 pipe.pexpire(self.hot_key, self.counters.ttl_ms)
                 pipe.execute()
             self.decay()
-        except (redis.RedisError, OSError, ValueError):  # ValueError: the client was closed
+        except _FLUSH_ERRORS:  # ValueError: the client was closed
             log.warning("cache stats flush failed; counts of this interval are lost", exc_info=True)
         finally:
             self._flushing.release()

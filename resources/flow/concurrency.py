@@ -10,10 +10,9 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-import redis
-
 from resources.errors import LimitNotAcquired, LockNotAcquired
 from resources.locks import BaseLock, LockObserver
+from resources.storage.redis import REDIS_ERRORS, RedisClient, Script, hash_tag
 
 # Every script touches the keys of one (name, key) pair, which share one hash tag:
 # KEYS[1] - holders: zset token -> lease expiry (server ms)
@@ -172,7 +171,7 @@ class Slot(BaseLock):
 
     def _leave_queue(self, token: str) -> None:
         lim = self.limiter
-        with contextlib.suppress(redis.RedisError):
+        with contextlib.suppress(*REDIS_ERRORS):
             lim._leave(keys=self._keys, args=[token, lim.limit, lim._queue_ttl_ms])
 
     def _release_remote(self, token: str) -> bool:
@@ -230,7 +229,7 @@ class ConcurrencyLimiter:
 
     def __init__(
         self,
-        client: redis.Redis,
+        client: RedisClient,
         name: str,
         *,
         limit: int,
@@ -256,14 +255,14 @@ class ConcurrencyLimiter:
         self.prefix = prefix
         self._lease_ms = max(1, int(self.lease * 1000))
         self._queue_ttl_ms = max(3, int(self.queue_ttl * 1000))
-        self._acquire = client.register_script(_ACQUIRE)
-        self._release = client.register_script(_RELEASE)
-        self._leave = client.register_script(_LEAVE)
-        self._extend = client.register_script(_EXTEND)
+        self._acquire = Script(client, _ACQUIRE, keeps="concurrency slots")
+        self._release = Script(client, _RELEASE, keeps="concurrency slots")
+        self._leave = Script(client, _LEAVE, keeps="concurrency slots")
+        self._extend = Script(client, _EXTEND, keeps="concurrency slots")
 
     def redis_keys(self, key: str) -> list[str]:
         """The Redis keys of ``key``: holders, fence, queue, alive (one hash tag)."""
-        base = f"{self.prefix}{{{self.name}:{key}}}"
+        base = f"{self.prefix}{{{hash_tag(f'{self.name}:{key}')}}}"
         return [base, f"{base}:fence", f"{base}:queue", f"{base}:alive"]
 
     def acquire(self, key: str, *, blocking_timeout: float | None = None) -> Slot:

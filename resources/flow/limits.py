@@ -7,11 +7,10 @@ import contextlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
-import redis
-
 from resources.errors import ValidationError
 from resources.flow.concurrency import ConcurrencyLimiter, Slot
 from resources.flow.rate import RateGrant, RateLimiter
+from resources.storage.redis import RedisClient
 from resources.storage.settings import RATE_ENV_PREFIX
 
 _PER = {"s": 1.0, "sec": 1.0, "min": 60.0, "m": 60.0, "h": 3600.0}
@@ -79,7 +78,7 @@ class ConcurrencyLimits:
 
     def __init__(
         self,
-        client: redis.Redis,
+        client: RedisClient,
         *,
         lease: float = 30.0,
         wait: float | None = 30.0,
@@ -111,7 +110,7 @@ class RateLimits:
 
     def __init__(
         self,
-        client: redis.Redis,
+        client: RedisClient,
         rates: Mapping[str, str | RateSetting],
         *,
         prefix: str = "sekali:flow:rate:",

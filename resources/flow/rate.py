@@ -7,9 +7,8 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-import redis
-
 from resources.errors import RateLimited
+from resources.storage.redis import REDIS_ERRORS, RedisClient, Script, hash_tag
 
 # KEYS[1] - the bucket: hash tokens (may be < 0: reserved turns), at_us (when tokens was true),
 #           trate and tuntil_us (a lowered rate and when it ends; absent when not throttled)
@@ -156,7 +155,7 @@ class RateLimiter:
 
     def __init__(
         self,
-        client: redis.Redis,
+        client: RedisClient,
         name: str,
         *,
         rate: float,
@@ -174,11 +173,11 @@ class RateLimiter:
         self.name = name
         self.rate = float(rate)
         self.burst = float(burst)
-        self.key = f"{prefix}{{{name}}}"
+        self.key = f"{prefix}{{{hash_tag(name)}}}"
         self.sleep = sleep
-        self._take = client.register_script(_TAKE)
-        self._throttle = client.register_script(_THROTTLE)
-        self._peek = client.register_script(_PEEK)
+        self._take = Script(client, _TAKE, keeps="rate buckets")
+        self._throttle = Script(client, _THROTTLE, keeps="rate buckets")
+        self._peek = Script(client, _PEEK, keeps="rate buckets")
 
     def _check_cost(self, cost: float) -> None:
         if cost <= 0 or cost > self.burst:
@@ -254,7 +253,7 @@ class RateLimiter:
         except Exception as exc:
             retry_after = getattr(exc, "retry_after", None)
             if isinstance(retry_after, int | float) and retry_after > 0:
-                with contextlib.suppress(redis.RedisError):
+                with contextlib.suppress(*REDIS_ERRORS):
                     self.throttle(throttle_rate, float(retry_after))
             raise
 

@@ -13,14 +13,15 @@ from collections.abc import Callable
 from types import TracebackType
 from typing import Literal
 
-import redis
 from sqlalchemy import exc as sa_exc
 
 from resources.errors import LockLost, LockNotAcquired, SekaliError
 from resources.locks.stats import LockObserver, NullLockObserver
+from resources.storage.redis import REDIS_ERRORS
 from resources.telemetry.tracing import set_attributes, span
 
 log = logging.getLogger(__name__)
+_STORE_ERRORS: tuple[type[Exception], ...] = (*REDIS_ERRORS, sa_exc.SQLAlchemyError, SekaliError)
 Clock = Callable[[], float]
 
 # -- the renewal watchdog ----------------------------------------------------------------------
@@ -209,7 +210,7 @@ class BaseLock:
         self.observer.record("hold_seconds", self.name, self.monotonic() - self._acquired_at)
         try:
             released = self._release_remote(token)
-        except (redis.RedisError, sa_exc.SQLAlchemyError, SekaliError) as exc:
+        except _STORE_ERRORS as exc:
             log.warning("lock release failed: %s", exc, extra={"lock": self.name})
             return False
         if not released:
@@ -223,7 +224,7 @@ class BaseLock:
         start = self.monotonic()
         try:
             ok = self._extend_remote(self.token)
-        except (redis.RedisError, sa_exc.SQLAlchemyError, SekaliError) as exc:
+        except _STORE_ERRORS as exc:
             raise self._mark_lost(f"store unavailable during extend ({exc})") from exc
         if not ok:
             raise self._mark_lost("another holder has it (extend refused)")
@@ -251,7 +252,7 @@ class BaseLock:
             return
         try:
             owner = self._read_owner()
-        except (redis.RedisError, sa_exc.SQLAlchemyError, SekaliError) as exc:
+        except _STORE_ERRORS as exc:
             raise self._mark_lost(f"store unavailable ({exc})") from exc
         if owner != self.token:
             reason = "the lock is gone" if owner is None else "another holder has it"
@@ -287,7 +288,7 @@ class BaseLock:
         assert token is not None
         try:
             ok = self._extend_remote(token)
-        except (redis.RedisError, sa_exc.SQLAlchemyError, SekaliError) as exc:
+        except _STORE_ERRORS as exc:
             self.observer.record("renew_failed", self.name)
             log.warning("lock renewal failed: %s", exc, extra={"lock": self.name})
             if self.monotonic() >= self._valid_until:

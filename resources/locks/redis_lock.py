@@ -6,12 +6,17 @@ import contextlib
 import logging
 from collections.abc import Callable, Iterator
 
-import redis
-
 from resources.errors import StoreUnavailable
 from resources.locks.base import BaseLock
 from resources.locks.stats import LockObserver, default_stats
-from resources.storage.redis import client_timeouts
+from resources.storage.redis import (
+    REDIS_ERRORS,
+    UNREACHABLE,
+    RedisClient,
+    Script,
+    client_timeouts,
+    hash_tag,
+)
 
 log = logging.getLogger(__name__)
 Clock = Callable[[], float]
@@ -168,7 +173,7 @@ class RedisLock(BaseLock):
 
     def __init__(
         self,
-        client: redis.Redis,
+        client: RedisClient,
         name: str,
         *,
         ttl: float,
@@ -190,16 +195,16 @@ class RedisLock(BaseLock):
         self.client = client
         self.queue_ttl = queue_ttl
         self._timeouts = client_timeouts(client)
-        base = f"{prefix}{{{name}}}"
+        base = f"{prefix}{{{hash_tag(name)}}}"
         self.key = base
         self._keys = [base, f"{base}:fence", f"{base}:queue", f"{base}:alive"]
         self._signal_prefix = f"{base}:signal:"
         self._ttl_ms = max(1, int(self.ttl * 1000))
         self._queue_ttl_ms = max(3, int(queue_ttl * 1000))
-        self._acquire_script = client.register_script(_ACQUIRE)
-        self._release_script = client.register_script(_RELEASE)
-        self._leave_script = client.register_script(_LEAVE)
-        self._extend_script = client.register_script(_EXTEND)
+        self._acquire_script = Script(client, _ACQUIRE, keeps="locks")
+        self._release_script = Script(client, _RELEASE, keeps="locks")
+        self._leave_script = Script(client, _LEAVE, keeps="locks")
+        self._extend_script = Script(client, _EXTEND, keeps="locks")
 
     def _try_acquire(self, token: str, enqueue: bool) -> tuple[int | None, float | None]:
         with self._unavailable_as_error():
@@ -226,13 +231,13 @@ class RedisLock(BaseLock):
         If the lost reply was a grant, nobody holds it and it expires after ``ttl``."""
         try:
             yield
-        except (redis.ConnectionError, redis.TimeoutError) as exc:
+        except UNREACHABLE as exc:
             raise StoreUnavailable(
                 f"Redis did not answer while acquiring lock {self.name!r}: {exc}; retry later"
             ) from exc
 
     def _leave_queue(self, token: str) -> None:
-        with contextlib.suppress(redis.RedisError):
+        with contextlib.suppress(*REDIS_ERRORS):
             self._leave_script(
                 keys=self._keys, args=[token, self._signal_prefix, self._queue_ttl_ms]
             )

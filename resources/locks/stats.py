@@ -11,12 +11,12 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Protocol
 
-import redis
-
+from resources.storage.redis import REDIS_ERRORS, RedisClient
 from resources.telemetry import counters
 from resources.telemetry.patterns import key_pattern
 
 log = logging.getLogger(__name__)
+_FLUSH_ERRORS: tuple[type[Exception], ...] = (*REDIS_ERRORS, OSError, ValueError)  # closed client
 Clock = Callable[[], float]
 
 # -- metrics hooks ---------------------------------------------------------------------------
@@ -87,7 +87,7 @@ class RedisLockStats:
 
     def __init__(
         self,
-        client: redis.Redis,
+        client: RedisClient,
         *,
         key: str = STATS_KEY,
         flush_interval: float = 1.0,
@@ -128,12 +128,12 @@ class RedisLockStats:
                 (field, f"{counters.OVERFLOW}:{field.rpartition(':')[2]}", value)
                 for field, value in pending.items()
             )
-        except (redis.RedisError, OSError, ValueError) as exc:  # ValueError: client closed
+        except _FLUSH_ERRORS as exc:  # ValueError: client closed
             log.warning("lock stats flush failed: %s", exc, extra={"stats_key": self.key})
 
 
 _live_stats: weakref.WeakSet[RedisLockStats] = weakref.WeakSet()
-_stats_by_client: weakref.WeakKeyDictionary[redis.Redis, RedisLockStats] = (
+_stats_by_client: weakref.WeakKeyDictionary[RedisClient, RedisLockStats] = (
     weakref.WeakKeyDictionary()
 )
 _stats_guard = threading.Lock()
@@ -147,7 +147,7 @@ def _flush_all_stats() -> None:
 atexit.register(_flush_all_stats)
 
 
-def default_stats(client: redis.Redis) -> RedisLockStats:
+def default_stats(client: RedisClient) -> RedisLockStats:
     with _stats_guard:
         stats = _stats_by_client.get(client)
         if stats is None:
@@ -155,7 +155,7 @@ def default_stats(client: redis.Redis) -> RedisLockStats:
         return stats
 
 
-def lock_stats(client: redis.Redis, *, key: str = STATS_KEY) -> dict[str, dict[str, float]]:
+def lock_stats(client: RedisClient, *, key: str = STATS_KEY) -> dict[str, dict[str, float]]:
     """Read the shared counters: ``{"order:*": {"acquired": 12.0, "wait_seconds": 0.4, ...}}``."""
     out: dict[str, dict[str, float]] = defaultdict(dict)
     for field, value in client.hgetall(key).items():

@@ -9,7 +9,7 @@ successes keep arriving (and refilling the bucket) once the downstream is back.
 
 from __future__ import annotations
 
-import redis
+from resources.storage.redis import RedisClient, Script
 
 # KEYS[1] - the bucket of one downstream
 # ARGV[1] - capacity (a missing bucket is full)      ARGV[2] - idle ttl in ms
@@ -54,7 +54,7 @@ class RetryBudget:
 
     def __init__(
         self,
-        client: redis.Redis,
+        client: RedisClient,
         *,
         capacity: float = 100.0,
         refill_per_success: float = 0.1,
@@ -68,8 +68,8 @@ class RetryBudget:
         self.refill_per_success = float(refill_per_success)
         self.namespace = namespace
         self._ttl_ms = int(idle_ttl_seconds * 1000)
-        self._spend = client.register_script(_SPEND)
-        self._refund = client.register_script(_REFUND)
+        self._spend = Script(client, _SPEND, keeps="the retry budget")
+        self._refund = Script(client, _REFUND, keeps="the retry budget")
 
     def key(self, downstream: str) -> str:
         return f"{self.namespace}:retry-budget:{{{downstream}}}"

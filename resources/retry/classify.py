@@ -9,14 +9,24 @@ function, with the exception object itself, so a failure is never classified twi
 - TRANSIENT: timeouts, connection errors, ``OSError``, Redis connection/timeouts,
   ``AlreadyInProgress``, ``LockNotAcquired`` and every other sekali error with
   ``permanent = False``.
-- Database errors by what they mean, on both dialects (:func:`database_error_class`): bad data
-  or a wrong schema is PERMANENT (a retry sends the same bytes to the same schema): SQLAlchemy
-  ``DataError``, ``IntegrityError`` and ``ProgrammingError``, Postgres SQLSTATE classes 22 (data
-  exception: NUL in text, value too long, out of range), 23 (constraint), 42 (undefined table or
-  column, syntax) and 54 (program limit: an index row too large), SQLite's "no such
-  table/column", constraint, mismatch and "too big". Only the connection level is TRANSIENT:
-  refused, terminated, timed out, canceled, locked (SQLSTATE 08, 40, 53, 55P03, 57, 58;
-  SQLite busy, locked, I/O, cannot open), and any other ``OperationalError``.
+- Database errors by what they mean, on both dialects, raw from the driver or wrapped by
+  SQLAlchemy (:func:`database_error_class`): bad data or a wrong schema is PERMANENT (a retry
+  sends the same bytes to the same schema): ``DataError``, ``IntegrityError`` and
+  ``ProgrammingError``, Postgres SQLSTATE classes 22 (data exception: NUL in text, value too
+  long, out of range), 23 (constraint), 42 (undefined table or column, syntax) and 54 (program
+  limit: an index row too large), SQLite's "no such table/column", constraint, mismatch and
+  "too big". The connection and the store's state are TRANSIENT: refused, terminated, timed
+  out, canceled, locked, disk full, read-only, I/O (SQLSTATE 08, 25006, 40, 53, 55P03, 57, 58;
+  SQLite busy, locked, full, read-only, I/O, cannot open), and any other ``OperationalError``.
+  :mod:`resources.storage.driver` turns the store's state into :class:`StoreFull`,
+  :class:`StoreReadOnly` or :class:`StoreUnavailable` with what to do.
+- Redis errors (:func:`redis_error_class`): TRANSIENT when the server or the cluster is not
+  ready for this command now: connection and timeout, ``OOM`` (``maxmemory`` reached under
+  ``noeviction``), ``READONLY`` (a replica), ``MASTERDOWN``, ``LOADING``, ``BUSY``,
+  ``CLUSTERDOWN``, ``TRYAGAIN``, a ``MOVED``/``ASK`` redirection the client did not follow, and
+  the cluster client's own errors; also when one of those comes back from inside a script.
+  ``CROSSSLOT`` is PERMANENT (the keys' layout, not the moment: a retry sends the same keys);
+  any other reply error (``WRONGTYPE``, a script's own error) is UNKNOWN.
 - UNKNOWN: everything else, including ``KeyError``/``ValueError``/``TypeError`` raised by our own
   code. These are most often bugs: retried a little, then dead-lettered so a person looks at
   them. Bad *input* must be raised as :class:`resources.errors.ValidationError` at the boundary,
@@ -31,6 +41,7 @@ import sqlite3
 
 import pydantic
 import redis
+from redis import exceptions as redis_exc
 from sqlalchemy import exc as sa_exc
 
 from resources.errors import (
@@ -41,6 +52,7 @@ from resources.errors import (
     RateLimited,
     SekaliError,
 )
+from resources.storage.redis import reply_code
 
 
 class ErrorClass(enum.StrEnum):
@@ -75,8 +87,6 @@ _TRANSIENT_TYPES: tuple[type[BaseException], ...] = (
     sa_exc.OperationalError,
     sa_exc.InterfaceError,
     sa_exc.DisconnectionError,
-    redis.ConnectionError,
-    redis.TimeoutError,
     OSError,
 )
 
@@ -84,7 +94,8 @@ _TRANSIENT_TYPES: tuple[type[BaseException], ...] = (
 # SQLSTATE classes (the first two characters) of Postgres errors.
 _PERMANENT_SQLSTATE = frozenset({"22", "23", "42", "54"})
 _TRANSIENT_SQLSTATE = frozenset({"08", "40", "53", "57", "58"})
-_TRANSIENT_SQLSTATE_CODES = frozenset({"55P03", "55006"})  # lock not available, object in use
+# lock not available, object in use, a read-only transaction (a standby, a failover under way)
+_TRANSIENT_SQLSTATE_CODES = frozenset({"55P03", "55006", "25006"})
 
 # SQLite primary result codes (``sqlite_errorcode & 0xFF``).
 _SQLITE_PERMANENT = frozenset(
@@ -106,15 +117,20 @@ _SQLITE_TRANSIENT = frozenset(
         sqlite3.SQLITE_PROTOCOL,
         sqlite3.SQLITE_INTERRUPT,
         sqlite3.SQLITE_FULL,
+        sqlite3.SQLITE_READONLY,
     }
 )
 
 
-def database_error_class(exc: sa_exc.DBAPIError) -> ErrorClass:
-    """A driver error by what it means, the same on SQLite and Postgres (module docstring)."""
-    if exc.connection_invalidated:
-        return ErrorClass.TRANSIENT
-    orig = exc.orig
+def database_error_class(exc: BaseException) -> ErrorClass:
+    """A driver error by what it means, the same on SQLite and Postgres, raw from the driver or
+    wrapped by SQLAlchemy (module docstring)."""
+    if isinstance(exc, sa_exc.DBAPIError):
+        if exc.connection_invalidated:
+            return ErrorClass.TRANSIENT
+        orig: BaseException = exc.orig or exc
+    else:
+        orig = exc
     sqlstate = getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)
     if isinstance(sqlstate, str) and len(sqlstate) == 5:
         if sqlstate in _TRANSIENT_SQLSTATE_CODES or sqlstate[:2] in _TRANSIENT_SQLSTATE:
@@ -127,9 +143,47 @@ def database_error_class(exc: sa_exc.DBAPIError) -> ErrorClass:
             return ErrorClass.PERMANENT
         if (code & 0xFF) in _SQLITE_TRANSIENT:
             return ErrorClass.TRANSIENT
-    if isinstance(exc, sa_exc.DataError | sa_exc.IntegrityError | sa_exc.ProgrammingError):
+    kinds = {kind.__name__ for kind in type(exc).__mro__} | {
+        kind.__name__ for kind in type(orig).__mro__
+    }  # PEP 249 names every driver's classes alike
+    if kinds & {"DataError", "IntegrityError", "ProgrammingError"}:
         return ErrorClass.PERMANENT
-    if isinstance(exc, sa_exc.OperationalError | sa_exc.InterfaceError):
+    if kinds & {"OperationalError", "InterfaceError"}:
+        return ErrorClass.TRANSIENT
+    return ErrorClass.UNKNOWN
+
+
+def is_database_error(exc: BaseException) -> bool:
+    """A driver's error (PEP 249 ``Error``, raw or wrapped by SQLAlchemy)."""
+    if isinstance(exc, sa_exc.DBAPIError | sqlite3.Error):
+        return True
+    return isinstance(getattr(exc, "sqlstate", None), str) or any(
+        kind.__name__ == "Error" and kind.__module__.startswith(("psycopg", "psycopg2"))
+        for kind in type(exc).__mro__
+    )
+
+
+_REDIS_TRANSIENT_TYPES: tuple[type[BaseException], ...] = (
+    redis.ConnectionError,
+    redis.TimeoutError,
+    redis_exc.OutOfMemoryError,
+    redis_exc.ReadOnlyError,
+    redis_exc.ClusterDownError,  # MASTERDOWN too
+    redis_exc.TryAgainError,
+    redis_exc.AskError,  # MOVED too
+    redis_exc.NoScriptError,
+    redis_exc.ClusterError,
+    redis_exc.RedisClusterException,  # a slot not covered, no node answering
+)
+
+
+def redis_error_class(exc: BaseException) -> ErrorClass:
+    """A Redis error by what it means (module docstring)."""
+    if isinstance(exc, redis_exc.ClusterCrossSlotError):
+        return ErrorClass.PERMANENT
+    if isinstance(exc, _REDIS_TRANSIENT_TYPES):
+        return ErrorClass.TRANSIENT
+    if isinstance(exc, redis.ResponseError) and reply_code(exc) is not None:
         return ErrorClass.TRANSIENT
     return ErrorClass.UNKNOWN
 
@@ -138,8 +192,10 @@ def classify(exc: BaseException) -> ErrorClass:
     """Say whether a retry may help. See the module docstring for the table."""
     if isinstance(exc, SekaliError):
         return ErrorClass.PERMANENT if exc.permanent else ErrorClass.TRANSIENT
-    if isinstance(exc, sa_exc.DBAPIError):
+    if is_database_error(exc):
         return database_error_class(exc)
+    if isinstance(exc, redis.RedisError | redis_exc.RedisClusterException):
+        return redis_error_class(exc)
     allow_retries = getattr(exc, "allow_retries", None)
     if isinstance(allow_retries, bool):
         return ErrorClass.UNKNOWN if allow_retries else ErrorClass.PERMANENT

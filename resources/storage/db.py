@@ -18,8 +18,9 @@ Why a wrapper at all: the two backends need different care for the same guarante
   raises within ``DatabaseTimeouts.bound`` (35 s by default), inside the default 60 s lease.
 
 ``Database.transaction()`` is for several statements that must commit together;
-``Database.statement()`` is for one statement that is atomic on its own. Driver errors that mean
-"the server is not there" become :class:`StoreUnavailable` here and nowhere else.
+``Database.statement()`` is for one statement that is atomic on its own. Driver errors become
+sekali's in :mod:`resources.storage.driver` (:func:`errors_as_ours`), the one place for both
+ways of reaching the database.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import Connection, Engine, make_url
 from sqlalchemy.engine.url import URL
 
-from resources.errors import StoreUnavailable
+from resources.storage.driver import errors_as_ours
 from resources.storage.settings import DatabaseTimeouts, normalize_url
 from resources.telemetry.tracing import trace_engine
 
@@ -311,9 +312,6 @@ def _enable_wal(cursor: Any, attempts: int = 100) -> None:
             time.sleep(0.05 + random.random() * 0.1)
 
 
-_UNAVAILABLE = (sa_exc.OperationalError, sa_exc.InterfaceError)
-
-
 class Database:
     """An engine plus the two ways sekali talks to it. Cheap to share across threads."""
 
@@ -353,7 +351,7 @@ class Database:
         default, for work known to be slow (migrations, purges): each statement and lock wait
         may take that long, and the client waits that long plus the margin for each round trip.
         """
-        with _wrap_driver_errors(), self.engine.begin() as conn:
+        with errors_as_ours(), self.engine.begin() as conn:
             if statement_timeout is not None and self.timeouts is not None:
                 # kept in the pooled connection's info until it is checked in
                 ms = int(statement_timeout * 1000)
@@ -365,48 +363,11 @@ class Database:
     @contextlib.contextmanager
     def statement(self) -> Iterator[Connection]:
         """One statement, atomic on its own: autocommit on Postgres (one round trip)."""
-        with _wrap_driver_errors(), self._autocommit.begin() as conn:
+        with errors_as_ours(), self._autocommit.begin() as conn:
             yield conn
 
     def dispose(self) -> None:
         self.engine.dispose()
-
-
-@contextlib.contextmanager
-def _wrap_driver_errors() -> Iterator[None]:
-    try:
-        yield
-    except sa_exc.DBAPIError as exc:
-        if isinstance(exc, _UNAVAILABLE) and _looks_unavailable(exc):
-            raise StoreUnavailable(f"database unavailable: {exc.orig}; retry later") from exc
-        raise
-    except (sa_exc.DisconnectionError, sa_exc.TimeoutError) as exc:
-        # a pooled connection that did not answer its ping, or no free connection in the pool
-        raise StoreUnavailable(f"database unavailable: {exc}; retry later") from exc
-
-
-def _looks_unavailable(exc: sa_exc.DBAPIError) -> bool:
-    return exc.connection_invalidated or looks_unavailable(str(exc.orig))
-
-
-def looks_unavailable(message: str) -> bool:
-    """Does a driver's error message mean "the server is not there (now)"?"""
-    text = message.lower()
-    return any(
-        needle in text
-        for needle in (
-            "connection refused",
-            "could not connect",
-            "server closed the connection",
-            "terminating connection",
-            "connection is closed",
-            "the database system is",
-            "database is locked",
-            "timeout",
-            "connection failed",
-            "consuming input failed",
-        )
-    )
 
 
 _shared: dict[str, Database] = {}

@@ -15,25 +15,41 @@ on a pooled DBAPI connection:
 - :func:`within`: the DBAPI connection of a SQLAlchemy ``Connection``, so a statement joins the
   caller's transaction (the key completes in the business transaction).
 
-Errors: a driver error that means "the server is not there" (or SQLite's lock wait ran out)
-becomes :class:`StoreUnavailable`, as :class:`resources.storage.db.Database` does for
-SQLAlchemy's; a lost connection is invalidated so the pool does not hand it out again.
-Postgres deadlocks are retried by the callers that can (one autocommit statement, rolled back
-whole): :func:`is_deadlock` says which errors those are.
+Errors: this module is the one place driver errors become sekali's, for the statements run here
+and for :class:`resources.storage.db.Database` (:func:`errors_as_ours`). An error about the store
+rather than the statement becomes a :class:`StoreUnavailable` (transient) that says what to do:
+the server is not there or SQLite's lock wait ran out (a lost connection is invalidated so the
+pool does not hand it out again); the disk is full (:class:`StoreFull`: SQLite "database or disk
+is full", Postgres ``53100``); the database takes no writes (:class:`StoreReadOnly`: a read-only
+transaction or standby, ``25006``; a read-only SQLite file); an I/O error (SQLite "disk I/O
+error", Postgres ``58030``). An error about the statement (bad data, a wrong schema) stays the
+driver's, for :func:`resources.retry.classify`. Postgres deadlocks are retried by the callers
+that can (one autocommit statement, rolled back whole): :func:`is_deadlock` says which errors
+those are.
 """
 
 from __future__ import annotations
 
 import contextlib
 import re
+import sqlite3
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 from sqlalchemy import exc as sa_exc
-from sqlalchemy.engine import Connection
+from sqlalchemy.engine import Connection, Engine
 
-from resources.errors import StoreUnavailable
-from resources.storage.db import Database, looks_unavailable
+from resources.errors import StoreFull, StoreReadOnly, StoreUnavailable
+
+
+class Database(Protocol):
+    """What this module needs of :class:`resources.storage.db.Database` (which imports this
+    module: the one place its driver errors become sekali's)."""
+
+    engine: Engine
+
+    @property
+    def is_postgres(self) -> bool: ...
 
 _NAMED = re.compile(r"(?<![:\w]):(\w+)")
 
@@ -147,9 +163,12 @@ def _checkout(db: Database) -> Iterator[tuple[Any, DriverConnection]]:
     except sa_exc.DBAPIError as exc:
         if looks_unavailable(str(exc.orig)) or exc.connection_invalidated:
             raise StoreUnavailable(f"database unavailable: {exc.orig}") from exc
+        ours = store_error(exc)
+        if ours is not None:
+            raise ours from exc
         raise
     except db.engine.dialect.loaded_dbapi.Error as exc:
-        raise StoreUnavailable(f"database unavailable: {exc}") from exc
+        raise store_error(exc) or StoreUnavailable(f"database unavailable: {exc}") from exc
     conn = DriverConnection(fairy.driver_connection, db.is_postgres)
     try:
         yield fairy, conn
@@ -159,9 +178,98 @@ def _checkout(db: Database) -> Iterator[tuple[Any, DriverConnection]]:
             raise StoreUnavailable(f"database unavailable: {exc}") from exc
         if looks_unavailable(str(exc)):
             raise StoreUnavailable(f"database unavailable: {exc}") from exc
+        ours = store_error(exc)
+        if ours is not None:
+            raise ours from exc
         raise
     finally:
         fairy.close()
+
+
+@contextlib.contextmanager
+def errors_as_ours() -> Iterator[None]:
+    """:func:`store_error` for SQLAlchemy's calls (:class:`resources.storage.db.Database`):
+    the server not there, the pool exhausted, a full disk, a read-only store or an I/O error
+    become a :class:`StoreUnavailable`; any other error is re-raised as it is."""
+    try:
+        yield
+    except sa_exc.DBAPIError as exc:
+        if isinstance(exc, _UNAVAILABLE) and (
+            exc.connection_invalidated or looks_unavailable(str(exc.orig))
+        ):
+            raise StoreUnavailable(f"database unavailable: {exc.orig}; retry later") from exc
+        ours = store_error(exc)
+        if ours is not None:
+            raise ours from exc
+        raise
+    except (sa_exc.DisconnectionError, sa_exc.TimeoutError) as exc:
+        # a pooled connection that did not answer its ping, or no free connection in the pool
+        raise StoreUnavailable(f"database unavailable: {exc}; retry later") from exc
+
+
+_UNAVAILABLE = (sa_exc.OperationalError, sa_exc.InterfaceError)
+
+
+def looks_unavailable(message: str) -> bool:
+    """Does a driver's error message mean "the server is not there (now)"?"""
+    text = message.lower()
+    return any(
+        needle in text
+        for needle in (
+            "connection refused",
+            "could not connect",
+            "server closed the connection",
+            "terminating connection",
+            "connection is closed",
+            "the database system is",
+            "database is locked",
+            "timeout",
+            "connection failed",
+            "consuming input failed",
+        )
+    )
+
+
+# SQLSTATE -> (the error to raise, what happened, what to do)
+_POSTGRES_STORE_STATES: dict[str, tuple[type[StoreUnavailable], str, str]] = {
+    "53100": (StoreFull, "the database server's disk is full (disk_full)",
+              "nothing was written; free disk space on the server, then the retries succeed"),
+    "25006": (StoreReadOnly, "the database accepts no writes (read_only_sql_transaction: a hot "
+              "standby, or default_transaction_read_only)",
+              "nothing was written; point DATABASE_URL at the primary, or wait for the failover"),
+    "58030": (StoreUnavailable, "the database server could not read or write its files "
+              "(io_error)", "check the server's disk; retry later"),
+    "53300": (StoreUnavailable, "the database server has no free connection slot "
+              "(too_many_connections)", "retry later; lower the pools or raise max_connections"),
+    "57P03": (StoreUnavailable, "the database server is starting up or shutting down "
+              "(cannot_connect_now)", "retry later"),
+}
+_SQLITE_STORE_CODES: dict[int, tuple[type[StoreUnavailable], str, str]] = {
+    sqlite3.SQLITE_FULL: (StoreFull, "the SQLite file could not grow (database or disk is full: "
+                          "a full disk, or a file size limit)",
+                          "nothing was written; free disk space, then the retries succeed"),
+    sqlite3.SQLITE_IOERR: (StoreUnavailable, "the SQLite file could not be read or written (disk "
+                           "I/O error: a failing or full disk, or a file size limit)",
+                           "check the disk and free space; retry later"),
+    sqlite3.SQLITE_READONLY: (StoreReadOnly, "the SQLite file is read-only for this process",
+                              "make the file and its folder writable by the workers"),
+}
+
+
+def store_error(exc: BaseException) -> StoreUnavailable | None:
+    """The :class:`StoreUnavailable` a driver error (raw, or wrapped by SQLAlchemy) means when
+    it is about the store itself (full, read-only, an I/O error), or None: then it is about the
+    statement, or about the connection (which the callers above map)."""
+    orig = exc.orig if isinstance(exc, sa_exc.DBAPIError) else exc
+    sqlstate = getattr(orig, "sqlstate", None) or getattr(orig, "pgcode", None)
+    known = _POSTGRES_STORE_STATES.get(sqlstate) if isinstance(sqlstate, str) else None
+    code = getattr(orig, "sqlite_errorcode", None)
+    if known is None and isinstance(orig, sqlite3.Error) and isinstance(code, int):
+        known = _SQLITE_STORE_CODES.get(code & 0xFF)
+    if known is None:
+        return None
+    error, what, fix = known
+    return error(f"{what}: {fix} ({type(orig).__name__}: {str(orig).strip()[:300]})")
 
 
 def _leave_autocommit(fairy: Any) -> None:
@@ -173,4 +281,14 @@ def _leave_autocommit(fairy: Any) -> None:
             fairy.invalidate()
 
 
-__all__ = ["DriverConnection", "Sql", "connect", "is_deadlock", "transaction", "within"]
+__all__ = [
+    "DriverConnection",
+    "Sql",
+    "connect",
+    "errors_as_ours",
+    "is_deadlock",
+    "looks_unavailable",
+    "store_error",
+    "transaction",
+    "within",
+]

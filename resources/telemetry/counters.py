@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import redis
+from redis.cluster import RedisCluster
 
 OVERFLOW = "~overflow"
 """The pattern that counts everything past the cap."""
@@ -55,7 +56,7 @@ class BoundedCounters:
 
     def __init__(
         self,
-        client: redis.Redis,
+        client: redis.Redis | RedisCluster,
         key: str,
         *,
         ttl_seconds: float = TTL_SECONDS,
