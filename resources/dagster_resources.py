@@ -287,11 +287,12 @@ def dagster_signal(exc: BaseException, decision: RetryDecision, policy: RetryPol
     """
     if decision.retry:
         log.info(
-            "retrying after attempt %d in %.3fs (%s: %s)",
+            "retrying after attempt %d in %.3fs (%s: %s)%s",
             decision.attempt,
             decision.delay,
             decision.error_class,
             type(exc).__name__,
+            f"; {decision.reason}" if decision.reason else "",
             extra={"attempt": decision.attempt, "error_class": str(decision.error_class)},
         )
         return RetryRequested(max_retries=policy.max_attempts - 1, seconds_to_wait=decision.delay)

@@ -4,6 +4,8 @@ left retryable for the DLQ replay."""
 
 from __future__ import annotations
 
+import logging
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -14,9 +16,13 @@ import pytest
 from pipelines import ops
 from pipelines.attempts import AttemptRecorder
 from pipelines.jobs.payment import reference_for
+from pipelines.ops.request_job import request_run_config
+from pipelines.requests import RequestStatus, RequestStore
 from resources.idempotency import IdempotencyStore, Status
+from resources.retry import BUDGET_UNAVAILABLE
 from resources.storage.db import Database
 from sandbox.gateway import GatewayServer
+from sandbox.redis_server import RedisServer, free_port
 from tests.job_workers import dagster_resources
 
 pytestmark = pytest.mark.dagster
@@ -136,3 +142,48 @@ def test_transient_error_then_recovery_charges_once(
     assert len(charges) == 1
     outcomes = [r["outcome"] for r in AttemptRecorder(db).for_key("payment:o-d")]
     assert outcomes == ["retried", "completed"]
+
+
+def test_a_retry_decision_ends_when_the_budgets_redis_is_down(
+    db: Database, db_url: str, redis_url: str, namespace: str, tmp_path: Path,
+    failing_gateway: GatewayServer, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Catches: with the Redis of the retry budget killed, a transient failure that is not
+    retried (the budget's ConnectionError escaped ``RetryPolicy.decide`` and, again,
+    ``FailurePath.settle_request``), the DLQ class ``unknown``, the attempt row left
+    ``started`` and the request ``running``. The stated fallback: the decision retries without
+    spending (the attempt is not budgeted; attempts and the time budget still bound it) and
+    says why."""
+    budget_redis = RedisServer(tmp_path / "budget", port=free_port()).start()
+    assert budget_redis.process is not None
+    budget_redis.process.send_signal(signal.SIGKILL)  # a real death, not a clean shutdown
+    budget_redis.process.wait(10)
+    requests = RequestStore(db)
+    payload = {"order_id": "o-budget-down", "amount_cents": 900, "currency": "EUR"}
+    request = requests.enqueue("charge_payment", "payment:o-budget-down", payload, queue="heavy")
+    resources = dagster_resources(
+        db_url=db_url, redis_url=redis_url, namespace=namespace, gateway_url=failing_gateway.url,
+        retry={"max_attempts": 3, "base_delay": 0.01, "max_delay": 0.02,
+               "redis_url": budget_redis.url},
+    )
+    (tmp_path / "dagster").mkdir()
+    caplog.set_level(logging.WARNING, logger="resources.retry.policy")
+    with dg.DagsterInstance.local_temp(str(tmp_path / "dagster")) as instance:
+        result = ops.charge_payment_job.execute_in_process(
+            run_config=request_run_config("charge_payment", payload, request_id=request.id),
+            resources=resources, instance=instance, raise_on_error=False,
+        )
+    assert not result.success
+    assert len(waits(result)) == 2, "retried without spending, until attempts ran out"
+    (failure,) = [e for e in result.all_events if e.event_type_value == "STEP_FAILURE"]
+    meta = failure.step_failure_data.user_failure_data.metadata  # type: ignore[union-attr]
+    assert meta["error_class"].value == "transient"
+    assert meta["reason"].value == "attempts exhausted"
+    said = [r.getMessage() for r in caplog.records if r.name == "resources.retry.policy"]
+    assert len(said) == 2 and all(BUDGET_UNAVAILABLE in m for m in said), said
+    rows = AttemptRecorder(db).for_key("payment:o-budget-down")
+    assert [r["outcome"] for r in rows] == ["retried", "retried", "dead_lettered"]
+    assert {r["error_kind"] for r in rows} == {"transient"}
+    stored = requests.get(request.id)
+    assert stored is not None and stored.status is RequestStatus.FAILED
+    assert stored.error_class == "transient"

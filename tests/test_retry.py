@@ -42,7 +42,15 @@ from resources.errors import (
     TransientJobError,
     ValidationError,
 )
-from resources.retry import JITTERS, ErrorClass, RetryBudget, RetryPolicy, classify, retry_delay
+from resources.retry import (
+    BUDGET_UNAVAILABLE,
+    JITTERS,
+    ErrorClass,
+    RetryBudget,
+    RetryPolicy,
+    classify,
+    retry_delay,
+)
 from resources.storage.redis import redis_client as connect_redis
 from resources.storage.settings import RedisTimeouts
 from sandbox.redis_server import free_port
@@ -428,3 +436,17 @@ def test_waiting_for_another_worker_spends_no_budget(
     assert policy.decide(TransientJobError("503"), attempt=0, elapsed=0, budget=budget,
                          downstream="gw").retry
     assert budget.level("gw") == 1.0
+
+
+def test_a_budget_that_cannot_answer_retries_without_spending_and_says_so() -> None:
+    """Catches: ``RetryPolicy.decide`` raising the budget's own ConnectionError (no decision at
+    all) when the budget's Redis is down. The fallback: retry, not budgeted, with the reason."""
+    dead = RetryBudget(connect_redis(f"redis://127.0.0.1:{free_port()}/0"), namespace="gone")
+    policy = RetryPolicy(max_attempts=3, base_delay=0.01)
+    decision = policy.decide(TransientJobError("503"), attempt=0, elapsed=0, budget=dead,
+                             downstream="gw")
+    assert decision.retry and decision.reason is not None
+    assert decision.reason.startswith(BUDGET_UNAVAILABLE) and "without spending" in decision.reason
+    last = policy.decide(TransientJobError("503"), attempt=2, elapsed=0, budget=dead,
+                         downstream="gw")
+    assert not last.retry and last.reason == "attempts exhausted"

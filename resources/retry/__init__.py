@@ -22,9 +22,16 @@ from resources.retry.jitter import (
     PlusMinusJitter,
     jitter_named,
 )
-from resources.retry.policy import RetryDecision, RetryPolicy, SpendsRetries, retry_delay
+from resources.retry.policy import (
+    BUDGET_UNAVAILABLE,
+    RetryDecision,
+    RetryPolicy,
+    SpendsRetries,
+    retry_delay,
+)
 
 __all__ = [
+    "BUDGET_UNAVAILABLE",
     "JITTERS",
     "DecorrelatedJitter",
     "EqualJitter",

@@ -15,12 +15,19 @@ attempts 0 and 1 and gives up after attempt 2.
 
 from __future__ import annotations
 
+import logging
 import random
 from dataclasses import dataclass
 from typing import Protocol
 
 from resources.retry.classify import ErrorClass, classify, is_contention
 from resources.retry.jitter import Jitter, jitter_named
+
+log = logging.getLogger(__name__)
+
+BUDGET_UNAVAILABLE = "retry budget unavailable"
+"""The start of :attr:`RetryDecision.reason` when the budget could not be asked (see
+:meth:`RetryPolicy.decide`)."""
 
 
 def retry_delay(
@@ -57,7 +64,9 @@ class RetryDecision:
     """What to do after a failed attempt: retry after ``delay`` seconds, or give up with ``reason``.
 
     ``reason`` on give-up is one of ``"permanent"``, ``"attempts exhausted"``,
-    ``"time budget exhausted"``, ``"retry budget exhausted"``.
+    ``"time budget exhausted"``, ``"retry budget exhausted"``. On a retry it is None, or says
+    why the retry spent no budget token (:data:`BUDGET_UNAVAILABLE`: the budget's store did not
+    answer).
     """
 
     retry: bool
@@ -123,6 +132,13 @@ class RetryPolicy:
         The delay is ``max(computed, Retry-After)`` (``retry_after`` here, else the error's own
         ``retry_after``), cut to the time budget left. With ``budget`` and ``downstream`` a retry
         spends one token; an empty bucket gives up with ``"retry budget exhausted"``.
+
+        The decision survives its own dependency: when the budget cannot answer (its Redis is
+        down, full, read-only or refused), the attempt is retried without spending (not
+        budgeted), with ``reason`` saying so, and logged. Retrying is the right default: the
+        budget exists to stop a storm against a sick downstream, and the attempts and time
+        budget still bound this request's retries; giving up instead would dead-letter every
+        transient failure for as long as Redis is away, downstream healthy or not.
         """
         error_class = classify(exc)
 
@@ -145,14 +161,19 @@ class RetryPolicy:
         if retry_after is not None:
             delay = max(delay, float(retry_after))
         delay = min(delay, remaining)
-        if (
-            budget is not None
-            and downstream is not None
-            and not is_contention(exc)
-            and not budget.try_spend(downstream)
-        ):
-            return give_up("retry budget exhausted")
-        return RetryDecision(True, error_class, attempt, delay=delay)
+        note = None
+        if budget is not None and downstream is not None and not is_contention(exc):
+            try:
+                granted = budget.try_spend(downstream)
+            except Exception as unavailable:  # noqa: BLE001 - whatever the budget's store does,
+                granted = True  # the decision ends (the fallback in the docstring)
+                note = (f"{BUDGET_UNAVAILABLE} ({type(unavailable).__name__}: {unavailable}):"
+                        " retried without spending")
+                log.warning("%s: %s after attempt %d (%s)", downstream, note, attempt,
+                            type(exc).__name__, extra={"downstream": downstream})
+            if not granted:
+                return give_up("retry budget exhausted")
+        return RetryDecision(True, error_class, attempt, delay=delay, reason=note)
 
 
 # KEYS[1] bucket; ARGV[1] capacity, ARGV[2] ttl ms. Returns 1 and the new level, or 0.
