@@ -36,6 +36,7 @@ from pipelines.retention import backlog
 from resources.dlq import MIN_RETENTION_SECONDS, UNRESOLVED, DlqStore
 from resources.idempotency import IdempotencyStore, Status
 from resources.storage.db import Database
+from resources.storage.redis import RedisClient, memory_policies
 from resources.storage.settings import RetentionSettings
 
 log = logging.getLogger(__name__)
@@ -118,6 +119,7 @@ class DiagnosisSetup:
     lock_auto_renew: bool = True
     caches: Sequence[CacheLike] = ()
     effect_ledgers: Sequence[EffectLedger] = ()
+    redis: RedisClient | None = None
     window_seconds: float = 24 * 3600.0
     clock: Clock = time.time
     lease_margin: float = 0.8
@@ -825,6 +827,37 @@ def check_retention_agreement(s: DiagnosisSetup) -> Finding:
     )
 
 
+def check_redis_eviction(s: DiagnosisSetup) -> Finding:
+    """Locks, fences, concurrency slots, rate buckets and the retry budget live in Redis: a
+    Redis that may evict keys (any ``maxmemory-policy`` but ``noeviction``) can drop a held
+    lock's key under memory pressure and let a second holder in. Each client refuses such a
+    Redis at its first use; this catches a policy changed afterwards (docs/locks.md)."""
+    if s.redis is None:
+        return _finding("redis_eviction", ERROR, True, "no Redis configured for this check.",
+                        "Nothing to change.")
+    nodes = memory_policies(s.redis)
+    evicting = [n for n in nodes if n.evicts]
+    evidence = {"nodes": {n.node: {"maxmemory_policy": n.policy, "maxmemory": n.maxmemory}
+                          for n in nodes}}
+    if evicting:
+        named = ", ".join(f"{n.node} ({n.policy}, maxmemory {n.maxmemory})" for n in evicting)
+        return _finding(
+            "redis_eviction", ERROR, False,
+            f"Redis may evict sekali's lock, slot and bucket keys under memory pressure: {named}.",
+            "Set maxmemory-policy noeviction on every node (CONFIG SET maxmemory-policy "
+            "noeviction, and in redis.conf), or give sekali a Redis of its own that never "
+            "evicts; a full noeviction Redis refuses writes (StoreFull, retried) instead of "
+            "dropping a held lock. Then restart the workers.",
+            **evidence,
+        )
+    return _finding(
+        "redis_eviction", ERROR, True,
+        f"every node ({len(nodes)}) has maxmemory-policy noeviction: no key of a lock, slot or "
+        "bucket can be evicted.",
+        "Nothing to change.", **evidence,
+    )
+
+
 TITLES = {
     "real_duplicates": "1. Real duplicate effect or only a duplicate log line",
     "lease_vs_duration": "2. Lease against p99 duration per job type",
@@ -838,6 +871,7 @@ TITLES = {
     "correlation": "10. Correlation: request, job and effect linked",
     "retention_backlog": "11. Table sizes against their retention",
     "retention_agreement": "12. Ledger retention outlives open DLQ records",
+    "redis_eviction": "13. Redis never evicts locks, slots and buckets",
 }
 
 CHECKS: tuple[Check, ...] = tuple(
@@ -855,6 +889,7 @@ CHECKS: tuple[Check, ...] = tuple(
         ("correlation", check_correlation),
         ("retention_backlog", check_retention_backlog),
         ("retention_agreement", check_retention_agreement),
+        ("redis_eviction", check_redis_eviction),
     )
 )
 """The checklist in order. Severity on failure: ERROR for broken invariants, WARN otherwise."""
@@ -863,7 +898,7 @@ DEFAULT_SEVERITY = {
     "real_duplicates": ERROR, "lease_vs_duration": ERROR, "idempotency_coverage": ERROR,
     "lock_ttl": ERROR, "retry_synchronisation": WARN, "cache_expiry_clusters": WARN,
     "ack_timing": ERROR, "dlq": WARN, "unique_constraints": ERROR, "correlation": WARN,
-    "retention_backlog": WARN, "retention_agreement": ERROR,
+    "retention_backlog": WARN, "retention_agreement": ERROR, "redis_eviction": ERROR,
 }
 
 

@@ -96,6 +96,7 @@ def build_observability(
         lock_auto_renew=lock_auto_renew,
         caches=caches,
         effect_ledgers=ledgers,
+        redis=client,
         window_seconds=window_hours * 3600,
         retention=retention or RetentionSettings.from_env(),
     )
