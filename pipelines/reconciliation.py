@@ -10,8 +10,10 @@ on ``reconciliation_schedule`` and puts the counts in its materialisation metada
   than the provider's longest processing time, so "not found" is conclusive): nothing was
   charged, and the order is reopened (``payment_pending``) so a retry or replay charges it,
   once per unanswered send (``reconcile:reopen-unsettled:{o}:{sent_at}``).
-- ``double_charged``: more than one charge for one order reference. Fix: a refund is marked
-  pending for each extra charge (``compensate:refund-pending:{o}:{charge}``).
+- ``double_charged``: more than one charge for one order, under its reference or any other
+  reference a charge of it went out under (``payment_references``: a run under another key of
+  the same order). Fix: a refund is marked pending for each extra charge
+  (``compensate:refund-pending:{o}:{charge}``).
 - ``paid_without_charge``: we show paid, the gateway has no such charge. Flagged for a person
   (``reconcile:flag-paid-without-charge:{o}``).
 - ``needs_compensation``: a fulfilment failed half-way and was given up: its key ``fulfil:{o}``
@@ -51,6 +53,7 @@ from pipelines import tags as tag
 from pipelines.attempts import AttemptRecorder
 from pipelines.domain.inventory import Inventory
 from pipelines.jobs.fulfilment import cart_for, key_for
+from pipelines.jobs.payment import sent_references
 from pipelines.requests import RequestStore
 from pipelines.retention import expiries, purge_expired, resolve_completed_dead_letters
 from resources.dlq import (
@@ -263,10 +266,11 @@ class Reconciler:
                 {"settled": now - self.grace, "since": now - self.lookback},
             ).all()
         for order in orders:
-            charges = sorted(
-                self.gateway.find_charges(order.payment_reference),
-                key=lambda c: (c.created_at, c.charge_id),
-            )
+            with self.db.statement() as conn:
+                references = {order.payment_reference, *sent_references(conn, order.order_id)}
+            found = {c.charge_id: c for ref in sorted(references)
+                     for c in self.gateway.find_charges(ref)}
+            charges = sorted(found.values(), key=lambda c: (c.created_at, c.charge_id))
             ids = [c.charge_id for c in charges]
             if order.payment_status in ("payment_pending", "charged_not_confirmed") and charges:
                 report.found["charged_not_confirmed"] += 1

@@ -707,7 +707,7 @@ class RequestStore:
                 "UPDATE job_requests SET superseded_by = :by, updated_at = :now"
                 " WHERE id = :id AND status = 'failed' AND superseded_by IS NULL"
             ),
-            {"by": storable(by_key, 2048), "now": self.clock(), "id": request_id},
+            {"by": by_key, "now": self.clock(), "id": request_id},  # admitted: whole
         ).rowcount
         return bool(moved)
 

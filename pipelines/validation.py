@@ -37,7 +37,7 @@ from pipelines.jobs.base import JobType
 from pipelines.registry import get_job_type
 from pipelines.requests import JobRequest, RequestStore, windowed_key
 from resources.errors import ValidationError, shown
-from resources.storage.settings import InputLimits
+from resources.storage.settings import KEY_BYTES, InputLimits
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,7 @@ __all__ = [
     "admit",
     "admit_request_row",
     "check_id",
+    "check_key",
     "check_priority",
     "check_request",
     "check_text",
@@ -167,7 +168,7 @@ def check_request(
     name = check_text("job_type", job_type, limits.id_length, "id_length")
     level = check_priority(priority)
     if key is not None:
-        check_text("key", key, limits.key_length, "key_length")
+        check_key(key, limits)
     if request_id is not None:
         check_id("request_id", request_id)
     if correlation_id is not None:
@@ -187,8 +188,21 @@ def check_request(
         ) from None
     if dedupe_at is not None:
         chosen = windowed_key(chosen, spec.dedupe_window, dedupe_at)
-    check_text("key", chosen, limits.key_length, "key_length")
+    check_key(chosen, limits)
     return Admitted(spec, normalised, chosen, level)
+
+
+def check_key(value: Any, limits: InputLimits) -> str:
+    """An idempotency key: :func:`check_text` within ``key_length`` characters, and within
+    :data:`KEY_BYTES` of UTF-8, so that every column and index stores it whole."""
+    key = check_text("key", value, limits.key_length, "key_length")
+    size = len(key.encode("utf-8"))
+    if size > KEY_BYTES:
+        raise ValidationError(
+            "key", f"{size} bytes of UTF-8, more than the limit of {KEY_BYTES} (key_bytes)",
+            limit=f"key_bytes={KEY_BYTES}",
+        )
+    return key
 
 
 def check_priority(value: Any) -> int:

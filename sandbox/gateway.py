@@ -57,6 +57,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.engine import Engine
 
+from resources.headers import http_header_text
 from resources.storage.db import make_engine
 from resources.storage.settings import state_dir
 
@@ -193,6 +194,12 @@ def _public(row: dict[str, Any]) -> dict[str, Any]:
     return {name: row[name] for name in _PUBLIC}
 
 
+def _header(raw: str | None) -> str | None:
+    """A header value as sekali's client wrote it (percent-encoded UTF-8 outside printable
+    ASCII: :mod:`resources.headers`), read back."""
+    return None if raw is None else http_header_text(raw)
+
+
 def _parse_charge(body: Any) -> tuple[str, int, str]:
     if not isinstance(body, dict):
         raise _BadRequest(400, "body must be a JSON object")
@@ -298,8 +305,8 @@ class _Handler(BaseHTTPRequestHandler):
                 reference=reference,
                 amount_cents=amount,
                 currency=currency,
-                idempotency_key=self.headers.get("Idempotency-Key"),
-                correlation_id=self.headers.get("X-Correlation-Id"),
+                idempotency_key=_header(self.headers.get("Idempotency-Key")),
+                correlation_id=_header(self.headers.get("X-Correlation-Id")),
                 honour_key=faults.honour_idempotency_key,
             )
             if gw.draw() < faults.drop_after_charge_rate:

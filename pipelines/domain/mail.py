@@ -10,6 +10,12 @@ Error mapping (one place): connection refused/reset, timeouts, disconnects and 4
 personal data, and the messages travel into run logs and the DLQ); ``MailRejected.recipient``
 holds it for code that needs it.
 
+Headers: every header value is checked where the message is built (:meth:`SmtpMailer.build`): a
+control character (CR, LF...) is refused naming the field (it would end the headers early), a
+value outside ASCII is written as an RFC 2047 encoded word, and the recipient is one address
+(:func:`single_address`) given to the SMTP client explicitly, never read back from the ``To``
+header (where a comma would make it several).
+
 Bounds: each socket operation waits at most ``timeout`` (10 s), and a whole send (connect,
 greeting, envelope, data, quit) at most ``deadline`` (30 s): per-read timeouts alone never end a
 send to a server that drips one byte at a time. When the deadline passes, the socket is shut
@@ -23,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import re
 import smtplib
 import socket
 import threading
@@ -35,7 +42,13 @@ from email.mime.text import MIMEText
 from email.utils import formatdate
 from typing import Protocol, runtime_checkable
 
-from resources.errors import PermanentJobError, SendDeadlinePassed, TransientJobError
+from resources.errors import (
+    PermanentJobError,
+    SendDeadlinePassed,
+    TransientJobError,
+    ValidationError,
+)
+from resources.headers import refuse_control
 from resources.telemetry.redact import redact
 
 log = logging.getLogger(__name__)
@@ -56,6 +69,42 @@ class MailRejected(PermanentJobError):
         super().__init__(message)
         self.smtp_code = smtp_code
         self.recipient = recipient
+
+
+MAX_ADDRESS = 254  # RFC 5321: a path of 256 octets, less the angle brackets
+MAX_LOCAL_PART = 64
+_ATOM = r"[A-Za-z0-9!#$%&'*+/=?^_`{|}~-]+"
+_LOCAL_PART = re.compile(rf"{_ATOM}(?:\.{_ATOM})*")
+_LABEL = re.compile(r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?")
+
+
+def single_address(field: str, value: object) -> str:
+    """Exactly one RFC 5322 address in its plain form, ``local@domain``: a dot-atom local part
+    of at most 64 characters, a domain of dot-separated labels (letters, digits, inner hyphens;
+    an international domain in its punycode form), at most 254 characters in all. Anything
+    else (a second address after a comma, a display name, a quoted local part, a control
+    character) raises :class:`ValidationError` naming ``field``, without quoting the address
+    (personal data). The length is checked before any pattern runs, and the patterns cannot
+    backtrack (each repetition starts with a character the one before cannot hold): the cost
+    is linear in the length and bounded by 254."""
+    what = (f"must be one e-mail address, local@domain (ASCII; at most {MAX_ADDRESS} "
+            "characters; no display name, no second address)")
+    if not isinstance(value, str):
+        raise ValidationError(field, what)
+    if len(value) > MAX_ADDRESS:
+        raise ValidationError(field, f"{what}: got {len(value)} characters",
+                              limit=f"address_length={MAX_ADDRESS}")
+    local, at, domain = value.rpartition("@")
+    labels = domain.split(".")
+    if (
+        not at
+        or len(local) > MAX_LOCAL_PART
+        or not _LOCAL_PART.fullmatch(local)
+        or len(labels) < 2
+        or not all(_LABEL.fullmatch(label) for label in labels)
+    ):
+        raise ValidationError(field, what)
+    return value
 
 
 def message_id_for(key: str) -> str:
@@ -123,6 +172,13 @@ class _Cutter:
                 _cut(smtp, cut)
 
 
+def _header(field: str, value: str) -> str:
+    """A header value: a control character refused naming ``field``; non-ASCII as an RFC 2047
+    encoded word (smtplib sends headers as ASCII)."""
+    refuse_control(field, value)
+    return value if value.isascii() else Header(value, "utf-8").encode()
+
+
 def _text(reply: bytes | str) -> str:
     return reply.decode(errors="replace") if isinstance(reply, bytes) else str(reply)
 
@@ -177,12 +233,12 @@ class SmtpMailer:
         non-ASCII text is encoded (utf-8 body, RFC 2047 subject)."""
         msg = MIMEText(body, "plain", "us-ascii" if body.isascii() else "utf-8")
         msg["From"] = self.sender
-        msg["To"] = to
-        msg["Subject"] = subject if subject.isascii() else Header(subject, "utf-8").encode()
+        msg["To"] = single_address("to", to)
+        msg["Subject"] = _header("subject", subject)
         msg["Date"] = formatdate(localtime=False)
-        msg["Message-ID"] = message_id
+        msg["Message-ID"] = _header("message_id", message_id)
         if correlation_id is not None:
-            msg["X-Correlation-Id"] = correlation_id
+            msg["X-Correlation-Id"] = _header("correlation_id", correlation_id)
         return msg
 
     def send(
@@ -247,7 +303,7 @@ class SmtpSession:
                 self._smtp = smtp
             if send_by is not None and time.monotonic() > send_by:
                 raise SendDeadlinePassed(f"mail {message_id}", time.monotonic() - send_by)
-            smtp.send_message(msg)
+            smtp.send_message(msg, from_addr=m.sender, to_addrs=[to])  # never from the headers
         except smtplib.SMTPRecipientsRefused as exc:
             code, reply = next(iter(exc.recipients.values()))
             text = redact(_text(reply), [to])
@@ -318,4 +374,5 @@ __all__ = [
     "SmtpSession",
     "mail_session",
     "message_id_for",
+    "single_address",
 ]

@@ -29,6 +29,7 @@ from urllib.parse import urlencode
 import urllib3
 
 from resources.errors import PermanentJobError, SendDeadlinePassed, TransientJobError
+from resources.headers import http_header_value
 
 log = logging.getLogger(__name__)
 
@@ -265,6 +266,11 @@ class HttpPaymentGateway:
     ) -> Charge:
         """POST the charge; with ``send_by``, refuse to write it once the bound passed.
 
+        The idempotency key and the correlation id travel in headers, written by
+        :func:`resources.headers.http_header_value` before anything is sent: a value outside
+        printable ASCII is percent-encoded (the gateway decodes it), one with a control
+        character is refused with :class:`ValidationError` naming the field, nothing sent.
+
         The bound is checked right before urllib3 is handed the request, and a connection
         urllib3 opens for it gets a connect timeout cut to what is left of the bound (a connect
         timeout is not charged: :class:`GatewayUnavailable` without ``maybe_charged``). So the
@@ -273,9 +279,9 @@ class HttpPaymentGateway:
         """
         headers: dict[str, str] = {}
         if idempotency_key is not None and self.send_idempotency_key:
-            headers["Idempotency-Key"] = idempotency_key
+            headers["Idempotency-Key"] = http_header_value("idempotency_key", idempotency_key)
         if correlation_id is not None:
-            headers["X-Correlation-Id"] = correlation_id
+            headers["X-Correlation-Id"] = http_header_value("correlation_id", correlation_id)
         data = self._request(
             "POST",
             "/charges",

@@ -27,6 +27,16 @@ orders = Table(
     Column("updated_at", Float, nullable=False),
 )
 
+payment_references = Table(
+    "payment_references",
+    metadata,
+    Column("order_id", Text, primary_key=True),
+    Column("reference", Text, primary_key=True),
+    Column("key", Text),
+    Column("first_sent_at", Float, nullable=False),
+)
+"""Every reference a charge of an order went out under (owner: ``pipelines/jobs/payment.py``)."""
+
 shipments = Table(
     "shipments",
     metadata,

@@ -16,7 +16,7 @@ import string
 from collections.abc import Sequence
 from typing import Any
 
-from pipelines.domain.mail import Mailer, mail_session, message_id_for
+from pipelines.domain.mail import Mailer, mail_session, message_id_for, single_address
 from pipelines.jobs.base import (
     SEND_TRIES,
     JobContext,
@@ -26,6 +26,7 @@ from pipelines.jobs.base import (
     require_str,
 )
 from resources.errors import SendDeadlinePassed, ValidationError, shown
+from resources.headers import refuse_control
 
 TEMPLATES: dict[str, tuple[str, str]] = {
     "welcome": ("Welcome, $name", "Hello $name,\n\nwelcome to sekali.\n"),
@@ -36,8 +37,7 @@ TEMPLATES: dict[str, tuple[str, str]] = {
     "reminder": ("A reminder", "Hello $name,\n\nthis is your reminder for $date.\n"),
 }
 
-_DATE = re.compile(r"^\d{4}-\d{2}-\d{2}$")
-_EMAIL = re.compile(r"^[^@\s]+@[^@\s]+\.[^@\s]+$")
+_DATE = re.compile(r"\d{4}-\d{2}-\d{2}")
 
 
 def _is_calendar_date(text: str) -> bool:
@@ -58,19 +58,21 @@ def validate(payload: dict[str, Any]) -> dict[str, Any]:
             "template", f"must be one of {known}, got {shown(template)}", template
         )
     date = require_str(payload, "date")
-    if not _DATE.match(date) or not _is_calendar_date(date):
+    if len(date) != 10 or not _DATE.fullmatch(date) or not _is_calendar_date(date):
         raise ValidationError(
             "date", f"must be an ISO date YYYY-MM-DD that exists, got {shown(date)}", date
         )
-    to = payload.get("to")
-    if not isinstance(to, str) or not _EMAIL.match(to):
-        raise ValidationError("to", "must be an e-mail address", to)  # personal: not quoted
+    to = single_address("to", payload.get("to"))  # personal: never quoted
     context = payload.get("context", {})
     if not isinstance(context, dict) or not all(isinstance(k, str) for k in context):
         raise ValidationError(
             "context", f"must be an object of template variables, got {shown(context)}",
             context,
         )
+    subject = string.Template(TEMPLATES[template][0])
+    for name in subject.get_identifiers():  # what reaches the Subject header
+        if isinstance(context.get(name), str):
+            refuse_control(f"context.{name}", context[name])
     return {
         "template": template,
         "user_id": require_str(payload, "user_id"),

@@ -70,6 +70,7 @@ from enum import StrEnum
 from typing import Any
 
 from sqlalchemy import text
+from sqlalchemy.engine import Connection
 
 from pipelines.domain.payments import Charge, GatewayRejected, GatewayUnavailable, PaymentGateway
 from pipelines.jobs.base import (
@@ -165,12 +166,35 @@ def _charge_dict(charge: Charge) -> dict[str, Any]:
     return {"charge_id": charge.charge_id, "reference": charge.reference}
 
 
-def _lookup(ctx: JobContext, gateway: PaymentGateway, reference: str) -> Charge | None:
+def _lookup(ctx: JobContext, gateway: PaymentGateway, order_id: str, reference: str
+            ) -> Charge | None:
+    """The order's charge at the gateway: under this key's reference, else under any other
+    reference a send of this order went out under (:func:`sent_references`): a run of the same
+    order under another key must find that charge, not make a second one."""
+    with ctx.services.db.statement() as conn:
+        others = [r for r in sent_references(conn, order_id) if r != reference]
+    found: list[Charge] = []
     with ctx.timed("gateway_lookup"):
-        found = gateway.find_charges(reference)
+        for ref in (reference, *others):
+            found = gateway.find_charges(ref)
+            if found:
+                break
     if len(found) > 1:
-        logger.error("reference %s has %d charges at the gateway", reference, len(found))
+        logger.error("order %s has %d charges at the gateway", order_id, len(found))
     return found[0] if found else None
+
+
+def sent_references(conn: Connection, order_id: str) -> list[str]:
+    """Every reference a charge of ``order_id`` went out under, oldest first (the owner's read
+    of ``payment_references``; reconciliation looks under each)."""
+    return [
+        r.reference
+        for r in conn.execute(
+            text("SELECT reference FROM payment_references WHERE order_id = :o"
+                 " ORDER BY first_sent_at, reference"),
+            {"o": order_id},
+        )
+    ]
 
 
 def _set_payment(ctx: JobContext, order_id: str, name: str, assignments: str) -> None:
@@ -208,6 +232,13 @@ def _send_charge(
                 )
                 ctx.checkpoint(CHARGE_SENT, {"reference": reference, "sent_at": sent_at},
                                conn=conn)
+                conn.execute(
+                    text(
+                        "INSERT INTO payment_references (order_id, reference, key,"
+                        " first_sent_at) VALUES (:o, :ref, :key, :sent) ON CONFLICT DO NOTHING"
+                    ),
+                    {"o": order_id, "ref": reference, "key": ctx.key, "sent": sent_at},
+                )
             send_by = ctx.confirm_lease()
             try:
                 with ctx.timed("gateway_charge"):
@@ -226,7 +257,7 @@ def _send_charge(
                 _set_payment(ctx, order_id, "record_not_charged",
                              "payment_status = 'payment_pending', charge_sent_at = NULL")
                 raise
-            except GatewayRejected:
+            except (GatewayRejected, ValidationError):  # refused, or by the client before a byte
                 _set_payment(ctx, order_id, "record_failure",
                              "payment_status = 'payment_failed', charge_sent_at = NULL")
                 ctx.attempt.status_after = str(PaymentStatus.FAILED)
@@ -308,9 +339,9 @@ def charge_payment(ctx: JobContext, p: dict[str, Any]) -> dict[str, Any]:
             if time.time() < settles_at:
                 ctx.attempt.status_after = CHARGE_UNKNOWN
                 raise PaymentNotSettled(order_id, sent_at, settles_at, time.time())
-            charge = _lookup(ctx, gateway, reference)
+            charge = _lookup(ctx, gateway, order_id, reference)
         elif ctx.claim.attempt > 1 or ctx.claim.takeover:
-            charge = _lookup(ctx, gateway, reference)
+            charge = _lookup(ctx, gateway, order_id, reference)
         if charge is None:
             charge = _send_charge(ctx, gateway, p, reference)
         ctx.crash_point("after_charge")

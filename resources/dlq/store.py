@@ -23,8 +23,13 @@ Guarantees (SQLite and Postgres alike):
   text are escaped, every text column is bounded (message 4,000 bytes, trace 16,000, ids and
   keys a few hundred), and a payload, run config or tags whose JSON text is larger than
   :data:`JSON_LIMIT_FACTOR` times ``InputLimits.payload_bytes`` (or has no JSON text) is kept as
-  a ``{"sekali_truncated": ...}`` object with its size, sha256 and excerpt. A key too long or
-  escaped is kept as a prefix and a hash of the whole, so distinct keys stay distinct.
+  a ``{"sekali_truncated": ...}`` object with its size, sha256 and excerpt. The idempotency key
+  is stored whole (:func:`whole_key`), so every lookup by key (the replay's reset, resolving a
+  completed key, amending, retention's references) finds the key that ran; a key no database
+  stores whole (NUL, a lone surrogate, past :data:`KEY_BYTES`) was refused at the boundary and
+  never ran: the record keeps none, its run config keeps it (escaped), and a replay is refused
+  there. The dedupe key, longer or escaped, is kept as a prefix and a hash of the whole, so
+  distinct keys stay distinct.
 """
 
 from __future__ import annotations
@@ -47,7 +52,7 @@ from resources.retry.classify import FailureClass
 from resources.storage import retention
 from resources.storage.db import Database, metadata
 from resources.storage.json_text import digest, from_text, storable, storable_key, to_text
-from resources.storage.settings import InputLimits
+from resources.storage.settings import KEY_BYTES, InputLimits
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +142,8 @@ _HEX = re.compile(
     r"\b0x[0-9a-fA-F]+\b|\b(?=[0-9a-fA-F]*[a-fA-F])(?=[0-9a-fA-F]*\d)[0-9a-fA-F]{8,}\b"
 )
 _NUM = re.compile(r"(?<![A-Za-z_])-?\d+(?:\.\d+)?")
-_FRAME = re.compile(r'File "([^"]+)", line \d+, in (\S+)')
+_FRAME = re.compile(r'File "([^"\n]+)", line \d+, in (\S+)')
+_FRAME_TAIL = 20_000  # top_frame reads the innermost frame: the last characters of a trace
 def normalise_message(message: str) -> str:
     """The message with what varies between occurrences (uuids, hex ids, numbers) replaced."""
     message = _UUID.sub("<uuid>", message)
@@ -152,10 +158,10 @@ def top_frame(stack: Sequence[str] | str | None) -> str:
     if not stack:
         return ""
     text_ = stack if isinstance(stack, str) else "".join(stack)
-    frames = _FRAME.findall(text_)
+    frames = _FRAME.findall(text_[-_FRAME_TAIL:])
     if not frames:
         return ""
-    path, func = frames[-1]
+    path, func = frames[-1]  # the innermost frame: the end of the text is enough
     return f"{path.rsplit('/', 1)[-1]}:{func}"
 
 
@@ -211,11 +217,23 @@ JSON_LIMIT_FACTOR = 4
 """A stored payload, run config or tags may be this many times ``InputLimits.payload_bytes``:
 every payload the boundary accepts fits, even written with ASCII escapes."""
 
-_KEY_BYTES = 1024  # dedupe and idempotency keys: well under Postgres's 2,704-byte index row
+_KEY_BYTES = 1024  # dedupe keys: well under Postgres's 2,704-byte index row
 _ID_BYTES = 256  # job type, run id, step, error type, correlation id, actor
 _DETAIL_BYTES = 2000
 _MESSAGE_BYTES = 4000
 _TRACE_BYTES = 16000
+
+
+def whole_key(key: str | None) -> str | None:
+    """``key`` as a record keeps it: whole, or None when no database could store it whole (the
+    boundary refuses such a key, so it never ran; see the module docstring). Never a prefix:
+    a replay or a lookup under a cut key would be another intent."""
+    if key is None or _UNSTORABLE_KEY.search(key) or len(key.encode("utf-8")) > KEY_BYTES:
+        return None
+    return key
+
+
+_UNSTORABLE_KEY = re.compile("[\x00\ud800-\udfff]")
 
 
 def storable_failure(info: FailureInfo) -> FailureInfo:
@@ -234,7 +252,7 @@ def storable_failure(info: FailureInfo) -> FailureInfo:
         step=storable(info.step, _ID_BYTES),
         frame=storable(info.frame, _ID_BYTES),
         trace=storable(info.trace, _TRACE_BYTES),
-        idempotency_key=ident(info.idempotency_key, _KEY_BYTES),
+        idempotency_key=whole_key(info.idempotency_key),
         correlation_id=ident(info.correlation_id),
     )
 
@@ -939,7 +957,7 @@ class DlqStore:
         )
 
 
-_AGE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
+_AGE = re.compile(r"(\d{1,12}(?:\.\d{1,9})?) ?([smhdw]?)")
 _AGE_UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 604800.0}
 
 
@@ -947,7 +965,7 @@ def parse_age(value: str | float | None) -> float | None:
     """``"90s"``, ``"15m"``, ``"2h"``, ``"3d"``, ``"1w"`` or seconds -> seconds."""
     if value is None or isinstance(value, (int, float)):
         return None if value is None else float(value)
-    match = _AGE.match(value)
+    match = _AGE.fullmatch(value.strip()) if len(value) <= 64 else None  # bounded, then matched
     if not match:
-        raise ValueError(f"age {value!r}: expected a number with s, m, h, d or w (e.g. 2h)")
+        raise ValueError(f"age {value[:40]!r}: expected a number with s, m, h, d or w (e.g. 2h)")
     return float(match.group(1)) * _AGE_UNITS[match.group(2)]

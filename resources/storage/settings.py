@@ -205,7 +205,9 @@ class InputLimits:
       intent, it does not carry files).
     - ``max_depth``: nesting of objects and arrays (32; the job types use 3).
     - ``key_length``: characters of an idempotency key, and of any object key in a payload
-      (512: at 4 bytes a character, 2 KiB, under Postgres's 2,704-byte index row).
+      (512: at 4 bytes a character, 2 KiB, under Postgres's 2,704-byte index row). An
+      idempotency key is also held to :data:`KEY_BYTES` of UTF-8, whatever ``key_length`` says,
+      so every column and index stores it whole.
     - ``id_length``: characters of a job type, a correlation id, a run id (128).
     - ``string_length``: characters of one string in a payload (64 Ki).
     - ``excerpt_bytes``: how much of a refused payload a rejection keeps (1 KiB), beside the
@@ -231,6 +233,12 @@ class InputLimits:
             values[name] = value
         return cls(**values)
 
+
+KEY_BYTES = 2048
+"""The most UTF-8 bytes an idempotency key may hold (512 four-byte characters): every table
+stores it whole, in unique and plain indexes alike (Postgres's btree row holds 2,704 bytes; a
+versioned key ``key#v12`` and its DLQ record stay under it). The boundary refuses a longer key
+(``key_bytes``), however high ``SEKALI_MAX_KEY_LENGTH`` is set."""
 
 LIMIT_ENV = {
     "payload_bytes": "SEKALI_MAX_PAYLOAD_BYTES",

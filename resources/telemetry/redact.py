@@ -22,11 +22,18 @@ from typing import Any
 EMAIL_MASK = "<email>"
 VALUE_MASK = "<redacted>"
 
+_LOCAL = "[A-Za-z0-9.!#$%&'*+/=?^_`{|}~-]"
 _EMAIL = re.compile(
-    r"[A-Za-z0-9.!#$%&'*+/=?^_`{|}~-]+@[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?"
+    rf"(?<!{_LOCAL}){_LOCAL}+@[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?"
     r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?)+"
 )
-"""An address with a dotted domain: ``ann@example.com``; not a Message-ID's ``<id@sekali>``."""
+"""An address with a dotted domain: ``ann@example.com``; not a Message-ID's ``<id@sekali>``.
+
+Linear in the text's length: a match may start only where a run of local-part characters
+starts (the look-behind), so each run is scanned from one start, not from each of its
+characters (which made ``a*8000@a*8000`` take 2.2 s); after the ``@`` each repetition starts
+with a character the one before cannot end with. The matches are the same: a match found
+inside a run would have been found from the run's start."""
 
 _ROW_VALUES = re.compile(r"(DETAIL:\s*)(?:Failing row contains|Key \().*")
 """Postgres echoes a failing row's values (NOT NULL, CHECK) or a duplicate key's in DETAIL."""
