@@ -8,7 +8,9 @@ payload with a JSON merge patch applied (RFC 7396: ``null`` deletes a field), un
 
 - The patched request passes the validation boundary (:func:`pipelines.validation.admit`, way in
   ``dlq_patch``) before anything changes: a refusal names the field, keeps one rejection row and
-  changes nothing else.
+  changes nothing else. The version's key must fit the key limits too: a key within a few
+  characters of ``key_length`` (or bytes of ``KEY_BYTES``) cannot be versioned (refused naming
+  the limit; enqueue the corrected request under a new key).
 - The original key's effect is never repeated: an amendment is refused while any key of the
   chain (the base key and every version) completed, holds a live claim, or reached a recovery
   point (a checkpoint: part of its effect may have gone out). The original key stays ``failed``
@@ -380,6 +382,8 @@ def amend(
     base, version = (made.base_key, made.version + 1) if made else (key, 2)
     new_key = f"{base}{VERSION_MARK}{version}"
     correlation_id = (request.correlation_id if request else None) or record.correlation_id
+    ledger = IdempotencyStore(db)
+    chain_keys = _check_chain(record, key, versions, ledger, store.clock())  # the why first
     admitted = admit(
         requests,
         record.job_type,
@@ -388,8 +392,6 @@ def amend(
         source=SOURCE,
         correlation_id=correlation_id,
     )
-    ledger = IdempotencyStore(db)
-    chain_keys = _check_chain(record, key, versions, ledger, store.clock())
     crash_point("amend_checked")  # test hook: every check passed, nothing written yet
     plan = Amendment(
         record_id=record_id,

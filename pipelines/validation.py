@@ -37,7 +37,7 @@ from pipelines.jobs.base import JobType
 from pipelines.registry import get_job_type
 from pipelines.requests import JobRequest, RequestStore, windowed_key
 from resources.errors import ValidationError, shown
-from resources.storage.settings import KEY_BYTES, InputLimits
+from resources.storage.settings import ID_BYTES, KEY_BYTES, InputLimits
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +172,8 @@ def check_request(
     if request_id is not None:
         check_id("request_id", request_id)
     if correlation_id is not None:
-        check_text("correlation_id", correlation_id, limits.id_length, "id_length")
+        check_text("correlation_id", correlation_id, limits.id_length, "id_length",
+                   max_bytes=ID_BYTES)
     value = _parse(payload, limits)
     _walk(value, limits)
     _check_size(value, limits)
@@ -195,14 +196,7 @@ def check_request(
 def check_key(value: Any, limits: InputLimits) -> str:
     """An idempotency key: :func:`check_text` within ``key_length`` characters, and within
     :data:`KEY_BYTES` of UTF-8, so that every column and index stores it whole."""
-    key = check_text("key", value, limits.key_length, "key_length")
-    size = len(key.encode("utf-8"))
-    if size > KEY_BYTES:
-        raise ValidationError(
-            "key", f"{size} bytes of UTF-8, more than the limit of {KEY_BYTES} (key_bytes)",
-            limit=f"key_bytes={KEY_BYTES}",
-        )
-    return key
+    return check_text("key", value, limits.key_length, "key_length", max_bytes=KEY_BYTES)
 
 
 def check_priority(value: Any) -> int:
@@ -220,9 +214,10 @@ def check_priority(value: Any) -> int:
 
 
 def check_text(field: str, value: Any, max_chars: int, limit_name: str, *,
-               allow_empty: bool = False) -> str:
-    """A job type, key or id: a string, not empty, at most ``max_chars`` characters, with no
-    control character and no lone surrogate (neither database stores them in a key)."""
+               allow_empty: bool = False, max_bytes: int | None = None) -> str:
+    """A job type, key or id: a string, not empty, at most ``max_chars`` characters (and
+    ``max_bytes`` of UTF-8, when given), with no control character and no lone surrogate
+    (neither database stores them in a key)."""
     if not isinstance(value, str):
         raise ValidationError(field, f"must be a string, got {type(value).__name__}")
     if not value and not allow_empty:
@@ -234,6 +229,13 @@ def check_text(field: str, value: Any, max_chars: int, limit_name: str, *,
             limit=f"{limit_name}={max_chars}",
         )
     _check_characters(field, value, _CONTROL, "a control character")
+    size = len(value.encode("utf-8")) if max_bytes is not None else 0
+    if max_bytes is not None and size > max_bytes:
+        name = "key_bytes" if field == "key" else "id_bytes"
+        raise ValidationError(
+            field, f"{size} bytes of UTF-8, more than the limit of {max_bytes} ({name})",
+            limit=f"{name}={max_bytes}",
+        )
     return value
 
 

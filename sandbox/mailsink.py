@@ -113,7 +113,8 @@ class MailSink:
                     mail_from=mail_from,
                     rcpt_tos=json.dumps(rcpt_tos),
                     subject=str(subject) if subject is not None else None,
-                    correlation_id=str(correlation_id) if correlation_id else None,
+                    # folding whitespace around an encoded value is not part of it
+                    correlation_id=str(correlation_id).strip() if correlation_id else None,
                     received_at=time.time(),
                     size=size,
                 )

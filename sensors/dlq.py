@@ -191,7 +191,8 @@ def failures_of_run(
         "dlq_id": dlq_id,
         **error,
     }
-    if request_id is None and key is None:
+    batch_run = run.job_name not in JOB_TYPES  # a fan-out or micro-batch run: per request
+    if (request_id is None and key is None) or batch_run:
         batch = requests.failed_in_run(run.run_id)
         if batch:
             return [
@@ -213,6 +214,10 @@ def failures_of_run(
                 )
                 for r in batch
             ]
+    only = requests.get(request_id) if batch_run and request_id is not None else None
+    if only is not None:  # a batch of one that failed before its request was marked
+        common = {**common, "job_type": only.job_type, "run_config": {}, "tags": {}}
+        payload = only.payload
     return [
         FailureInfo(
             **common,

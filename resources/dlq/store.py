@@ -52,7 +52,7 @@ from resources.retry.classify import FailureClass
 from resources.storage import retention
 from resources.storage.db import Database, metadata
 from resources.storage.json_text import digest, from_text, storable, storable_key, to_text
-from resources.storage.settings import KEY_BYTES, InputLimits
+from resources.storage.settings import ID_BYTES, KEY_BYTES, InputLimits
 
 log = logging.getLogger(__name__)
 
@@ -218,17 +218,18 @@ JSON_LIMIT_FACTOR = 4
 every payload the boundary accepts fits, even written with ASCII escapes."""
 
 _KEY_BYTES = 1024  # dedupe keys: well under Postgres's 2,704-byte index row
-_ID_BYTES = 256  # job type, run id, step, error type, correlation id, actor
+_ID_BYTES = ID_BYTES  # job type, run id, step, error type, actor: the longest id admitted
 _DETAIL_BYTES = 2000
 _MESSAGE_BYTES = 4000
 _TRACE_BYTES = 16000
 
 
-def whole_key(key: str | None) -> str | None:
-    """``key`` as a record keeps it: whole, or None when no database could store it whole (the
-    boundary refuses such a key, so it never ran; see the module docstring). Never a prefix:
-    a replay or a lookup under a cut key would be another intent."""
-    if key is None or _UNSTORABLE_KEY.search(key) or len(key.encode("utf-8")) > KEY_BYTES:
+def whole_key(key: str | None, max_bytes: int = KEY_BYTES) -> str | None:
+    """``key`` (or an id: ``max_bytes=ID_BYTES``) as a record keeps it: whole, or None when no
+    database could store it whole (the boundary refuses such a value, so it never ran; see the
+    module docstring). Never a prefix: a replay or a lookup under a cut key would be another
+    intent, an effect under a cut correlation id another request."""
+    if key is None or _UNSTORABLE_KEY.search(key) or len(key.encode("utf-8")) > max_bytes:
         return None
     return key
 
@@ -238,9 +239,6 @@ _UNSTORABLE_KEY = re.compile("[\x00\ud800-\udfff]")
 
 def storable_failure(info: FailureInfo) -> FailureInfo:
     """``info`` with every text field storable on both databases and bounded."""
-
-    def ident(value: str | None, limit: int = _ID_BYTES) -> str | None:
-        return None if value is None else storable(value, limit)
 
     return dataclasses.replace(
         info,
@@ -253,7 +251,7 @@ def storable_failure(info: FailureInfo) -> FailureInfo:
         frame=storable(info.frame, _ID_BYTES),
         trace=storable(info.trace, _TRACE_BYTES),
         idempotency_key=whole_key(info.idempotency_key),
-        correlation_id=ident(info.correlation_id),
+        correlation_id=whole_key(info.correlation_id, ID_BYTES),
     )
 
 

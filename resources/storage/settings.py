@@ -240,6 +240,10 @@ stores it whole, in unique and plain indexes alike (Postgres's btree row holds 2
 versioned key ``key#v12`` and its DLQ record stay under it). The boundary refuses a longer key
 (``key_bytes``), however high ``SEKALI_MAX_KEY_LENGTH`` is set."""
 
+ID_BYTES = 512
+"""The most UTF-8 bytes an id may hold (a job type, a correlation id: 128 four-byte characters),
+whatever ``SEKALI_MAX_ID_LENGTH`` says: stored whole wherever it is kept."""
+
 LIMIT_ENV = {
     "payload_bytes": "SEKALI_MAX_PAYLOAD_BYTES",
     "max_depth": "SEKALI_MAX_DEPTH",
