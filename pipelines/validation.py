@@ -37,6 +37,7 @@ from pipelines.jobs.base import JobType
 from pipelines.registry import get_job_type
 from pipelines.requests import JobRequest, RequestStore, windowed_key
 from resources.errors import ValidationError, shown
+from resources.headers import refuse_found
 from resources.storage.settings import ID_BYTES, KEY_BYTES, InputLimits
 
 log = logging.getLogger(__name__)
@@ -252,18 +253,8 @@ def check_id(field: str, value: Any) -> int:
 
 
 def _check_characters(field: str, value: str, forbidden: re.Pattern[str], what: str) -> None:
-    found = _SURROGATE.search(value)
-    if found is not None:
-        raise ValidationError(
-            field,
-            f"contains a lone surrogate at position {found.start()} "
-            f"(U+{ord(found.group()):04X}): send valid Unicode",
-        )
-    found = forbidden.search(value)
-    if found is not None:
-        raise ValidationError(
-            field, f"contains {what} at position {found.start()} (U+{ord(found.group()):04X})"
-        )
+    refuse_found(field, value, _SURROGATE, "a lone surrogate", ": send valid Unicode")
+    refuse_found(field, value, forbidden, what)
 
 
 # -- the payload ------------------------------------------------------------------------------

@@ -28,12 +28,19 @@ _SAFE = "".join(chr(c) for c in range(0x21, 0x7F) if chr(c) not in "%")
 def refuse_control(field: str, value: str) -> str:
     """``value``, or :class:`ValidationError` naming ``field`` when it holds a control character
     (CR, LF, any C0 or C1, DEL, a line or paragraph separator)."""
-    found = _CONTROL.search(value)
+    return refuse_found(field, value, _CONTROL, "a control character",
+                        "; a header value may not hold one")
+
+
+def refuse_found(field: str, value: str, forbidden: re.Pattern[str], what: str,
+                 advice: str = "") -> str:
+    """``value``, or :class:`ValidationError` naming ``field``, the first character that
+    ``forbidden`` finds (``what``), its position and its code point."""
+    found = forbidden.search(value)
     if found is not None:
         raise ValidationError(
             field,
-            f"contains a control character at position {found.start()} "
-            f"(U+{ord(found.group()):04X}); a header value may not hold one",
+            f"contains {what} at position {found.start()} (U+{ord(found.group()):04X}){advice}",
         )
     return value
 
@@ -52,4 +59,4 @@ def http_header_text(raw: str) -> str:
     return unquote(raw) if "%" in raw else raw
 
 
-__all__ = ["http_header_text", "http_header_value", "refuse_control"]
+__all__ = ["http_header_text", "http_header_value", "refuse_control", "refuse_found"]

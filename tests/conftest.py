@@ -26,7 +26,7 @@ import pytest
 import redis
 from sqlalchemy import create_engine, text
 
-from resources.storage.db import Database
+from resources.storage.db import Database, release_shared, shared_databases
 from resources.storage.migrations import upgrade
 from resources.storage.redis import RedisClient
 from resources.storage.redis import redis_client as build_redis_client
@@ -84,6 +84,16 @@ def drop_postgres_schema(schema: str) -> None:
     with engine.connect() as conn:
         conn.execute(text(f"DROP SCHEMA IF EXISTS {schema} CASCADE"))
     engine.dispose()
+
+
+@pytest.fixture(autouse=True)
+def _release_shared_databases() -> Iterator[None]:
+    """The pools a test opened through ``shared_database`` (its resources, its services) are
+    closed when it ends: its database is never used again, and idle pools kept for the whole
+    session exhausted the shared Postgres's connections."""
+    before = shared_databases()
+    yield
+    release_shared(shared_databases() - before)
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])

@@ -335,6 +335,51 @@ def test_a_key_completed_elsewhere_is_not_amended_nor_purged_and_its_record_reso
     assert len(world.charges(order)) == 1
 
 
+# -- an amended replay at the limit ----------------------------------------------------------------
+
+
+def test_an_amended_version_of_a_key_at_the_limit_runs_once(world: World, edge: Edge) -> None:
+    """The version's key (``<key>#v2``) is kept whole like its base: a mail refused for good
+    (5xx) is amended with a corrected address and sent once under the version, and the base
+    key stays failed (never sent). A base key leaves room for the version mark: at the very
+    limit the version is refused naming ``key_length``."""
+    key = edge.key("amend")[: KEY_CHARS - 3]
+    mail = {"template": "welcome", "user_id": "u-a", "date": "2026-11-29",
+            "to": "bob@reject.invalid"}
+    enqueue("send_email", mail, key=key, db=world.db)
+    (request,) = world.tick("per_request")
+    assert not world.run(send_email_job, request).success  # 550: permanent, dead-lettered
+    run = world.instance.get_run_by_id(request_run_id(world, key))
+    assert run is not None
+    (recorded,) = dead_letter_run(world.instance, run, world.dlq, actor="dlq_sensor")
+    assert recorded.record.idempotency_key == key
+    made = amend(world.dlq, recorded.record.id, {"to": "bob@example.com"}, actor="test",
+                 reason="typo in the domain")
+    assert made.key == f"{key}#v2" and made.previous_key == key
+    (version,) = world.tick("per_request")
+    assert version.tags[tag.KEY] == made.key
+    assert world.run(send_email_job, version).success
+    assert world.run(send_email_job, version).success  # again: a duplicate
+    (sent,) = world.sink.messages()
+    assert sent["message_id"] == message_id_for(made.key)
+    assert outcomes(world.db, made.key) == ["completed", "duplicate_suppressed"]
+    assert IdempotencyStore(world.db).records([key])[key].status == "failed"
+    enqueue("send_email", mail, key=edge.key("full"), db=world.db)
+    (full,) = world.tick("per_request")
+    world.run(send_email_job, full)
+    run = world.instance.get_run_by_id(request_run_id(world, edge.key("full")))
+    assert run is not None
+    (at_limit,) = dead_letter_run(world.instance, run, world.dlq, actor="dlq_sensor")
+    with pytest.raises(ValidationError, match="key_length"):
+        amend(world.dlq, at_limit.record.id, {"to": "bob@example.com"}, actor="test")
+
+
+def request_run_id(world: World, key: str) -> str:
+    found = world.requests.get_by_key(key)
+    assert found is not None and found.run_id is not None
+    return found.run_id
+
+
 # -- reconciliation sees a charge under another reference ---------------------------------------
 
 

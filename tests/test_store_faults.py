@@ -226,14 +226,10 @@ def test_a_server_busy_in_a_script_answers_busy_transient(tmp_path: Path) -> Non
 # -- Redis: a cluster -------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRedisCluster]:
-    """A cluster of this module's own: its slots are moved around below."""
-    made = LocalRedisCluster(tmp_path_factory.mktemp("faults-cluster"))
-    try:
-        yield made.start()
-    finally:
-        made.stop()
+@pytest.fixture
+def cluster(redis_cluster: LocalRedisCluster) -> LocalRedisCluster:
+    """The session's private cluster; a slot moved below is made stable again."""
+    return redis_cluster
 
 
 def _id(cluster: LocalRedisCluster, index: int) -> str:

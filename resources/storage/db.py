@@ -55,8 +55,10 @@ __all__ = [
     "make_engine",
     "metadata",
     "normalize_url",
+    "release_shared",
     "round_trip_watchdog",
     "shared_database",
+    "shared_databases",
 ]
 
 
@@ -372,6 +374,21 @@ class Database:
 
 _shared: dict[str, Database] = {}
 _shared_lock = threading.Lock()
+
+
+def shared_databases() -> set[str]:
+    """The URLs of the shared ``Database`` objects this process holds."""
+    with _shared_lock:
+        return set(_shared)
+
+
+def release_shared(urls: set[str]) -> None:
+    """Close the pools of these shared databases and forget them (a test's own database once
+    the test ended: an idle pool holds its connections open until the process ends)."""
+    with _shared_lock:
+        dropped = [_shared.pop(url) for url in urls if url in _shared]
+    for db in dropped:
+        db.dispose()
 
 
 def shared_database(url: str) -> Database:
