@@ -1,5 +1,6 @@
-"""The peers benchmark counts at the mail sink, from the sink's own rows: a second mail of one
-intent is a duplicate, an intent without a mail is lost, whoever sent them."""
+"""The benchmarks' own counting: the peers benchmark counts at the mail sink, from the sink's own
+rows (a second mail of one intent is a duplicate, an intent without a mail is lost, whoever sent
+them); the cluster benchmark's enqueue-to-start comes per request from its first run."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import peer_handler
+from benchmarks.cluster import timeline_of
 from benchmarks.intake import payloads
 from benchmarks.peers import SinkRecords, watch
 from sandbox.mailsink import MailSink
@@ -34,3 +36,23 @@ def test_duplicates_and_lost_are_counted_per_intent_at_the_sink(
     assert w.mails - len(w.first) == 1  # duplicates
     assert len(w.wanted) - len(w.first) == 1  # lost
     assert not w.done()
+
+
+def test_cluster_report_has_enqueue_to_start_per_request_from_its_first_run() -> None:
+    """Catches an enqueue-to-start figure taken per run (a batch of 50 is one run) or from a
+    retry's start instead of the first run's: requests 1-3 in one batch run started at 10 s and
+    retried at 30 s, request 4 alone at 12 s."""
+    runs = [
+        {"tags": {"sekali/intake": "micro_batch", "sekali/request_ids": "1,2,3"},
+         "creationTime": 9.0, "startTime": 10.0, "endTime": 11.0, "location": "w1"},
+        {"tags": {"sekali/intake": "micro_batch", "sekali/request_ids": "1,2,3"},
+         "creationTime": 29.0, "startTime": 30.0, "endTime": 31.0, "location": "w1"},
+        {"tags": {"sekali/intake": "per_request", "sekali/request_id": "4"},
+         "creationTime": 11.0, "startTime": 12.0, "endTime": 13.0, "location": "w2"},
+        {"tags": {"dagster/sensor_name": "other"}, "creationTime": 0.0, "startTime": 0.0,
+         "endTime": 99.0, "location": "w1"},
+    ]
+    timeline = timeline_of(runs, {1: 4.0, 2: 6.0, 3: 8.0, 4: 11.0})
+    assert timeline["count"] == 3
+    assert timeline["enqueue_to_start_p50_s"] == 4.0  # 6, 4, 2 and 1 s
+    assert timeline["enqueue_to_start_max_s"] == 6.0
