@@ -61,7 +61,7 @@ ON_REQUEST = {"cluster": "it builds network namespaces as root and takes about 1
 DEFAULT_SUITES = [name for name in SUITES if name not in ON_REQUEST]
 RESULTS_DIR = RESULTS
 
-HEADLINE: dict[str, tuple[str, float, str]] = {
+HEADLINE: dict[str, tuple[str, float | None, str]] = {
     "idempotency_pg_pair_ratio_1t": (
         ">=", 0.85, "Postgres begin+complete over two raw statements, 1 thread"
     ),

@@ -168,23 +168,16 @@ _HEADER: Final = re.compile(
 )
 """The envelope's header as :meth:`Envelope.encode_raw` writes it; ``end()`` is where the
 value's JSON starts."""
-_scan: Final = json.JSONDecoder().scan_once
-
-
-def peek(raw: bytes) -> tuple[float, float, float, re.Match[bytes]]:
-    """(soft, hard, delta, header match) of a stored envelope, without decoding its value.
-
-    The hit path reads these three numbers to judge freshness and then decodes only the value
-    (:func:`value_of`): building the whole envelope as a dict cost about as much again as the
-    value itself. Raises ``ValueError`` for bytes that are not an envelope."""
-    m = _HEADER.match(raw)
-    if m is None:
-        raise ValueError("not a cache envelope")
-    return float(m[1]), float(m[2]), float(m[3]), m
+_scan: Final[Callable[[str, int], tuple[Any, int]]] = (
+    json.JSONDecoder().scan_once  # type: ignore[attr-defined]
+)
+"""The JSON scanner itself: decodes the value where the header ends, in place."""
 
 
 def value_of(raw: bytes, header: re.Match[bytes]) -> Any:
-    """The value of an envelope whose header :func:`peek` matched."""
+    """The value of a stored envelope whose header ``_HEADER`` matched, without decoding the
+    header: the hit path judges freshness from three header numbers, and building the whole
+    envelope as a dict cost about as much again as the value itself."""
     return _scan(raw.decode(), header.end())[0]
 
 
@@ -378,12 +371,14 @@ class StampedeCache:
         """One flight: the hit path (one GET, judged here), else the script. Concurrent callers
         of one key in this process share the flight, so a cold stampede costs one GET."""
         try:
-            raw = self.client.get(f"{PREFIX}{{{self.namespace}:{key}}}")
+            raw: bytes | None = self.client.get(  # type: ignore[assignment]
+                f"{PREFIX}{{{self.namespace}:{key}}}"
+            )
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             raise StoreUnavailable(f"Redis did not answer: {exc}; retry later") from exc
         factor: float | None = None  # the call's one XFetch draw, made only when it can matter
         if raw is not None:
-            header = _HEADER.match(raw)  # peek() and value_of(), inlined: this is every hit
+            header = _HEADER.match(raw)  # value_of(), inlined: this is every hit
             if header is None:
                 raise ValueError(f"cache key {key!r} holds no envelope")
             soft, hard, delta = float(header[1]), float(header[2]), float(header[3])
