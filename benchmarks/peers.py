@@ -81,6 +81,8 @@ from sandbox.redis_server import RedisServer, free_port
 WORKERS = 2
 """Worker processes per system (this machine has two cores)."""
 KILLS = 3
+KILL_RUN_LIMIT_S = 600.0
+"""A kill run ends by then whatever the system still holds (what it did not send is lost)."""
 MAX_RATE = 50.0
 """Jobs/s offered in the latency run, at most."""
 SIZES = {
@@ -183,6 +185,10 @@ class System:
     def recover(self) -> None:
         """The recovery the system documents for dead workers, run every second during kills."""
 
+    def in_flight(self) -> int:
+        """Jobs the system still holds (queued, reserved or running), by its own records."""
+        return 0
+
 
 def _children(pid: int) -> list[int]:
     try:
@@ -246,6 +252,13 @@ class Celery(System):
     def worker_pids(self) -> list[int]:
         return [] if self.proc is None else _children(self.proc.pid)
 
+    def in_flight(self) -> int:
+        """Messages in the queue plus those delivered and not acknowledged (kombu's Redis
+        transport keeps them in its ``unacked`` hash until the ack, or a requeue)."""
+        with self.module.app.connection_for_write() as conn:
+            client = conn.default_channel.client
+            return int(client.llen(self.queue)) + int(client.hlen("unacked"))
+
 
 class Procrastinate(System):
     name = "procrastinate"
@@ -266,6 +279,8 @@ class Procrastinate(System):
             procrastinate.PsycopgConnector(conninfo=conninfo + " connect_timeout=3", timeout=10)
         )
         self.cli = shutil.which("procrastinate", path=str(Path(sys.executable).parent))
+        self.engine = create_engine(url, connect_args={"connect_timeout": CONNECT_TIMEOUT},
+                                    pool_size=1)
 
     def _run_cli(self, *args: str) -> subprocess.Popen[Any]:
         return subprocess.Popen(
@@ -286,18 +301,17 @@ class Procrastinate(System):
         return self._run_cli("worker", "--concurrency", "1", "-q", self.queue)
 
     def _beating(self) -> int:
-        engine = create_engine(self.url, connect_args={"connect_timeout": CONNECT_TIMEOUT})
-        try:
-            with engine.connect() as conn:
-                return int(conn.execute(text("SELECT count(*) FROM procrastinate_workers"))
-                           .scalar_one())
-        finally:
-            engine.dispose()
+        return self._count("SELECT count(*) FROM procrastinate_workers")
+
+    def _count(self, sql: str, **params: Any) -> int:
+        with self.engine.connect() as conn:
+            return int(conn.execute(text(sql), params).scalar_one())
 
     def stop(self) -> None:
         for proc in self.procs:
             _stop_process(proc)
         self.app.close()
+        self.engine.dispose()
 
     def enqueue_backlog(self, items: list[dict[str, Any]]) -> None:
         self.app.configure_task("send_email", queue=self.queue).batch_defer(
@@ -309,6 +323,12 @@ class Procrastinate(System):
 
     def worker_pids(self) -> list[int]:
         return [p.pid for p in self.procs if p.poll() is None]
+
+    def in_flight(self) -> int:
+        return self._count(
+            "SELECT count(*) FROM procrastinate_jobs WHERE queue_name = :q"
+            " AND status IN ('todo', 'doing')", q=self.queue
+        )
 
     def after_kill(self, pid: int) -> None:
         """As a process supervisor would: a new worker in the dead one's place."""
@@ -347,6 +367,11 @@ class Sekali(System):
 
     def worker_pids(self) -> list[int]:
         return self.daemon.worker_pids()
+
+    def in_flight(self) -> int:
+        counts = RequestStore(self.db).counts("send_email")
+        waiting = counts["pending"] + counts["launched"] + counts["running"]
+        return waiting + (0 if self.daemon.idle() else 1)
 
 
 # -- the measurements ---------------------------------------------------------------------------
@@ -402,7 +427,10 @@ def latency(run: Run, system: System, rate: float, seconds: float) -> dict[str, 
 def under_kills(run: Run, system: System, n: int, drain_s: float, wait_s: float,
                 rng: random.Random) -> dict[str, Any]:
     """The backlog again, with ``KILLS`` SIGKILLs of random workers at random moments of the
-    drain; duplicates and lost intents counted at the sink."""
+    drain; duplicates and lost intents counted at the sink once every intent has a mail, or
+    once the system holds nothing more (``in_flight``: its queue, reservations and runs are
+    empty for two seconds after its recovery has had ``wait_s``), or after
+    ``KILL_RUN_LIMIT_S`` at most."""
     items = run.items(system, n)
     w = watch(run.sink, items)
     system.hold()
@@ -414,7 +442,8 @@ def under_kills(run: Run, system: System, n: int, drain_s: float, wait_s: float,
     killed: list[dict[str, Any]] = []
     dead: set[int] = set()
     last_recover = 0.0
-    deadline = began + drain_s + wait_s
+    deadline = began + KILL_RUN_LIMIT_S
+    settled_since: float | None = None
     while time.monotonic() < deadline:
         now = time.monotonic()
         if moments and now - began >= moments[0]:
@@ -432,6 +461,14 @@ def under_kills(run: Run, system: System, n: int, drain_s: float, wait_s: float,
         if now - last_recover >= 1.0:
             system.recover()
             last_recover = now
+            if not moments and now - killed_at(killed, began) >= wait_s and not (
+                system.in_flight()
+            ):
+                settled_since = settled_since or now
+                if now - settled_since >= 2.0:
+                    break
+            else:
+                settled_since = None
         if not moments and w.done():
             break
         time.sleep(0.05)
@@ -442,6 +479,11 @@ def under_kills(run: Run, system: System, n: int, drain_s: float, wait_s: float,
         "duplicates": w.mails - len(w.first), "lost": n - len(w.first),
         "waited_s": round(time.monotonic() - began, 1),
     }
+
+
+def killed_at(killed: list[dict[str, Any]], began: float) -> float:
+    """When the last kill struck (monotonic), or the start when none did."""
+    return began + max((k["at_s"] for k in killed), default=0.0)
 
 
 # -- servers ------------------------------------------------------------------------------------
@@ -600,19 +642,15 @@ def measure(run_: Run, systems: dict[str, System], sizes: dict[str, float],
         def go() -> None:
             n = max(20, int(rates[name] * sizes["kill_drain_s"]))
             results[name]["kills"] = under_kills(
-                run_, systems[name], n, n / rates[name], 30 + 2 * LEASE_SECONDS,
+                run_, systems[name], n, n / rates[name], 2 * LEASE_SECONDS,
                 random.Random(seed),
             )
         return go
 
-    # Correctness, not speed: the peers' kill runs go alongside sekali's two (one after the
-    # other: both modes share the intake).
+    # One system at a time: the kills must land while its own drain is under way.
     seeds = {name: run_.rng.randrange(2**32) for name in systems}
-    peers = in_background([kill_run(name, seeds[name]) for name in systems
-                           if not name.startswith("sekali")])
-    for name in ("sekali_micro_batch", "sekali_per_request"):
+    for name in systems:
         kill_run(name, seeds[name])()
-    peers()
     phase("kills")
     return results
 

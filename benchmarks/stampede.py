@@ -40,7 +40,7 @@ def _redis_url() -> str:
     return redis_url()
 
 
-# -- scenario workers (module level: started with the spawn context) -----------------------------
+# -- scenario workers (module level: started from a forkserver) ----------------------------------
 
 
 def _make_getter(impl: str, url: str, ns: str, scenario: str, client: redis.Redis) -> Any:
@@ -159,7 +159,8 @@ def _seed(impl: str, url: str, ns: str, scenario: str) -> None:
 def run_scenario(impl: str, scenario: str) -> dict[str, Any]:
     url = _redis_url()
     ns = uuid.uuid4().hex[:8]
-    ctx = multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")  # a fresh interpreter per scenario was
+    ctx.set_forkserver_preload(["redis", "resources.cache", "benchmarks.stampede"])  # most of it
     ready, out, go = ctx.Queue(), ctx.Queue(), ctx.Event()
     procs = [
         ctx.Process(target=scenario_worker, args=(impl, url, ns, scenario, THREADS, ready, go, out))

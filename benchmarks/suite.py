@@ -162,6 +162,24 @@ def headline_spread(report: dict[str, Any]) -> dict[str, Any]:
     return spread
 
 
+def merged(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several saved reports as one: a later report's suites replace an earlier one's, the
+    headline is taken again from the suites, and the commands, times and machine loads of all
+    are kept (``command`` joins the commands with " + ")."""
+    out: dict[str, Any] = {**reports[-1], "suites": {}}
+    for report in reports:
+        out["suites"].update(report.get("suites", {}))
+    out["command"] = " + ".join(r.get("command", "sekali bench") for r in reports)
+    out["started_at"] = min(r.get("started_at", "") for r in reports)
+    out["machine"] = {**reports[-1].get("machine", {}),
+                      "load_before": reports[0].get("machine", {}).get("load_before", ["?"])}
+    out["merged_from"] = [{k: r.get(k) for k in ("command", "started_at", "finished_at")}
+                          for r in reports]
+    out["headline"], out["headline_targets"] = headline(out)
+    out["headline_spread"] = headline_spread(out)
+    return out
+
+
 def target_text(op: str, target: float | None) -> str:
     if op == "zero":
         return "sekali: 0 and 0"
@@ -305,7 +323,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--markdown", action="store_true", help="print the headline as the README's table"
     )
     parser.add_argument(
-        "--from", dest="from_file", metavar="FILE", help="render a saved report, do not run"
+        "--from", dest="from_file", metavar="FILE", action="append",
+        help="render a saved report, do not run; given again, later reports' suites replace "
+             "earlier ones'",
     )
     parser.add_argument(
         "--readme", metavar="PATH", help="write the table between PATH's bench markers"
@@ -325,14 +345,17 @@ def run_from_args(args: argparse.Namespace) -> int:
         print(f"sekali bench: --out {args.out}: no such folder", file=sys.stderr)
         return 2
     if args.from_file:
-        try:
-            report = json.loads(Path(args.from_file).read_text())
-        except (OSError, ValueError) as exc:
-            print(f"sekali bench: cannot read {args.from_file}: {exc}", file=sys.stderr)
-            return 2
-        if "headline" not in report:
-            print(f"sekali bench: {args.from_file} has no headline", file=sys.stderr)
-            return 2
+        reports = []
+        for name in args.from_file:
+            try:
+                reports.append(json.loads(Path(name).read_text()))
+            except (OSError, ValueError) as exc:
+                print(f"sekali bench: cannot read {name}: {exc}", file=sys.stderr)
+                return 2
+            if "headline" not in reports[-1]:
+                print(f"sekali bench: {name} has no headline", file=sys.stderr)
+                return 2
+        report = reports[0] if len(reports) == 1 else merged(reports)
         command = report.get("command", "sekali bench")
         ok = True
     else:
