@@ -244,19 +244,21 @@ def measure_mode(db: Any, mode: str, n: int, tag: str, instance: Any, resources:
 
 
 def run_resources(
-    db_url: str, smtp_port: int, tag: str, *, lease_seconds: float = 60.0
+    db_url: str, smtp_port: int, tag: str, *, redis: str | None = None,
+    lease_seconds: float = 60.0,
 ) -> dict[str, Any]:
-    """The resources a run of the intake jobs needs, on these stores and this mail sink."""
-
+    """The resources a run of the intake jobs needs, on these stores (``redis`` defaults to the
+    benchmarks' Redis) and this mail sink."""
+    redis = redis or redis_url()
     return {
         "idempotency": IdempotencyResource(database_url=db_url, lease_seconds=lease_seconds),
         "app_db": DatabaseResource(database_url=db_url),
         "locks": LockResource(backend="db", database_url=db_url),
-        "cache": CacheResource(redis_url=redis_url(), namespace=tag),
+        "cache": CacheResource(redis_url=redis, namespace=tag),
         "gateway": PaymentGatewayResource(base_url="http://127.0.0.1:9"),
         "mailer": MailerResource(host="127.0.0.1", port=smtp_port),
-        "retry": RetryResource(redis_url=redis_url(), budget_namespace=tag),
-        "concurrency": ConcurrencyResource(redis_url=redis_url(), prefix=f"{tag}:flow:limit:"),
+        "retry": RetryResource(redis_url=redis, budget_namespace=tag),
+        "concurrency": ConcurrencyResource(redis_url=redis, prefix=f"{tag}:flow:limit:"),
         "requests": RequestsResource(database_url=db_url),
     }
 

@@ -46,7 +46,8 @@ def run_worker(conn: Connection, env: dict[str, str], db_url: str, smtp_port: in
     """A run worker: takes runs from the daemon over ``conn``, executes each, says when done."""
     os.environ.update(env)
     with dg.DagsterInstance.ephemeral() as instance:
-        resources = run_resources(db_url, smtp_port, tag, lease_seconds=LEASE_SECONDS)
+        resources = run_resources(db_url, smtp_port, tag, redis=env["REDIS_URL"],
+                                  lease_seconds=LEASE_SECONDS)
         conn.send(("ready", None))
         while True:
             try:
@@ -137,7 +138,8 @@ class IntakeDaemon:
 
     def _loop(self) -> None:
         instance = dg.DagsterInstance.ephemeral()
-        resources = run_resources(self.db_url, self.smtp_port, self.tag)
+        resources = run_resources(self.db_url, self.smtp_port, self.tag,
+                                  redis=self.env["REDIS_URL"])
         cursor: str | None = None
         next_tick = 0.0
         while not self._stop.is_set():

@@ -567,6 +567,8 @@ def run(quick: bool = False) -> dict[str, Any]:
                            "lease_seconds": LEASE_SECONDS, "systems": {}}
     began = time.monotonic()
     with contextlib.ExitStack() as stack:
+        saved = dict(os.environ)  # the suites after this one must not see its private servers
+        stack.callback(lambda: (os.environ.clear(), os.environ.update(saved)))
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="sekali-peers-")))
         redis = RedisServer(tmp / "redis", port=free_port()).start()
         stack.callback(redis.stop)
@@ -576,7 +578,6 @@ def run(quick: bool = False) -> dict[str, Any]:
         env = {**os.environ, "SEKALI_SMTP_HOST": "127.0.0.1", "SEKALI_SMTP_PORT": str(sink.port)}
         redis_base = f"redis://127.0.0.1:{redis.port}"
         sekali_env = {"DATABASE_URL": urls["sekali"], "REDIS_URL": f"{redis_base}/1",
-                      "SEKALI_BENCH_REDIS_URL": f"{redis_base}/1",
                       "SEKALI_SMTP_PORT": str(sink.port), "SEKALI_INTAKE_BATCH_SIZE": "50",
                       "SEKALI_INTAKE_MAX_PER_TICK": "5000"}
         os.environ.update(sekali_env)
