@@ -80,6 +80,29 @@ def test_markdown_table_from_a_saved_report_and_into_the_readme(tmp_path: Path) 
     assert "old table" not in text and text.endswith("<!-- bench:end -->\noutro\n")
 
 
+def test_several_reports_render_as_one_with_the_later_suites_winning(tmp_path: Path) -> None:
+    """Catches a README table that mixes a partial re-run with a full run by hand: the headline
+    is taken again from the merged suites, a re-run suite replacing the earlier one."""
+    def report(command: str, suites: dict[str, float]) -> Path:
+        path = tmp_path / f"{len(suites)}-{command.split()[-1]}.json"
+        path.write_text(json.dumps({
+            "command": command, "started_at": "2026-12-01T10:00:00Z", "headline": {},
+            "machine": {"cpus": 2, "load_before": [1, 1, 1], "load_after": [2, 2, 2]},
+            "suites": {name: {"_status": "ok", "headline": {key: value}}
+                       for name, (key, value) in suites.items()},
+        }))
+        return path
+
+    full = report("sekali bench", {"stampede": ("cache_hit_ratio_vs_get", 0.8),
+                                   "observability": ("metrics_snapshot_over_read", 0.5)})
+    again = report("sekali bench --only=stampede", {"stampede": ("cache_hit_ratio_vs_get", 0.95)})
+    proc = bench("--markdown", "--from", str(full), "--from", str(again))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("`sekali bench + sekali bench --only=stampede`")
+    assert "(`cache_hit_ratio_vs_get`) | 0.95 |" in proc.stdout
+    assert "(`metrics_snapshot_over_read`) | 0.5 |" in proc.stdout
+
+
 def test_an_unreadable_report_is_bad_input(tmp_path: Path) -> None:
     proc = bench("--markdown", "--from", str(tmp_path / "missing.json"))
     assert proc.returncode == 2
