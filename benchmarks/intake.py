@@ -3,7 +3,7 @@
 For each app-database backend (embedded SQLite, Postgres) it measures:
 
 - ``floor``: the per-key handler loop without Dagster: ``enqueue`` each request, then for each
-  one take it, :func:`pipelines.runtime.execute_request`, mark it completed (what the
+  one take it, :func:`engine.runtime.execute_request`, mark it completed (what the
   micro-batch step did before it was batched), on the same stores.
 - ``batch_direct``: the same requests through :func:`pipelines.ops.batch.run_batch` without
   Dagster (keys claimed and completed in one statement each, attempts written together, one
@@ -114,8 +114,8 @@ class SinkProcess:
 
 def per_key_loop(store: Any, ids: list[int], services: Any, run_id: str) -> int:
     """The floor: every request on its own, as the micro-batch step ran them before batching."""
-    from pipelines.failures import FailurePath
-    from pipelines.runtime import execute_request
+    from engine.failures import FailurePath
+    from engine.runtime import execute_request
 
     done = 0
     for request in store.get_many(ids):
@@ -139,10 +139,10 @@ def per_key_loop(store: Any, ids: list[int], services: Any, run_id: str) -> int:
 def measure_direct(db: Any, n: int, tag: str, *, batched: bool) -> float:
     """Jobs per second from ``enqueue`` to completed without Dagster: the per-key loop (the
     floor), or ``run_batch`` in batches of ``BATCH_SIZE``."""
-    from pipelines.intake import enqueue
+    from engine.intake import enqueue
+    from engine.requests import RequestStore
+    from engine.services import Services
     from pipelines.ops.batch import run_batch
-    from pipelines.requests import RequestStore
-    from pipelines.services import Services
 
     services = Services.from_settings(budget_namespace=tag, cache_namespace=tag)
     store = RequestStore(db)
@@ -165,12 +165,12 @@ def measure_direct(db: Any, n: int, tag: str, *, batched: bool) -> float:
 def measure_mode(db: Any, mode: str, n: int, tag: str, instance: Any, resources: dict) -> float:
     import dagster as dg
 
-    from pipelines import tags as run_tags
+    from engine import tags as run_tags
+    from engine.intake import enqueue
+    from engine.requests import RequestStore
     from pipelines.definitions import defs
-    from pipelines.intake import enqueue
     from pipelines.ops import all_jobs
     from pipelines.ops.batch import BATCH_JOBS
-    from pipelines.requests import RequestStore
 
     intake_sensor = defs.get_sensor_def("intake_sensor")
     jobs = {j.name: j for j in [*all_jobs, *BATCH_JOBS]}
@@ -206,7 +206,7 @@ def measure_mode(db: Any, mode: str, n: int, tag: str, instance: Any, resources:
 
 
 def _resources(db_url: str, smtp_port: int, tag: str) -> dict[str, Any]:
-    from pipelines.profile import MailerResource, PaymentGatewayResource, RequestsResource
+    from pipelines.profile import DownstreamResource
     from resources.dagster_resources import (
         CacheResource,
         ConcurrencyResource,
@@ -215,14 +215,17 @@ def _resources(db_url: str, smtp_port: int, tag: str) -> dict[str, Any]:
         LockResource,
         RetryResource,
     )
+    from sensors.intake import RequestsResource
 
     return {
         "idempotency": IdempotencyResource(database_url=db_url),
         "app_db": DatabaseResource(database_url=db_url),
         "locks": LockResource(backend="db", database_url=db_url),
         "cache": CacheResource(redis_url=redis_url(), namespace=tag),
-        "gateway": PaymentGatewayResource(base_url="http://127.0.0.1:9"),
-        "mailer": MailerResource(host="127.0.0.1", port=smtp_port),
+        "payment_gateway": DownstreamResource(
+            downstream="payment_gateway", address="http://127.0.0.1:9"
+        ),
+        "smtp": DownstreamResource(downstream="smtp", address=f"127.0.0.1:{smtp_port}"),
         "retry": RetryResource(redis_url=redis_url(), budget_namespace=tag),
         "concurrency": ConcurrencyResource(redis_url=redis_url(), prefix=f"{tag}:flow:limit:"),
         "requests": RequestsResource(database_url=db_url),

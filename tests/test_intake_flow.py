@@ -20,15 +20,14 @@ import dagster as dg
 import pytest
 from sqlalchemy import text
 
-from pipelines.cli import main as cli
-from pipelines.consumers import report_rebuild_consumer
-from pipelines.intake import enqueue
+from cli.main import main as cli
+from engine.intake import enqueue
+from engine.registry import JOB_TYPES
+from engine.requests import RequestStatus, RequestStore, windowed_key
+from engine.validation import PRIORITY_MAX
+from pipelines.domain.consumers import report_rebuild_consumer
 from pipelines.jobs import report
 from pipelines.ops import all_jobs, rebuild_report_cache_job
-from pipelines.profile import RequestsResource
-from pipelines.registry import JOB_TYPES
-from pipelines.requests import RequestStatus, RequestStore, windowed_key
-from pipelines.validation import PRIORITY_MAX
 from resources.dlq import DlqStore, FailureInfo
 from resources.errors import ValidationError
 from resources.idempotency import Claim, Completed, IdempotencyStore
@@ -38,6 +37,7 @@ from resources.storage.migrations import sql_dir, upgrade
 from sensors.intake import (
     IntakeMode,
     IntakePolicy,
+    RequestsResource,
     evaluate_intake,
     merge_debounced,
     run_requests_for,

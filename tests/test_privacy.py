@@ -15,10 +15,10 @@ import dagster as dg
 import pytest
 from sqlalchemy import text
 
-from pipelines.cli import main as cli
+from cli.main import main as cli
+from engine.privacy import dlq_view
+from engine.requests import RequestStore
 from pipelines.ops import all_jobs
-from pipelines.privacy import dlq_view
-from pipelines.requests import RequestStore
 from resources.dagster_resources import DlqResource
 from resources.dlq import DlqStore
 from resources.storage.db import Database
