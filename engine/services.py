@@ -4,7 +4,7 @@ and the chaos harness, so every way a job runs takes one code path."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -139,11 +139,17 @@ class Services:
             retry_policy=retry.get_policy() if retry is not None else RetryPolicy(),
             retry_budget=retry.get_budget() if retry is not None else None,
             concurrency=concurrency.get_limits() if concurrency is not None else None,
-            settle_seconds=max(
-                (resource.get_settle_seconds() for resource in wired.values()),
-                default=DEFAULT_GATEWAY_SETTLE_SECONDS,
-            ),
+            settle_seconds=settle_seconds_of(wired.values()),
         )
+
+
+def settle_seconds_of(clients: Iterable[Any]) -> float:
+    """The settle window of a run: the longest among its downstream resources' (each one's
+    ``get_settle_seconds``), or the default when it has none."""
+    return max(
+        (resource.get_settle_seconds() for resource in clients),
+        default=DEFAULT_GATEWAY_SETTLE_SECONDS,
+    )
 
 
 def _optional(resources: Any, name: str) -> Any:

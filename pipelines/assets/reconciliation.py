@@ -7,12 +7,13 @@ from typing import Any
 import dagster as dg
 
 from engine.registry import JOB_TYPES
+from engine.services import settle_seconds_of
 from engine.upkeep.reconciliation import Reconciler
 from pipelines.domain.consumers import default_consumers
 from resources.dagster_resources import DlqResource
 from resources.idempotency import IdempotencyStore
 from resources.outbox import InAppPublisher, Inbox, OutboxPublisher
-from resources.storage.settings import DEFAULT_GATEWAY_SETTLE_SECONDS, RetentionSettings
+from resources.storage.settings import RetentionSettings
 
 CHECKED_CLIENTS = sorted(
     {d.name for jt in JOB_TYPES.values() if jt.reconcile is not None for d in jt.clients}
@@ -46,18 +47,16 @@ def reconciliation(
 ) -> dg.MaterializeResult[Any]:
     db = context.resources.app_db.get_database()
     store = IdempotencyStore(db)
+    wired = {name: getattr(context.resources, name) for name in CHECKED_CLIENTS}
     consumers = default_consumers(context.resources.cache.get_cache())
     publisher = OutboxPublisher(db, InAppPublisher(Inbox(db), consumers))
     reconciler = Reconciler(
         db,
         store=store,
         dlq=context.resources.dlq.get_store(),
-        clients={name: getattr(context.resources, name).get_client() for name in CHECKED_CLIENTS},
+        clients={name: resource.get_client() for name, resource in wired.items()},
         publisher=publisher,
-        settle_seconds=max(
-            (getattr(context.resources, name).get_settle_seconds() for name in CHECKED_CLIENTS),
-            default=DEFAULT_GATEWAY_SETTLE_SECONDS,
-        ),
+        settle_seconds=settle_seconds_of(wired.values()),
         grace_seconds=config.grace_seconds,
         lookback_seconds=config.lookback_hours * 3600,
         outbox_threshold_seconds=config.outbox_threshold_seconds,
