@@ -26,7 +26,7 @@ from resources.idempotency import IdempotencyStore
 from resources.locks import DbLock, NoLock, RedisLock
 from resources.retry import RetryBudget, RetryDecision, RetryPolicy
 from resources.storage.db import Database, shared_database
-from resources.storage.migrations import upgrade
+from resources.storage.migrations import ensure_schema
 from resources.storage.redis import redis_client
 from resources.storage.settings import Settings
 
@@ -66,14 +66,15 @@ class SettingsResource(ConfigurableResource):
 
 
 class DatabaseResource(SettingsResource):
-    """The app database. With ``apply_migrations`` the ``sql/`` files are applied at first use."""
+    """The app database. With ``apply_migrations`` its schema is checked at first use, and
+    ``sql/`` applied where ``SEKALI_AUTO_MIGRATE`` allows (:func:`ensure_schema`)."""
 
     apply_migrations: bool = False
 
     def _build(self) -> Database:
         db = self.database()
         if self.apply_migrations:
-            upgrade(db)
+            ensure_schema(db)
         return db
 
     def get_database(self) -> Database:
