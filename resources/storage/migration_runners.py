@@ -137,6 +137,9 @@ class Runner(Protocol):
         """Run and record ``migration`` (and record ``replaced`` as replaced by it); False when
         another upgrader had recorded it meanwhile."""
 
+    def record_replaced(self, replaced: list[Migration], by: Migration) -> None:
+        """Record ``replaced`` as done by ``by``, applied before (nothing is run)."""
+
     def describe(self, migration: Migration) -> MigrationPlan: ...
 
 
@@ -168,11 +171,16 @@ def read_readers_know(conn: Connection) -> str | None:
     return None if value is None else str(value)
 
 
-def _record(conn: Connection, migration: Migration, replaced: list[Migration]) -> None:
+def _record(conn: Connection, migration: Migration, replaced: list[Migration], *,
+            itself: bool = True) -> bool:
     now = time.time()
-    rows = [{"n": m.name, "c": m.checksum, "t": now, "r": migration.name} for m in replaced]
-    rows.append({"n": migration.name, "c": migration.checksum, "t": now, "r": None})
-    conn.execute(_RECORD, rows)
+    rows = [{"n": m.name, "c": m.checksum, "t": now, "r": migration.name} for m in replaced
+            if not _recorded(conn, m.name)]
+    if itself:
+        rows.append({"n": migration.name, "c": migration.checksum, "t": now, "r": None})
+    if rows:
+        conn.execute(_RECORD, rows)
+    return bool(rows)
 
 
 def _recorded(conn: Connection, name: str) -> bool:
@@ -270,10 +278,12 @@ class SqliteRunner:
             for statement in migration.statements:
                 self._execute(conn, migration, statement)
             _keep_sequences(conn, before)
-            _record(conn, migration, replaced)
-            return True
+            return _record(conn, migration, replaced)
 
         return self._transaction(whole)
+
+    def record_replaced(self, replaced: list[Migration], by: Migration) -> None:
+        self._transaction(lambda conn: _record(conn, by, replaced, itself=False))
 
     def describe(self, migration: Migration) -> MigrationPlan:
         return MigrationPlan(
@@ -418,8 +428,7 @@ class PostgresRunner:
                     return False
                 for statement in migration.statements:
                     self._plain(conn, migration, statement)
-                _record(conn, migration, replaced)
-                return True
+                return _record(conn, migration, replaced)
 
             return self._transaction(migration.name, whole)
         if _recorded(self.conn, migration.name):
@@ -429,12 +438,12 @@ class PostgresRunner:
             self._online(migration, statement, context)
 
         def record(conn: Connection) -> bool:
-            if _recorded(conn, migration.name):
-                return False
-            _record(conn, migration, replaced)
-            return True
+            return not _recorded(conn, migration.name) and _record(conn, migration, replaced)
 
         return self._transaction(migration.name, record)
+
+    def record_replaced(self, replaced: list[Migration], by: Migration) -> None:
+        self._transaction(by.name, lambda conn: _record(conn, by, replaced, itself=False))
 
     def describe(self, migration: Migration) -> MigrationPlan:
         s = self.settings

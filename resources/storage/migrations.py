@@ -145,24 +145,39 @@ def upgrade(
         runner.prepare(max((m.name for m in migrations), default="0000"))
         records = runner.records()
         _check_drift(migrations, records)
-        for migration, replaced in _steps(migrations, records):
-            if runner.apply(migration, replaced):
-                done_now += [m.name for m in replaced] + [migration.name]
+        for step in _steps(migrations, records):
+            if not step.run:
+                runner.record_replaced(step.replaced, step.migration)
+                done_now += [m.name for m in step.replaced]
+            elif runner.apply(step.migration, step.replaced):
+                done_now += [m.name for m in step.replaced] + [step.migration.name]
                 if progress is not None:
-                    progress(f"applied {migration.name}"
-                             + "".join(f" (replacing {m.name})" for m in replaced))
+                    progress(f"applied {step.migration.name}"
+                             + "".join(f" (replacing {m.name})" for m in step.replaced))
     return sorted(done_now)
 
 
-def _steps(migrations: list[Migration], records: dict[str, Record]
-           ) -> list[tuple[Migration, list[Migration]]]:
+@dataclass(frozen=True)
+class _Step:
+    migration: Migration
+    replaced: list[Migration]
+    """Pending files ``migration`` does the work of: recorded as replaced, never run."""
+    run: bool = True
+    """False: ``migration`` was applied already; only what it replaces is recorded."""
+
+
+def _steps(migrations: list[Migration], records: dict[str, Record]) -> list[_Step]:
     pending = [m for m in migrations if m.name not in records]
-    replaced = {name for m in pending for name in m.replaces}
-    return [
-        (m, [p for p in pending if p.name in m.replaces])
-        for m in pending
-        if m.name not in replaced
-    ]
+    replaced_by = {name: m.name for m in migrations for name in m.replaces}
+    steps = []
+    for m in migrations:
+        replaced = [p for p in pending if p.name in m.replaces]
+        if m.name in records:
+            if replaced:
+                steps.append(_Step(m, replaced, run=False))
+        elif m.name not in replaced_by:
+            steps.append(_Step(m, replaced))
+    return steps
 
 
 def _check_drift(migrations: list[Migration], records: dict[str, Record]) -> None:
@@ -207,9 +222,7 @@ def status(db: Database, directory: Path | None = None) -> SchemaStatus:
         records = read_records(conn)
         floor = read_readers_know(conn)
     known = {m.name for m in migrations}
-    replacing = {
-        name: m.name for m in migrations if m.name not in records for name in m.replaces
-    }
+    replacing = {name: m.name for m in migrations for name in m.replaces}
     return SchemaStatus(
         dialect=db.dialect,
         applied=[
@@ -237,10 +250,13 @@ def plan(db: Database, directory: Path | None = None,
         records = read_records(conn)
     runner = runner_for(db, settings)
     out = []
-    for migration, replaced in _steps(migrations, records):
-        described = runner.describe(migration)
-        if replaced:
-            names = ", ".join(m.name for m in replaced)
+    for step in _steps(migrations, records):
+        names = ", ".join(m.name for m in step.replaced)
+        if not step.run:
+            out.append(MigrationPlan(names, f"not run: {step.migration.name} did its work", []))
+            continue
+        described = runner.describe(step.migration)
+        if step.replaced:
             described = MigrationPlan(described.name, f"{described.how}; does the work of "
                                       f"{names}, which is not run", described.statements)
         out.append(described)
