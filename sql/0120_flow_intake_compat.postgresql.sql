@@ -4,12 +4,9 @@
 -- 0110 made claim_rank NOT NULL with no default: every insert from a process of the previous
 -- release (which does not know the column) failed once a new process had migrated. The trigger
 -- fills it before the row is checked, with created_at (the rank of priority 0, the only
--- priority the previous release writes). The status CHECK admits this release's statuses
--- (cancelled, dead_lettered, superseded), written only once every process knows them
--- (sql/README); NOT VALID here, validated without stopping writers by 0121.
+-- priority the previous release writes).
 -- Metadata only, one short transaction: the columns are nullable or carry a constant default
--- (no rewrite), the CHECK is not checked against existing rows here. Where 0110 is pending, its
--- scan and backfill are done online by 0121 instead.
+-- (no rewrite). Where 0110 is pending, its backfill, checks and indexes are done online by 0121.
 ALTER TABLE job_requests
     ADD COLUMN IF NOT EXISTS priority INTEGER NOT NULL DEFAULT 0,
     ADD COLUMN IF NOT EXISTS claim_rank DOUBLE PRECISION,
@@ -18,11 +15,7 @@ ALTER TABLE job_requests
     ADD COLUMN IF NOT EXISTS debounce_wait DOUBLE PRECISION,
     ADD COLUMN IF NOT EXISTS debounce_max_wait DOUBLE PRECISION,
     ADD COLUMN IF NOT EXISTS coalesced_into BIGINT,
-    ADD COLUMN IF NOT EXISTS coalesced_count INTEGER NOT NULL DEFAULT 0,
-    DROP CONSTRAINT IF EXISTS job_requests_status_check,
-    ADD CONSTRAINT job_requests_status_check CHECK (
-        status IN ('pending', 'launched', 'running', 'completed', 'failed', 'coalesced',
-                   'cancelled', 'dead_lettered', 'superseded')) NOT VALID;
+    ADD COLUMN IF NOT EXISTS coalesced_count INTEGER NOT NULL DEFAULT 0;
 CREATE OR REPLACE FUNCTION sekali_job_requests_claim_rank() RETURNS trigger
 LANGUAGE plpgsql AS $$
 BEGIN

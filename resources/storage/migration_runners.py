@@ -471,7 +471,7 @@ class PostgresRunner:
 
     def _plain(self, conn: Connection, migration: Migration, statement: Statement) -> None:
         if statement.batch is None:
-            conn.exec_driver_sql(statement.sql)
+            _execute(conn, statement.sql)
             return
         for low, high in _ranges(conn, statement):
             conn.execute(text(statement.sql), {"lo": low, "hi": high})
@@ -539,7 +539,7 @@ class PostgresRunner:
         for attempt in range(s.lock_retries):
             try:
                 if params is None:
-                    result = self.conn.exec_driver_sql(sql)
+                    result = _execute(self.conn, sql)
                 else:
                     result = self.conn.execute(text(sql), params)
                 return max(0, result.rowcount or 0)
@@ -590,6 +590,12 @@ class PostgresRunner:
                 "(pg_stat_activity); raise SEKALI_MIGRATION_LOCK_RETRIES or try again later",
             )
         return MigrationFailed(name, sql, str(exc.orig).strip())
+
+
+def _execute(conn: Connection, sql: str) -> Any:
+    """A statement of a file as written: psycopg reads ``%`` as a placeholder, so it is
+    doubled (SQLite's driver has none)."""
+    return conn.exec_driver_sql(sql.replace("%", "%%"))
 
 
 def _sqlstate(exc: sa_exc.DBAPIError) -> str | None:
