@@ -25,7 +25,9 @@ from pipelines.intake import enqueue
 from pipelines.requests import RequestStore
 from resources.storage import ddl
 from resources.storage.db import Database
+from resources.storage.migration_files import sql_through
 from resources.storage.migrations import (
+    ContractPending,
     MigrationFailed,
     SchemaBehind,
     SchemaTooNew,
@@ -57,13 +59,7 @@ def previous_release_sql(tmp_path: Path) -> Path:
 
 def before_the_successor(tmp_path: Path) -> Path:
     """sql/ as it stood with 0110 and no successor: this release's files up to 0115."""
-    directory = tmp_path / "sql-0115"
-    if not directory.exists():
-        directory.mkdir()
-        for path in (Path(__file__).resolve().parent.parent / "sql").glob("0*.sql"):
-            if path.name[:4] <= "0115":
-                shutil.copy(path, directory / path.name)
-    return directory
+    return sql_through("0115", tmp_path / "sql-0115")
 
 
 @pytest.fixture
@@ -290,6 +286,25 @@ def test_coalesced_is_written_only_after_the_contract_step(fresh: Database, tmp_
     assert later.counts()["coalesced"] == 2
 
 
+def test_a_contracting_file_waits_for_the_contract_step(fresh: Database, tmp_path: Path
+                                                         ) -> None:
+    """A file that removes or tightens (``-- sekali: requires``) is not applied while a process
+    of the older release may run; the files before it are. Catches: a contraction applied in the
+    same upgrade that expanded, under the previous release's feet."""
+    directory = tmp_path / "sql"
+    shutil.copytree(Path(__file__).resolve().parent.parent / "sql", directory)
+    (directory / "9990_contract_probe.sql").write_text(
+        "-- sekali: requires 0115_request_amends\n"
+        "CREATE TABLE IF NOT EXISTS contract_probe (id INTEGER);\n"
+    )
+    upgrade(fresh, previous_release_sql(tmp_path))
+    with pytest.raises(ContractPending, match="sekali db contract"):
+        upgrade(fresh, directory)
+    assert "0115_request_amends" in applied(fresh) and "9990_contract_probe" not in applied(fresh)
+    assert contract(fresh, directory) == "9990_contract_probe"
+    assert upgrade(fresh, directory) == ["9990_contract_probe"]
+
+
 def test_a_newer_schema_is_one_warning_until_it_is_contracted(
     db_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -379,7 +394,8 @@ def test_status_and_dry_run_show_the_pending_work(
 def test_every_new_postgres_migration_keeps_writers_going() -> None:
     """No statement of this release's Postgres migrations stops writers for as long as a large
     table takes to scan, rewrite or index, or updates rows outside bounded batches; and
-    ``CONCURRENTLY`` appears only in online files (it cannot run in a transaction). Catches:
+    ``CONCURRENTLY`` and ``VACUUM`` appear only in online files (they cannot run in a
+    transaction). Catches:
     another 0110, whose backfill and validation held ACCESS EXCLUSIVE on 2 M requests for 25 s.
     """
     migrations = {m.name: m for m in load_migrations("postgresql")}
@@ -391,8 +407,9 @@ def test_every_new_postgres_migration_keeps_writers_going() -> None:
             locks = ddl.statement_locks(statement.sql, context,
                                         batched=statement.batch is not None)
             problems += [f"{name}: {lock}" for lock in ddl.risky(locks)]
-            if "CONCURRENTLY" in statement.sql.upper() and not migration.online:
-                problems.append(f"{name}: CONCURRENTLY in a file that is one transaction")
+            if ddl.outside_transactions(statement.sql) and not migration.online:
+                problems.append(f"{name}: `{statement.sql[:40]}` cannot run in a file that is"
+                                " one transaction")
     assert problems == []
 
 
@@ -416,7 +433,7 @@ def test_the_locks_written_down_are_the_ones_postgres_takes(postgres_url: str) -
                 locks = ddl.statement_locks(statement.sql, context,
                                             batched=statement.batch is not None)
                 params = {"lo": 0, "hi": 10} if statement.batch else None
-                if "CONCURRENTLY" in statement.sql.upper():
+                if ddl.outside_transactions(statement.sql):
                     conn.exec_driver_sql(statement.sql)
                     continue
                 conn.exec_driver_sql("BEGIN")

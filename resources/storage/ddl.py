@@ -121,6 +121,8 @@ def statement_locks(sql: str, context: Context | None = None, *, batched: bool =
         if table in ctx.created:
             work = NEW_TABLE
         return [TableLock(table, mode, work)]
+    if m := re.match(rf"(?:VACUUM|ANALYZE)(?: \([^)]*\))? {_IDENT}", s, re.I):
+        return [TableLock(_name(m.group(1)), SHARE_UPDATE_EXCLUSIVE, SCAN)]
     if upper.startswith(("CREATE OR REPLACE FUNCTION", "CREATE FUNCTION", "COMMENT ON", "SELECT")):
         return []
     return [TableLock("?", ACCESS_EXCLUSIVE, UNKNOWN)]
@@ -205,6 +207,12 @@ def _strip_parens(text: str) -> str:
 
 def _name(identifier: str) -> str:
     return identifier.strip('"').split(".")[-1].lower()
+
+
+def outside_transactions(sql: str) -> bool:
+    """Postgres runs this statement only outside a transaction block (an online file)."""
+    upper = sql.upper()
+    return "CONCURRENTLY" in upper or upper.lstrip().startswith("VACUUM")
 
 
 def risky(locks: list[TableLock]) -> list[TableLock]:

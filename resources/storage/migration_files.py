@@ -16,6 +16,9 @@ A file may carry directives, comment lines of the form ``-- sekali: <word> <argu
   was applied, this one runs in full (it is idempotent) and fixes what the earlier one left.
 - ``accepts <checksum> ...``: checksums this file had when a database applied it, before an
   edit that changed nothing a database holds (a guard such as ``IF NOT EXISTS``).
+- ``requires NNNN_name``: the file removes or tightens what processes older than that
+  migration use (the contract of expand/contract): it is applied only once every process is
+  declared to know ``NNNN_name`` (``sekali db contract``).
 - ``batch <table>.<column> <rows>``, before one statement: the statement is run once per range
   of ``<rows>`` values of the column (bound as ``:lo`` inclusive and ``:hi`` exclusive), each
   range in its own transaction on Postgres: a backfill that never locks the whole table.
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import shutil
 from dataclasses import dataclass, field
 from functools import cached_property
 from importlib import resources as importlib_resources
@@ -32,7 +36,7 @@ from pathlib import Path
 
 _NAME = re.compile(r"^(\d{4})_([a-z0-9_]+?)(?:\.(postgresql|sqlite))?\.sql$")
 _DIRECTIVE = re.compile(r"^--\s*sekali:\s*([a-z]+)\b\s*(.*?)\s*$")
-_DIRECTIVES = ("online", "replaces", "accepts", "batch")
+_DIRECTIVES = ("online", "replaces", "accepts", "requires", "batch")
 _DOLLAR = re.compile(r"\$([A-Za-z_][A-Za-z0-9_]*)?\$")
 _TRIGGER_BODY = re.compile(r"^\s*CREATE\s+(?:TEMP\w*\s+)?TRIGGER\b.*\bBEGIN\b", re.I | re.S)
 _TRIGGER_END = re.compile(r"\bEND\s*;\s*$", re.I)
@@ -87,6 +91,12 @@ class Migration:
     def accepts(self) -> frozenset[str]:
         return frozenset(c for line in self.directives.get("accepts", []) for c in line.split())
 
+    @property
+    def requires(self) -> str | None:
+        """The migration every process must know before this one may run, if any."""
+        named = [n for line in self.directives.get("requires", []) for n in line.split()]
+        return max(named) if named else None
+
     def matches(self, recorded_checksum: str) -> bool:
         """The recorded checksum is this file's, now or before an accepted edit."""
         return recorded_checksum == self.checksum or recorded_checksum in self.accepts
@@ -98,6 +108,16 @@ class Migration:
 
 def sql_dir() -> Path:
     return Path(str(importlib_resources.files("sql")))
+
+
+def sql_through(number: str, into: Path, directory: Path | None = None) -> Path:
+    """A copy of ``sql/`` holding only the files numbered ``number`` (``"0095"``) or lower, in
+    ``into``: the schema as it stood then, for upgrade tests and benchmarks."""
+    into.mkdir(parents=True, exist_ok=True)
+    for path in (directory or sql_dir()).glob("*.sql"):
+        if path.name[:4] <= number:
+            shutil.copy(path, into / path.name)
+    return into
 
 
 def load_migrations(dialect: str, directory: Path | None = None) -> list[Migration]:
@@ -120,9 +140,11 @@ def load_migrations(dialect: str, directory: Path | None = None) -> list[Migrati
         sql = render(chosen[key].read_text(), dialect)
         out.append(Migration(key, sql, directives(sql, chosen[key].name)))
     for m in out:
-        for earlier in m.replaces:
+        for word, earlier in [("replaces", n) for n in m.replaces] + (
+            [("requires", m.requires)] if m.requires else []
+        ):
             if earlier >= m.name or earlier not in chosen:
-                raise ValueError(f"sql/{m.name}: replaces {earlier!r}, not an earlier file")
+                raise ValueError(f"sql/{m.name}: {word} {earlier!r}, not an earlier file")
     return out
 
 

@@ -505,6 +505,7 @@ class PostgresRunner:
         locks = ddl.statement_locks(statement.sql, context, batched=statement.batch is not None)
         stops_writers = any(lk.blocks_writes and lk.work != ddl.NEW_TABLE for lk in locks)
         s = self.settings
+        self.progress(f"{migration.name}: {' '.join(statement.sql.split())[:72]}")
         if statement.batch is not None:
             self._batches(migration, statement)
             return

@@ -59,6 +59,7 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "PLACEHOLDERS",
+    "ContractPending",
     "Migration",
     "MigrationDrift",
     "MigrationFailed",
@@ -109,6 +110,26 @@ class SchemaBehind(SekaliError):
         self.pending = pending
 
 
+class ContractPending(SekaliError):
+    """A pending migration removes or tightens what processes older than a migration use, and
+    the operator has not declared them gone. The migrations before it were applied.
+
+    Once no process of the older release runs: ``sekali db contract``, then ``sekali db
+    upgrade`` again.
+    """
+
+    permanent = True
+
+    def __init__(self, migration: str, requires: str, readers_know: str | None) -> None:
+        super().__init__(
+            f"sql/{migration} removes or tightens what processes older than sql/{requires} "
+            f"use, and every process is only known to know {readers_know or 'nothing yet'}: "
+            "once none of them runs, `sekali db contract`, then `sekali db upgrade` again"
+        )
+        self.migration = migration
+        self.requires = requires
+
+
 class SchemaTooNew(SekaliError):
     """The database was declared (``sekali db contract``) to serve only processes that know a
     migration this release does not ship: a newer release may have removed what this one needs.
@@ -145,7 +166,11 @@ def upgrade(
         runner.prepare(max((m.name for m in migrations), default="0000"))
         records = runner.records()
         _check_drift(migrations, records)
+        floor = runner.readers_know()
         for step in _steps(migrations, records):
+            required = step.migration.requires
+            if step.run and required and (floor is None or floor < required):
+                raise ContractPending(step.migration.name, required, floor)
             if not step.run:
                 runner.record_replaced(step.replaced, step.migration)
                 done_now += [m.name for m in step.replaced]
@@ -267,11 +292,14 @@ def contract(db: Database, directory: Path | None = None) -> str:
     """Declare that every process running against ``db`` is of this release (the contract
     step of a rolling upgrade, once no older process is left): records the newest migration
     this release ships as known by all, so values older releases cannot read may now be
-    written. Refuses (:class:`SchemaBehind`) while migrations are pending. Returns the name."""
+    written, and the files that remove or tighten what older releases used may run. Refuses
+    (:class:`SchemaBehind`) while other migrations are pending. Returns the name."""
     migrations = load_migrations(db.dialect, directory)
     with db.statement() as conn:
         records = read_records(conn)
-    pending = [m.name for m in migrations if m.name not in records]
+    replaced = {name for m in migrations for name in m.replaces}
+    pending = [m.name for m in migrations
+               if m.name not in records and m.name not in replaced and not m.requires]
     if pending:
         raise SchemaBehind(pending)
     newest = max(m.name for m in migrations)
