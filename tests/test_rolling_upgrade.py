@@ -27,7 +27,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -108,15 +108,6 @@ def until(what: str, check: Callable[[], bool], timeout: float, fleet: Fleet) ->
             logs = "\n".join(f"--- {n}\n{fleet.log(n)}" for n in fleet.procs)
             pytest.fail(f"timed out waiting for {what}\n{logs}")
         time.sleep(0.2)
-
-
-@pytest.fixture
-def gateway(tmp_path: Path) -> Iterator[GatewayServer]:
-    server = GatewayServer(f"sqlite:///{tmp_path / 'gateway.db'}").start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 def test_rolling_upgrade_from_the_previous_release(

@@ -20,6 +20,7 @@ import pytest
 from sqlalchemy import exc as sa_exc
 from sqlalchemy import text
 
+from benchmarks.upgrade import PREVIOUS_RELEASE_INSERT
 from pipelines.cli import main as sekali
 from pipelines.intake import enqueue
 from pipelines.requests import RequestStore
@@ -41,16 +42,6 @@ from resources.storage.migrations import (
 from resources.storage.settings import MigrationSettings
 from tests.conftest import drop_postgres_schema, postgres_schema_url
 from tests.releases import extract, manifest
-
-OLD_INSERT = """
-INSERT INTO job_requests
-    (job_type, key, payload, payload_hash, status, queue, correlation_id, created_at,
-     updated_at, attempts, traceparent)
-VALUES (:job_type, :key, :payload, :hash, 'pending', :queue, :cid, :now, :now, 0, :traceparent)
-ON CONFLICT (key) DO NOTHING
-RETURNING id
-"""
-"""The previous release's enqueue statement, as it ships (it knows no claim_rank)."""
 
 
 def previous_release_sql(tmp_path: Path) -> Path:
@@ -74,7 +65,7 @@ def fresh(db_url: str) -> Iterator[Database]:
 
 def old_insert(db: Database, key: str, at: float = 100.0) -> int:
     with db.transaction() as conn:
-        return int(conn.execute(text(OLD_INSERT), {
+        return int(conn.execute(text(PREVIOUS_RELEASE_INSERT), {
             "job_type": "send_email", "key": key, "payload": "{}", "hash": "h",
             "queue": "light", "cid": None, "now": at, "traceparent": None,
         }).scalar_one())

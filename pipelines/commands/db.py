@@ -4,7 +4,10 @@ pending, and close a rolling upgrade (docs/upgrades.md)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import sys
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from pipelines.attempts import ROLLUPS_MIGRATION, AttemptRecorder
@@ -39,26 +42,37 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     ct.set_defaults(func=_contract)
 
 
-def _database(url: str | None) -> Database:
-    return Database.from_url(url or Settings.from_env().database_url)
-
-
-def _failed(exc: SekaliError) -> int:
-    print(f"error: {exc}", file=sys.stderr)
-    return 1
-
-
-def _upgrade(args: argparse.Namespace) -> int:
-    db = _database(args.url)
+@contextlib.contextmanager
+def _opened(url: str | None) -> Iterator[Database]:
+    db = Database.from_url(url or Settings.from_env().database_url)
     try:
+        yield db
+    finally:
+        db.dispose()
+
+
+def _reported(command: Callable[[argparse.Namespace], int]
+              ) -> Callable[[argparse.Namespace], int]:
+    """A failed migration, check or refusal is one line on stderr and exit 1."""
+
+    @functools.wraps(command)
+    def run(args: argparse.Namespace) -> int:
+        try:
+            return command(args)
+        except SekaliError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+
+    return run
+
+
+@_reported
+def _upgrade(args: argparse.Namespace) -> int:
+    with _opened(args.url) as db:
         if args.dry_run:
             return _dry_run(args, db)
         done = upgrade(db, progress=lambda line: print(line, file=sys.stderr, flush=True))
         rebuilt = AttemptRecorder(db).rebuild_rollups() if ROLLUPS_MIGRATION in done else None
-    except SekaliError as exc:
-        return _failed(exc)
-    finally:
-        db.dispose()
 
     def human() -> None:
         print(f"applied {len(done)} migration(s): {', '.join(done)}" if done
@@ -94,14 +108,10 @@ def _dry_run(args: argparse.Namespace, db: Database) -> int:
     return emit(args, {"dialect": db.dialect, "pending": data}, human)
 
 
+@_reported
 def _status(args: argparse.Namespace) -> int:
-    db = _database(args.url)
-    try:
+    with _opened(args.url) as db:
         found = status(db)
-    except SekaliError as exc:
-        return _failed(exc)
-    finally:
-        db.dispose()
     data: dict[str, Any] = found.to_dict()
     for row in data["applied"]:
         row["applied_at"] = when(row["applied_at"])
@@ -133,14 +143,10 @@ def _status(args: argparse.Namespace) -> int:
     return code or (1 if found.drift else 0)
 
 
+@_reported
 def _contract(args: argparse.Namespace) -> int:
-    db = _database(args.url)
-    try:
+    with _opened(args.url) as db:
         newest = contract(db)
-    except SekaliError as exc:
-        return _failed(exc)
-    finally:
-        db.dispose()
     print(f"every process is now taken to know {newest}: values older releases cannot read "
           "may be written")
     return 0
