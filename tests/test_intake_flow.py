@@ -68,8 +68,9 @@ def test_a_burst_of_200_shipped_events_makes_one_rebuild_per_report(db_url: str)
     """Catches: one rebuild per event (no debounce), a group launched twice by two claimers at
     once, a coalesced request lost (no status or link), a run before the burst is over."""
     db = Database.from_url(db_url)
+    upgrade(db)
     store = RequestStore(db)
-    enqueue("rebuild_report_cache", report.JOB_TYPE.example, db=db)  # applies the schema
+    enqueue("rebuild_report_cache", report.JOB_TYPE.example, db=db)
     store.claim_for_launch(10, merge=merge_debounced)  # not due yet: stays pending
     first = store.get_by_key(report.key_for(report.JOB_TYPE.example))
     assert first is not None and first.status is RequestStatus.PENDING
