@@ -56,8 +56,11 @@ READERS_KNOW = "readers_know"
 
 _RECORDS_DDL = (
     f"CREATE TABLE IF NOT EXISTS {RECORDS} ("
-    " name TEXT PRIMARY KEY, checksum TEXT NOT NULL, applied_at DOUBLE PRECISION NOT NULL)"
+    " name TEXT PRIMARY KEY, checksum TEXT NOT NULL, applied_at DOUBLE PRECISION NOT NULL,"
+    " replaced_by TEXT)"
 )
+"""As the previous release's runner created it, with ``replaced_by`` (added where it lacks it:
+that runner inserts naming its three columns, so it lives with the fourth)."""
 _STATE_DDL = (
     f"CREATE TABLE IF NOT EXISTS {STATE} ("
     " name TEXT PRIMARY KEY, value TEXT NOT NULL, changed_at DOUBLE PRECISION NOT NULL)"
