@@ -40,7 +40,7 @@ from benchmarks.backends import postgres_url
 from benchmarks.plotting import RESULTS
 
 SUITES = ["idempotency", "locks", "stampede", "retry_storm", "intake", "chaos", "observability",
-          "outbox", "flow", "intake_flow", "tracing", "cluster", "retention"]
+          "outbox", "flow", "intake_flow", "tracing", "cluster", "retention", "upgrade"]
 RESULTS_DIR = RESULTS
 
 HEADLINE: dict[str, tuple[str, float, str]] = {
@@ -65,6 +65,10 @@ HEADLINE: dict[str, tuple[str, float, str]] = {
     ),
     "metrics_snapshot_over_read": (
         "<=", 2.0, "metrics snapshot over a bare read of the rows (worse backend)"
+    ),
+    "upgrade_longest_exclusive_hold_s": (
+        "<=", 1.0, "Postgres upgrade from the previous release, 2 M requests: longest ACCESS "
+        "EXCLUSIVE hold on job_requests, s"
     ),
 }
 """Headline figure -> (comparison, target, what it is). Suites report them under "headline"."""

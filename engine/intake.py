@@ -33,7 +33,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import threading
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -44,23 +43,11 @@ from sqlalchemy.engine import Connection
 from engine.requests import DEFAULT_PRIORITY_AGING, Debounced, EnqueueResult, RequestStore
 from engine.validation import admit
 from resources.storage.db import Database, shared_database
-from resources.storage.migrations import upgrade
+from resources.storage.migrations import ensure_schema
 from resources.storage.settings import Settings
 from resources.telemetry.tracing import configure_tracing, inject, set_attributes, span
 
 log = logging.getLogger(__name__)
-
-_migrated: set[int] = set()
-_migrated_lock = threading.Lock()
-
-
-def _ensure_schema(db: Database) -> None:
-    """Apply ``sql/`` once per Database per process (cheap no-op afterwards)."""
-    with _migrated_lock:
-        if id(db) not in _migrated:
-            upgrade(db)
-            _migrated.add(id(db))
-
 
 def priority_aging(env: Mapping[str, str] | None = None) -> float:
     """Seconds of waiting worth one priority step: ``SEKALI_INTAKE_PRIORITY_AGING`` (default 60).
@@ -127,7 +114,7 @@ def _enqueue(
     if db is None:
         db = Database(conn.engine) if conn is not None else _default_db()
     if conn is None:
-        _ensure_schema(db)
+        ensure_schema(db)
     store = RequestStore(db, clock=clock)
     admitted = admit(
         store, job_type, payload, key, source=source, correlation_id=correlation_id, conn=conn,

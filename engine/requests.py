@@ -42,6 +42,7 @@ from resources.errors import IdempotencyConflict
 from resources.idempotency import payload_hash
 from resources.storage.db import Database, metadata
 from resources.storage.json_text import canonical, digest, storable
+from resources.storage.migrations import ReaderFloor
 from resources.storage.queries import load_queries
 from resources.storage.retention import Expiry
 
@@ -86,6 +87,12 @@ class RequestStatus(StrEnum):
 
 
 _S = RequestStatus
+INTRODUCED_BY: dict[RequestStatus, str] = {_S.COALESCED: "0110_flow_intake"}
+"""The migration that admitted each status the first releases did not have. A process of an
+older release has no name for such a status (reading one, it fails), so it is written only
+once every process is declared to know that migration (``sekali db contract``; a database this
+release created knows it from the start): :meth:`RequestStore.writable`. Until then the
+request takes the path the older release would (sql/README, "A new status")."""
 TRANSITIONS: dict[RequestStatus | None, frozenset[RequestStatus]] = {
     None: frozenset({_S.PENDING}),
     _S.PENDING: frozenset({_S.LAUNCHED, _S.RUNNING, _S.COMPLETED, _S.FAILED, _S.COALESCED}),
@@ -303,13 +310,14 @@ RETURNING {_COLUMNS}
 """
 
 _CLAIMABLE = (
-    "status IN ('pending', 'launched') AND ((status = 'pending' AND debounce_key IS NULL)"
+    "status IN ('pending', 'launched') AND ((status = 'pending'{plain})"
     " OR (status = 'launched' AND updated_at <= :cutoff))"
 )
-"""Pending requests outside a debounce group (those leave through :meth:`_claim_debounced`),
-and launched ones whose tick may have failed before Dagster launched their runs. The leading
-``status IN`` lets both databases read the partial index ``job_requests_claim`` in claim order
-and stop after a page, instead of sorting the backlog."""
+"""Pending requests outside a debounce group (those leave through :meth:`_claim_debounced`;
+while ``coalesced`` may not be written, every pending request is plain), and launched ones
+whose tick may have failed before Dagster launched their runs. The leading ``status IN`` lets
+both databases read the partial index ``job_requests_claim`` in claim order and stop after a
+page, instead of sorting the backlog."""
 
 _DUE_GROUPS = """
 SELECT debounce_key, COUNT(*) AS n
@@ -356,6 +364,13 @@ class RequestStore:
     def __init__(self, db: Database, *, clock: Clock = time.time) -> None:
         self.db = db
         self.clock = clock
+        self.readers = ReaderFloor(db)
+
+    def writable(self, status: RequestStatus) -> bool:
+        """May ``status`` be written? Not while a process that cannot read it may run
+        (:data:`INTRODUCED_BY`)."""
+        introduced = INTRODUCED_BY.get(status)
+        return introduced is None or self.readers.knows(introduced)
 
     # -- producers ----------------------------------------------------------------------------
 
@@ -483,6 +498,9 @@ class RequestStore:
         the group is launched (``merge(job_type, payloads oldest first)`` may replace its payload)
         with ``coalesced_count`` set; every other one becomes ``coalesced`` with ``coalesced_into``
         naming it, in the same transaction, so two claimers never launch one group twice.
+        While ``coalesced`` may not be written (:meth:`writable`: a process of the previous
+        release may still read requests), debounced requests are claimed one by one like the
+        others, as the previous release claims them.
         """
         if limit <= 0:
             return []
@@ -491,11 +509,12 @@ class RequestStore:
         if types is not None and not types:
             return []
         params: dict[str, Any] = {"now": now, "cutoff": now - relaunch_after, "limit": limit}
+        coalesce = self.writable(_S.COALESCED)
         with self.db.transaction() as conn:
-            claimed = self._claim_debounced(conn, params, types, merge)
+            claimed = self._claim_debounced(conn, params, types, merge) if coalesce else []
             if len(claimed) < limit:
                 claimed += self._claim_plain(conn, {**params, "limit": limit - len(claimed)},
-                                             types)
+                                             types, debounced=not coalesce)
         return sorted(claimed, key=lambda r: (r.claim_rank, r.id))
 
     def _typed(self, sql: str, types: list[str] | None) -> Any:
@@ -505,7 +524,8 @@ class RequestStore:
         return statement
 
     def _claim_plain(
-        self, conn: Connection, params: dict[str, Any], types: list[str] | None
+        self, conn: Connection, params: dict[str, Any], types: list[str] | None,
+        *, debounced: bool = False,
     ) -> list[JobRequest]:
         template = _CLAIM_PG if self.db.is_postgres else _CLAIM
         columns = _COLUMNS
@@ -513,7 +533,7 @@ class RequestStore:
             columns = ", ".join(f"job_requests.{c.strip()}" for c in _COLUMNS.split(","))
         sql = template.format(
             indexed="" if self.db.is_postgres else "INDEXED BY job_requests_claim",
-            claimable=_CLAIMABLE,
+            claimable=_CLAIMABLE.format(plain="" if debounced else " AND debounce_key IS NULL"),
             order="claim_rank, id",
             types="AND job_type IN :types" if types is not None else "",
             columns=columns,

@@ -68,8 +68,9 @@ def test_a_burst_of_200_shipped_events_makes_one_rebuild_per_report(db_url: str)
     """Catches: one rebuild per event (no debounce), a group launched twice by two claimers at
     once, a coalesced request lost (no status or link), a run before the burst is over."""
     db = Database.from_url(db_url)
+    upgrade(db)
     store = RequestStore(db)
-    enqueue("rebuild_report_cache", report.JOB_TYPE.example, db=db)  # applies the schema
+    enqueue("rebuild_report_cache", report.JOB_TYPE.example, db=db)
     store.claim_for_launch(10, merge=merge_debounced)  # not due yet: stays pending
     first = store.get_by_key(report.key_for(report.JOB_TYPE.example))
     assert first is not None and first.status is RequestStatus.PENDING
@@ -303,6 +304,7 @@ def test_dlq_show_and_the_request_record_show_the_dedupe_window(
 ) -> None:
     """Catches: an operator unable to tell whether a replay of this key is the same intent."""
     db = Database.from_url(db_url)
+    upgrade(db)
     made = enqueue("send_email", _mail("s"), db=db)
     plain = enqueue("rebuild_report_cache", report.JOB_TYPE.example, db=db)
     dlq = DlqStore(db)
@@ -336,6 +338,7 @@ def test_sekali_enqueue_takes_a_priority_and_refuses_a_bad_one(
 ) -> None:
     """Catches: the CLI dropping the priority, or a bad one not kept as a rejection."""
     db = Database.from_url(db_url)
+    upgrade(db)
     payload = json.dumps(_mail("cli"))
     assert cli(["enqueue", "send_email", "--payload", payload, "--url", db_url,
                 "--priority", "7"]) == 0

@@ -11,7 +11,6 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import dagster as dg
 import pytest
@@ -32,15 +31,6 @@ from sandbox.gateway import GatewayServer
 
 ROOT = Path(__file__).resolve().parent.parent
 HOUR = 3600.0
-
-
-@pytest.fixture
-def gateway(tmp_path: Path) -> Any:
-    server = GatewayServer(f"sqlite:///{tmp_path / 'gateway.db'}").start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 def _order(
