@@ -22,8 +22,8 @@ from sqlalchemy import text
 
 from benchmarks.upgrade import PREVIOUS_RELEASE_INSERT
 from cli.main import main as sekali
-from pipelines.intake import enqueue
 from engine.requests import RequestStore
+from pipelines.intake import enqueue
 from resources.storage import ddl
 from resources.storage.db import Database
 from resources.storage.migration_files import sql_through

@@ -10,8 +10,8 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from engine.attempts import ROLLUPS_MIGRATION, AttemptRecorder
 from cli.commands.output import add_output_arguments, console, emit, when
+from engine.attempts import ROLLUPS_MIGRATION, AttemptRecorder
 from resources.errors import SekaliError
 from resources.storage.db import Database
 from resources.storage.migrations import contract, plan, status, upgrade
