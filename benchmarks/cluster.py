@@ -54,11 +54,11 @@ from typing import Any
 import psycopg
 
 from benchmarks.suite import module_main
-from pipelines import tags as tag
-from pipelines.attempts import AttemptRecorder
-from pipelines.cluster import Cluster
-from pipelines.intake import enqueue
+from engine import tags as tag
+from engine.attempts import AttemptRecorder
+from engine.intake import enqueue
 from resources.storage.db import Database
+from sandbox.hosts import Cluster
 
 MODES = ("per_request", "fan_out", "micro_batch")
 WORKER_COUNTS = (1, 2)
@@ -348,7 +348,7 @@ def capacity(cluster: Cluster, quick: bool) -> dict[str, Any]:
 
 
 def run(quick: bool = False) -> dict[str, Any]:
-    for noisy in ("alembic", "pipelines.intake"):  # storage migrations, one line per enqueue
+    for noisy in ("alembic", "engine.intake"):  # storage migrations, one line per enqueue
         logging.getLogger(noisy).setLevel(logging.WARNING)
     if os.geteuid() != 0:
         reason = "skipped: sekali cluster needs root (network namespaces, veth pairs, a bridge)"

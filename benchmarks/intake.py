@@ -3,7 +3,7 @@
 For each app-database backend (embedded SQLite, Postgres) it measures:
 
 - ``floor``: the per-key handler loop without Dagster: ``enqueue`` each request, then for each
-  one take it, :func:`pipelines.runtime.execute_request`, mark it completed (what the
+  one take it, :func:`engine.runtime.execute_request`, mark it completed (what the
   micro-batch step did before it was batched), on the same stores.
 - ``batch_direct``: the same requests through :func:`pipelines.ops.batch.run_batch` without
   Dagster (keys claimed and completed in one statement each, attempts written together, one
@@ -44,16 +44,16 @@ import dagster as dg
 from benchmarks.backends import postgres_schema, postgres_url, redis_url
 from benchmarks.spread import interleaved
 from benchmarks.suite import module_main
-from pipelines import tags as run_tags
+from engine import tags as run_tags
+from engine.failures import FailurePath
+from engine.intake import enqueue
+from engine.requests import RequestStore
+from engine.runtime import execute_request
+from engine.services import Services
 from pipelines.definitions import defs
-from pipelines.failures import FailurePath
-from pipelines.intake import enqueue
 from pipelines.ops import all_jobs
 from pipelines.ops.batch import BATCH_JOBS, run_batch
-from pipelines.profile import MailerResource, PaymentGatewayResource, RequestsResource
-from pipelines.requests import RequestStore
-from pipelines.runtime import execute_request
-from pipelines.services import Services
+from pipelines.profile import DownstreamResource
 from resources.dagster_resources import (
     CacheResource,
     ConcurrencyResource,
@@ -65,6 +65,7 @@ from resources.dagster_resources import (
 from resources.storage.db import Database
 from resources.storage.migrations import upgrade
 from sandbox.redis_server import free_port
+from sensors.intake import RequestsResource
 
 BATCH_SIZE = 50
 TARGET = 2.0  # micro-batch jobs/s over the per-key handler loop
@@ -255,8 +256,10 @@ def run_resources(
         "app_db": DatabaseResource(database_url=db_url),
         "locks": LockResource(backend="db", database_url=db_url),
         "cache": CacheResource(redis_url=redis, namespace=tag),
-        "gateway": PaymentGatewayResource(base_url="http://127.0.0.1:9"),
-        "mailer": MailerResource(host="127.0.0.1", port=smtp_port),
+        "payment_gateway": DownstreamResource(
+            downstream="payment_gateway", address="http://127.0.0.1:9"
+        ),
+        "smtp": DownstreamResource(downstream="smtp", address=f"127.0.0.1:{smtp_port}"),
         "retry": RetryResource(redis_url=redis, budget_namespace=tag),
         "concurrency": ConcurrencyResource(redis_url=redis, prefix=f"{tag}:flow:limit:"),
         "requests": RequestsResource(database_url=db_url),

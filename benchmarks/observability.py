@@ -26,9 +26,9 @@ from sqlalchemy import text
 from benchmarks.backends import BackendUnavailable, postgres_schema
 from benchmarks.spread import REPETITIONS, Interleaved
 from benchmarks.suite import module_main
-from pipelines.attempts import Attempt, AttemptRecorder
-from pipelines.diagnosis import DiagnosisSetup, diagnose
-from pipelines.metrics import MetricsCollector
+from engine.attempts import Attempt, AttemptRecorder
+from engine.health.diagnosis import DiagnosisSetup, diagnose
+from engine.health.metrics import MetricsCollector
 from resources.storage.db import Database
 from resources.storage.migrations import upgrade
 
@@ -41,7 +41,7 @@ def _populate(db: Database, rows: int, now: float) -> None:
     """Write the attempts through their owner, the recorder (rows and aggregates), in batches."""
     rng = random.Random(1)
     recorder = AttemptRecorder(db)
-    logging.getLogger("pipelines.attempts").setLevel(logging.ERROR)  # a line per attempt
+    logging.getLogger("engine.attempts").setLevel(logging.ERROR)  # a line per attempt
     batch: list[tuple[Attempt, str, BaseException | None, str | None]] = []
     for i in range(rows):
         started = now - rng.uniform(0, 3000)

@@ -1,7 +1,7 @@
 """The sekali side of ``sekali bench --only peers``: the shipped intake and jobs, with the parts
 of a Dagster deployment that launch runs played by this harness.
 
-What ships runs unchanged: producers call :func:`pipelines.intake.enqueue`; the real
+What ships runs unchanged: producers call :func:`engine.intake.enqueue`; the real
 ``intake_sensor`` claims the requests and asks for runs (per request, or micro-batches of
 ``intake_micro_batch``); each run executes the job Dagster would run (``execute_in_process`` of
 the same job, run config and tags: :func:`benchmarks.intake.execute_run`).

@@ -69,10 +69,10 @@ from benchmarks.intake import SinkProcess, payloads
 from benchmarks.peer_sekali import LEASE_SECONDS, IntakeDaemon, wait_until
 from benchmarks.spread import REPETITIONS, Interleaved, Spread
 from benchmarks.suite import module_main
+from engine.intake import enqueue
+from engine.requests import RequestStore
 from pipelines.domain.mail import message_id_for
-from pipelines.intake import enqueue
 from pipelines.jobs import email
-from pipelines.requests import RequestStore
 from resources.storage.db import Database
 from resources.storage.migrations import upgrade
 from sandbox.postgres_server import PostgresServer, PostgresUnavailable

@@ -55,7 +55,7 @@ from benchmarks.backends import postgres_url
 from benchmarks.plotting import RESULTS
 
 SUITES = ["idempotency", "locks", "stampede", "retry_storm", "intake", "chaos", "observability",
-          "outbox", "flow", "intake_flow", "tracing", "peers", "cluster", "retention"]
+          "outbox", "flow", "intake_flow", "tracing", "peers", "cluster", "retention", "upgrade"]
 ON_REQUEST = {"cluster": "it builds network namespaces as root and takes about 10 minutes"}
 """Suites left out of a run unless named with ``--only``, and why."""
 DEFAULT_SUITES = [name for name in SUITES if name not in ON_REQUEST]
@@ -94,6 +94,10 @@ HEADLINE: dict[str, tuple[str, float | None, str]] = {
         "zero", 0, "mails sent twice and intents never sent, 3 SIGKILLs of workers, per system"
     ),
     "peers_latency_p50_ms": ("", None, "enqueue-to-mail latency p50 at a steady load, ms"),
+    "upgrade_longest_exclusive_hold_s": (
+        "<=", 1.0, "Postgres upgrade from the previous release, 2 M requests: longest ACCESS "
+        "EXCLUSIVE hold on job_requests, s"
+    ),
 }
 """Headline figure -> (comparison, target, what it is). Suites report them under "headline".
 Comparisons: ``>=`` / ``<=`` a number; ``zero``: an object per system whose sekali entries have

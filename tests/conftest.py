@@ -7,6 +7,7 @@
   key prefix per test.
 - ``redis_server``: a throw-away redis-server on a free port, for tests that restart it.
 - ``sink``: the sandbox SMTP sink on a free port, recording into this test's folder.
+- ``gateway``: the sandbox payment gateway on a free port, its ledger in this test's folder.
 
 Without a server a test may skip on a laptop, never under CI (``CI=true``): there it fails.
 """
@@ -24,6 +25,7 @@ from sqlalchemy import create_engine, text
 
 from resources.storage.db import Database
 from resources.storage.migrations import upgrade
+from sandbox.gateway import GatewayServer
 from sandbox.mailsink import MailSink
 from sandbox.redis_server import RedisServer, free_port
 
@@ -156,6 +158,16 @@ def redis_client(redis_url: str, namespace: str) -> Iterator[redis.Redis]:
 def sink(tmp_path: Path) -> Iterator[MailSink]:
     """The sandbox SMTP sink, recording into a SQLite file of this test."""
     server = MailSink(f"sqlite:///{tmp_path / 'mail.db'}").start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def gateway(tmp_path: Path) -> Iterator[GatewayServer]:
+    """The sandbox payment gateway on a free port, its ledger in this test's folder."""
+    server = GatewayServer(f"sqlite:///{tmp_path / 'gateway.db'}").start()
     try:
         yield server
     finally:

@@ -16,7 +16,7 @@ from sandbox.postgres_server import PostgresServer, PostgresUnavailable
 from tests.conftest import need_server
 
 ROOT = Path(__file__).resolve().parents[1]
-SEKALI = [sys.executable, "-m", "pipelines.cli"]
+SEKALI = [sys.executable, "-m", "cli.main"]
 
 
 def bench(

@@ -11,8 +11,8 @@ from typing import Any
 import dagster as dg
 import pytest
 
+from engine.attempts import AttemptRecorder
 from pipelines import ops
-from pipelines.attempts import AttemptRecorder
 from pipelines.jobs.payment import reference_for
 from resources.idempotency import IdempotencyStore, Status
 from resources.storage.db import Database
