@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import importlib
 import os
 import sys
 import tempfile
@@ -24,6 +25,7 @@ import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import ModuleType
 
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
@@ -33,6 +35,22 @@ DEFAULT_PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/sekali_test"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 CONNECT_TIMEOUT = 3
 """Seconds a probe waits for a server to accept the connection."""
+
+
+BENCH_EXTRA = "pip install -e '.[bench]'"
+"""How the peers the suites compare against are installed (the ``bench`` extra)."""
+
+
+def optional_peer(module: str, *, package: str, suite: str) -> ModuleType | None:
+    """The peer library ``module``, imported; None when it is not installed, after one line on
+    stderr saying what the suite leaves out and how to install it. The suite still measures
+    sekali's own side."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        note(f"{package} is not installed: the {suite} suite leaves its {package} figures out "
+             f"and measures sekali's own side ({BENCH_EXTRA} installs the peers)")
+        return None
 
 
 class BackendUnavailable(RuntimeError):

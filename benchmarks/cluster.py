@@ -19,9 +19,11 @@ environment setting ``SEKALI_INTAKE_MODE``), then:
 
 Batches are 25 requests (fan-out) and 50 (micro-batch); an intake tick claims at most two
 batches (six requests per-request), so with two worker locations both intake sensors get work.
-One more cluster measures per-request with the run queue launching from a thread pool
-(``dequeue_use_threads``, merged into the production ``dagster.yaml``): the production file
-launches one run at a time, and each launch waits for the code server to start the run's process.
+The production ``dagster.yaml`` launches runs from a thread pool (``dequeue_use_threads``); one
+more cluster measures per-request with the run queue launching one run at a time (Dagster's
+default), where each launch waits for the code server to start the run's process. Each run
+reports enqueue-to-start latency per intake mode: from a request's enqueue to the start of the
+first run that took it (intake tick, run queue and launch).
 
 Once, on the first cluster, the store host's own capacity on this machine: ``pgbench`` (TPC-B
 like without the teller/branch updates, ``-N``; and select-only ``-S``) and ``redis-benchmark``
@@ -52,10 +54,11 @@ from typing import Any
 import psycopg
 
 from benchmarks.suite import module_main
-from pipelines.attempts import AttemptRecorder
-from pipelines.cluster import Cluster
-from pipelines.intake import enqueue
+from engine import tags as tag
+from engine.attempts import AttemptRecorder
+from engine.intake import enqueue
 from resources.storage.db import Database
+from sandbox.hosts import Cluster
 
 MODES = ("per_request", "fan_out", "micro_batch")
 WORKER_COUNTS = (1, 2)
@@ -70,14 +73,13 @@ PER_TICK = {"per_request": 6, "fan_out": 2 * BATCH_SIZE["fan_out"],
 """Requests one intake tick may claim. Below the backlog, so with two worker locations both
 intake sensors (competing consumers) get a share; above what the run queue drains per tick,
 so intake is not what is measured."""
-DEQUEUE_THREADS = {"run_coordinator": {"config": {"dequeue_use_threads": True,
-                                                  "dequeue_num_workers": 4}}}
-"""The variant measured beside the production instance: the run queue launches runs from a
-thread pool instead of one after another (each launch waits for the code server to start the
-run's process)."""
+SERIAL_DEQUEUE = {"run_coordinator": {"config": {"dequeue_use_threads": False}}}
+"""The variant measured beside the production instance: the run queue launches runs one after
+another (Dagster's default; each launch waits for the code server to start the run's process)
+instead of from the production profile's thread pool."""
 CONFIGS: list[tuple[str, int, str, dict[str, Any]]] = [
     *[(f"{mode}/{w}", w, mode, {}) for w in WORKER_COUNTS for mode in MODES],
-    ("per_request/2/dequeue_threads", 2, "per_request", DEQUEUE_THREADS),
+    ("per_request/2/serial_dequeue", 2, "per_request", SERIAL_DEQUEUE),
 ]
 
 STATEMENT_KINDS = ("select", "insert", "update", "delete", "with", "other")
@@ -224,7 +226,9 @@ def measure(cluster: Cluster, mode: str, n: int) -> dict[str, Any]:
         after = snapshot(cluster)
         load = delta(after, before, polls)
         hosts = Counter(a["host"] for a in AttemptRecorder(db).all("send_email"))
-        timeline = run_timeline(cluster)
+        enqueued = {int(i): float(t) for i, t in poller.execute(
+            "SELECT id, created_at FROM job_requests").fetchall()}
+        timeline = run_timeline(cluster, enqueued)
     finally:
         poller.close()
         db.dispose()
@@ -259,23 +263,45 @@ def measure(cluster: Cluster, mode: str, n: int) -> dict[str, Any]:
     }
 
 
-def run_timeline(cluster: Cluster) -> dict[str, Any]:
+def run_timeline(cluster: Cluster, enqueued: dict[int, float]) -> dict[str, Any]:
+    return timeline_of(cluster.graphql().runs(), enqueued)
+
+
+def timeline_of(all_runs: list[dict[str, Any]], enqueued: dict[int, float]) -> dict[str, Any]:
     """Where a run's time goes: created -> started (queue and launch: the daemon dequeues, the
-    code server starts a process) and started -> ended (imports, resources, the step)."""
-    runs = [r for r in cluster.graphql().runs() if "sekali/intake" in r["tags"]
-            and r["startTime"] and r["endTime"]]
+    code server starts a process) and started -> ended (imports, resources, the step); and per
+    request (``enqueued``: request id -> enqueue time) enqueue -> start of the first run that
+    took it (the intake tick's wait, the run queue and the launch). ``all_runs`` as
+    ``GraphQL.runs`` returns them."""
+    runs = [r for r in all_runs if tag.INTAKE in r["tags"] and r["startTime"] and r["endTime"]]
     if not runs:
         return {"count": 0}
     waits = sorted(r["startTime"] - r["creationTime"] for r in runs)
     spans = sorted(r["endTime"] - r["startTime"] for r in runs)
+    started: dict[int, float] = {}
+    for r in runs:
+        ids = r["tags"].get(tag.REQUEST_IDS) or r["tags"].get(tag.REQUEST_ID) or ""
+        for i in (int(x) for x in ids.split(",") if x):
+            started[i] = min(started.get(i, r["startTime"]), r["startTime"])
+    to_start = sorted(at - enqueued[i] for i, at in started.items() if i in enqueued)
     return {
         "count": len(runs),
         "created_to_started_median_s": round(waits[len(waits) // 2], 2),
         "created_to_started_max_s": round(waits[-1], 2),
         "started_to_ended_median_s": round(spans[len(spans) // 2], 2),
         "started_to_ended_max_s": round(spans[-1], 2),
+        "enqueue_to_start_p50_s": _quantile(to_start, 0.5),
+        "enqueue_to_start_p90_s": _quantile(to_start, 0.9),
+        "enqueue_to_start_max_s": _quantile(to_start, 1.0),
         "by_location": dict(Counter(r["location"] for r in runs)),
     }
+
+
+def _quantile(values: list[float], q: float) -> float | None:
+    """The ``q`` quantile of sorted ``values`` (nearest rank), rounded; None when empty."""
+    if not values:
+        return None
+    return round(values[min(len(values) - 1, int(q * len(values)))], 2)
 
 
 # -- the store host's capacity on this machine -------------------------------------------------
@@ -322,7 +348,7 @@ def capacity(cluster: Cluster, quick: bool) -> dict[str, Any]:
 
 
 def run(quick: bool = False) -> dict[str, Any]:
-    for noisy in ("alembic", "pipelines.intake"):  # storage migrations, one line per enqueue
+    for noisy in ("alembic", "engine.intake"):  # storage migrations, one line per enqueue
         logging.getLogger(noisy).setLevel(logging.WARNING)
     if os.geteuid() != 0:
         reason = "skipped: sekali cluster needs root (network namespaces, veth pairs, a bridge)"
@@ -364,8 +390,8 @@ def summary(results: dict[str, Any]) -> list[dict[str, Any]]:
             rows.append({"metric": f"{label}: ERROR", "value": run["error"][:80]})
     pairs = [(f"{m}, 2 worker hosts, enqueue to completed", f"{m}/2", f"{m}/1", "1 worker host")
              for m in MODES]
-    pairs.append(("per_request, 2 worker hosts, run queue dequeue_use_threads",
-                  "per_request/2/dequeue_threads", "per_request/2", "production yaml"))
+    pairs.append(("per_request, 2 worker hosts, production yaml (dequeue_use_threads)",
+                  "per_request/2", "per_request/2/serial_dequeue", "one launch at a time"))
     for metric, key, base, base_name in pairs:
         if key in runs and base in runs:
             value, baseline = runs[key]["jobs_per_second"], runs[base]["jobs_per_second"]
@@ -376,6 +402,14 @@ def summary(results: dict[str, Any]) -> list[dict[str, Any]]:
         key = f"{mode}/2" if f"{mode}/2" in runs else f"{mode}/1"
         if key not in runs:
             continue
+        timeline = runs[key]["runs"]
+        rows.append({
+            "metric": f"{key} enqueue to run start, p50 (p90 "
+                      f"{timeline.get('enqueue_to_start_p90_s')} s)",
+            "value": timeline.get("enqueue_to_start_p50_s"), "unit": "s",
+            "baseline": f"created to started p50 {timeline.get('created_to_started_median_s')} s",
+            "ratio": None, "target": None, "ok": None,
+        })
         cost = runs[key]["per_job_net_of_idle"]
         rows.append({
             "metric": f"{key} per job: pg statements / redis cmds / dagster events",

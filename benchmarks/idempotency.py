@@ -9,8 +9,9 @@ Measured in one run on the same database and the same engine (autocommit on Post
 - the replay path (``begin`` on a completed key), against a raw ``SELECT`` of the row by key.
 
 on SQLite (a file) and Postgres (a schema made for the run on the test database, dropped after),
-with 1 and 8 worker threads. Rounds of floor and store alternate and the median is kept, so the
-ratio compares like with like on a shared, noisy machine. Statements per operation are counted
+with 1 and 8 worker threads. Rounds of floor and store alternate; the headline is the median of
+the per-round ratios, with their spread (``benchmarks.spread``), so the ratio compares like with
+like on a shared, noisy machine. Statements per operation are counted
 with a ``before_cursor_execute`` listener and connection-pool pings separately (``pool_pre_ping``
 costs a round trip per checkout on Postgres, for the store and the floor alike).
 
@@ -31,6 +32,7 @@ from typing import Any
 from sqlalchemy import event, text
 
 from benchmarks.backends import BackendUnavailable, postgres_schema
+from benchmarks.spread import REPETITIONS, Interleaved
 from benchmarks.suite import module_main
 from resources.idempotency import Claim, IdempotencyStore
 from resources.storage.db import Database
@@ -145,8 +147,8 @@ def bench_backend(url: str, quick: bool) -> dict[str, Any]:
         conn.exec_driver_sql(FLOOR_DDL)
     store = IdempotencyStore(db, lease_seconds=60.0)
     counter = Counter(db)
-    seconds = 1.0 if quick else 2.5
-    rounds = 2 if quick else 3
+    seconds = 0.5 if quick else 2.5
+    rounds = REPETITIONS if quick else REPETITIONS + 2
 
     def store_pair(key: str) -> None:
         claim = store.begin(key, payload=PAYLOAD)
@@ -205,10 +207,13 @@ def bench_backend(url: str, quick: bool) -> dict[str, Any]:
             samples["floor_replay"].append(throughput(floor_replay, threads, seconds, "x"))
             samples["store_replay"].append(throughput(store_replay, threads, seconds, "y"))
         med = {k: statistics.median(v) for k, v in samples.items()}
+        pair = Interleaved(tuple(samples["floor_pair"]), tuple(samples["store_pair"])).ratio
+        replay = Interleaved(tuple(samples["floor_replay"]), tuple(samples["store_replay"])).ratio
         results["by_threads"][threads] = {
             **{f"{k}_per_s": round(v, 1) for k, v in med.items()},
-            "pair_ratio": round(med["store_pair"] / med["floor_pair"], 3),
-            "replay_ratio": round(med["store_replay"] / med["floor_replay"], 3),
+            "pair_ratio": round(pair.median, 3),
+            "pair_ratio_spread": pair.as_dict(),
+            "replay_ratio": round(replay.median, 3),
             "samples": {k: [round(x, 1) for x in v] for k, v in samples.items()},
         }
 
@@ -280,15 +285,17 @@ def run(quick: bool = False) -> dict[str, Any]:
         )
     out["summary"] = summary
     pairs = {
-        (b, t): row["pair_ratio"] for b, res in out["backends"].items()
+        (b, t): row["pair_ratio_spread"] for b, res in out["backends"].items()
         for t, row in res["by_threads"].items()
     }
+    names = {"idempotency_pg_pair_ratio_1t": ("postgresql", 1),
+             "idempotency_pg_pair_ratio_8t": ("postgresql", 8),
+             "idempotency_sqlite_pair_ratio_1t": ("sqlite", 1),
+             "idempotency_sqlite_pair_ratio_8t": ("sqlite", 8)}
     out["headline"] = {
-        "idempotency_pg_pair_ratio_1t": pairs.get(("postgresql", 1)),
-        "idempotency_pg_pair_ratio_8t": pairs.get(("postgresql", 8)),
-        "idempotency_sqlite_pair_ratio_1t": pairs.get(("sqlite", 1)),
-        "idempotency_sqlite_pair_ratio_8t": pairs.get(("sqlite", 8)),
+        name: pairs[at]["median"] if at in pairs else None for name, at in names.items()
     }
+    out["headline_spread"] = {name: pairs[at] for name, at in names.items() if at in pairs}
     return out
 
 

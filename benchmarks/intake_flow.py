@@ -28,8 +28,8 @@ from sqlalchemy import text
 
 from benchmarks.intake import each_backend
 from benchmarks.suite import module_main
-from pipelines import requests as intake_table
-from pipelines.requests import JobRequest, RequestStore
+from engine import requests as intake_table
+from engine.requests import JobRequest, RequestStore
 from resources.storage.db import Database
 from resources.storage.migrations import upgrade
 

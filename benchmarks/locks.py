@@ -22,9 +22,8 @@ from collections.abc import Callable
 from typing import Any
 
 import redis
-import redis_lock
 
-from benchmarks.backends import redis_url
+from benchmarks.backends import optional_peer, redis_url
 from resources.locks import MemoryLockStats, RedisLock
 
 _DELETE = """
@@ -70,7 +69,9 @@ def _redis_py(client: redis.Redis, name: str) -> Callable[[], None]:
     return once
 
 
-def _python_redis_lock(client: redis.Redis, name: str) -> Callable[[], None]:
+def _python_redis_lock(
+    redis_lock: Any, client: redis.Redis, name: str
+) -> Callable[[], None]:
     lock = redis_lock.Lock(client, f"bench:prl:{name}", expire=30)
 
     def once() -> None:
@@ -91,8 +92,10 @@ def uncontended(quick: bool) -> dict[str, Any]:
             client, f"bench:b:{run_id}", True, True
         ),
         "redis-py Lock": _redis_py(client, run_id),
-        "python-redis-lock": _python_redis_lock(client, run_id),
     }
+    redis_lock = optional_peer("redis_lock", package="python-redis-lock", suite="locks")
+    if redis_lock is not None:
+        contenders["python-redis-lock"] = _python_redis_lock(redis_lock, client, run_id)
     n, rounds = (600, 5) if quick else (3000, 7)
     for once in contenders.values():  # warm up: connections, script cache
         for _ in range(50):
@@ -145,7 +148,7 @@ def _percentile(values: list[float], q: float) -> float | None:
 
 def contended(kind: str, clients: int, duration: float, hold: float = 0.002) -> dict[str, Any]:
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["resources.locks", "redis_lock"])  # children fork with imports done
+    ctx.set_forkserver_preload(["resources.locks"])  # children fork with imports done
     barrier = ctx.Barrier(clients)
     out = ctx.Queue()
     name = f"bench:contended:{kind}:{uuid.uuid4().hex[:8]}"
@@ -200,6 +203,8 @@ def summary(result: dict[str, Any]) -> list[dict[str, Any]]:
     for name, target in (("sekali RedisLock (no renewal)", 0.8),
                          ("sekali RedisLock (renewal + Redis stats)", 0.8),
                          ("redis-py Lock", None), ("python-redis-lock", None)):
+        if name not in un:  # a peer that is not installed
+            continue
         ratio = un[name]["ratio_to_floor"]
         rows.append({"metric": f"uncontended acquire+release, {name}",
                      "value": un[name]["ops_per_s"], "unit": "ops/s",

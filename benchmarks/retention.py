@@ -23,8 +23,8 @@ from sqlalchemy import text
 
 from benchmarks.intake import each_backend
 from benchmarks.suite import module_main
-from pipelines.attempts import AttemptRecorder
-from pipelines.requests import RequestStore
+from engine.attempts import AttemptRecorder
+from engine.requests import RequestStore
 from resources.storage.db import Database
 from resources.storage.migrations import upgrade
 from resources.storage.retention import Expiry

@@ -5,10 +5,23 @@ Each suite is a module in ``benchmarks/`` with ``run(quick: bool) -> dict``. A s
 numbers under ``"summary"``: rows of ``{"metric", "value", "unit", "baseline", "ratio",
 "target", "ok"}``, each ratio measured against its floor or peer in the same run (the machines
 are shared and noisy: absolute numbers travel badly, ratios less so), and its headline figures
-under ``"headline"``. The runner merges those into one ``headline`` object (every name of
-:data:`HEADLINE`, null when its suite did not run) with each target's verdict, records how busy
-the machine was (load averages before and after), writes everything to
-``benchmarks/results/latest.json`` and keeps the plots the suites draw there.
+under ``"headline"``: each a median of interleaved repetitions (:mod:`benchmarks.spread`),
+with its min-max spread under ``"headline_spread"``. The runner merges those into one
+``headline`` object (every name of :data:`HEADLINE`, null when its suite did not run) with each
+target's verdict and one ``headline_spread``, records how busy the machine was (load averages
+before and after), writes everything to ``benchmarks/results/latest.json`` and keeps the plots
+the suites draw there.
+
+Without ``--only`` every suite runs except those of :data:`ON_REQUEST` (the cluster suite, which
+builds network namespaces as root): said in one line on stderr. A suite whose peer library is
+not installed (the ``bench`` extra: ``pip install -e '.[bench]'``) says so in one line and
+measures sekali's own side; its peer's figures are null. The servers' and peers' INFO logging
+stays off stderr (``sekali -v bench`` shows it).
+
+Exit status: 0 when every suite that ran finished; 1 when one failed (each named on stderr in
+one line, ``sekali bench: suite failed: NAME: error``), and with ``--strict`` also when a
+headline target was missed; 2 for bad usage or an unreadable report. Missed targets are listed
+on stderr in any case, one line each (``sekali bench: target missed: NAME = value (target)``).
 
 ``--json`` prints that report, and nothing else, on stdout (progress, the suites' own output
 and their subprocesses' go to stderr); ``--out PATH`` writes it to ``PATH`` as well. The servers
@@ -26,12 +39,14 @@ import argparse
 import contextlib
 import importlib
 import json
+import logging
 import os
 import platform
 import shlex
 import sys
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -40,10 +55,13 @@ from benchmarks.backends import postgres_url
 from benchmarks.plotting import RESULTS
 
 SUITES = ["idempotency", "locks", "stampede", "retry_storm", "intake", "chaos", "observability",
-          "outbox", "flow", "intake_flow", "tracing", "cluster", "retention"]
+          "outbox", "flow", "intake_flow", "tracing", "peers", "cluster", "retention", "upgrade"]
+ON_REQUEST = {"cluster": "it builds network namespaces as root and takes about 10 minutes"}
+"""Suites left out of a run unless named with ``--only``, and why."""
+DEFAULT_SUITES = [name for name in SUITES if name not in ON_REQUEST]
 RESULTS_DIR = RESULTS
 
-HEADLINE: dict[str, tuple[str, float, str]] = {
+HEADLINE: dict[str, tuple[str, float | None, str]] = {
     "idempotency_pg_pair_ratio_1t": (
         ">=", 0.85, "Postgres begin+complete over two raw statements, 1 thread"
     ),
@@ -66,8 +84,24 @@ HEADLINE: dict[str, tuple[str, float, str]] = {
     "metrics_snapshot_over_read": (
         "<=", 2.0, "metrics snapshot over a bare read of the rows (worse backend)"
     ),
+    "peers_sekali_micro_batch_over_celery": (
+        ">=", 1.0, "send_email jobs/s, sekali micro-batch over Celery (Redis broker, acks late)"
+    ),
+    "peers_sekali_micro_batch_over_procrastinate": (
+        "", None, "send_email jobs/s, sekali micro-batch over procrastinate (Postgres)"
+    ),
+    "peers_duplicates_under_kills": (
+        "zero", 0, "mails sent twice and intents never sent, 3 SIGKILLs of workers, per system"
+    ),
+    "peers_latency_p50_ms": ("", None, "enqueue-to-mail latency p50 at a steady load, ms"),
+    "upgrade_longest_exclusive_hold_s": (
+        "<=", 1.0, "Postgres upgrade from the previous release, 2 M requests: longest ACCESS "
+        "EXCLUSIVE hold on job_requests, s"
+    ),
 }
-"""Headline figure -> (comparison, target, what it is). Suites report them under "headline"."""
+"""Headline figure -> (comparison, target, what it is). Suites report them under "headline".
+Comparisons: ``>=`` / ``<=`` a number; ``zero``: an object per system whose sekali entries have
+no ``duplicates`` and nothing ``lost``; empty: reported, no target."""
 
 
 def _load() -> list[float]:
@@ -105,6 +139,7 @@ def run_suites(names: list[str], *, quick: bool) -> dict[str, Any]:
     report["machine"]["load_after"] = _load()
     report["finished_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     report["headline"], report["headline_targets"] = headline(report)
+    report["headline_spread"] = headline_spread(report)
     return report
 
 
@@ -117,10 +152,61 @@ def headline(report: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
             values.update(result.get("headline", {}))
     verdicts = {}
     for name, (op, target, what) in HEADLINE.items():
-        value = values[name]
-        ok = None if value is None else (value >= target if op == ">=" else value <= target)
-        verdicts[name] = {"target": f"{op} {target:g}", "ok": ok, "what": what}
+        verdicts[name] = {"target": target_text(op, target), "ok": met(op, target, values[name]),
+                          "what": what}
     return values, verdicts
+
+
+def headline_spread(report: dict[str, Any]) -> dict[str, Any]:
+    """Each headline ratio's min-max spread over its repetitions (``benchmarks.spread``)."""
+    spread: dict[str, Any] = {}
+    for result in report["suites"].values():
+        if result.get("_status") == "ok":
+            spread.update(result.get("headline_spread", {}))
+    return spread
+
+
+def merged(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several saved reports as one: a later report's suites replace an earlier one's, the
+    headline is taken again from the suites, and the commands, times and machine loads of all
+    are kept (``command`` joins the commands with " + ")."""
+    out: dict[str, Any] = {**reports[-1], "suites": {}}
+    for report in reports:
+        out["suites"].update(report.get("suites", {}))
+    out["command"] = " + ".join(r.get("command", "sekali bench") for r in reports)
+    out["started_at"] = min(r.get("started_at", "") for r in reports)
+    out["machine"] = {**reports[-1].get("machine", {}),
+                      "load_before": reports[0].get("machine", {}).get("load_before", ["?"])}
+    out["merged_from"] = [{k: r.get(k) for k in ("command", "started_at", "finished_at")}
+                          for r in reports]
+    out["headline"], out["headline_targets"] = headline(out)
+    out["headline_spread"] = headline_spread(out)
+    return out
+
+
+def target_text(op: str, target: float | None) -> str:
+    if op == "zero":
+        return "sekali: 0 and 0"
+    return "" if target is None else f"{op} {target:g}"
+
+
+def met(op: str, target: float | None, value: Any) -> bool | None:
+    if value is None or target is None:
+        return None
+    if op == "zero":
+        mine = [v for k, v in value.items() if k.startswith("sekali") and isinstance(v, dict)]
+        return bool(mine) and all(not v.get("duplicates") and not v.get("lost") for v in mine)
+    return bool(value >= target if op == ">=" else value <= target)
+
+
+def missed_targets(report: dict[str, Any]) -> list[str]:
+    """One line per headline target that was measured and missed."""
+    lines = []
+    for name, verdict in report.get("headline_targets", {}).items():
+        if verdict.get("ok") is False:
+            value = _fmt(report["headline"].get(name))
+            lines.append(f"target missed: {name} = {value} (target {verdict['target']})")
+    return lines
 
 
 def render_markdown(report: dict[str, Any], command: str) -> str:
@@ -131,16 +217,19 @@ def render_markdown(report: dict[str, Any], command: str) -> str:
         f"{report.get('started_at', '?')}, {m.get('cpus', '?')} CPUs, load average "
         f"{m.get('load_before', ['?'])[0]} before and {m.get('load_after', ['?'])[0]} after):",
         "",
-        "| headline | value | target | met |",
-        "|---|---|---|---|",
+        "| headline | value | spread (min-max) | target | met |",
+        "|---|---|---|---|---|",
     ]
     targets = report.get("headline_targets", {})
+    spreads = report.get("headline_spread", {})
     for name, value in report.get("headline", {}).items():
         t = targets.get(name, {})
         shown = "not run" if value is None else _fmt(value)
-        met = {True: "yes", False: "no", None: ""}[t.get("ok")]
+        verdict = {True: "yes", False: "no", None: ""}[t.get("ok")]
         what, target = t.get("what", name), t.get("target", "")
-        lines.append(f"| {what} (`{name}`) | {shown} | {target} | {met} |")
+        s = spreads.get(name)
+        spread = "" if s is None else f"{_fmt(s['min'])}-{_fmt(s['max'])} ({len(s['runs'])} runs)"
+        lines.append(f"| {what} (`{name}`) | {shown} | {spread} | {target} | {verdict} |")
     return "\n".join(lines)
 
 
@@ -185,6 +274,11 @@ def summary_rows(report: dict[str, Any]) -> list[dict[str, Any]]:
 def _fmt(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:,.3g}" if abs(value) < 1000 else f"{value:,.0f}"
+    if isinstance(value, dict):
+        return ", ".join(
+            f"{k} ({_fmt(v)})" if isinstance(v, dict) else f"{k} {_fmt(v)}"
+            for k, v in value.items()
+        )
     return "" if value is None else str(value)
 
 
@@ -233,13 +327,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--markdown", action="store_true", help="print the headline as the README's table"
     )
     parser.add_argument(
-        "--from", dest="from_file", metavar="FILE", help="render a saved report, do not run"
+        "--from", dest="from_file", metavar="FILE", action="append",
+        help="render a saved report, do not run; given again, later reports' suites replace "
+             "earlier ones'",
     )
     parser.add_argument(
         "--readme", metavar="PATH", help="write the table between PATH's bench markers"
     )
-    parser.add_argument("--only", action="append", choices=SUITES, help="run only these")
+    parser.add_argument(
+        "--only", action="append", choices=SUITES,
+        help="run only these (repeatable); the cluster suite runs only when named here",
+    )
     parser.add_argument("--out", metavar="PATH", help="write the JSON report to PATH too")
+    parser.add_argument(
+        "--strict", action="store_true", help="exit 1 when a headline target is missed too"
+    )
 
 
 def run_from_args(args: argparse.Namespace) -> int:
@@ -247,22 +349,34 @@ def run_from_args(args: argparse.Namespace) -> int:
         print(f"sekali bench: --out {args.out}: no such folder", file=sys.stderr)
         return 2
     if args.from_file:
-        try:
-            report = json.loads(Path(args.from_file).read_text())
-        except (OSError, ValueError) as exc:
-            print(f"sekali bench: cannot read {args.from_file}: {exc}", file=sys.stderr)
-            return 2
-        if "headline" not in report:
-            print(f"sekali bench: {args.from_file} has no headline", file=sys.stderr)
-            return 2
+        reports = []
+        for name in args.from_file:
+            try:
+                reports.append(json.loads(Path(name).read_text()))
+            except (OSError, ValueError) as exc:
+                print(f"sekali bench: cannot read {name}: {exc}", file=sys.stderr)
+                return 2
+            if "headline" not in reports[-1]:
+                print(f"sekali bench: {name} has no headline", file=sys.stderr)
+                return 2
+        report = reports[0] if len(reports) == 1 else merged(reports)
         command = report.get("command", "sekali bench")
         ok = True
     else:
         argv = ["sekali", "bench", *(["--quick"] if args.quick else [])]
         argv += [f"--only={name}" for name in args.only or []]
         command = shlex.join(argv)
+        if not getattr(args, "verbose", False):  # the suites' servers and peers log at INFO
+            logging.getLogger().setLevel(logging.WARNING)
+            warnings.simplefilter("ignore")  # Dagster's beta notices say nothing of the numbers
+            os.environ["PYTHONWARNINGS"] = "ignore"  # nor in the suites' worker processes
+        names = args.only or DEFAULT_SUITES
+        for name, why in ON_REQUEST.items():
+            if not args.only:
+                print(f"sekali bench: the {name} suite is left out ({why}): "
+                      f"--only {name} runs it", file=sys.stderr)
         with _stdout_to_stderr() as real_stdout:
-            report = run_suites(args.only or SUITES, quick=args.quick)
+            report = run_suites(names, quick=args.quick)
             report["command"] = command
             RESULTS_DIR.mkdir(parents=True, exist_ok=True)
             out = RESULTS_DIR / "latest.json"
@@ -271,7 +385,12 @@ def run_from_args(args: argparse.Namespace) -> int:
             if not args.json and not args.markdown:
                 with os.fdopen(os.dup(real_stdout), "w") as stdout:
                     print(render_table(summary_rows(report)), file=stdout)
-        ok = all(r.get("_status") == "ok" for r in report["suites"].values())
+        failed = [f"suite failed: {name}: {r.get('error')}" for name, r in report["suites"].items()
+                  if r.get("_status") != "ok"]
+        missed = missed_targets(report)
+        for line in failed + missed:
+            print(f"sekali bench: {line}", file=sys.stderr)
+        ok = not failed and not (args.strict and missed)
     table = render_markdown(report, command)
     if args.out:
         try:

@@ -5,17 +5,23 @@ from __future__ import annotations
 import dagster as dg
 
 from pipelines.assets import dead_letters, observability, reconciliation, warming
+from pipelines.domain.consumers import default_consumers
 from pipelines.ops import all_jobs, dlq_ops
 from pipelines.ops.batch import BATCH_JOBS
 from pipelines.profile import resource_defs
-from sensors import dlq as dlq_sensors
-from sensors import outbox as outbox_sensors
-from sensors.intake import INTAKE_SENSORS
+from sensors.dlq import dlq_sensors
+from sensors.intake import intake_sensors
+from sensors.outbox import outbox_sensors
+
+intake_sensor, = intake_sensors(all_jobs, BATCH_JOBS)
+dlq_sensor, dlq_sweep_sensor, dlq_replay_sensor = dlq_sensors(all_jobs, dead_letters.publish)
+outbox_publisher, = outbox_sensors(default_consumers)
 
 defs = dg.Definitions(
     jobs=[*all_jobs, *BATCH_JOBS, *observability.jobs, *dlq_ops.jobs],
     sensors=[
-        *INTAKE_SENSORS, *dlq_sensors.sensors, *outbox_sensors.sensors, *observability.sensors
+        intake_sensor, dlq_sensor, dlq_sweep_sensor, dlq_replay_sensor, outbox_publisher,
+        *observability.sensors,
     ],
     schedules=[reconciliation.reconciliation_schedule, warming.cache_warming_schedule],
     assets=[

@@ -4,11 +4,13 @@ A fresh SQLite ``DAGSTER_HOME`` raced by several processes creating its schema c
 good (``alembic_version ... more than one head``, a known Dagster bug). So ``sekali dev`` and the
 tests call :func:`prepare_dagster_home` first, in one process, under a file lock: it writes the
 ``dagster.yaml`` (unless one is there) and touches every storage so the schema exists before the
-webserver, the daemon and the run workers start.
+webserver, the daemon and the run workers start. ``python -m pipelines.instance HOME
+[--profile production]`` does the same from another process (``sekali cluster`` runs it).
 """
 
 from __future__ import annotations
 
+import argparse
 import fcntl
 import os
 import shutil
@@ -50,3 +52,15 @@ def prepare_dagster_home(home: Path, *, profile: str = "embedded", extra_yaml: s
             else:
                 os.environ["DAGSTER_HOME"] = previous
     return home
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="prepare a Dagster home once")
+    parser.add_argument("home", type=Path)
+    parser.add_argument("--profile", default="embedded", choices=("embedded", "production"))
+    args = parser.parse_args(argv)
+    print(prepare_dagster_home(args.home, profile=args.profile))
+
+
+if __name__ == "__main__":
+    main()

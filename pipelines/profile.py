@@ -1,18 +1,18 @@
-"""The one place that chooses resources, and the thin Dagster wrappers of the business side.
+"""The one place that chooses resources, and the thin Dagster wrappers of the platform's side.
 
 Every resource reads ``DATABASE_URL`` / ``REDIS_URL`` / the downstream addresses when first used,
-never at import. The generic defences' wrappers live in :mod:`resources.dagster_resources`;
-the ones here wrap the business clients and the platform's stores in the same way.
+never at import. The generic defences' wrappers live in :mod:`resources.dagster_resources`; the
+ones here wrap the platform's stores (the intake's ``RequestsResource`` is the intake sensor's
+own), and one :class:`DownstreamResource` per downstream the job
+types declare, under its name: nothing here names a downstream.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from pipelines.domain.mail import Mailer, SmtpMailer
-from pipelines.domain.payments import HttpPaymentGateway, PaymentGateway
-from pipelines.domain.rate_limited import MAIL, PAYMENT_GATEWAY, limit_gateway, limit_mailer
-from pipelines.requests import RequestStore
+from engine.downstreams import ClientOptions
+from engine.registry import downstream, downstreams
 from resources.dagster_resources import (
     CacheResource,
     ConcurrencyResource,
@@ -25,89 +25,47 @@ from resources.dagster_resources import (
     SettingsResource,
 )
 from resources.flow import RateLimits
+from sensors.intake import RequestsResource
 
 
-def _rates(resource: SettingsResource, downstream: str, rate: str | None) -> RateLimits:
-    """The shared rates of settings, with ``rate`` (if set) for ``downstream``."""
-    rates = dict(resource.settings().rates)
-    if rate:
-        rates[downstream] = rate
-    return RateLimits(resource.redis(), rates)
+class DownstreamResource(SettingsResource):
+    """The client of the declared downstream ``downstream`` (its name; the resource key is the
+    same name): built by the declaration's ``build`` from the settings,
+    with these overrides when set.
 
-
-class PaymentGatewayResource(SettingsResource):
-    """The HTTP payment client. ``base_url`` defaults to ``SEKALI_GATEWAY_URL``.
-
-    ``timeout`` bounds connecting and each read, ``deadline`` a whole call. ``settle_seconds``
-    (default ``SEKALI_GATEWAY_SETTLE_SECONDS``) is how long after a charge whose answer never
-    came a lookup by reference is conclusive: longer than the provider's longest processing time
-    (and than the longest wait for a rate token). ``rate`` (``50/s,burst=20``) defaults to
-    ``SEKALI_RATE_PAYMENT_GATEWAY``: every call then takes a token from the rate shared by all
-    workers. Unset: unlimited.
+    ``address`` (a URL or ``host:port``), ``timeout`` (connecting and each read) and
+    ``deadline`` (a whole call) override the downstream's defaults; ``extra`` holds what only
+    this downstream's client takes (``send_idempotency_key``, ``sender``). ``rate``
+    (``50/s,burst=20``) defaults to ``SEKALI_RATE_<NAME>``: every call then takes a token from
+    the rate shared by all workers; unset, unlimited. ``settle_seconds`` (default
+    ``SEKALI_GATEWAY_SETTLE_SECONDS``) is how long after a send whose answer never came a lookup
+    at the downstream is conclusive: longer than its longest processing time (and than the
+    longest wait for a rate token).
     """
 
-    base_url: str | None = None
-    timeout: float = 5.0
-    deadline: float = 15.0
-    send_idempotency_key: bool = True
+    downstream: str
+    address: str | None = None
+    timeout: float | None = None
+    deadline: float | None = None
     rate: str | None = None
     settle_seconds: float | None = None
+    extra: dict[str, Any] = {}
 
-    def _build(self) -> PaymentGateway:
-        client = HttpPaymentGateway(
-            self.base_url or self.settings().gateway_url,
-            timeout=self.timeout,
-            deadline=self.deadline,
-            send_idempotency_key=self.send_idempotency_key,
+    def _build(self) -> Any:
+        declared = downstream(self.downstream)
+        rates = dict(self.settings().rates)
+        if self.rate:
+            rates[self.downstream] = self.rate
+        options = ClientOptions(
+            address=self.address, timeout=self.timeout, deadline=self.deadline, extra=self.extra
         )
-        return limit_gateway(client, _rates(self, PAYMENT_GATEWAY, self.rate))
+        return declared.client(self.settings(), RateLimits(self.redis(), rates), options)
 
-    def get_client(self) -> PaymentGateway:
-        return self._get()  # type: ignore[no-any-return]
+    def get_client(self) -> Any:
+        return self._get()
 
     def get_settle_seconds(self) -> float:
         return self.settle_seconds or self.settings().gateway_settle_seconds
-
-
-class MailerResource(SettingsResource):
-    """The SMTP mailer. ``host``/``port`` default to ``SEKALI_SMTP_HOST`` / ``SEKALI_SMTP_PORT``;
-    ``timeout`` bounds each socket operation, ``deadline`` a whole send; ``rate`` (``5/s``)
-    defaults to ``SEKALI_RATE_SMTP``: every send then takes a token from the rate shared by all
-    workers. Unset: unlimited."""
-
-    host: str | None = None
-    port: int | None = None
-    sender: str = "sekali@localhost"
-    timeout: float = 10.0
-    rate: str | None = None
-    deadline: float = 30.0
-
-    def _build(self) -> Mailer:
-        settings = self.settings()
-        mailer = SmtpMailer(
-            self.host or settings.smtp_host,
-            self.port or settings.smtp_port,
-            sender=self.sender,
-            timeout=self.timeout,
-            deadline=self.deadline,
-        )
-        return limit_mailer(mailer, _rates(self, MAIL, self.rate))
-
-    def get_client(self) -> Mailer:
-        return self._get()  # type: ignore[no-any-return]
-
-    def get_mailer(self) -> Mailer:
-        return self.get_client()
-
-
-class RequestsResource(SettingsResource):
-    """The intake table (``job_requests``) on the app database."""
-
-    def _build(self) -> RequestStore:
-        return RequestStore(self.database())
-
-    def get_store(self) -> RequestStore:
-        return self._get()  # type: ignore[no-any-return]
 
 
 class ObservabilityResource(SettingsResource):
@@ -132,10 +90,9 @@ def resource_defs() -> dict[str, Any]:
         "concurrency": ConcurrencyResource(),
         "rate_limits": RateLimitResource(),
         "cache": CacheResource(),
-        "gateway": PaymentGatewayResource(),
-        "mailer": MailerResource(),
         "retry": RetryResource(),
         "observability": ObservabilityResource(),
         "requests": RequestsResource(),
         "dlq": DlqResource(),
+        **{name: DownstreamResource(downstream=name) for name in downstreams()},
     }

@@ -54,11 +54,11 @@ from typing import IO, Any
 from sqlalchemy import create_engine, make_url, text
 from sqlalchemy.pool import NullPool
 
-from pipelines import tags as tag
+from engine import tags as tag
+from engine.registry import get_job_type
+from engine.upkeep.reconciliation import Reconciler
 from pipelines.domain.inventory import Inventory
-from pipelines.domain.payments import HttpPaymentGateway
-from pipelines.reconciliation import Reconciler
-from pipelines.registry import get_job_type
+from pipelines.domain.payments import GATEWAY, HttpPaymentGateway
 from proof.chaos_worker import CRASH_POINTS, STOP_POINTS, WorkerConfig
 from resources.dlq import DlqStatus, DlqStore, FailureClass, FailureInfo, dedupe_key_for
 from resources.errors import SekaliError, ValidationError
@@ -1426,7 +1426,8 @@ def reconcile_double_charges(world: ChaosWorld) -> int:
     # the run's orders are seconds old: no grace for in-flight work (every delivery settled),
     # and the workers' settle window
     report = Reconciler(world.db, store=IdempotencyStore(world.db), dlq=DlqStore(world.db),
-                        gateway=HttpPaymentGateway(world.gateway.url), grace_seconds=0.0,
+                        clients={GATEWAY.name: HttpPaymentGateway(world.gateway.url)},
+                        grace_seconds=0.0,
                         settle_seconds=world.config.settle_seconds).run()
     return int(report.fixed.get("double_charged", 0))
 

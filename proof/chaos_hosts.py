@@ -1,6 +1,6 @@
 """``sekali chaos --topology hosts``: the chaos workload through the several-host deployment.
 
-One run builds its own ``sekali cluster`` (:mod:`pipelines.cluster`: a store host with Postgres
+One run builds its own ``sekali cluster`` (:mod:`sandbox.hosts`: a store host with Postgres
 and Redis, a control host with dagster-webserver and dagster-daemon, a provider host with the
 sandbox gateway and mail sink, N worker hosts each with a code server), enqueues the workload of
 :func:`proof.chaos.build_workload` on the store host's database (no poison: refusals at enqueue
@@ -50,9 +50,8 @@ from typing import Any
 
 from sqlalchemy import text
 
-from pipelines.cluster import Cluster, ClusterError, NotRoot, processes, require_root
+from engine.intake import enqueue
 from pipelines.domain.inventory import Inventory
-from pipelines.intake import enqueue
 from proof.chaos import (
     ChaosConfig,
     ChaosConfigError,
@@ -64,6 +63,7 @@ from proof.chaos import (
 )
 from resources.storage.db import Database
 from sandbox.gateway import GatewayServer
+from sandbox.hosts import Cluster, ClusterError, NotRoot, processes, require_root
 from sandbox.mailsink import MailSink
 
 logger = logging.getLogger(__name__)

@@ -5,7 +5,7 @@ on stdin and writes JSON lines on stdout: ``start`` when it takes a delivery, ``
 ``fail`` when it ends, ``stopping`` just before it freezes itself with SIGSTOP. Nothing else goes
 to stdout; logs go to stderr.
 
-Guarded mode runs the real job code path, :func:`pipelines.runtime.execute_request`, under a
+Guarded mode runs the real job code path, :func:`engine.runtime.execute_request`, under a
 :class:`resources.locks.RedisLock` on the job's resource, and reports ``done`` only after it
 returned (the ack follows the record). Naive mode is what the defences replace: it acks first,
 then does the effect with no idempotency claim, no lock and no ``Idempotency-Key``.
@@ -39,11 +39,13 @@ from typing import Any
 
 from sqlalchemy import text
 
-from pipelines.domain.payments import HttpPaymentGateway
+from engine.downstreams import ClientOptions
+from engine.registry import get_job_type
+from engine.runtime import execute_request
+from engine.services import Services
+from pipelines.domain.mail import SMTP
+from pipelines.domain.payments import GATEWAY
 from pipelines.jobs import email, payment
-from pipelines.registry import get_job_type
-from pipelines.runtime import execute_request
-from pipelines.services import Services
 from resources.errors import ValidationError
 from resources.locks import MemoryLockStats, RedisLock
 from resources.retry import classify
@@ -54,7 +56,7 @@ logger = logging.getLogger(__name__)
 
 CRASH_POINTS = ("before_effect", "after_effect", "after_record")
 STOP_POINTS = ("before_effect", "after_effect")
-# The job types' own crash hooks (pipelines.jobs.base.crash_point) that mean "after the effect".
+# The job types' own crash hooks (engine.contract.crash_point) that mean "after the effect".
 AFTER_EFFECT_HOOKS = "after_charge,after_send,before_commit_reservation"
 
 
@@ -223,7 +225,7 @@ class HookedMailer:
 
 class Worker:
     """Runs deliveries on ``threads`` consumer threads (a broker consumer with that prefetch).
-    Every thread shares one :class:`pipelines.services.Services`, as the threads of a run
+    Every thread shares one :class:`engine.services.Services`, as the threads of a run
     worker would."""
 
     def __init__(self, config: WorkerConfig) -> None:
@@ -239,19 +241,17 @@ class Worker:
             smtp_port=config.smtp_port,
             gateway_settle_seconds=config.settle_seconds,
         )
-        self.services = Services.from_settings(
-            settings,
-            lease_seconds=config.lease_seconds,
-            send_idempotency_key=not config.naive,
+        gateway = ClientOptions(
+            timeout=config.gateway_timeout, deadline=config.gateway_deadline,
+            extra={"send_idempotency_key": not config.naive},
         )
-        if config.naive or config.gateway_timeout is not None:
-            self.services.gateway = HttpPaymentGateway(
-                config.gateway_url, send_idempotency_key=not config.naive,
-                timeout=config.gateway_timeout or 5.0, deadline=config.gateway_deadline or 15.0,
-            )
+        self.services = Services.from_settings(
+            settings, lease_seconds=config.lease_seconds, options={GATEWAY.name: gateway}
+        )
         Hooks.gate.wrap(self.services.db)  # the store and the attempts share this Database
-        self.services.gateway = HookedGateway(self.services.gateway, self.hooks)
-        self.services.mailer = HookedMailer(self.services.mailer, self.hooks)
+        clients = self.services.clients
+        clients[GATEWAY.name] = HookedGateway(clients[GATEWAY.name], self.hooks)
+        clients[SMTP.name] = HookedMailer(clients[SMTP.name], self.hooks)
         self.redis = redis_client(config.redis_url, timeouts=RedisTimeouts(connect=1.0))
 
     def handle(self, msg: dict[str, Any]) -> None:
@@ -331,13 +331,13 @@ class Worker:
         key = jt.key_for(clean)
         correlation_id = f"chaos-req-{req}"
         if job_type == "charge_payment":
-            self.services.gateway.charge(  # type: ignore[union-attr]
+            self.services.client(GATEWAY.name).charge(
                 reference=payment.reference_for(key), amount_cents=clean["amount_cents"],
                 currency=clean["currency"], idempotency_key=None, correlation_id=correlation_id,
             )
         elif job_type == "send_email":
             subject, body = email.render(clean)
-            self.services.mailer.send(  # type: ignore[union-attr]
+            self.services.client(SMTP.name).send(
                 to=clean["to"], subject=subject, body=body,
                 message_id=make_msgid(domain="naive.sekali"), correlation_id=correlation_id,
             )

@@ -34,9 +34,9 @@ from typing import IO, Any
 
 from rich.console import Console
 
+from engine.runtime import execute_request
+from engine.services import Services
 from pipelines.domain.payments import HttpPaymentGateway
-from pipelines.runtime import execute_request
-from pipelines.services import Services
 from proof.retry_storm import Scenario, simulate
 from resources.cache import StampedeCache
 from resources.errors import SekaliError

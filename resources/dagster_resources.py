@@ -25,7 +25,7 @@ from resources.idempotency import IdempotencyStore
 from resources.locks import DbLock, NoLock, RedisLock
 from resources.retry import RetryBudget, RetryDecision, RetryPolicy
 from resources.storage.db import Database, shared_database
-from resources.storage.migrations import upgrade
+from resources.storage.migrations import ensure_schema
 from resources.storage.redis import RedisClient, redis_client
 from resources.storage.settings import Settings
 
@@ -56,8 +56,13 @@ class SettingsResource(ConfigurableResource):
         return Settings.from_env()
 
     def database(self) -> Database:
-        """The shared :class:`Database` of ``database_url`` (``DATABASE_URL`` if unset)."""
-        return shared_database(self.database_url or self.settings().database_url)
+        """The shared :class:`Database` of ``database_url`` (``DATABASE_URL`` if unset), its
+        schema checked at this process's first use (:func:`ensure_schema`: applied where
+        ``SEKALI_AUTO_MIGRATE`` allows, refused with the command to run if this release needs
+        migrations the database lacks, one warning line if a newer release expanded it)."""
+        db = shared_database(self.database_url or self.settings().database_url)
+        ensure_schema(db)
+        return db
 
     def redis(self) -> RedisClient:
         """A Redis client of ``redis_url`` (``REDIS_URL`` if unset), with explicit timeouts."""
@@ -65,15 +70,10 @@ class SettingsResource(ConfigurableResource):
 
 
 class DatabaseResource(SettingsResource):
-    """The app database. With ``apply_migrations`` the ``sql/`` files are applied at first use."""
-
-    apply_migrations: bool = False
+    """The app database."""
 
     def _build(self) -> Database:
-        db = self.database()
-        if self.apply_migrations:
-            upgrade(db)
-        return db
+        return self.database()
 
     def get_database(self) -> Database:
         return self._get()  # type: ignore[no-any-return]

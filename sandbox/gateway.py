@@ -36,6 +36,7 @@ import json
 import logging
 import random
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -352,6 +353,14 @@ class _Server(ThreadingHTTPServer):
     allow_reuse_address = True
     request_queue_size = 128
     gateway: GatewayServer
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that hung up (the faults make them) is a debug line, not a traceback that
+        ``socketserver`` prints on stderr; anything else is logged as the error it is."""
+        if isinstance(sys.exc_info()[1], OSError):
+            log.debug("client %s went away", client_address, exc_info=True)
+        else:
+            log.exception("request from %s failed", client_address)
 
 
 class GatewayServer:

@@ -14,7 +14,7 @@
   A record stored without op config (batch failures, the sweep) is replayed as a run of its
   per-request job built from the record; a record whose run cannot be built goes back to
   ``open`` with the reason in its audit; one whose request the validation boundary refuses
-  (``pipelines/validation.py``) goes back to ``open`` as ``permanent``, with a rejection row.
+  (``engine/validation.py``) goes back to ``open`` as ``permanent``, with a rejection row.
   It also settles replays: a successful replay run
   resolves its record; a failed or canceled one reopens it with its count increased (the
   dlq_sensor does the same for failed runs when it sees the run first).
@@ -33,15 +33,13 @@ from typing import Any
 import dagster as dg
 from dagster import DagsterEventType, DagsterRunStatus, RunsFilter
 
-from pipelines import tags as tag
-from pipelines.assets import dead_letters
-from pipelines.ops import all_jobs
-from pipelines.ops.request_job import request_run_config
-from pipelines.privacy import mask_failure
-from pipelines.registry import JOB_TYPES, get_job_type
-from pipelines.requests import RequestStore
-from pipelines.retention import resolve_completed_dead_letters
-from pipelines.validation import ValidationError, admit
+from engine import tags as tag
+from engine.launch import request_run_config
+from engine.privacy import mask_failure
+from engine.registry import JOB_TYPES, get_job_type
+from engine.requests import RequestStore
+from engine.upkeep.retention import resolve_completed_dead_letters
+from engine.validation import ValidationError, admit
 from resources.dagster_resources import DlqResource
 from resources.dlq import (
     DlqRecord,
@@ -304,19 +302,31 @@ def dead_letter_failed_requests(store: DlqStore, *, limit: int = 200) -> list[Re
 # -- the sensors -------------------------------------------------------------------------------
 
 
-@dg.run_failure_sensor(
-    name="dlq_sensor",
-    description="Each failed job request becomes one DLQ record (skips runs Dagster will retry).",
-    minimum_interval_seconds=15,
-    default_status=dg.DefaultSensorStatus.RUNNING,
-)
-def dlq_sensor(context: dg.RunFailureSensorContext, dlq: DlqResource) -> None:
-    # Returning None lets one tick handle up to five failed runs. An exception is not swallowed:
-    # the tick shows as failed in the UI, and the sweep records the run it skipped.
-    store = dlq.get_store()
-    recorded = dead_letter_run(context.instance, context.dagster_run, store, actor="dlq_sensor")
-    if any(r.new_failure for r in recorded):
-        dead_letters.publish(context.instance, store)
+Publish = Callable[[dg.DagsterInstance, DlqStore], Any]
+"""Makes the DLQ's new state visible (the code location's ``dead_letters`` asset events)."""
+
+
+def build_dlq_sensor(publish: Publish, *, name: str = "dlq_sensor") -> dg.SensorDefinition:
+    """The run-failure sensor: each failed job request becomes one DLQ record."""
+
+    @dg.run_failure_sensor(
+        name=name,
+        description="Each failed job request becomes one DLQ record (skips runs Dagster will "
+        "retry).",
+        minimum_interval_seconds=15,
+        default_status=dg.DefaultSensorStatus.RUNNING,
+    )
+    def dlq_sensor(context: dg.RunFailureSensorContext, dlq: DlqResource) -> None:
+        # Returning None lets one tick handle up to five failed runs. An exception is not
+        # swallowed: the tick shows as failed in the UI, and the sweep records the run skipped.
+        store = dlq.get_store()
+        recorded = dead_letter_run(
+            context.instance, context.dagster_run, store, actor="dlq_sensor"
+        )
+        if any(r.new_failure for r in recorded):
+            publish(context.instance, store)
+
+    return dlq_sensor
 
 
 SWEEP_OVERLAP_SECONDS = 600.0
@@ -350,21 +360,30 @@ def sweep(
     return len(records), created, next_cursor
 
 
-@dg.sensor(
-    name="dlq_sweep_sensor",
-    description="Safety net for dlq_sensor: dead-letters failed runs and requests it missed.",
-    minimum_interval_seconds=300,
-    default_status=dg.DefaultSensorStatus.RUNNING,
-)
-def dlq_sweep_sensor(context: dg.SensorEvaluationContext, dlq: DlqResource) -> dg.SkipReason:
-    cursor = float(context.cursor) if context.cursor else None
-    store = dlq.get_store()
-    examined, created, next_cursor = sweep(context.instance, store, cursor)
-    if next_cursor is not None:
-        context.update_cursor(repr(next_cursor))
-    if created:
-        dead_letters.publish(context.instance, store)
-    return dg.SkipReason(f"swept {examined} failed runs; {created} new DLQ records")
+def build_dlq_sweep_sensor(
+    publish: Publish, *, name: str = "dlq_sweep_sensor"
+) -> dg.SensorDefinition:
+    """The safety net of the run-failure sensor (see the module)."""
+
+    @dg.sensor(
+        name=name,
+        description="Safety net for dlq_sensor: dead-letters failed runs and requests it missed.",
+        minimum_interval_seconds=300,
+        default_status=dg.DefaultSensorStatus.RUNNING,
+    )
+    def dlq_sweep_sensor(
+        context: dg.SensorEvaluationContext, dlq: DlqResource
+    ) -> dg.SkipReason:
+        cursor = float(context.cursor) if context.cursor else None
+        store = dlq.get_store()
+        examined, created, next_cursor = sweep(context.instance, store, cursor)
+        if next_cursor is not None:
+            context.update_cursor(repr(next_cursor))
+        if created:
+            publish(context.instance, store)
+        return dg.SkipReason(f"swept {examined} failed runs; {created} new DLQ records")
+
+    return dlq_sweep_sensor
 
 
 class ReplayRate:
@@ -541,9 +560,10 @@ def settle_replays(instance: dg.DagsterInstance, store: DlqStore) -> tuple[int, 
 
 
 def build_dlq_replay_sensor(
+    jobs: Sequence[dg.JobDefinition],
+    publish: Publish,
     *,
     name: str = "dlq_replay_sensor",
-    jobs: Sequence[Any] | None = None,
     max_per_tick: int = 20,
     per_second: float = 1.0,
     burst: float | None = None,
@@ -551,9 +571,9 @@ def build_dlq_replay_sensor(
     minimum_interval_seconds: int = 30,
     clock: Callable[[], float] = time.time,
 ) -> dg.SensorDefinition:
-    """The replay sensor with its rate bound; tests build one with their own ``clock``.
-    ``jobs`` defaults to every job type's per-request job (replays target the original job)."""
-    jobs = list(jobs) if jobs is not None else _job_type_jobs()
+    """The replay sensor with its rate bound over ``jobs`` (every job type's per-request job:
+    replays target the original job); tests build one with their own ``clock``."""
+    jobs = list(jobs)
     targets = {j.name: j for j in jobs if isinstance(j, dg.JobDefinition)} or None
     rate = ReplayRate(
         per_second=per_second, burst=burst or max(1.0, per_second), max_per_tick=max_per_tick
@@ -593,7 +613,7 @@ def build_dlq_replay_sensor(
         ]
         tokens -= len(requests)
         context.update_cursor(json.dumps({"tokens": tokens, "at": now}))
-        dead_letters.publish(context.instance, store)
+        publish(context.instance, store)
         if not requests:
             return dg.SensorResult(
                 skip_reason=dg.SkipReason(
@@ -622,10 +642,13 @@ def _stale_replays(instance: dg.DagsterInstance, store: DlqStore, cutoff: float)
     return [r for r in stale if (str(r.id), str(r.replay_count)) not in seen]
 
 
-def _job_type_jobs() -> list[Any]:
-    return list(all_jobs)
-
-
-dlq_replay_sensor = build_dlq_replay_sensor()
-
-sensors = [dlq_sensor, dlq_sweep_sensor, dlq_replay_sensor]
+def dlq_sensors(
+    jobs: Sequence[dg.JobDefinition], publish: Publish
+) -> list[dg.SensorDefinition]:
+    """The three DLQ sensors of a code location: run failures, the sweep, and replays of
+    ``jobs`` (its per-request jobs); each calls ``publish`` after it changed the DLQ."""
+    return [
+        build_dlq_sensor(publish),
+        build_dlq_sweep_sensor(publish),
+        build_dlq_replay_sensor(jobs, publish),
+    ]

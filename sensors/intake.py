@@ -25,7 +25,7 @@ and a fresh deployment drain the intake without a click; stop it in the UI to pa
 
    Batches never mix queues; a batch's run key is ``intake-{mode}:{first}-{last}:{hash of ids}``.
 
-Modes are chosen by the ``requests`` resource (:class:`~pipelines.requests.RequestsResource`),
+Modes are chosen by the ``requests`` resource (:class:`RequestsResource`),
 read at tick time: ``SEKALI_INTAKE_MODES="send_email=micro_batch,charge_payment=per_request"``
 per job type, else ``SEKALI_INTAKE_MODE`` for all, else ``per_request``. Batch size and page size
 come from ``SEKALI_INTAKE_BATCH_SIZE`` (50) and ``SEKALI_INTAKE_MAX_PER_TICK`` (200).
@@ -51,20 +51,33 @@ from typing import Any
 
 import dagster as dg
 
-from pipelines import tags as tag
-from pipelines.failures import error_text
-from pipelines.ops import all_jobs
-from pipelines.ops.batch import BATCH_JOBS, FAN_OUT_JOB, MICRO_BATCH_JOB
-from pipelines.ops.request_job import request_run_config
-from pipelines.profile import RequestsResource
-from pipelines.registry import get_job_type
-from pipelines.requests import JobRequest, RequestStore
+from engine import tags as tag
+from engine.failures import error_text
+from engine.launch import request_run_config
+from engine.registry import get_job_type
+from engine.requests import JobRequest, RequestStore
+from resources.dagster_resources import SettingsResource
 from resources.errors import ValidationError
 from resources.retry import failure_class
 from resources.telemetry.tracing import trace_id_of
 
 log = logging.getLogger(__name__)
 
+FAN_OUT_JOB, FAN_OUT_OP = "intake_fan_out", "fan_out_requests"
+MICRO_BATCH_JOB, MICRO_BATCH_OP = "intake_micro_batch", "execute_request_batch"
+"""The batched intake jobs this sensor launches by name, and the op that takes
+``{"request_ids": [...]}`` in each (the code location defines them under these names)."""
+
+
+class RequestsResource(SettingsResource):
+    """The intake table (``job_requests``) on the app database: the resource this sensor and
+    the batch ops read requests through."""
+
+    def _build(self) -> RequestStore:
+        return RequestStore(self.database())
+
+    def get_store(self) -> RequestStore:
+        return self._get()  # type: ignore[no-any-return]
 
 
 class IntakeMode(StrEnum):
@@ -202,9 +215,7 @@ def run_requests_for(
             ids = sorted(r.id for r in chunk)  # the run key names the set, not the order
             run_key = batch_run_key(mode, ids)
             job_name = MICRO_BATCH_JOB if mode is IntakeMode.MICRO_BATCH else FAN_OUT_JOB
-            op_name = (
-                "execute_request_batch" if mode is IntakeMode.MICRO_BATCH else "fan_out_requests"
-            )
+            op_name = MICRO_BATCH_OP if mode is IntakeMode.MICRO_BATCH else FAN_OUT_OP
             out.append(
                 dg.RunRequest(
                     run_key=run_key,
@@ -354,14 +365,19 @@ def evaluate_intake(
     return dg.SensorResult(run_requests=run_requests, cursor=new_cursor)
 
 
-def build_intake_sensor(
-    request_jobs: Sequence[dg.JobDefinition], *, name: str = "intake_sensor"
-) -> dg.SensorDefinition:
-    """The sensor over the per-request jobs given plus the two batch jobs."""
+def intake_sensors(
+    request_jobs: Sequence[dg.JobDefinition],
+    batch_jobs: Sequence[dg.JobDefinition],
+    *,
+    name: str = "intake_sensor",
+) -> list[dg.SensorDefinition]:
+    """The intake sensor over the per-request jobs and the two batch jobs given (named
+    :data:`FAN_OUT_JOB` and :data:`MICRO_BATCH_JOB`); it reads the ``requests`` resource
+    (:class:`RequestsResource`)."""
 
     @dg.sensor(
         name=name,
-        jobs=[*request_jobs, *BATCH_JOBS],
+        jobs=[*request_jobs, *batch_jobs],
         minimum_interval_seconds=5,
         default_status=dg.DefaultSensorStatus.RUNNING,
         description="Pending job_requests -> runs (per request, fan-out or micro-batch).",
@@ -369,12 +385,4 @@ def build_intake_sensor(
     def _intake(context: dg.SensorEvaluationContext, requests: RequestsResource) -> dg.SensorResult:
         return evaluate_intake(context, requests.get_store(), IntakePolicy.from_env())
 
-    return _intake
-
-
-def _request_jobs() -> list[dg.JobDefinition]:
-    return list(all_jobs)
-
-
-intake_sensor = build_intake_sensor(_request_jobs())
-INTAKE_SENSORS = [intake_sensor]
+    return [_intake]

@@ -10,38 +10,43 @@ aggregate at a time, and the inbox drops redeliveries.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import dagster as dg
 
-from pipelines.consumers import default_consumers
-from resources.outbox import InAppPublisher, Inbox, OutboxPublisher
+from resources.outbox import Consumer, InAppPublisher, Inbox, OutboxPublisher
 
 MAX_BATCHES = 10
 
 
-@dg.sensor(
-    name="outbox_publisher",
-    minimum_interval_seconds=10,
-    description="Publishes outbox events at least once, in order per aggregate; consumers "
-    "dedupe through the inbox.",
-    default_status=dg.DefaultSensorStatus.RUNNING,
-    required_resource_keys={"app_db", "cache"},
-)
-def outbox_publisher(context: dg.SensorEvaluationContext) -> dg.SkipReason:
-    db = context.resources.app_db.get_database()
-    consumers = default_consumers(_cache(context.resources))
-    publisher = OutboxPublisher(db, InAppPublisher(Inbox(db), consumers))
-    stats = publisher.publish_pending(max_batches=MAX_BATCHES)
-    if stats.errors:
-        context.log.warning(f"outbox: {stats.failed} events failed: {stats.errors[:5]}")
-    return dg.SkipReason(
-        f"published {stats.published} of {stats.claimed} claimed; {stats.failed} failed, "
-        f"{stats.deferred} deferred behind a failure"
+def outbox_sensors(
+    consumers: Callable[[Any], list[Consumer]], *, name: str = "outbox_publisher"
+) -> list[dg.SensorDefinition]:
+    """The publisher sensor, delivering into ``consumers(cache)`` (the code location's in-app
+    consumers, given the ``cache`` resource's cache or None)."""
+
+    @dg.sensor(
+        name=name,
+        minimum_interval_seconds=10,
+        description="Publishes outbox events at least once, in order per aggregate; consumers "
+        "dedupe through the inbox.",
+        default_status=dg.DefaultSensorStatus.RUNNING,
+        required_resource_keys={"app_db", "cache"},
     )
+    def outbox_publisher(context: dg.SensorEvaluationContext) -> dg.SkipReason:
+        db = context.resources.app_db.get_database()
+        inbox = InAppPublisher(Inbox(db), consumers(_cache(context.resources)))
+        publisher = OutboxPublisher(db, inbox)
+        stats = publisher.publish_pending(max_batches=MAX_BATCHES)
+        if stats.errors:
+            context.log.warning(f"outbox: {stats.failed} events failed: {stats.errors[:5]}")
+        return dg.SkipReason(
+            f"published {stats.published} of {stats.claimed} claimed; {stats.failed} failed, "
+            f"{stats.deferred} deferred behind a failure"
+        )
 
-
-sensors = [outbox_publisher]
+    return [outbox_publisher]
 
 
 def _cache(resources: Any) -> Any:

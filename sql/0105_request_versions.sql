@@ -21,5 +21,7 @@ CREATE TABLE IF NOT EXISTS request_versions (
 
 CREATE INDEX IF NOT EXISTS request_versions_base ON request_versions (base_key, version);
 
--- The request a newer version replaced: closed, never requeued.
-ALTER TABLE job_requests ADD COLUMN superseded_by TEXT;
+-- The request a newer version replaced: closed, never requeued. (Guarded since it was first
+-- applied, so the file can run again; the checksums it had then are accepted.)
+-- sekali: accepts bf32480a0c47801d 80bb499a4fd8488b
+ALTER TABLE job_requests ADD COLUMN IF NOT EXISTS superseded_by TEXT;

@@ -11,6 +11,7 @@
   retry-budget tests run on a real cluster (``.ci/run`` does that as a second pass).
 - ``redis_cluster``: that private cluster, for the tests about clusters themselves.
 - ``sink``: the sandbox SMTP sink on a free port, recording into this test's folder.
+- ``gateway``: the sandbox payment gateway on a free port, its ledger in this test's folder.
 
 Without a server a test may skip on a laptop, never under CI (``CI=true``): there it fails.
 """
@@ -30,6 +31,7 @@ from resources.storage.db import Database, release_shared, shared_databases
 from resources.storage.migrations import upgrade
 from resources.storage.redis import RedisClient
 from resources.storage.redis import redis_client as build_redis_client
+from sandbox.gateway import GatewayServer
 from sandbox.mailsink import MailSink
 from sandbox.redis_cluster import LocalRedisCluster
 from sandbox.redis_server import RedisServer, free_port
@@ -188,6 +190,16 @@ def redis_client(redis_url: str, namespace: str) -> Iterator[RedisClient]:
 def sink(tmp_path: Path) -> Iterator[MailSink]:
     """The sandbox SMTP sink, recording into a SQLite file of this test."""
     server = MailSink(f"sqlite:///{tmp_path / 'mail.db'}").start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def gateway(tmp_path: Path) -> Iterator[GatewayServer]:
+    """The sandbox payment gateway on a free port, its ledger in this test's folder."""
+    server = GatewayServer(f"sqlite:///{tmp_path / 'gateway.db'}").start()
     try:
         yield server
     finally:

@@ -8,8 +8,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from pipelines.consumers import report_rebuild_consumer
-from pipelines.requests import RequestStore
+from engine.requests import RequestStore
+from pipelines.domain.consumers import report_rebuild_consumer
 from resources.outbox import OutboxEvent
 from resources.storage.db import Database
 

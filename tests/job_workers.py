@@ -31,7 +31,7 @@ def dagster_resources(
     retry: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The resources of the per-request jobs, every endpoint explicit (no environment)."""
-    from pipelines.profile import MailerResource, PaymentGatewayResource
+    from pipelines.profile import DownstreamResource
     from resources.dagster_resources import (
         CacheResource,
         ConcurrencyResource,
@@ -54,11 +54,11 @@ def dagster_resources(
         "app_db": DatabaseResource(database_url=db_url),
         "locks": LockResource(backend="db", database_url=db_url),
         "cache": CacheResource(redis_url=redis_url, namespace=namespace),
-        "gateway": PaymentGatewayResource(
-            base_url=gateway_url, timeout=5.0, send_idempotency_key=send_idempotency_key,
-            settle_seconds=settle_seconds,
+        "payment_gateway": DownstreamResource(
+            downstream="payment_gateway", address=gateway_url, timeout=5.0,
+            extra={"send_idempotency_key": send_idempotency_key}, settle_seconds=settle_seconds,
         ),
-        "mailer": MailerResource(host="127.0.0.1", port=smtp_port),
+        "smtp": DownstreamResource(downstream="smtp", address=f"127.0.0.1:{smtp_port}"),
         "retry": RetryResource(**retry_cfg),
         "concurrency": ConcurrencyResource(
             redis_url=redis_url, prefix=f"{namespace}:flow:limit:", lease_seconds=lease_seconds
@@ -106,8 +106,9 @@ def request_loop(args: dict[str, Any]) -> list[dict[str, Any]]:
     Returns one dict per payload: ``status`` (completed, duplicate or the error class) and the
     result. Used by the concurrency tests from threads and spawned processes alike.
     """
-    from pipelines.runtime import execute_request
-    from pipelines.services import Services
+    from engine.downstreams import ClientOptions
+    from engine.runtime import execute_request
+    from engine.services import Services
     from resources.errors import AlreadyInProgress
     from resources.retry import RetryPolicy
     from resources.storage.settings import Settings
@@ -127,10 +128,12 @@ def request_loop(args: dict[str, Any]) -> list[dict[str, Any]]:
         retry_policy=RetryPolicy(),
         budget_namespace=args["namespace"],
         cache_namespace=args["namespace"],
-        send_idempotency_key=bool(args.get("send_idempotency_key", True)),
+        options={"payment_gateway": ClientOptions(
+            extra={"send_idempotency_key": bool(args.get("send_idempotency_key", True))}
+        )},
     )
     if args.get("stop_in_charge"):
-        services.gateway = _StopInCharge(services.gateway)
+        services.clients["payment_gateway"] = _StopInCharge(services.client("payment_gateway"))
     if args.get("ready_dir"):
         _wait_for_go(Path(args["ready_dir"]))
     out: list[dict[str, Any]] = []
@@ -169,11 +172,11 @@ def _wait_for_go(folder: Path) -> None:
 def batch_worker(spec: dict[str, Any]) -> dict[str, Any]:
     """Run one micro-batch (``run_batch``) of ``spec["request_ids"]`` on its own stores, after
     waiting for ``spec["go"]`` (a wall-clock time) if given; returns the batch's summary."""
-    from pipelines.attempts import AttemptRecorder
+    from engine.attempts import AttemptRecorder
+    from engine.requests import RequestStore
+    from engine.services import Services
     from pipelines.domain.mail import SmtpMailer
     from pipelines.ops.batch import run_batch
-    from pipelines.requests import RequestStore
-    from pipelines.services import Services
     from resources.idempotency import IdempotencyStore
     from resources.storage.db import Database
 
@@ -182,7 +185,7 @@ def batch_worker(spec: dict[str, Any]) -> dict[str, Any]:
         db=db,
         store=IdempotencyStore(db, lease_seconds=spec.get("lease_seconds", 30.0)),
         attempts=AttemptRecorder(db),
-        mailer=SmtpMailer("127.0.0.1", spec.get("smtp_port", 9)),
+        clients={"smtp": SmtpMailer("127.0.0.1", spec.get("smtp_port", 9))},
     )
     time.sleep(max(0.0, spec.get("go", 0.0) - time.time()))
     try:
@@ -209,7 +212,7 @@ def tally_job_type(redis_url: str, namespace: str) -> Any:
     (limit :data:`TALLY_LIMIT`), and whose batch hook, like ``reserve_inventory``'s, takes no
     slot itself; every effect counts itself in and out of its group in Redis, keeping the most
     ever inside at once under ``{namespace}:tally:max:{group}``."""
-    from pipelines.jobs.base import JobContext, JobType
+    from engine import JobContext, JobType
     from resources.storage.redis import redis_client
 
     tally = redis_client(redis_url).register_script(_TALLY)
@@ -236,7 +239,7 @@ def tally_job_type(redis_url: str, namespace: str) -> Any:
         name="tally_group", queue="light", validate=dict,
         key_for=lambda p: f"tally:{p['group']}:{p['n']}", max_runtime_seconds=60,
         side_effect=True, handler=handler, resource_id=lambda p: str(p["group"]),
-        lock="none", concurrency_key="group:{group}", concurrency_limit=TALLY_LIMIT,
+        concurrency_key="group:{group}", concurrency_limit=TALLY_LIMIT,
         handler_many=handler_many,
     )
     return job_type
@@ -246,10 +249,10 @@ def limited_batch_worker(spec: dict[str, Any]) -> list[str]:
     """Run ``spec["payloads"]`` of ``tally_group`` as micro-batches of ``spec["batch"]``
     through ``execute_batch``, with the concurrency limits on the shared Redis, after waiting
     for ``spec["go"]``; returns each request's status or error class."""
-    from pipelines.attempts import AttemptRecorder
-    from pipelines.registry import JOB_TYPES
-    from pipelines.runtime import BatchRequest, execute_batch
-    from pipelines.services import Services
+    from engine.attempts import AttemptRecorder
+    from engine.registry import JOB_TYPES
+    from engine.runtime import BatchRequest, execute_batch
+    from engine.services import Services
     from resources.flow import ConcurrencyLimits
     from resources.idempotency import IdempotencyStore
     from resources.storage.db import Database
@@ -296,3 +299,14 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def replay_sensor(**kwargs: Any) -> Any:
+    """The DLQ replay sensor over this code location's per-request jobs, publishing the
+    dead-letters asset as the definitions' one does; ``kwargs`` as
+    :func:`sensors.dlq.build_dlq_replay_sensor` takes them (name, rates, clock)."""
+    from pipelines.assets import dead_letters
+    from pipelines.ops import all_jobs
+    from sensors.dlq import build_dlq_replay_sensor
+
+    return build_dlq_replay_sensor(all_jobs, dead_letters.publish, **kwargs)

@@ -10,9 +10,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipelines.attempts import AttemptRecorder, Outcome
+from engine.attempts import AttemptRecorder, Outcome
+from engine.requests import RequestStore
 from pipelines.domain.payments import HttpPaymentGateway
-from pipelines.requests import RequestStore
 from resources.idempotency import Completed, IdempotencyStore
 from resources.storage.db import Database
 
@@ -36,7 +36,7 @@ class FakeClock:
 
 @dataclass
 class World:
-    """Runs job-shaped work the way ``pipelines.runtime.execute_request`` does: attempt row
+    """Runs job-shaped work the way ``engine.runtime.execute_request`` does: attempt row
     first, claim, effect, complete (in order), finish the attempt."""
 
     db: Database

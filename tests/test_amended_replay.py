@@ -23,16 +23,16 @@ import dagster as dg
 import pytest
 from sqlalchemy import text
 
-from pipelines.cli import main as cli
-from pipelines.intake import enqueue
+from cli.main import main as cli
+from engine.intake import enqueue
+from engine.replay import AmendRefused, Versions, amend
+from engine.requests import RequestStore
+from engine.runtime import execute_request
+from engine.services import Services
+from pipelines.definitions import intake_sensor
 from pipelines.jobs.payment import reference_for
 from pipelines.ops import charge_payment_job
 from pipelines.ops.dlq_ops import dlq_operations
-from pipelines.profile import RequestsResource
-from pipelines.replay import AmendRefused, Versions, amend
-from pipelines.requests import RequestStore
-from pipelines.runtime import execute_request
-from pipelines.services import Services
 from resources.dagster_resources import DlqResource
 from resources.dlq import DlqRecord, DlqStatus, DlqStore, FailureInfo
 from resources.idempotency import IdempotencyStore
@@ -40,7 +40,7 @@ from resources.storage.db import Database
 from resources.storage.settings import Settings
 from sandbox.gateway import GatewayServer
 from sensors.dlq import dead_letter_failed_requests
-from sensors.intake import intake_sensor
+from sensors.intake import RequestsResource
 from tests.job_workers import dagster_resources
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -203,7 +203,7 @@ def test_a_key_that_reached_a_recovery_point_is_not_amended(db: Database) -> Non
 
 _WORKER = """
 import sys
-from pipelines.replay import AmendRefused, amend
+from engine.replay import AmendRefused, amend
 from resources.dlq import DlqStore
 from resources.storage.db import Database
 store = DlqStore(Database.from_url(sys.argv[1]))

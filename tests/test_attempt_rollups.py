@@ -21,9 +21,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import text
 
-from pipelines import cli
-from pipelines.attempts import ROLLUPS_MIGRATION, Attempt, AttemptRecorder, Outcome, job_attempts
-from pipelines.metrics import QUANTILES, MetricsCollector, MetricsSnapshot
+from cli import main as cli
+from engine.attempts import ROLLUPS_MIGRATION, Attempt, AttemptRecorder, Outcome, job_attempts
+from engine.health.metrics import QUANTILES, MetricsCollector, MetricsSnapshot
 from resources.storage.db import Database
 from resources.storage.migrations import sql_dir, upgrade
 from tests.metrics_support import FakeClock

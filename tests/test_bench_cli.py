@@ -11,12 +11,12 @@ from pathlib import Path
 
 from sqlalchemy import create_engine, text
 
-from benchmarks.suite import HEADLINE
+from benchmarks.suite import DEFAULT_SUITES, HEADLINE, SUITES, target_text
 from sandbox.postgres_server import PostgresServer, PostgresUnavailable
 from tests.conftest import need_server
 
 ROOT = Path(__file__).resolve().parents[1]
-SEKALI = [sys.executable, "-m", "pipelines.cli"]
+SEKALI = [sys.executable, "-m", "cli.main"]
 
 
 def bench(
@@ -54,10 +54,14 @@ def test_markdown_table_from_a_saved_report_and_into_the_readme(tmp_path: Path) 
         "suites": {},
         "headline": dict.fromkeys(HEADLINE, None) | {"cache_hit_ratio_vs_get": 0.93},
         "headline_targets": {
-            name: {"target": f"{op} {t:g}", "ok": None, "what": what}
+            name: {"target": target_text(op, t), "ok": None, "what": what}
             for name, (op, t, what) in HEADLINE.items()
         }
         | {"cache_hit_ratio_vs_get": {"target": ">= 0.9", "ok": True, "what": "hit path"}},
+        "headline_spread": {
+            "cache_hit_ratio_vs_get": {"median": 0.93, "min": 0.88, "max": 0.95,
+                                       "runs": [0.93, 0.88, 0.95]},
+        },
     }
     saved = tmp_path / "report.json"
     saved.write_text(json.dumps(report))
@@ -68,11 +72,35 @@ def test_markdown_table_from_a_saved_report_and_into_the_readme(tmp_path: Path) 
 
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith("`sekali bench --quick` (quick run, 2026-11-30T12:00:00Z")
-    assert "| hit path (`cache_hit_ratio_vs_get`) | 0.93 | >= 0.9 | yes |" in proc.stdout
+    assert ("| hit path (`cache_hit_ratio_vs_get`) | 0.93 | 0.88-0.95 (3 runs) | >= 0.9 | yes |"
+            in proc.stdout)
     assert "(`intake_micro_batch_ratio`) | not run |" in proc.stdout
     text = readme.read_text()
     assert text.startswith("intro\n<!-- bench:start -->\n`sekali bench --quick`")
     assert "old table" not in text and text.endswith("<!-- bench:end -->\noutro\n")
+
+
+def test_several_reports_render_as_one_with_the_later_suites_winning(tmp_path: Path) -> None:
+    """Catches a README table that mixes a partial re-run with a full run by hand: the headline
+    is taken again from the merged suites, a re-run suite replacing the earlier one."""
+    def report(command: str, suites: dict[str, float]) -> Path:
+        path = tmp_path / f"{len(suites)}-{command.split()[-1]}.json"
+        path.write_text(json.dumps({
+            "command": command, "started_at": "2026-12-01T10:00:00Z", "headline": {},
+            "machine": {"cpus": 2, "load_before": [1, 1, 1], "load_after": [2, 2, 2]},
+            "suites": {name: {"_status": "ok", "headline": {key: value}}
+                       for name, (key, value) in suites.items()},
+        }))
+        return path
+
+    full = report("sekali bench", {"stampede": ("cache_hit_ratio_vs_get", 0.8),
+                                   "observability": ("metrics_snapshot_over_read", 0.5)})
+    again = report("sekali bench --only=stampede", {"stampede": ("cache_hit_ratio_vs_get", 0.95)})
+    proc = bench("--markdown", "--from", str(full), "--from", str(again))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("`sekali bench + sekali bench --only=stampede`")
+    assert "(`cache_hit_ratio_vs_get`) | 0.95 |" in proc.stdout
+    assert "(`metrics_snapshot_over_read`) | 0.5 |" in proc.stdout
 
 
 def test_an_unreadable_report_is_bad_input(tmp_path: Path) -> None:
@@ -129,6 +157,34 @@ def test_a_missing_database_is_created_on_a_fresh_server(tmp_path: Path) -> None
         assert "bench_fresh" in names
     finally:
         server.stop()
+
+
+def test_a_missing_peer_library_is_one_line_and_sekalis_side_is_still_measured(
+    tmp_path: Path,
+) -> None:
+    """Catches a suite that dies on a machine with only the README's install (the locks suite
+    imported python-redis-lock at the top and errored), or that says nothing about what it
+    left out. The package is hidden by a stand-in that fails to import, as a missing one does."""
+    hidden = tmp_path / "hidden" / "redis_lock"
+    hidden.mkdir(parents=True)
+    (hidden / "__init__.py").write_text("raise ImportError('python-redis-lock is hidden')\n")
+    proc = bench(
+        "--json", "--quick", "--only", "locks",
+        env={"PYTHONPATH": f"{hidden.parent}:{ROOT}"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    said = [line for line in proc.stderr.splitlines() if "python-redis-lock" in line]
+    assert len(said) == 1 and "pip install -e '.[bench]'" in said[0]
+    suite = json.loads(proc.stdout)["suites"]["locks"]
+    assert "python-redis-lock" not in suite["uncontended"]
+    assert suite["uncontended"]["sekali RedisLock (no renewal)"]["ops_per_s"] > 0
+    assert " INFO " not in proc.stderr  # the peers' and servers' INFO lines stay off stderr
+
+
+def test_the_cluster_suite_runs_only_when_named() -> None:
+    """Catches a default run that builds network namespaces as root without being asked."""
+    assert "cluster" in SUITES and "cluster" not in DEFAULT_SUITES
+    assert "peers" in DEFAULT_SUITES
 
 
 def test_out_into_a_missing_folder_is_bad_usage_before_anything_runs(tmp_path: Path) -> None:

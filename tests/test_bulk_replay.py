@@ -12,9 +12,9 @@ from typing import Any
 import dagster as dg
 import pytest
 
-from pipelines.cli import main as cli
+from cli.main import main as cli
+from engine.replay import Selection, bulk_replay
 from pipelines.ops.dlq_ops import dlq_operations
-from pipelines.replay import Selection, bulk_replay
 from resources.dagster_resources import DlqResource
 from resources.dlq import DlqStatus, DlqStore, FailureClass, FailureInfo
 from resources.idempotency import IdempotencyStore

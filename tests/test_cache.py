@@ -20,6 +20,7 @@ from resources.cache.core import xfetch_factor
 from resources.cache.scripts import KeyLayout
 from resources.dagster_resources import CacheResource
 from resources.errors import CacheLoaderFailed, CacheLoadTimeout, TransientJobError
+from sandbox.redis_server import RedisServer
 
 pytestmark = pytest.mark.redis
 
@@ -105,6 +106,36 @@ def test_50_threads_in_one_process_share_one_load(caches: Any) -> None:
     stats = cache.stats()["user:*"]
     assert stats["loads"] == 1 and stats["misses"] == 50
     assert stats["waits"] == 49 and stats["wait_time"] > 0
+
+
+def test_50_cold_callers_in_one_process_share_one_get_and_one_connection(
+    redis_server: RedisServer,
+) -> None:
+    """Catches a hit path that reads Redis before joining the key's flight: 50 callers of a
+    cold key would each take a pooled connection and send their own GET before sharing the
+    load. Counted by a private server (INFO: connections accepted, scripts run), not by the
+    client."""
+    admin = redis_server.client()
+    cache = StampedeCache.from_url(redis_server.url, namespace="cold", stats_flush_interval=60)
+    cache.get_or_load("warm", lambda: 0, ttl=60)  # scripts loaded, one pooled connection open
+    admin.config_resetstat()
+    before = int(admin.info("stats")["total_connections_received"])
+    calls = Counter()
+
+    def loader() -> dict[str, int]:
+        calls.hit()
+        time.sleep(0.2)
+        return {"id": 1}
+
+    try:
+        results = _run_threads(50, lambda: cache.get_or_load("user:1", loader, ttl=60))
+        commands = admin.info("commandstats")
+        connections = int(admin.info("stats")["total_connections_received"]) - before
+    finally:
+        cache.close()
+    assert results == [{"id": 1}] * 50 and calls.n == 1
+    assert commands["cmdstat_evalsha"]["calls"] == 2  # the leader's fetch and write scripts
+    assert connections == 0  # the warm pooled connection served them all
 
 
 def test_fresh_hit_does_not_call_the_loader(caches: Any) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import create_engine, text
 
-from pipelines.cli import main as sekali
+from cli.main import main as sekali
 from proof.chaos import (
     FAULTS,
     ChaosConfig,

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.cluster import network
+from sandbox.hosts import network
 from tests.conftest import IN_CI
 
 pytestmark = [pytest.mark.slow, pytest.mark.dagster, pytest.mark.timeout(900)]

@@ -20,14 +20,14 @@ from typing import Any, TypeVar
 import dagster as dg
 import pytest
 
-from pipelines import tags as tag
+from engine import tags as tag
+from engine.requests import RequestStatus, RequestStore
+from pipelines.definitions import intake_sensor
 from pipelines.ops import send_email_job
-from pipelines.profile import RequestsResource
-from pipelines.requests import RequestStatus, RequestStore
 from resources.dlq import DlqStore, FailureClass, FailureInfo
 from resources.storage.db import Database
 from sandbox.mailsink import MailSink
-from sensors.intake import intake_sensor
+from sensors.intake import RequestsResource
 from tests.job_workers import dagster_resources
 
 SEKALI = str(Path(sys.executable).with_name("sekali"))
@@ -166,7 +166,7 @@ def test_dlq_replay_wait_follows_the_record_to_its_end(
     db: Database, db_url: str, replay_ends: str
 ) -> None:
     """Catches: a replay --wait that does not see the replay end, or reads a failure as done."""
-    from pipelines.intake import enqueue
+    from engine.intake import enqueue
 
     request = enqueue("send_email", EMAIL, db=db).request
     record_id = _fail_with_dead_letter(db, request.id, "run-failed-1")
@@ -247,8 +247,8 @@ def test_a_failed_request_without_a_dead_letter_ends_failed_after_the_grace(
 ) -> None:
     """Catches: a --wait that hangs to its timeout when nothing dead-letters the failure (no
     DLQ sensor running)."""
-    from pipelines.commands.follow import request_progress
-    from pipelines.intake import enqueue
+    from cli.commands.follow import request_progress
+    from engine.intake import enqueue
 
     request = enqueue("send_email", EMAIL, db=db).request
     store = RequestStore(db)
@@ -272,7 +272,7 @@ def test_dlq_replay_patch_wait_follows_the_new_version_to_completed(
 ) -> None:
     """Catches: an amended replay that cannot be followed (``--patch`` refused ``--wait``), or a
     --wait that follows the superseded request instead of the new version."""
-    from pipelines.intake import enqueue
+    from engine.intake import enqueue
 
     request = enqueue("send_email", EMAIL, db=db).request
     record_id = _fail_with_dead_letter(db, request.id, "run-failed-1")

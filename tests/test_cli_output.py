@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import create_engine
 
-from pipelines.intake import enqueue
+from engine.intake import enqueue
 from resources.dlq import DlqStore, FailureInfo
 from resources.storage.db import Database
 from resources.storage.migrations import upgrade

@@ -17,10 +17,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from pipelines.attempts import AttemptRecorder, Outcome
-from pipelines.commands.dlq import error_text
-from pipelines.intake import enqueue
-from pipelines.requests import RequestStore
+from cli.commands.dlq import error_text
+from engine.attempts import AttemptRecorder, Outcome
+from engine.intake import enqueue
+from engine.requests import RequestStore
 from resources.dlq import DlqStore, FailureClass, FailureInfo
 from resources.storage.db import Database
 

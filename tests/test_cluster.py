@@ -26,12 +26,12 @@ from typing import Any, TypeVar
 import dagster as dg
 import pytest
 
-from pipelines.attempts import AttemptRecorder
-from pipelines.cluster import Cluster
-from pipelines.cluster.processes import start_time_of
-from pipelines.intake import enqueue
-from pipelines.requests import RequestStatus, RequestStore
+from engine.attempts import AttemptRecorder
+from engine.intake import enqueue
+from engine.requests import RequestStatus, RequestStore
 from resources.storage.db import Database
+from sandbox.hosts import Cluster
+from sandbox.hosts.processes import start_time_of
 from tests.conftest import IN_CI
 
 pytestmark = [pytest.mark.slow, pytest.mark.dagster, pytest.mark.timeout(330)]

@@ -15,7 +15,7 @@ from typing import Any
 import dagster as dg
 import pytest
 
-from pipelines import tags as tag
+from engine import tags as tag
 from pipelines.assets.dead_letters import CHECK_NAME, DEAD_LETTERS
 from pipelines.ops import charge_payment_job
 from pipelines.ops.dlq_ops import dlq_operations
@@ -23,7 +23,8 @@ from resources.dagster_resources import DlqResource
 from resources.dlq import DlqStatus, DlqStore, FailureClass, FailureInfo
 from resources.idempotency import IdempotencyStore
 from resources.storage.db import Database
-from sensors.dlq import build_dlq_replay_sensor, dead_letter_run
+from sensors.dlq import dead_letter_run
+from tests.job_workers import replay_sensor
 
 pytestmark = pytest.mark.dagster
 
@@ -73,7 +74,7 @@ def test_the_sensors_publish_the_table_and_the_check_only_when_it_changes(
     store = DlqStore(db)
     permanent = _record(store, 1, FailureClass.PERMANENT)
     _record(store, 2, FailureClass.TRANSIENT)
-    sensor = build_dlq_replay_sensor(name="replay_pub", max_per_tick=5, per_second=5.0)
+    sensor = replay_sensor(name="replay_pub", max_per_tick=5, per_second=5.0)
 
     _tick(sensor, instance, db_url)
     (latest,) = _materializations(instance)
@@ -113,7 +114,7 @@ def test_a_record_is_resolved_when_its_key_completes_elsewhere(
     conflict = _record(store, 2, FailureClass.PERMANENT, failed_at=time.time() + 1)
     idem.complete(idem.begin("payment:o-1", payload={"a": 1}), {"charge_id": "ch_1"})
 
-    _tick(build_dlq_replay_sensor(name="replay_res"), instance, db_url)
+    _tick(replay_sensor(name="replay_res"), instance, db_url)
     assert store.get(late).status is DlqStatus.RESOLVED
     assert "completed elsewhere" in store.audit(late)[-1]["detail"]
     assert store.get(conflict).status is DlqStatus.OPEN

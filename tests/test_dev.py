@@ -24,9 +24,9 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.commands.dev import SANDBOX_CATALOGUE, setup
-from pipelines.commands.log_filter import QuietFilter
-from pipelines.commands.preflight import port_in_use
+from cli.commands.dev import SANDBOX_CATALOGUE, setup
+from cli.commands.log_filter import QuietFilter
+from cli.commands.preflight import port_in_use
 from pipelines.domain.inventory import Inventory
 from pipelines.jobs import inventory
 from resources.storage.db import Database
@@ -232,7 +232,7 @@ def test_sigterm_stops_the_whole_tree_within_the_bound(dev: DevInstance) -> None
 
 WATCHED = textwrap.dedent("""
     import sys, time
-    from pipelines.commands.supervisor import Supervisor
+    from cli.commands.supervisor import Supervisor
     supervisor = Supervisor(grace=1.0)
     child = supervisor.spawn("tree", ["bash", "-c", "sleep 300 & sleep 300 & wait"])
     print(child.pid, flush=True)

@@ -22,7 +22,7 @@ import pytest
 import redis
 from sqlalchemy import text
 
-from pipelines.diagnosis import (
+from engine.health.diagnosis import (
     CHECKS,
     ERROR,
     WARN,
@@ -32,8 +32,8 @@ from pipelines.diagnosis import (
     diagnose,
     has_errors,
 )
+from engine.registry import JOB_TYPES
 from pipelines.domain.payments import HttpPaymentGateway
-from pipelines.registry import JOB_TYPES
 from resources.cache.core import StampedeCache
 from resources.dlq import DlqStore, FailureClass, FailureInfo
 from resources.errors import TransientJobError
@@ -356,7 +356,7 @@ def test_broken_probe_fails_instead_of_passing(tmp_path: Path) -> None:
 
 def _doctor(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "pipelines.cli", "doctor", *args],
+        [sys.executable, "-m", "cli.main", "doctor", *args],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=180,
     )
 

@@ -13,14 +13,14 @@ from pathlib import Path
 
 from sqlalchemy import text
 
-from pipelines import tags as tag
-from pipelines.attempts import AttemptRecorder
-from pipelines.diagnosis import DiagnosisSetup, EffectLedger, check_correlation
+from engine import tags as tag
+from engine.attempts import AttemptRecorder
+from engine.health.diagnosis import DiagnosisSetup, EffectLedger, check_correlation
+from engine.intake import enqueue
+from engine.registry import JOB_TYPES
+from engine.runtime import execute_request
+from engine.services import Services
 from pipelines.domain.payments import HttpPaymentGateway
-from pipelines.intake import enqueue
-from pipelines.registry import JOB_TYPES
-from pipelines.runtime import execute_request
-from pipelines.services import Services
 from resources.idempotency import IdempotencyStore
 from resources.storage.db import Database
 from resources.storage.migrations import upgrade
@@ -47,7 +47,7 @@ def test_correlation_id_follows_request_to_run_to_attempt_to_gateway(
         assert generated.correlation_id  # the producer gave none: enqueue made one
         services = Services(
             db=db, store=IdempotencyStore(db), attempts=AttemptRecorder(db),
-            gateway=HttpPaymentGateway(server.url),
+            clients={"payment_gateway": HttpPaymentGateway(server.url)},
         )
         for request in (given, generated):
             config = per_request_run_config(request)["ops"]["charge_payment_op"]["config"]
@@ -82,7 +82,7 @@ def test_json_logs_carry_correlation_fields(sqlite_url: str) -> None:
     db = Database.from_url(sqlite_url)
     upgrade(db)
     stream = io.StringIO()
-    handler = configure_json_logging(logging.INFO, stream=stream, logger="pipelines.attempts")
+    handler = configure_json_logging(logging.INFO, stream=stream, logger="engine.attempts")
     other = logging.getLogger("tests.obs")
     other.addHandler(handler)
     other.setLevel(logging.INFO)
@@ -103,10 +103,10 @@ def test_json_logs_carry_correlation_fields(sqlite_url: str) -> None:
         for t in threads:
             t.join()
     finally:
-        logging.getLogger("pipelines.attempts").removeHandler(handler)
+        logging.getLogger("engine.attempts").removeHandler(handler)
         other.removeHandler(handler)
     lines = [json.loads(line) for line in stream.getvalue().splitlines()]
-    attempt = next(x for x in lines if x["logger"] == "pipelines.attempts")
+    attempt = next(x for x in lines if x["logger"] == "engine.attempts")
     assert attempt["correlation_id"] == "c-9" and attempt["run_id"] == "run-1"
     assert attempt["idempotency_key"] == "email:w:1:d" and attempt["outcome"] == "completed"
     work = sorted((x["correlation_id"], x["run_id"], x["request_id"])

@@ -2,7 +2,7 @@
 
 Failed runs come from ``execute_in_process(raise_on_error=False)`` of the real per-request jobs;
 sensors are evaluated with ``build_run_status_sensor_context`` / ``build_sensor_context`` against
-the instance that holds those runs; the CLI is called through ``pipelines.cli.main``.
+the instance that holds those runs; the CLI is called through ``cli.main.main``.
 """
 
 from __future__ import annotations
@@ -15,11 +15,12 @@ import dagster as dg
 import pytest
 from sqlalchemy import text
 
-from pipelines.cli import main as cli
+from cli.main import main as cli
+from engine.failures import FailurePath
+from engine.requests import RequestStore
+from pipelines.definitions import dlq_sensor, dlq_sweep_sensor
 from pipelines.domain.inventory import Inventory
-from pipelines.failures import FailurePath
 from pipelines.ops import all_jobs
-from pipelines.requests import RequestStore
 from resources.dagster_resources import DlqResource
 from resources.dlq import (
     DlqStatus,
@@ -32,8 +33,8 @@ from resources.dlq import (
 from resources.errors import ValidationError
 from resources.idempotency import IdempotencyStore
 from resources.storage.db import Database
-from sensors.dlq import build_dlq_replay_sensor, dlq_sensor, dlq_sweep_sensor, sweep
-from tests.job_workers import dagster_resources
+from sensors.dlq import sweep
+from tests.job_workers import dagster_resources, replay_sensor
 
 JOBS = {job.name: job for job in all_jobs}
 
@@ -156,7 +157,7 @@ def test_permanent_failure_lands_once_and_a_cli_replay_succeeds_once(
     assert IdempotencyStore(s["db"]).get(key).status == "retryable"
     assert cli(["dlq", "replay", str(record.id), "--url", s["url"]]) == 1  # already requested
 
-    sensor = build_dlq_replay_sensor(name="replay_test", max_per_tick=10, per_second=10.0)
+    sensor = replay_sensor(name="replay_test", max_per_tick=10, per_second=10.0)
     run_requests, cursor = replay_tick(sensor, instance, s["dlq"])
     assert [r.run_key for r in run_requests] == [f"dlq-replay:{record.id}:1"]
     assert run_requests[0].tags["sekali/key"] == key
@@ -199,7 +200,7 @@ def test_a_failed_replay_reopens_the_record_with_its_count_increased(
     run_failure_tick(instance, first.run_id, s["dlq"])
     (record,) = s["store"].list_records()
     s["store"].request_replay([record.id], actor="test", idempotency=IdempotencyStore(s["db"]))
-    sensor = build_dlq_replay_sensor(name="replay_test", max_per_tick=10, per_second=10.0)
+    sensor = replay_sensor(name="replay_test", max_per_tick=10, per_second=10.0)
     (rr,), cursor = replay_tick(sensor, instance, s["dlq"])
     assert not launch(instance, rr, s["resources"])  # the cause was not fixed
     replay_run = instance.get_runs(dg.RunsFilter(tags={"sekali/dlq_id": str(record.id)}))[0]

@@ -22,14 +22,14 @@ import dagster as dg
 import pytest
 from sqlalchemy import text
 
-from pipelines.cli import main as cli
+from cli.main import main as cli
 from pipelines.ops import charge_payment_job
 from resources.dagster_resources import DlqResource
 from resources.dlq import DlqStatus, DlqStore, FailureInfo
 from resources.storage.db import Database
 from sandbox.gateway import GatewayServer
-from sensors.dlq import build_dlq_replay_sensor, sweep
-from tests.job_workers import dagster_resources
+from sensors.dlq import sweep
+from tests.job_workers import dagster_resources, replay_sensor
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -98,7 +98,7 @@ def test_replay_after_a_crash_after_the_charge_makes_no_second_charge(
         assert cli(["dlq", "replay", str(record.id), "--url", db_url]) == 0
         time.sleep(1.2)  # the dead worker's 1 s lease runs out; the replay takes the key over
         dlq = DlqResource(database_url=db_url)
-        sensor = build_dlq_replay_sensor(name="replay_test", per_second=10.0, max_per_tick=10)
+        sensor = replay_sensor(name="replay_test", per_second=10.0, max_per_tick=10)
         context = dg.build_sensor_context(instance=instance, resources={"dlq": dlq})
         (request,) = sensor.evaluate_tick(context).run_requests or []
         assert request.tags["sekali/key"] == "payment:o-crash"
@@ -152,7 +152,7 @@ def test_replay_of_500_records_respects_the_rate_bound(db: Database, db_url: str
 
     now = [1_000_000.0]
     per_second, burst, max_per_tick = 5.0, 12.0, 8
-    sensor = build_dlq_replay_sensor(
+    sensor = replay_sensor(
         name="replay_rate",
         per_second=per_second,
         burst=burst,

@@ -16,17 +16,17 @@ from typing import Any
 
 import dagster as dg
 
+from engine.requests import RequestStore
 from pipelines.domain.inventory import Inventory
 from pipelines.ops import reserve_inventory_job, send_email_job
 from pipelines.ops.batch import intake_micro_batch
-from pipelines.profile import RequestsResource
-from pipelines.requests import RequestStore
 from resources.dagster_resources import DlqResource
 from resources.dlq import DlqStatus, DlqStore, FailureInfo
 from resources.idempotency import IdempotencyStore
 from resources.storage.db import Database
-from sensors.dlq import build_dlq_replay_sensor, sweep
-from tests.job_workers import dagster_resources
+from sensors.dlq import sweep
+from sensors.intake import RequestsResource
+from tests.job_workers import dagster_resources, replay_sensor
 
 
 def _tick(
@@ -75,7 +75,7 @@ def test_a_micro_batch_failure_replays_as_a_valid_per_request_run_once(
 
     Inventory(db).set_stock("sku-mb", 10)  # the cause is fixed
     store.request_replay([record.id], actor="test", idempotency=IdempotencyStore(db))
-    sensor = build_dlq_replay_sensor(name="replay_cfg", max_per_tick=10, per_second=10.0)
+    sensor = replay_sensor(name="replay_cfg", max_per_tick=10, per_second=10.0)
     (rr,), cursor = _tick(sensor, instance, db_url, None)
     assert rr.job_name == "reserve_inventory"
     config = dg.validate_run_config(reserve_inventory_job, rr.run_config)
@@ -110,7 +110,7 @@ def test_a_record_whose_run_cannot_be_built_goes_back_to_open(db: Database, db_u
         )
     )
     store.request_replay([recorded.record.id], actor="test")
-    sensor = build_dlq_replay_sensor(name="replay_cfg", max_per_tick=10, per_second=10.0)
+    sensor = replay_sensor(name="replay_cfg", max_per_tick=10, per_second=10.0)
     instance = dg.DagsterInstance.ephemeral()
     requests, _ = _tick(sensor, instance, db_url, None)
     assert requests == []
@@ -170,7 +170,7 @@ def test_a_canceled_replay_run_reopens_its_record_with_its_count_increased(
     )
     record_id = recorded.record.id
     store.request_replay([record_id], actor="test")
-    sensor = build_dlq_replay_sensor(name="replay_cancel", max_per_tick=10, per_second=10.0)
+    sensor = replay_sensor(name="replay_cancel", max_per_tick=10, per_second=10.0)
     instance = dg.DagsterInstance.ephemeral()
     (rr,), cursor = _tick(sensor, instance, db_url, None)
     run = instance.create_run_for_job(

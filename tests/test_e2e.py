@@ -22,9 +22,9 @@ import dagster as dg
 import pytest
 from dagster_graphql import DagsterGraphQLClient
 
+from engine.requests import RequestStatus, RequestStore
 from pipelines.domain.mail import message_id_for
 from pipelines.instance import prepare_dagster_home
-from pipelines.requests import RequestStatus, RequestStore
 from resources.storage.db import Database
 from resources.storage.migrations import upgrade
 from sandbox.gateway import GatewayServer

@@ -28,21 +28,21 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import text
 
-from pipelines import tags as tag
-from pipelines.attempts import AttemptRecorder
+from engine import tags as tag
+from engine.attempts import AttemptRecorder
+from engine.intake import enqueue
+from engine.replay import AmendRefused, Selection, amend, bulk_replay
+from engine.requests import RequestStatus, RequestStore
+from engine.runtime import execute_request
+from engine.services import Services
+from engine.upkeep.reconciliation import Reconciler
+from engine.upkeep.retention import purge_expired
+from pipelines.definitions import intake_sensor
 from pipelines.domain.mail import message_id_for
 from pipelines.domain.payments import HttpPaymentGateway
-from pipelines.intake import enqueue
 from pipelines.jobs.payment import reference_for
 from pipelines.ops import charge_payment_job, send_email_job
 from pipelines.ops.batch import intake_fan_out, intake_micro_batch
-from pipelines.profile import RequestsResource
-from pipelines.reconciliation import Reconciler
-from pipelines.replay import AmendRefused, Selection, amend, bulk_replay
-from pipelines.requests import RequestStatus, RequestStore
-from pipelines.retention import purge_expired
-from pipelines.runtime import execute_request
-from pipelines.services import Services
 from resources.dagster_resources import DlqResource
 from resources.dlq import DlqStatus, DlqStore, FailureInfo
 from resources.errors import ValidationError
@@ -51,10 +51,10 @@ from resources.storage.db import Database
 from resources.storage.settings import RetentionSettings
 from sandbox.gateway import GatewayServer
 from sandbox.mailsink import MailSink
-from sensors.dlq import build_dlq_replay_sensor, dead_letter_run, sweep
-from sensors.intake import intake_sensor
+from sensors.dlq import dead_letter_run, sweep
+from sensors.intake import RequestsResource
 from tests.conftest import IN_CI
-from tests.job_workers import dagster_resources
+from tests.job_workers import dagster_resources, replay_sensor
 
 pytestmark = pytest.mark.dagster
 
@@ -139,7 +139,7 @@ class World:
         )
 
     def replays(self) -> list[dg.RunRequest]:
-        sensor = build_dlq_replay_sensor(name="replay_edge", per_second=50.0, max_per_tick=50)
+        sensor = replay_sensor(name="replay_edge", per_second=50.0, max_per_tick=50)
         context = dg.build_sensor_context(
             instance=self.instance, resources={"dlq": DlqResource(database_url=self.db_url)}
         )
@@ -407,7 +407,7 @@ def test_double_charged_sees_a_charge_under_another_reference_of_the_order(
                       "t": time.time() - 3600})
     assert len(world.charges(order)) == 2
     report = Reconciler(world.db, store=IdempotencyStore(world.db), dlq=world.dlq,
-                        gateway=client).run()
+                        clients={"payment_gateway": client}).run()
     assert report.found["double_charged"] == 1 and report.fixed["double_charged"] == 1
     (action,) = [a for a in report.actions if a.startswith("compensate:refund-pending:")]
     assert action.endswith(":" + [c["charge_id"] for c in world.charges(order)
@@ -423,7 +423,7 @@ def test_a_header_value_with_cr_lf_is_refused_and_nothing_is_marked_sent(world: 
     every retry then waited out the settle window for a send that never began."""
     services = Services(db=world.db, store=IdempotencyStore(world.db),
                         attempts=AttemptRecorder(world.db),
-                        gateway=HttpPaymentGateway(world.gateway.url))
+                        clients={"payment_gateway": HttpPaymentGateway(world.gateway.url)})
     with pytest.raises(ValidationError) as refused:
         execute_request("charge_payment", payment("o-crlf"), services=services, key="k-crlf",
                         correlation_id="c\r\nX-Injected: 1")

@@ -17,13 +17,13 @@ import pytest
 import redis
 from sqlalchemy import text
 
-from pipelines.attempts import AttemptRecorder
+from engine.attempts import AttemptRecorder
+from engine.downstreams import Paced, paced
+from engine.runtime import execute_request
+from engine.services import Services
 from pipelines.domain.inventory import Inventory
 from pipelines.domain.mail import SmtpMailer
-from pipelines.domain.payments import GatewayUnavailable, HttpPaymentGateway
-from pipelines.domain.rate_limited import PAYMENT_GATEWAY, RateLimitedGateway, limit_gateway
-from pipelines.runtime import execute_request
-from pipelines.services import Services
+from pipelines.domain.payments import GATEWAY, GatewayUnavailable, HttpPaymentGateway
 from resources.dagster_resources import ConcurrencyResource, RateLimitResource
 from resources.flow import ConcurrencyLimits, LimitNotAcquired, RateLimited, RateLimits
 from resources.idempotency import IdempotencyStore
@@ -98,7 +98,8 @@ def test_a_charge_holds_its_order_slot_while_the_gateway_works(
     it is free again after. Catches the slot taken and dropped before the call, or kept."""
     gateway.set_faults(latency_ms=600)
     services = services_with_limits(
-        db, redis_client, namespace, wait=5, gateway=HttpPaymentGateway(gateway.url)
+        db, redis_client, namespace, wait=5,
+        clients={"payment_gateway": HttpPaymentGateway(gateway.url)},
     )
     assert services.concurrency is not None
     limiter = services.concurrency.limiter("charge_payment", 1)
@@ -122,9 +123,9 @@ def test_the_gateway_takes_a_token_per_call_and_a_retry_after_slows_every_worker
     retry_after. Then a 503 with Retry-After: 2 pauses the shared bucket for everyone.
     Catches a client that bypasses the bucket, and a Retry-After that only delays one job."""
     limits = RateLimits(
-        redis_client, {PAYMENT_GATEWAY: "1/h,burst=2,wait=0"}, prefix=f"{namespace}:rate:"
+        redis_client, {GATEWAY.name: "1/h,burst=2,wait=0"}, prefix=f"{namespace}:rate:"
     )
-    client = limit_gateway(HttpPaymentGateway(gateway.url), limits)
+    client = paced(GATEWAY, HttpPaymentGateway(gateway.url), limits)
     for order in ("o-1", "o-2"):
         client.charge(reference=order, amount_cents=100, currency="EUR", idempotency_key=order)
     with pytest.raises(RateLimited) as refused:
@@ -132,14 +133,14 @@ def test_the_gateway_takes_a_token_per_call_and_a_retry_after_slows_every_worker
     assert refused.value.retry_after > 60
     assert len(gateway.charges()) == 2
 
-    limiter = limits.limiter(PAYMENT_GATEWAY)
+    limiter = limits.limiter(GATEWAY.name)
     assert limiter is not None
     limiter.reset()
     gateway.set_faults(error_rate=1.0, retry_after_s=2)
     with pytest.raises(GatewayUnavailable):
         client.charge(reference="o-3", amount_cents=100, currency="EUR", idempotency_key="o-3")
     assert limiter.state().throttled_for > 1.5
-    other_worker = limit_gateway(HttpPaymentGateway(gateway.url), limits)
+    other_worker = paced(GATEWAY, HttpPaymentGateway(gateway.url), limits)
     with pytest.raises(RateLimited):
         other_worker.find_charges("o-3")
 
@@ -151,11 +152,11 @@ def test_services_from_settings_pace_only_the_downstreams_with_a_rate(sqlite_url
         "dagster_home": Path("/nonexistent"), "gateway_url": "http://127.0.0.1:9",
         "smtp_host": "127.0.0.1", "smtp_port": 9,
     }
-    paced = Services.from_settings(Settings(**base, rates={PAYMENT_GATEWAY: "50/s"}))
-    assert isinstance(paced.gateway, RateLimitedGateway)
-    assert isinstance(paced.mailer, SmtpMailer)
+    paced_services = Services.from_settings(Settings(**base, rates={GATEWAY.name: "50/s"}))
+    assert isinstance(paced_services.client(GATEWAY.name), Paced)
+    assert isinstance(paced_services.client("smtp"), SmtpMailer)
     plain = Services.from_settings(Settings(**base), lease_seconds=5)
-    assert isinstance(plain.gateway, HttpPaymentGateway)
+    assert isinstance(plain.client(GATEWAY.name), HttpPaymentGateway)
     assert plain.concurrency is not None and plain.concurrency.lease == 5
 
 

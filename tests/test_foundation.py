@@ -80,8 +80,9 @@ def test_importing_definitions_opens_no_socket() -> None:
 @pytest.mark.postgres
 @pytest.mark.dagster
 def test_production_instance_runs_a_job_on_postgres(tmp_path: Path) -> None:
-    """The production dagster.yaml, as shipped, on a real Postgres: queues, monitoring, retries
-    that skip op failures, and a job whose run and events land in Postgres."""
+    """The production dagster.yaml, as shipped, on a real Postgres: queues launched from a
+    thread pool, monitoring, retries that skip op failures, and a job whose run and events land
+    in Postgres."""
     error = _postgres_error()
     if error is not None:
         need_server("PostgreSQL", error)
@@ -106,6 +107,8 @@ def test_production_instance_runs_a_job_on_postgres(tmp_path: Path) -> None:
             limits = {(lim["key"], lim["value"]) for lim in coordinator.get_run_queue_config()
                       .tag_concurrency_limits}
             assert {("sekali/queue", "heavy"), ("sekali/queue", "light")} <= limits
+            # runs are launched from a thread pool, not one after the other
+            assert coordinator.dequeue_use_threads and coordinator.dequeue_num_workers == 4
             assert instance.run_monitoring_enabled
             assert instance.run_retries_enabled
             assert instance.get_settings("run_retries")["retry_on_asset_or_op_failure"] is False

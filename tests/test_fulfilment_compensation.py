@@ -16,9 +16,9 @@ import dagster as dg
 import pytest
 from sqlalchemy import text
 
+from engine.upkeep.reconciliation import Reconciler
 from pipelines import ops
 from pipelines.domain.inventory import Inventory, ReservationsNotHeld
-from pipelines.reconciliation import Reconciler
 from resources.dlq import DlqStore, FailureClass, FailureInfo
 from resources.idempotency import IdempotencyStore, Status
 from resources.storage.db import Database

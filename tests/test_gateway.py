@@ -29,7 +29,7 @@ from pipelines.domain.payments import (
     HttpPaymentGateway,
     PaymentGateway,
 )
-from pipelines.profile import PaymentGatewayResource
+from pipelines.profile import DownstreamResource
 from resources.retry import ErrorClass, classify
 from sandbox.gateway import GatewayServer
 from sandbox.redis_server import free_port
@@ -201,7 +201,7 @@ def test_unreachable_gateway_is_transient_and_not_maybe_charged() -> None:
 def test_resource_defaults_to_settings(monkeypatch: pytest.MonkeyPatch,
                                        gateway: GatewayServer) -> None:
     monkeypatch.setenv("SEKALI_GATEWAY_URL", gateway.url)
-    client = PaymentGatewayResource().get_client()
+    client = DownstreamResource(downstream="payment_gateway").get_client()
     assert client.base_url == gateway.url
     client.charge(reference="o-10", amount_cents=1, currency="EUR", idempotency_key="k10")
     assert len(gateway.charges()) == 1

@@ -13,9 +13,9 @@ from typing import Any
 import dagster as dg
 import pytest
 
+from engine.health.diagnosis import CHECKS
 from pipelines.assets.observability import HEALTH_INTERVAL_SECONDS, METRICS_ASSET, health_sensor
 from pipelines.definitions import defs
-from pipelines.diagnosis import CHECKS
 from pipelines.profile import ObservabilityResource
 from resources.dagster_resources import (
     CacheResource,

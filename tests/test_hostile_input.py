@@ -30,25 +30,25 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import text
 
+from cli.commands import enqueue as enqueue_command
+from engine.attempts import AttemptRecorder
+from engine.intake import enqueue
+from engine.requests import JobRequest, RequestStatus, RequestStore
+from engine.services import Services
+from engine.validation import admit_request_row
 from pipelines import ops
-from pipelines.attempts import AttemptRecorder
-from pipelines.commands import enqueue as enqueue_command
 from pipelines.domain.inventory import Inventory
-from pipelines.intake import enqueue
 from pipelines.ops.batch import run_batch
 from pipelines.ops.failures import admit_run_config
-from pipelines.requests import JobRequest, RequestStatus, RequestStore
-from pipelines.services import Services
-from pipelines.validation import admit_request_row
 from resources.dagster_resources import DlqResource
 from resources.dlq import DlqRecord, DlqStatus, DlqStore, FailureClass, FailureInfo
 from resources.errors import ValidationError
 from resources.idempotency import IdempotencyStore
 from resources.storage.db import Database
 from resources.storage.settings import InputLimits
-from sensors.dlq import admit_replay, build_dlq_replay_sensor
+from sensors.dlq import admit_replay
 from tests.conftest import IN_CI
-from tests.job_workers import dagster_resources
+from tests.job_workers import dagster_resources, replay_sensor
 
 LIMITS = InputLimits()
 PAYMENT = {"order_id": "o-1", "amount_cents": 1250, "currency": "EUR"}
@@ -320,7 +320,7 @@ def test_a_dlq_replay_of_a_hostile_payload_is_refused_permanently_and_audited(
                     payload=payload)
     )
     store.request_replay([recorded.record.id], actor="test")
-    sensor = build_dlq_replay_sensor(name="replay_hostile", max_per_tick=5, per_second=5.0)
+    sensor = replay_sensor(name="replay_hostile", max_per_tick=5, per_second=5.0)
     context = dg.build_sensor_context(
         instance=dg.DagsterInstance.ephemeral(),
         resources={"dlq": DlqResource(database_url=db_url)},

@@ -30,7 +30,7 @@ from resources.idempotency import (
     StoredFailure,
 )
 from resources.storage.db import Database
-from resources.storage.migrations import upgrade
+from resources.storage.migrations import SchemaBehind, upgrade
 from tests.idempotency_workers import (
     PHASE_EFFECTS_DDL,
     PHASES,
@@ -69,9 +69,16 @@ def claim_of(outcome: Claim | Completed) -> Claim:
     return outcome
 
 
-def test_public_api_from_url_run_once(db_url: str) -> None:
-    """The documented entry point creates the schema and runs ``fn`` once per key.
-    Catches: from_url not applying sql/, or run_once calling fn for a completed key."""
+def test_public_api_from_url_run_once(db_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The documented entry point creates the schema (on Postgres only when the operator lets
+    processes migrate: ``SEKALI_AUTO_MIGRATE=1``; else it refuses, naming the command) and runs
+    ``fn`` once per key. Catches: from_url not applying sql/, a production process changing the
+    schema unasked, or run_once calling fn for a completed key."""
+    monkeypatch.delenv("SEKALI_AUTO_MIGRATE", raising=False)
+    if db_url.startswith("postgresql"):
+        with pytest.raises(SchemaBehind, match="sekali db upgrade"):
+            IdempotencyStore.from_url(db_url, lease_seconds=5.0)
+        monkeypatch.setenv("SEKALI_AUTO_MIGRATE", "1")
     store = IdempotencyStore.from_url(db_url, lease_seconds=5.0)
     calls: list[int] = []
 

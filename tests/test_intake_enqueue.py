@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.intake import enqueue
-from pipelines.requests import RequestStatus, RequestStore
+from engine.intake import enqueue
+from engine.requests import RequestStatus, RequestStore
 from resources.errors import IdempotencyConflict, ValidationError
 from resources.storage.db import Database
 

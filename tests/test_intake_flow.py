@@ -20,15 +20,14 @@ import dagster as dg
 import pytest
 from sqlalchemy import text
 
-from pipelines.cli import main as cli
-from pipelines.consumers import report_rebuild_consumer
-from pipelines.intake import enqueue
+from cli.main import main as cli
+from engine.intake import enqueue
+from engine.registry import JOB_TYPES
+from engine.requests import RequestStatus, RequestStore, windowed_key
+from engine.validation import PRIORITY_MAX
+from pipelines.domain.consumers import report_rebuild_consumer
 from pipelines.jobs import report
 from pipelines.ops import all_jobs, rebuild_report_cache_job
-from pipelines.profile import RequestsResource
-from pipelines.registry import JOB_TYPES
-from pipelines.requests import RequestStatus, RequestStore, windowed_key
-from pipelines.validation import PRIORITY_MAX
 from resources.dlq import DlqStore, FailureInfo
 from resources.errors import ValidationError
 from resources.idempotency import Claim, Completed, IdempotencyStore
@@ -38,6 +37,7 @@ from resources.storage.migrations import sql_dir, upgrade
 from sensors.intake import (
     IntakeMode,
     IntakePolicy,
+    RequestsResource,
     evaluate_intake,
     merge_debounced,
     run_requests_for,
@@ -68,8 +68,9 @@ def test_a_burst_of_200_shipped_events_makes_one_rebuild_per_report(db_url: str)
     """Catches: one rebuild per event (no debounce), a group launched twice by two claimers at
     once, a coalesced request lost (no status or link), a run before the burst is over."""
     db = Database.from_url(db_url)
+    upgrade(db)
     store = RequestStore(db)
-    enqueue("rebuild_report_cache", report.JOB_TYPE.example, db=db)  # applies the schema
+    enqueue("rebuild_report_cache", report.JOB_TYPE.example, db=db)
     store.claim_for_launch(10, merge=merge_debounced)  # not due yet: stays pending
     first = store.get_by_key(report.key_for(report.JOB_TYPE.example))
     assert first is not None and first.status is RequestStatus.PENDING
@@ -303,6 +304,7 @@ def test_dlq_show_and_the_request_record_show_the_dedupe_window(
 ) -> None:
     """Catches: an operator unable to tell whether a replay of this key is the same intent."""
     db = Database.from_url(db_url)
+    upgrade(db)
     made = enqueue("send_email", _mail("s"), db=db)
     plain = enqueue("rebuild_report_cache", report.JOB_TYPE.example, db=db)
     dlq = DlqStore(db)
@@ -336,6 +338,7 @@ def test_sekali_enqueue_takes_a_priority_and_refuses_a_bad_one(
 ) -> None:
     """Catches: the CLI dropping the priority, or a bad one not kept as a rejection."""
     db = Database.from_url(db_url)
+    upgrade(db)
     payload = json.dumps(_mail("cli"))
     assert cli(["enqueue", "send_email", "--payload", payload, "--url", db_url,
                 "--priority", "7"]) == 0

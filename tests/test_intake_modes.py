@@ -19,15 +19,15 @@ from typing import Any
 import dagster as dg
 import pytest
 
-from pipelines import tags as tag
+from engine import tags as tag
+from engine.requests import RequestStatus, RequestStore
+from pipelines.definitions import intake_sensor
 from pipelines.domain.mail import message_id_for
 from pipelines.ops import send_email_job
 from pipelines.ops.batch import FAN_OUT_JOB, MICRO_BATCH_JOB, intake_fan_out, intake_micro_batch
-from pipelines.profile import RequestsResource
-from pipelines.requests import RequestStatus, RequestStore
 from resources.storage.db import Database
 from sandbox.mailsink import MailSink
-from sensors.intake import intake_sensor
+from sensors.intake import RequestsResource
 from tests.job_workers import dagster_resources
 
 pytestmark = pytest.mark.dagster
@@ -56,7 +56,7 @@ def producer_payloads(seed: int = 5) -> list[dict[str, Any]]:
 
 def enqueue_chunk(db_url: str, payloads: list[dict[str, Any]]) -> list[bool]:
     """Module-level producer (spawn-safe): ``enqueue`` each payload; returns ``created`` flags."""
-    from pipelines.intake import enqueue
+    from engine.intake import enqueue
 
     database = Database.from_url(db_url)
     try:

@@ -8,9 +8,9 @@ from collections.abc import Iterator
 import dagster as dg
 import pytest
 
+from engine.requests import RequestStatus, RequestStore
 from pipelines.ops import send_email_job
 from pipelines.ops.batch import BATCH_JOBS
-from pipelines.requests import RequestStatus, RequestStore
 from resources.storage.db import Database
 from sensors.intake import (
     IntakeMode,

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from sqlalchemy import text
 
-from pipelines.requests import TRANSITIONS, RequestStatus, RequestStore
+from engine.requests import TRANSITIONS, RequestStatus, RequestStore
 from resources.errors import IdempotencyConflict
 from resources.storage.db import Database
 

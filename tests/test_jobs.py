@@ -17,12 +17,12 @@ import dagster as dg
 import pytest
 from sqlalchemy import text
 
+from engine.attempts import AttemptRecorder
+from engine.registry import JOB_TYPES, get_job_type
 from pipelines import ops
-from pipelines.attempts import AttemptRecorder
 from pipelines.domain.inventory import Inventory
 from pipelines.domain.mail import message_id_for
 from pipelines.jobs.payment import reference_for
-from pipelines.registry import JOB_TYPES, get_job_type
 from resources.errors import ValidationError
 from resources.idempotency import IdempotencyStore, Status
 from resources.storage.db import Database

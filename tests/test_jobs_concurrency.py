@@ -1,6 +1,6 @@
 """Many threads and several processes racing on the same intents: one effect per intent.
 
-Every racer calls :func:`pipelines.runtime.execute_request` (the code path of every op) with its
+Every racer calls :func:`engine.runtime.execute_request` (the code path of every op) with its
 own ``Services``; spawned processes build theirs from settings, as a separate run worker would.
 They all wait for one "go" file so the race is real, not sequential.
 """
@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from pipelines.attempts import AttemptRecorder
+from engine.attempts import AttemptRecorder
 from pipelines.domain.inventory import Inventory
 from pipelines.jobs.payment import reference_for
 from resources.storage.db import Database

@@ -22,8 +22,8 @@ import dagster as dg
 import pytest
 from sqlalchemy import text
 
+from engine.attempts import AttemptRecorder
 from pipelines import ops
-from pipelines.attempts import AttemptRecorder
 from pipelines.domain.inventory import Inventory
 from pipelines.jobs.payment import reference_for
 from resources.idempotency import IdempotencyStore, Status

@@ -13,11 +13,11 @@ from typing import Any
 import dagster as dg
 import pytest
 
+from engine.attempts import AttemptRecorder
+from engine.launch import request_run_config
+from engine.requests import RequestStatus, RequestStore
 from pipelines import ops
-from pipelines.attempts import AttemptRecorder
 from pipelines.jobs.payment import reference_for
-from pipelines.ops.request_job import request_run_config
-from pipelines.requests import RequestStatus, RequestStore
 from resources.idempotency import IdempotencyStore, Status
 from resources.retry import BUDGET_UNAVAILABLE
 from resources.storage.db import Database

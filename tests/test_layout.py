@@ -2,8 +2,10 @@
 
 import-linter (``lint-imports`` in CI) holds the layers; these tests hold what it cannot say:
 the public names the README shows stay importable from the same place, no module imports the
-project's own code inside a function, the defences need no Dagster, no business module lives
-under ``resources/``, and no docstring or comment cites an issue or a file outside the tree.
+project's own code inside a function, the defences and the platform need no Dagster, no
+business module, class or function lives under ``resources/`` or ``engine/``, importing the
+platform imports no job type (they are found at first use), and no docstring or comment cites
+an issue or a file outside the tree.
 """
 
 from __future__ import annotations
@@ -18,7 +20,15 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("resources", "pipelines", "sensors", "sandbox", "proof", "benchmarks")
+PACKAGES = (
+    "resources", "engine", "sandbox", "sensors", "pipelines", "proof", "cli", "benchmarks",
+)
+"""Every top-level package, lowest layer first."""
+NO_LOCAL_IMPORTS = tuple(p for p in PACKAGES if p != "benchmarks")
+"""Where a function-local import of the project is refused (the benchmarks import what they
+measure inside the suite that measures it, so ``sekali bench --help`` stays fast)."""
+GENERIC = ("resources", "engine")
+"""The layers that know no business word."""
 BUSINESS_WORDS = re.compile(r"\b(payment|payments|mail|mailer|order|orders|stock|report)\b", re.I)
 
 README_NAMES = {
@@ -33,9 +43,9 @@ README_NAMES = {
     "resources.settings": ["Settings"],
     "resources.db": ["Database"],
     "resources.migrations": ["upgrade"],
-    "pipelines.intake": ["enqueue"],
-    "pipelines.runtime": ["execute_request"],
-    "pipelines.services": ["Services"],
+    "engine.intake": ["enqueue"],
+    "engine.runtime": ["execute_request"],
+    "engine.services": ["Services"],
     "pipelines.definitions": ["defs"],
 }
 
@@ -54,7 +64,7 @@ def test_public_names_stay_where_the_readme_shows_them(module: str) -> None:
 def test_no_function_local_imports_of_the_project() -> None:
     """A function-local import that dodges a cycle means the code sits on the wrong layer."""
     found = []
-    for path in _modules(*PACKAGES[:5]):
+    for path in _modules(*NO_LOCAL_IMPORTS):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom | ast.Import) and node.col_offset > 0:
                 name = node.module if isinstance(node, ast.ImportFrom) else node.names[0].name
@@ -65,7 +75,7 @@ def test_no_function_local_imports_of_the_project() -> None:
 
 def test_only_the_wrapper_module_under_resources_imports_dagster() -> None:
     importers = []
-    for path in _modules("resources"):
+    for path in _modules(*GENERIC):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom | ast.Import):
                 name = node.module if isinstance(node, ast.ImportFrom) else node.names[0].name
@@ -74,24 +84,28 @@ def test_only_the_wrapper_module_under_resources_imports_dagster() -> None:
     assert sorted(set(importers)) == ["resources/dagster_resources.py"]
 
 
-def test_the_defences_import_without_dagster() -> None:
+@pytest.mark.parametrize("package", GENERIC)
+def test_the_generic_layers_import_without_dagster_or_a_job_type(package: str) -> None:
+    """Importing every module of the defences (but their wrapper module) or of the platform
+    loads no Dagster and no job type: the registry finds job types at first use."""
     code = (
-        "import sys, importlib, pkgutil, resources\n"
-        "for m in pkgutil.walk_packages(resources.__path__, 'resources.'):\n"
+        "import sys, importlib, pkgutil\n"
+        f"import {package}\n"
+        f"for m in pkgutil.walk_packages({package}.__path__, '{package}.'):\n"
         "    if m.name != 'resources.dagster_resources':\n"
         "        importlib.import_module(m.name)\n"
-        "print('dagster' in sys.modules)\n"
+        "print('dagster' in sys.modules, 'pipelines' in sys.modules)\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
     )
-    assert out.stdout.strip() == "False"
+    assert out.stdout.strip() == "False False"
 
 
-def test_no_business_module_under_resources() -> None:
-    """Module and class names under resources/ carry no business word."""
+def test_no_business_module_under_the_generic_layers() -> None:
+    """Module, class and function names under resources/ and engine/ carry no business word."""
     offenders = []
-    for path in _modules("resources"):
+    for path in _modules(*GENERIC):
         if BUSINESS_WORDS.search(path.stem):
             offenders.append(str(path.relative_to(ROOT)))
         for node in ast.walk(ast.parse(path.read_text())):

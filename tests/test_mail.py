@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from pipelines.domain.mail import Mailer, MailRejected, MailUnavailable, SmtpMailer, message_id_for
-from pipelines.profile import MailerResource
+from pipelines.profile import DownstreamResource
 from resources.errors import SendDeadlinePassed
 from resources.retry import ErrorClass, classify
 from sandbox.mailsink import MailSink
@@ -196,7 +196,8 @@ def test_every_send_of_a_session_is_cut_at_its_own_deadline(dripping_server: int
 
 
 def test_resource_reads_settings_at_use(monkeypatch: pytest.MonkeyPatch, sink: MailSink) -> None:
-    resource = MailerResource()  # built before the env is set: nothing read at construction
+    # built before the env is set: nothing read at construction
+    resource = DownstreamResource(downstream="smtp")
     monkeypatch.setenv("SEKALI_SMTP_HOST", "127.0.0.1")
     monkeypatch.setenv("SEKALI_SMTP_PORT", str(sink.port))
     resource.get_client().send(to="c@example.com", subject="r", body="b", message_id="<r@sekali>")

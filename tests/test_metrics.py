@@ -20,8 +20,8 @@ import pytest
 import redis
 from prometheus_client import CollectorRegistry
 
-from pipelines.diagnosis import CHECKS
-from pipelines.metrics import MetricsCollector, MetricsSnapshot, SnapshotCollector, percentile
+from engine.health.diagnosis import CHECKS
+from engine.health.metrics import MetricsCollector, MetricsSnapshot, SnapshotCollector, percentile
 from resources.cache.core import StampedeCache
 from resources.dlq import DlqStore, FailureClass, FailureInfo
 from resources.errors import LockNotAcquired, TransientJobError
@@ -39,7 +39,7 @@ DURATIONS = {
 
 
 def nearest_rank(values: list[float], q: float) -> float:
-    """Independent of pipelines.metrics: sort, take the ceil(q*n)-th value."""
+    """Independent of engine.health.metrics: sort, take the ceil(q*n)-th value."""
     ordered = sorted(values)
     return ordered[math.ceil(q * len(ordered)) - 1]
 
@@ -247,7 +247,7 @@ def test_prometheus_endpoint_serves_the_numbers(
     sqlite_url: str, redis_client: redis.Redis, namespace: str
 ) -> None:
     """A real HTTP GET of /metrics returns the workload's numbers in the text format."""
-    from pipelines.commands.metrics import MetricsServer
+    from cli.commands.metrics import MetricsServer
 
     db = Database.from_url(sqlite_url)
     upgrade(db)
@@ -285,7 +285,7 @@ def test_cli_metrics_serve_and_show(tmp_path: Path, redis_url: str) -> None:
     env = {**os.environ, "DATABASE_URL": url, "REDIS_URL": redis_url,
            "SEKALI_STATE_DIR": str(tmp_path / "state")}
     shown = subprocess.run(
-        [sys.executable, "-m", "pipelines.cli", "metrics", "show", "--json"],
+        [sys.executable, "-m", "cli.main", "metrics", "show", "--json"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
     )
     assert shown.returncode == 0, shown.stderr
@@ -296,7 +296,7 @@ def test_cli_metrics_serve_and_show(tmp_path: Path, redis_url: str) -> None:
 
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pipelines.cli", "metrics", "serve", "--port", str(port)],
+        [sys.executable, "-m", "cli.main", "metrics", "serve", "--port", str(port)],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:

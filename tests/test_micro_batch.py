@@ -24,14 +24,14 @@ from typing import Any
 import pytest
 from sqlalchemy import event, text
 
-from pipelines.attempts import AttemptRecorder
+from engine.attempts import AttemptRecorder
+from engine.requests import RequestStatus, RequestStore
+from engine.services import Services
 from pipelines.domain.inventory import Inventory
 from pipelines.domain.mail import SmtpMailer, message_id_for
 from pipelines.jobs import inventory as inventory_job
 from pipelines.jobs.email import validate
 from pipelines.ops.batch import run_batch
-from pipelines.requests import RequestStatus, RequestStore
-from pipelines.services import Services
 from resources.flow import ConcurrencyLimits
 from resources.idempotency import Claim, Completed, IdempotencyStore, Status
 from resources.storage.db import Database
@@ -55,7 +55,7 @@ def key_of(payload: dict[str, Any]) -> str:
 def services_for(db: Database, sink: MailSink, lease: float = 30.0) -> Services:
     return Services(
         db=db, store=IdempotencyStore(db, lease_seconds=lease), attempts=AttemptRecorder(db),
-        mailer=SmtpMailer("127.0.0.1", sink.port),
+        clients={"smtp": SmtpMailer("127.0.0.1", sink.port)},
     )
 
 

@@ -17,10 +17,12 @@ from sqlalchemy import inspect, text
 import resources
 from resources.errors import SekaliError
 from resources.storage.db import Database, metadata
+from resources.storage.migration_files import Batch
 from resources.storage.migrations import (
     MigrationDrift,
     applied,
     load_migrations,
+    parse_statements,
     split_statements,
     sql_dir,
     upgrade,
@@ -144,6 +146,40 @@ def test_dialect_file_wins(tmp_path: Path) -> None:
 def test_split_statements() -> None:
     sql = "-- comment; here\nCREATE TABLE a (x INT);\nCREATE INDEX i\n  ON a (x);\n\n"
     assert split_statements(sql) == ["CREATE TABLE a (x INT)", "CREATE INDEX i\n  ON a (x)"]
+
+
+def test_function_and_trigger_bodies_stay_one_statement() -> None:
+    """A ``;`` at the end of a line inside ``$$ ... $$`` or a SQLite ``BEGIN ... END;`` trigger
+    body does not end the statement. Catches: a Postgres trigger function or a SQLite trigger
+    sent in pieces."""
+    sql = (
+        "CREATE FUNCTION f() RETURNS trigger LANGUAGE plpgsql AS $$\nBEGIN\n"
+        "    NEW.a := COALESCE(NEW.a, 1);\n    RETURN NEW;\nEND\n$$;\n"
+        "CREATE TRIGGER t AFTER INSERT ON x\n    FOR EACH ROW WHEN NEW.a IS NULL\nBEGIN\n"
+        "    UPDATE x SET a = 1 WHERE id = NEW.id;\nEND;\n"
+        "-- sekali: batch x.id 100\nUPDATE x SET a = 2 WHERE id >= :lo AND id < :hi;\n"
+    )
+    statements = parse_statements(sql)
+    assert [s.sql.split()[1] for s in statements] == ["FUNCTION", "TRIGGER", "x"]
+    assert statements[0].sql.endswith("$$") and statements[1].sql.endswith("END")
+    assert [s.batch for s in statements] == [None, None, Batch("x", "id", 100)]
+
+
+def test_directives_are_checked_when_loaded(tmp_path: Path) -> None:
+    """Catches: a misspelt directive silently ignored (an online file run as one transaction),
+    or a file claiming to replace one that comes after it."""
+    (tmp_path / "0001_a.sql").write_text("-- sekali: onlin\nSELECT 1;\n")
+    with pytest.raises(ValueError, match="0001_a.sql: unknown directive 'sekali: onlin'"):
+        load_migrations("sqlite", tmp_path)
+    (tmp_path / "0001_a.sql").write_text("-- sekali: replaces 0002_b\nSELECT 1;\n")
+    (tmp_path / "0002_b.sql").write_text("SELECT 2;\n")
+    with pytest.raises(ValueError, match="0001_a: replaces '0002_b', not an earlier file"):
+        load_migrations("sqlite", tmp_path)
+    (tmp_path / "0001_a.sql").write_text("-- sekali: accepts abc def\nSELECT 1;\n")
+    (tmp_path / "0002_b.sql").write_text("-- sekali: online\n-- sekali: replaces 0001_a\n")
+    first, second = load_migrations("postgresql", tmp_path)
+    assert first.matches("abc") and first.matches(first.checksum) and not first.matches("x")
+    assert second.online and second.replaces == ("0001_a",) and not first.online
 
 
 def test_identity_placeholder_renders_per_dialect_and_ids_auto_increment(db: Database) -> None:

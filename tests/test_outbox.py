@@ -24,7 +24,7 @@ import pytest
 from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
-from pipelines.consumers import cache_invalidation_consumer
+from pipelines.domain.consumers import cache_invalidation_consumer
 from resources.outbox import write_event
 from resources.outbox.publisher import (
     Consumer,

@@ -32,14 +32,14 @@ import dagster as dg
 import pytest
 from sqlalchemy import text
 
+from engine.attempts import AttemptRecorder
+from engine.runtime import execute_request
+from engine.services import Services
+from engine.upkeep.reconciliation import Reconciler
 from pipelines import ops
-from pipelines.attempts import AttemptRecorder
 from pipelines.domain.payments import GatewayUnavailable, HttpPaymentGateway
 from pipelines.jobs.payment import PaymentNotSettled, reference_for
-from pipelines.profile import PaymentGatewayResource
-from pipelines.reconciliation import Reconciler
-from pipelines.runtime import execute_request
-from pipelines.services import Services
+from pipelines.profile import DownstreamResource
 from resources.dlq import DlqStore
 from resources.errors import SendDeadlinePassed
 from resources.idempotency import IdempotencyStore, Status
@@ -72,7 +72,7 @@ def services_for(
     services = Services.from_settings(
         settings, lease_seconds=LEASE, budget_namespace=namespace, cache_namespace=namespace,
     )
-    services.gateway = HttpPaymentGateway(
+    services.clients["payment_gateway"] = HttpPaymentGateway(
         gateway.url, timeout=timeout, deadline=timeout * 2, send_idempotency_key=keys
     )
     return services
@@ -270,9 +270,9 @@ def test_the_dagster_retry_after_an_unanswered_charge_waits_out_the_window(
         db_url=sqlite_url, redis_url=redis_url, namespace=namespace, gateway_url=gateway.url,
         lease_seconds=5, send_idempotency_key=False,
     )
-    resources["gateway"] = PaymentGatewayResource(
-        base_url=gateway.url, timeout=0.3, deadline=0.6, send_idempotency_key=False,
-        settle_seconds=2.5,
+    resources["payment_gateway"] = DownstreamResource(
+        downstream="payment_gateway", address=gateway.url, timeout=0.3, deadline=0.6,
+        extra={"send_idempotency_key": False}, settle_seconds=2.5,
     )
     with dg.DagsterInstance.ephemeral() as instance:
         result = ops.charge_payment_job.execute_in_process(
@@ -333,9 +333,9 @@ def test_a_holder_still_holding_after_a_passed_bound_confirms_and_charges_once(
     its own: nobody took over) and sends with a new bound, in the same attempt: one charge, the
     order paid, no unknown outcome left behind."""
     services = services_for(db_url, redis_url, namespace, gateway, keys=False)
-    assert isinstance(services.gateway, HttpPaymentGateway)
-    late = _LateOnce(services.gateway)
-    services.gateway = late
+    assert isinstance(services.client("payment_gateway"), HttpPaymentGateway)
+    late = _LateOnce(services.client("payment_gateway"))
+    services.clients["payment_gateway"] = late
     payload = {"order_id": "o-late-once", "amount_cents": 500, "currency": "EUR"}
     outcome = execute_request("charge_payment", payload, services=services)
     assert outcome.status == "completed"
@@ -397,12 +397,14 @@ def test_reconciliation_resolves_an_unanswered_charge_only_after_the_window(
     by a lookup before the provider could have committed it. A charge found makes the order
     paid; none found after the window reopens it (once), and the job then charges once."""
     services = services_for(db_url, redis_url, namespace, gateway, keys=False, timeout=0.3)
-    real = services.gateway
-    services.gateway = HttpPaymentGateway(blackhole, timeout=0.3, send_idempotency_key=False)
+    real = services.client("payment_gateway")
+    services.clients["payment_gateway"] = HttpPaymentGateway(
+        blackhole, timeout=0.3, send_idempotency_key=False
+    )
     with pytest.raises(PaymentNotSettled):  # the request went out, nothing was charged
         execute_request("charge_payment", {"order_id": "o-none", "amount_cents": 500},
                         services=services)
-    services.gateway = real
+    services.clients["payment_gateway"] = real
     gateway.set_faults(charge_delay_ms=600)
     with pytest.raises(PaymentNotSettled):  # charged after the client gave up
         execute_request("charge_payment", {"order_id": "o-found", "amount_cents": 500},
@@ -411,7 +413,8 @@ def test_reconciliation_resolves_an_unanswered_charge_only_after_the_window(
         time.sleep(0.1)
 
     def reconciler(ahead: float) -> Reconciler:
-        return Reconciler(db, store=IdempotencyStore(db), dlq=DlqStore(db), gateway=real,
+        return Reconciler(db, store=IdempotencyStore(db), dlq=DlqStore(db),
+                          clients={"payment_gateway": real},
                           grace_seconds=0, settle_seconds=120,
                           clock=lambda: time.time() + ahead)
 

@@ -15,13 +15,14 @@ import dagster as dg
 import pytest
 from sqlalchemy import text
 
-from pipelines.cli import main as cli
+from cli.main import main as cli
+from engine.privacy import dlq_view
+from engine.requests import RequestStore
 from pipelines.ops import all_jobs
-from pipelines.privacy import dlq_view
-from pipelines.requests import RequestStore
 from resources.dagster_resources import DlqResource
 from resources.dlq import DlqStore
 from resources.storage.db import Database
+from resources.storage.migrations import upgrade
 from resources.telemetry.logs import configure_json_logging
 from sandbox.mailsink import MailSink
 from sensors.dlq import dead_letter_run, sweep
@@ -152,4 +153,7 @@ def test_json_log_lines_mask_addresses_in_message_extras_and_exceptions() -> Non
 
 def test_the_dlq_resource_and_cli_exit_cleanly_on_a_masked_record(db_url: str) -> None:
     """The resource builds the store the CLI reads (a smoke check of the wiring)."""
+    db = Database.from_url(db_url)
+    upgrade(db)  # a resource checks the schema; on Postgres it applies nothing itself
+    db.dispose()
     assert isinstance(DlqResource(database_url=db_url).get_store(), DlqStore)

@@ -26,8 +26,8 @@ import redis
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from pipelines.diagnosis import CHECKS
-from pipelines.metrics import MetricsSnapshot
+from engine.health.diagnosis import CHECKS
+from engine.health.metrics import MetricsSnapshot
 from resources.cache.core import StampedeCache
 from resources.dlq import DlqStore, FailureClass, FailureInfo
 from resources.errors import TransientJobError
@@ -119,7 +119,7 @@ def test_rules_use_only_metrics_the_exporter_emits(
 ) -> None:
     """Every ``sekali_*`` name in rules.yml appears in a real scrape of a workload that touches
     every source; catches a rule written against a name the exporter never had (or lost)."""
-    from pipelines.commands.metrics import MetricsServer
+    from cli.commands.metrics import MetricsServer
 
     db = Database.from_url(sqlite_url)
     upgrade(db)
@@ -148,7 +148,7 @@ def test_rules_use_only_metrics_the_exporter_emits(
 def test_failing_snapshot_answers_503_and_keeps_serving(sqlite_url: str) -> None:
     """A scrape whose snapshot cannot be computed fails (so Prometheus's ``up`` turns 0) and
     the next scrape, once the source is back, succeeds."""
-    from pipelines.commands.metrics import MetricsServer
+    from cli.commands.metrics import MetricsServer
 
     calls: list[int] = []
 
@@ -272,7 +272,7 @@ def exporter(db_url: str, redis_url: str, namespace: str, tmp_path: Path) -> Ite
            "SEKALI_STATE_DIR": str(tmp_path / "state")}
     log = (tmp_path / "serve.log").open("w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pipelines.cli", "metrics", "serve", "--port", str(port),
+        [sys.executable, "-m", "cli.main", "metrics", "serve", "--port", str(port),
          "--cache-namespace", namespace, "--lease-seconds", "45"],
         cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
     )

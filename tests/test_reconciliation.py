@@ -11,17 +11,16 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import dagster as dg
 import pytest
 from sqlalchemy import text
 
+from engine.requests import RequestStore
+from engine.upkeep.reconciliation import Reconciler, checks
 from pipelines.assets.reconciliation import dlq_retention_check, reconciliation
 from pipelines.domain.inventory import Inventory
 from pipelines.domain.payments import HttpPaymentGateway
-from pipelines.reconciliation import CHECKS, Reconciler
-from pipelines.requests import RequestStore
 from resources.dagster_resources import DlqResource
 from resources.dlq import DlqStore, FailureInfo, RetentionTooShort
 from resources.idempotency import IdempotencyStore
@@ -32,15 +31,6 @@ from sandbox.gateway import GatewayServer
 
 ROOT = Path(__file__).resolve().parent.parent
 HOUR = 3600.0
-
-
-@pytest.fixture
-def gateway(tmp_path: Path) -> Any:
-    server = GatewayServer(f"sqlite:///{tmp_path / 'gateway.db'}").start()
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 def _order(
@@ -122,7 +112,7 @@ def reconciler(db: Database, gateway_url: str, consumed: list[str] | None = None
         db,
         store=IdempotencyStore(db),
         dlq=DlqStore(db),
-        gateway=HttpPaymentGateway(gateway_url),
+        clients={"payment_gateway": HttpPaymentGateway(gateway_url)},
         publisher=publisher,
         grace_seconds=600,
         idempotency_retention_seconds=7 * 86400,
@@ -137,8 +127,8 @@ def test_each_planted_inconsistency_is_fixed_once_and_a_second_pass_finds_nothin
     plant(db, gateway.url)
     consumed: list[str] = []
     first = reconciler(db, gateway.url, consumed).run()
-    assert first.found == dict.fromkeys(CHECKS, 1), first.found
-    assert first.fixed == dict.fromkeys(CHECKS, 1), first.fixed
+    assert first.found == dict.fromkeys(checks(), 1), first.found
+    assert first.fixed == dict.fromkeys(checks(), 1), first.fixed
     second = reconciler(db, gateway.url, consumed).run()
     assert second.total_found == 0 and second.total_fixed == 0, second.found
 
@@ -252,7 +242,7 @@ def test_asset_metadata_counts_and_retention_check_warns(
 ) -> None:
     """Catches: metadata that does not carry the counts; an open DLQ record about to be dropped
     by a retention limit without a warning."""
-    from pipelines.profile import PaymentGatewayResource
+    from pipelines.profile import DownstreamResource
     from resources.dagster_resources import CacheResource, DatabaseResource, IdempotencyResource
 
     plant(db, gateway.url)
@@ -266,7 +256,7 @@ def test_asset_metadata_counts_and_retention_check_warns(
         "app_db": DatabaseResource(database_url=db_url),
         "idempotency": IdempotencyResource(database_url=db_url),
         "dlq": DlqResource(database_url=db_url, retention_days=30, warn_days=3),
-        "gateway": PaymentGatewayResource(base_url=gateway.url),
+        "payment_gateway": DownstreamResource(downstream="payment_gateway", address=gateway.url),
         "cache": CacheResource(redis_url=redis_url, namespace=namespace),
     }
     result = dg.materialize(
@@ -277,7 +267,7 @@ def test_asset_metadata_counts_and_retention_check_warns(
     assert result.success
     (mat,) = result.asset_materializations_for_node("reconciliation")
     assert mat.metadata["found_needs_compensation"].value == 1
-    assert mat.metadata["fixed_total"].value == len(CHECKS)
+    assert mat.metadata["fixed_total"].value == len(checks())
     (check,) = result.get_asset_check_evaluations()
     assert not check.passed and check.severity == dg.AssetCheckSeverity.WARN
     assert check.metadata["at_risk"].value == 1

@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 import redis
 
-from pipelines.diagnosis import DiagnosisSetup, check_redis_eviction
-from pipelines.registry import JOB_TYPES
+from engine.health.diagnosis import DiagnosisSetup, check_redis_eviction
+from engine.registry import JOB_TYPES
 from resources.cache import StampedeCache
 from resources.errors import EvictingRedis
 from resources.flow import ConcurrencyLimiter, RateLimiter

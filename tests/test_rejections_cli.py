@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from pipelines.cli import main
-from pipelines.requests import RequestStore
+from cli.main import main
+from engine.requests import RequestStore
 from resources.dlq import DlqStore, FailureInfo
 from resources.storage.db import Database
 

@@ -10,19 +10,18 @@ from typing import Any
 import dagster as dg
 import pytest
 
+from engine.contract import PayloadField
+from engine.registry import JOB_TYPES
+from engine.requests import RequestStatus, RequestStore
 from pipelines import ops
-from pipelines.jobs.base import PayloadField
 from pipelines.ops import charge_payment_job
-from pipelines.registry import JOB_TYPES
-from pipelines.requests import RequestStatus, RequestStore
 from resources.dagster_resources import DlqResource
 from resources.dlq import DlqStatus, DlqStore, FailureInfo
 from resources.idempotency import IdempotencyStore
 from resources.storage.db import Database
 from sandbox.gateway import GatewayServer
-from sensors.dlq import build_dlq_replay_sensor
 from sensors.intake import IntakePolicy, evaluate_intake
-from tests.job_workers import dagster_resources
+from tests.job_workers import dagster_resources, replay_sensor
 
 pytestmark = pytest.mark.dagster
 
@@ -94,7 +93,7 @@ def test_a_run_config_stored_in_the_old_free_form_shape_still_replays(
         )
         store.request_replay([recorded.record.id], actor="test", idempotency=idem)
         instance = dg.DagsterInstance.ephemeral()
-        sensor = build_dlq_replay_sensor(name="replay_old", max_per_tick=5, per_second=5.0)
+        sensor = replay_sensor(name="replay_old", max_per_tick=5, per_second=5.0)
         context = dg.build_sensor_context(
             instance=instance, resources={"dlq": DlqResource(database_url=db_url)}
         )

@@ -17,18 +17,18 @@ import dagster as dg
 import pytest
 from sqlalchemy import text
 
-from pipelines.attempts import AttemptRecorder
-from pipelines.diagnosis import DiagnosisSetup, Finding, diagnose
+from engine.attempts import AttemptRecorder
+from engine.failures import FailurePath
+from engine.health.diagnosis import DiagnosisSetup, Finding, diagnose
+from engine.intake import enqueue
+from engine.registry import JOB_TYPES
+from engine.requests import RequestStore
+from engine.runtime import execute_request
+from engine.services import Services
+from engine.upkeep.reconciliation import Reconciler, ReconciliationResult
 from pipelines.domain.mail import SmtpMailer
-from pipelines.failures import FailurePath
-from pipelines.intake import enqueue
 from pipelines.jobs.fulfilment import cart_for
 from pipelines.jobs.report import report_loader
-from pipelines.reconciliation import Reconciler, ReconciliationReport
-from pipelines.registry import JOB_TYPES
-from pipelines.requests import RequestStore
-from pipelines.runtime import execute_request
-from pipelines.services import Services
 from resources.dagster_resources import DlqResource
 from resources.dlq import MIN_RETENTION_SECONDS, DlqStatus, DlqStore
 from resources.errors import ValidationError
@@ -38,7 +38,8 @@ from resources.storage.db import Database
 from resources.storage.settings import RetentionSettings
 from sandbox.mailsink import MailSink
 from sandbox.redis_server import free_port
-from sensors.dlq import build_dlq_replay_sensor, dead_letter_failed_requests
+from sensors.dlq import dead_letter_failed_requests
+from tests.job_workers import replay_sensor
 
 DAY = 86400.0
 
@@ -64,7 +65,7 @@ def _mail_sent_then_run_failed(
         db=db,
         store=store,
         attempts=AttemptRecorder(db, clock=clock),
-        mailer=SmtpMailer("127.0.0.1", mail_sink.port),
+        clients={"smtp": SmtpMailer("127.0.0.1", mail_sink.port)},
     )
     requests = RequestStore(db, clock=clock)
     payload = {
@@ -147,7 +148,7 @@ def test_the_replay_sensor_resolves_a_requested_record_whose_key_completed(
     dlq = DlqStore(db)
     dlq.request_replay([record_id], actor="test", idempotency=services.store)
 
-    sensor = build_dlq_replay_sensor(clock=clock)
+    sensor = replay_sensor(clock=clock)
     context = dg.build_sensor_context(
         instance=dg.DagsterInstance.ephemeral(),
         resources={"dlq": DlqResource(database_url=db_url)},
@@ -202,10 +203,12 @@ def workload(db: Database, clock: Clock, mail_sink: MailSink) -> dict[str, Any]:
     requests = RequestStore(db, clock=clock)
     dlq = DlqStore(db, clock=clock)
     services = Services(
-        db=db, store=store, attempts=attempts, mailer=SmtpMailer("127.0.0.1", mail_sink.port)
+        db=db, store=store, attempts=attempts,
+        clients={"smtp": SmtpMailer("127.0.0.1", mail_sink.port)},
     )
     down = Services(
-        db=db, store=store, attempts=attempts, mailer=SmtpMailer("127.0.0.1", free_port())
+        db=db, store=store, attempts=attempts,
+        clients={"smtp": SmtpMailer("127.0.0.1", free_port())},
     )
     ids = {
         "sent": _send(services, requests, "ann@example.com", "u-sent"),
@@ -244,7 +247,7 @@ def workload(db: Database, clock: Clock, mail_sink: MailSink) -> dict[str, Any]:
     (unpublished,) = OutboxPublisher(db, InAppPublisher(inbox, []), clock=clock).claim()
     inbox.process("c", unpublished, consumer.handler)
     reconciler = Reconciler(db, store=store, dlq=dlq, clock=clock, retention=ZERO)
-    report = ReconciliationReport()
+    report = ReconciliationResult()
     for key, order in (
         ("reconcile:flag-paid-without-charge:o-paid", "o-paid"),
         (f"compensate:cancel-reservation:{cart_for('o-comp')}", "o-comp"),

@@ -13,7 +13,7 @@ from pathlib import Path
 import dagster as dg
 import pytest
 
-from pipelines import tags as tag
+from engine import tags as tag
 from pipelines.ops import charge_payment_job
 from resources.storage.db import Database
 from resources.storage.migrations import upgrade

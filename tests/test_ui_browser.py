@@ -23,7 +23,7 @@ import pytest
 from playwright.sync_api import TimeoutError as PlaywrightTimeout
 from playwright.sync_api import sync_playwright
 
-from pipelines import tags as tag
+from engine import tags as tag
 from tests.test_e2e import ROOT, Stack, _location_loaded, stack, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.dagster, pytest.mark.timeout(600)]

@@ -13,9 +13,9 @@ from typing import Any
 import dagster as dg
 from sqlalchemy import text
 
+from engine.upkeep.warming import Warmer, declared_loaders
 from pipelines.assets.warming import cache_warming
 from pipelines.jobs.report import report_loader
-from pipelines.warming import Warmer, report_loaders
 from resources.cache import StampedeCache
 from resources.storage.db import Database
 
@@ -58,7 +58,7 @@ def test_warming_refreshes_hot_keys_before_expiry_so_next_reads_hit(
             for _ in range(15):
                 read(cache, db, key)
         read(cache, db, COLD)
-        report = Warmer(cache, report_loaders(db), top_n=3, refresh_within=60.0, ttl=60.0).run()
+        report = Warmer(cache, declared_loaders(db), top_n=3, refresh_within=60.0, ttl=60.0).run()
         assert sorted(report.refreshed) == sorted(HOT)
         assert report.misses_avoided == 3 and not report.failed
         assert all(builds(db, k) == 2 for k in HOT)
@@ -73,7 +73,7 @@ def test_warming_refreshes_hot_keys_before_expiry_so_next_reads_hit(
         assert hits(cache) - before == 3  # the three warmed keys, read after their old expiry
 
         # A second run finds them fresh and does nothing.
-        again = Warmer(cache, report_loaders(db), top_n=3, refresh_within=30.0).run()
+        again = Warmer(cache, declared_loaders(db), top_n=3, refresh_within=30.0).run()
         assert again.refreshed == [] and again.fresh == 3
     finally:
         cache.close()
@@ -110,7 +110,7 @@ def test_warming_during_a_burst_of_misses_adds_at_most_one_build(
         for t in threads:
             t.start()
         time.sleep(max(0.0, at - time.time()))
-        report = Warmer(cache, report_loaders(db), refresh_within=60.0).run([key])
+        report = Warmer(cache, declared_loaders(db), refresh_within=60.0).run([key])
         for t in threads:
             t.join(timeout=60)
         for p in procs:

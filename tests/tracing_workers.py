@@ -20,10 +20,10 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from engine.intake import enqueue
 from pipelines import ops
-from pipelines.consumers import default_consumers
+from pipelines.domain.consumers import default_consumers
 from pipelines.domain.inventory import Inventory
-from pipelines.intake import enqueue
 from resources.dlq import DlqStore
 from resources.outbox import InAppPublisher, Inbox, OutboxPublisher
 from resources.storage.db import Database

@@ -11,7 +11,7 @@
   checks never show a pass older than one interval, at the cost of the queries alone (no run
   process). ``sekali_metrics_job`` still materialises them in a run on demand.
 
-Everything here only wires configuration to :mod:`pipelines.observability`, which is shared
+Everything here only wires configuration to :mod:`engine.health.observability`, which is shared
 with ``sekali doctor`` and ``sekali metrics`` so the CLI reads exactly what the code location
 reads.
 """
@@ -23,10 +23,11 @@ from typing import Any
 import dagster as dg
 from dagster import AssetCheckExecutionContext, AssetExecutionContext
 
-from pipelines import tags as tag
-from pipelines.diagnosis import CHECKS, ERROR, Finding
-from pipelines.metrics import MetricsSnapshot, Sample
-from pipelines.observability import Observability, build_observability
+from engine import tags as tag
+from engine.health.diagnosis import CHECKS, ERROR, Finding
+from engine.health.metrics import MetricsSnapshot, Sample
+from engine.health.observability import Observability, build_observability
+from pipelines.domain.payments import charge_ledger
 from resources.storage.db import shared_database
 from resources.storage.settings import Settings
 
@@ -53,7 +54,9 @@ def observability_from_resources(resources: Any) -> Observability:
         lock_auto_renew=locks.auto_renew,
         redis_url=cache.redis_url or settings.redis_url,
         cache_namespaces=[cache.namespace],
-        gateway_ledger_url=obs.gateway_ledger_url,
+        effect_ledgers=(
+            [charge_ledger(obs.gateway_ledger_url)] if obs.gateway_ledger_url else []
+        ),
         window_hours=obs.window_hours,
         metrics_window_minutes=obs.metrics_window_minutes,
     )

@@ -1,4 +1,4 @@
-"""``reconciliation``: the :class:`pipelines.reconciliation.Reconciler` as a scheduled asset,
+"""``reconciliation``: the :class:`engine.upkeep.reconciliation.Reconciler` as a scheduled asset,
 and the DLQ retention check beside it."""
 
 from dataclasses import replace
@@ -6,12 +6,19 @@ from typing import Any
 
 import dagster as dg
 
-from pipelines.consumers import default_consumers
-from pipelines.reconciliation import Reconciler
+from engine.registry import JOB_TYPES
+from engine.services import settle_seconds_of
+from engine.upkeep.reconciliation import Reconciler
+from pipelines.domain.consumers import default_consumers
 from resources.dagster_resources import DlqResource
 from resources.idempotency import IdempotencyStore
 from resources.outbox import InAppPublisher, Inbox, OutboxPublisher
 from resources.storage.settings import RetentionSettings
+
+CHECKED_CLIENTS = sorted(
+    {d.name for jt in JOB_TYPES.values() if jt.reconcile is not None for d in jt.clients}
+)
+"""The downstreams the job types' reconciliation checks look effects up at."""
 
 
 class ReconciliationConfig(dg.Config):
@@ -33,22 +40,23 @@ class ReconciliationConfig(dg.Config):
     description="Finds and compensates inconsistencies (payments, fulfilment, stuck claims, "
     "stale outbox rows, expired keys) and purges what retention allows; metadata counts what "
     "it found, fixed and purged.",
-    required_resource_keys={"app_db", "idempotency", "dlq", "gateway", "cache"},
+    required_resource_keys={"app_db", "idempotency", "dlq", "cache", *CHECKED_CLIENTS},
 )
 def reconciliation(
     context: dg.AssetExecutionContext, config: ReconciliationConfig
 ) -> dg.MaterializeResult[Any]:
     db = context.resources.app_db.get_database()
     store = IdempotencyStore(db)
+    wired = {name: getattr(context.resources, name) for name in CHECKED_CLIENTS}
     consumers = default_consumers(context.resources.cache.get_cache())
     publisher = OutboxPublisher(db, InAppPublisher(Inbox(db), consumers))
     reconciler = Reconciler(
         db,
         store=store,
         dlq=context.resources.dlq.get_store(),
-        gateway=context.resources.gateway.get_client(),
+        clients={name: resource.get_client() for name, resource in wired.items()},
         publisher=publisher,
-        settle_seconds=context.resources.gateway.get_settle_seconds(),
+        settle_seconds=settle_seconds_of(wired.values()),
         grace_seconds=config.grace_seconds,
         lookback_seconds=config.lookback_hours * 3600,
         outbox_threshold_seconds=config.outbox_threshold_seconds,

@@ -1,10 +1,10 @@
-"""``cache_warming``: the :class:`pipelines.warming.Warmer` as a scheduled asset."""
+"""``cache_warming``: the :class:`engine.upkeep.warming.Warmer` as a scheduled asset."""
 
 from typing import Any
 
 import dagster as dg
 
-from pipelines.warming import Warmer, report_loaders
+from engine.upkeep.warming import Warmer, declared_loaders
 
 
 class WarmingConfig(dg.Config):
@@ -26,7 +26,7 @@ def cache_warming(
     cache = context.resources.cache.get_cache()
     warmer = Warmer(
         cache,
-        report_loaders(context.resources.app_db.get_database()),
+        declared_loaders(context.resources.app_db.get_database()),
         top_n=config.top_n,
         refresh_within=config.refresh_within_seconds,
     )

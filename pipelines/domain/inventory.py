@@ -27,7 +27,8 @@ from typing import Any
 from sqlalchemy import BigInteger, Column, Float, Table, Text, bindparam, text
 from sqlalchemy.engine import Connection
 
-from resources.errors import PermanentJobError
+from engine.contract import PayloadField, reject_unknown, require_int, require_str
+from resources.errors import PermanentJobError, ValidationError, shown
 from resources.storage.db import Database, metadata
 
 stock = Table(
@@ -281,3 +282,45 @@ class Inventory:
 def _require_held(cart_id: str, rows: list[Reservation]) -> None:
     if not rows or any(r.status != "reserved" for r in rows):
         raise ReservationsNotHeld(cart_id, {r.sku: r.status for r in rows})
+
+
+ITEMS = PayloadField(
+    "items",
+    list,
+    "What to take from stock: a non-empty list of {sku, quantity}.",
+    items=(
+        PayloadField("sku", str, "The stock keeping unit (no spaces or ':')."),
+        PayloadField("quantity", int, "How many, 1 to 100000."),
+    ),
+)
+
+
+def require_items(payload: dict[str, Any], field_name: str = "items") -> list[dict[str, Any]]:
+    """A non-empty list of ``{sku, quantity}``; errors name the item, e.g. ``items[2].quantity``."""
+    items = payload.get(field_name)
+    if items is None:
+        raise ValidationError(field_name, "required: a non-empty list of {sku, quantity}")
+    if not isinstance(items, list) or not items:
+        raise ValidationError(
+            field_name, f"must be a non-empty list of {{sku, quantity}}, got {shown(items)}",
+            items,
+        )
+    clean = []
+    for i, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise ValidationError(
+                f"{field_name}[{i}]", f"must be an object {{sku, quantity}}, got {shown(item)}",
+                item,
+            )
+        try:
+            reject_unknown(item, {"sku", "quantity"})
+            clean.append(
+                {
+                    "sku": require_str(item, "sku"),
+                    "quantity": require_int(item, "quantity", maximum=100_000),
+                }
+            )
+        except ValidationError as exc:
+            field = f"{field_name}[{i}].{exc.field}"
+            raise ValidationError(field, exc.problem, exc.value) from None
+    return sorted(clean, key=lambda it: it["sku"])

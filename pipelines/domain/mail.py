@@ -40,8 +40,10 @@ from email.header import Header
 from email.message import Message
 from email.mime.text import MIMEText
 from email.utils import formatdate
+from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+from engine import ClientOptions, Downstream, Sandbox
 from resources.errors import (
     PermanentJobError,
     SendDeadlinePassed,
@@ -49,7 +51,9 @@ from resources.errors import (
     ValidationError,
 )
 from resources.headers import refuse_control
+from resources.storage.settings import Settings
 from resources.telemetry.redact import redact
+from sandbox.mailsink import MailSink
 
 log = logging.getLogger(__name__)
 
@@ -366,7 +370,40 @@ def mail_session(mailer: Mailer) -> AbstractContextManager[Mailer]:
     return contextlib.nullcontext(mailer)
 
 
+def _client(settings: Settings, options: ClientOptions) -> SmtpMailer:
+    host, port = settings.smtp_host, settings.smtp_port
+    if options.address:
+        host, _, given = options.address.rpartition(":")
+        port = int(given)
+    return SmtpMailer(
+        host, port, sender=str(options.extra.get("sender", "sekali@localhost")),
+        timeout=options.timeout or 10.0, deadline=options.deadline or 30.0,
+    )
+
+
+def _address(settings: Settings) -> tuple[str, int, str]:
+    return settings.smtp_host, settings.smtp_port, "SEKALI_SMTP_PORT"
+
+
+def _start_sandbox(settings: Settings, state: Path) -> MailSink:
+    return MailSink(
+        f"sqlite:///{state / 'mailsink.db'}", host=settings.smtp_host, port=settings.smtp_port
+    ).start()
+
+
+SMTP = Downstream(
+    name="smtp",
+    build=_client,
+    description="The SMTP relay (SEKALI_SMTP_HOST, SEKALI_SMTP_PORT).",
+    calls=("send",),
+    sandbox=Sandbox("sandbox mail sink", _address, _start_sandbox),
+)
+"""The mail downstream: ``ctx.client("smtp")`` is a :class:`Mailer`; ``SEKALI_RATE_SMTP``
+paces its sends; its retry budget is ``smtp``."""
+
+
 __all__ = [
+    "SMTP",
     "MailRejected",
     "MailUnavailable",
     "Mailer",

@@ -23,13 +23,19 @@ import json
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
-from urllib.parse import urlencode
+from urllib.parse import urlencode, urlsplit
 
 import urllib3
 
+from engine import ClientOptions, Downstream, Sandbox
+from engine.health.diagnosis import EffectLedger
 from resources.errors import PermanentJobError, SendDeadlinePassed, TransientJobError
 from resources.headers import http_header_value
+from resources.storage.db import shared_database
+from resources.storage.settings import Settings
+from sandbox.gateway import GatewayServer
 
 log = logging.getLogger(__name__)
 
@@ -308,3 +314,41 @@ class HttpPaymentGateway:
         self._http.clear()
 
 
+def _client(settings: Settings, options: ClientOptions) -> HttpPaymentGateway:
+    return HttpPaymentGateway(
+        options.address or settings.gateway_url,
+        timeout=options.timeout or 5.0,
+        deadline=options.deadline or 15.0,
+        send_idempotency_key=bool(options.extra.get("send_idempotency_key", True)),
+    )
+
+
+def _address(settings: Settings) -> tuple[str, int, str]:
+    parts = urlsplit(settings.gateway_url)
+    return parts.hostname or "127.0.0.1", parts.port or 80, "SEKALI_GATEWAY_URL"
+
+
+def _start_sandbox(settings: Settings, state: Path) -> GatewayServer:
+    host, port, _ = _address(settings)
+    return GatewayServer(f"sqlite:///{state / 'gateway.db'}", host=host, port=port).start()
+
+
+GATEWAY = Downstream(
+    name="payment_gateway",
+    build=_client,
+    description="The payment provider (SEKALI_GATEWAY_URL): charges, and lookups by reference.",
+    calls=("charge", "find_charges"),
+    sandbox=Sandbox("sandbox gateway", _address, _start_sandbox),
+)
+"""The payment downstream: ``ctx.client("payment_gateway")`` is a :class:`PaymentGateway`;
+``SEKALI_RATE_PAYMENT_GATEWAY`` paces its calls; its retry budget is ``payment_gateway``."""
+
+
+def charge_ledger(url: str) -> EffectLedger:
+    """The gateway's own record of its charges (the sandbox's ``gateway_charges``) at ``url``:
+    the doctor counts real duplicate charges there, one intent per reference."""
+    return EffectLedger(
+        "gateway_charges", shared_database(url), "gateway_charges",
+        intent_column="reference", correlation_column="correlation_id",
+        time_column="created_at",
+    )

@@ -1,1 +1,3 @@
-"""The job types, one module each: validation, key, budget and handler, as plain code."""
+"""The built-in job types, one module each (a module-level ``JOB_TYPE``): the registry
+(:mod:`engine.registry`) finds every module here. Nothing outside a job type's module names it.
+"""

@@ -16,8 +16,7 @@ import string
 from collections.abc import Sequence
 from typing import Any
 
-from pipelines.domain.mail import Mailer, mail_session, message_id_for, single_address
-from pipelines.jobs.base import (
+from engine import (
     SEND_TRIES,
     JobContext,
     JobType,
@@ -25,6 +24,8 @@ from pipelines.jobs.base import (
     reject_unknown,
     require_str,
 )
+from engine.services import MissingClient
+from pipelines.domain.mail import SMTP, Mailer, mail_session, message_id_for, single_address
 from resources.errors import SendDeadlinePassed, ValidationError, shown
 from resources.headers import refuse_control
 
@@ -96,9 +97,7 @@ def render(p: dict[str, Any]) -> tuple[str, str]:
 
 
 def send_email(ctx: JobContext, p: dict[str, Any]) -> dict[str, Any]:
-    mailer = ctx.services.mailer
-    if mailer is None:
-        raise RuntimeError("send_email needs a mailer (resource 'mailer')")
+    mailer: Mailer = ctx.client(SMTP.name)
     return _send(ctx, p, mailer)
 
 
@@ -107,9 +106,9 @@ def send_emails(items: Sequence[tuple[JobContext, dict[str, Any]]]) -> list[Any]
     (lease confirmed, crash points, its own result or error)."""
     if not items:
         return []
-    mailer = items[0][0].services.mailer
-    if mailer is None:
-        error = RuntimeError("send_email needs a mailer (resource 'mailer')")
+    try:
+        mailer: Mailer = items[0][0].client(SMTP.name)
+    except MissingClient as error:
         return [error for _ in items]
     results: list[Any] = []
     with mail_session(mailer) as session:
@@ -154,8 +153,7 @@ JOB_TYPE = JobType(
     side_effect=True,
     handler=send_email,
     resource_id=lambda p: str(p["user_id"]),
-    lock="none",
-    downstream="smtp",
+    clients=(SMTP,),
     description="Send one templated mail per (template, user, date).",
     fields=(
         PayloadField(

@@ -17,12 +17,13 @@ Fulfilment states (``orders.fulfilment_status``), written here beside their tran
 reservations that must be released (or be resumed by a replay of the same key). A transient
 failure leaves the status alone: the key is ``retryable`` and the retry or replay resumes from
 the recovery point and needs the reservations it holds. Compensation re-checks the key itself
-(``pipelines/reconciliation.py``), and ``Inventory.ship`` refuses released reservations, so a
+(:func:`reconcile_fulfilments`), and ``Inventory.ship`` refuses released reservations, so a
 resumed run never marks an order fulfilled without moving stock.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from enum import StrEnum
@@ -31,17 +32,18 @@ from typing import Any
 from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
-from pipelines.domain.inventory import Inventory
-from pipelines.jobs.base import (
-    ITEMS,
+from engine import (
     JobContext,
     JobType,
     PayloadField,
+    Reconciling,
+    Tally,
     fenced_update,
     reject_unknown,
-    require_items,
     require_str,
 )
+from engine.upkeep.reconciliation import NotGivenUp, given_up, record_only
+from pipelines.domain.inventory import ITEMS, Inventory, require_items
 from resources.errors import FencedWriteRejected, LeaseLost
 from resources.outbox import write_event
 from resources.retry import ErrorClass, classify
@@ -174,6 +176,85 @@ def _mark_needs_compensation(ctx: JobContext, order_id: str, exc: Exception) -> 
         logger.exception("could not mark order %s as needing compensation", order_id)
 
 
+def reconcile_fulfilments(rec: Reconciling, report: Tally) -> None:
+    """``needs_compensation``: a fulfilment failed half-way and was given up: its key
+    ``fulfil:{o}`` failed permanently (or is absent), or it is ``retryable`` and its DLQ record
+    was discarded. Fix: cancel its reservation (``compensate:cancel-reservation:{cart}``) and,
+    if it was paid, mark a refund pending. A key that is retryable or in progress is left alone
+    (a retry or replay resumes from its recovery point and needs the reservations); the release
+    re-checks this inside its transaction, holding the order's row lock the job's phases
+    take."""
+    with rec.db.statement() as conn:
+        # 'fulfil:' || order_id is fulfilment.key_for: in-flight orders given up in the DLQ
+        orders = conn.execute(
+            text(
+                "SELECT order_id, payment_status, charge_id FROM orders o"
+                " WHERE fulfilment_status = 'needs_compensation'"
+                " OR (fulfilment_status IN ('processing', 'reserved') AND EXISTS ("
+                "SELECT 1 FROM dlq_records d WHERE d.status = 'discarded'"
+                " AND d.idempotency_key = 'fulfil:' || o.order_id))"
+                " ORDER BY order_id"
+            )
+        ).all()
+    inventory = Inventory(rec.db)
+    for order in orders:
+        key = key_for({"order_id": order.order_id})
+        with rec.db.statement() as conn:
+            if not given_up(conn, key):
+                continue  # a retry or replay may still resume it: not ours to undo
+        cart = cart_for(order.order_id)
+        cancel = f"compensate:cancel-reservation:{cart}"
+        refund = f"compensate:refund-pending:{order.order_id}:{order.charge_id}"
+        todo = [
+            k
+            for k in (cancel, refund if order.payment_status == "paid" else None)
+            if k is not None and not rec.done(k)
+        ]
+        if not todo:
+            continue
+        report.found["needs_compensation"] += 1
+        fixed = False
+        if cancel in todo:
+            fixed |= rec.act(
+                report,
+                cancel,
+                "cancel_reservation",
+                order.order_id,
+                functools.partial(
+                    _release, inventory=inventory, cart_id=cart, order_id=order.order_id,
+                    key=key,
+                ),
+            )
+        if refund in todo:
+            fixed |= rec.act(
+                report,
+                refund,
+                "refund_pending",
+                order.order_id,
+                record_only({"refund_charge_id": order.charge_id}),
+            )
+        report.fixed["needs_compensation"] += int(fixed)
+
+
+def _release(
+    conn: Connection, *, inventory: Inventory, cart_id: str, order_id: str, key: str
+) -> dict[str, Any]:
+    """Release the cart, re-checking in this transaction that its fulfilment was given up. The
+    order's row lock is the one every fulfilment phase holds, so no phase runs meanwhile."""
+    lock = " FOR UPDATE" if inventory.db.is_postgres else ""
+    conn.execute(text(f"SELECT 1 FROM orders WHERE order_id = :o{lock}"), {"o": order_id})
+    if not given_up(conn, key, lock=lock):
+        raise NotGivenUp(key)
+    return {"released": inventory.release(conn, cart_id)}
+
+
+WATCHES = (
+    "EXISTS (SELECT 1 FROM orders o WHERE o.order_id = reconciliation_actions.subject"
+    " AND o.fulfilment_status IN ('needs_compensation', 'processing', 'reserved'))"
+)
+"""The compensation check reads orders given up or in flight: their actions stay meanwhile."""
+
+
 JOB_TYPE = JobType(
     name="fulfill_order",
     queue="heavy",
@@ -183,7 +264,6 @@ JOB_TYPE = JobType(
     side_effect=True,
     handler=fulfill_order,
     resource_id=lambda p: str(p["order_id"]),
-    lock="db-row",
     description="Start, reserve and ship an order, resuming from recovery points.",
     fields=(
         PayloadField("order_id", str, "The order to fulfil; the key is fulfil:{order_id}."),
@@ -191,4 +271,8 @@ JOB_TYPE = JobType(
     ),
     example={"order_id": "o-example-2", "items": [{"sku": "apple", "quantity": 1}]},
     result_fields=("order_id", "status"),
+    checks=("needs_compensation",),
+    reconcile=reconcile_fulfilments,
+    watches=(WATCHES,),
+    unique=(("reservations", ("cart_id", "sku")), ("shipments", ("order_id",))),
 )

@@ -15,16 +15,14 @@ from typing import Any
 
 from sqlalchemy.engine import Connection
 
-from pipelines.domain.inventory import Inventory, merge_items
-from pipelines.jobs.base import (
-    ITEMS,
+from engine import (
     JobContext,
     JobType,
     PayloadField,
     reject_unknown,
-    require_items,
     require_str,
 )
+from pipelines.domain.inventory import ITEMS, Inventory, merge_items, require_items
 
 
 def validate(payload: dict[str, Any]) -> dict[str, Any]:
@@ -116,7 +114,6 @@ JOB_TYPE = JobType(
     side_effect=True,
     handler=reserve_inventory,
     resource_id=lambda p: str(p["cart_id"]),
-    lock="db-transaction",
     description="Reserve a cart's items in one transaction with row locks (one at a time per "
     "cart:{cart_id}).",
     concurrency_key="cart:{cart_id}",
@@ -128,4 +125,5 @@ JOB_TYPE = JobType(
     example={"cart_id": "c-example-1", "items": [{"sku": "apple", "quantity": 1}]},
     result_fields=("cart_id", "reserved"),
     handler_many=reserve_inventories,
+    unique=(("reservations", ("cart_id", "sku")),),
 )

@@ -23,7 +23,7 @@ Two rules make that lookup trustworthy:
 2. **An unknown outcome is never charged blind.** When no answer came (a timeout, a reset or
    the deadline after the request was sent; the worker died mid-call), a slow provider may
    still commit the charge, and a lookup now would miss it. Until ``charge_sent_at`` plus the
-   settle window (``Services.gateway_settle_seconds``, longer than the provider's longest
+   settle window (``Services.settle_seconds``, longer than the provider's longest
    processing time) has passed, every retry or redelivery raises :class:`PaymentNotSettled`
    (transient, ``retry_after`` = the time left). After it, a lookup is conclusive: a charge
    found is recorded; none found means nothing was charged, and the job charges again, once
@@ -63,6 +63,7 @@ still works; the provider commits ch_1 at t=30; any retry before t=W is told to 
 from __future__ import annotations
 
 import datetime
+import functools
 import hashlib
 import logging
 import time
@@ -72,16 +73,25 @@ from typing import Any
 from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
-from pipelines.domain.payments import Charge, GatewayRejected, GatewayUnavailable, PaymentGateway
-from pipelines.jobs.base import (
+from engine import (
     SEND_TRIES,
     JobContext,
     JobType,
     PayloadField,
+    Reconciling,
+    Tally,
     fenced_update,
     reject_unknown,
     require_int,
     require_str,
+)
+from engine.upkeep.reconciliation import record_only
+from pipelines.domain.payments import (
+    GATEWAY,
+    Charge,
+    GatewayRejected,
+    GatewayUnavailable,
+    PaymentGateway,
 )
 from resources.errors import (
     NotYetSettled,
@@ -269,7 +279,7 @@ def _send_charge(
             except GatewayUnavailable as exc:
                 if exc.maybe_charged:
                     ctx.attempt.status_after = CHARGE_UNKNOWN
-                    settles_at = sent_at + ctx.services.gateway_settle_seconds
+                    settles_at = sent_at + ctx.services.settle_seconds
                     raise PaymentNotSettled(
                         order_id, sent_at, settles_at, time.time(), str(exc)
                     ) from exc
@@ -281,9 +291,7 @@ def _send_charge(
 
 def charge_payment(ctx: JobContext, p: dict[str, Any]) -> dict[str, Any]:
     services = ctx.services
-    gateway = services.gateway
-    if gateway is None:
-        raise RuntimeError("charge_payment needs a payment gateway (resource 'gateway')")
+    gateway: PaymentGateway = ctx.client(GATEWAY.name)
     order_id = p["order_id"]
     reference = reference_for(ctx.key)
     now = time.time()
@@ -335,7 +343,7 @@ def charge_payment(ctx: JobContext, p: dict[str, Any]) -> dict[str, Any]:
     if charge_id is None:
         charge = None
         if sent_at is not None:  # an earlier send's outcome is unknown
-            settles_at = sent_at + services.gateway_settle_seconds
+            settles_at = sent_at + services.settle_seconds
             if time.time() < settles_at:
                 ctx.attempt.status_after = CHARGE_UNKNOWN
                 raise PaymentNotSettled(order_id, sent_at, settles_at, time.time())
@@ -371,6 +379,132 @@ def charge_payment(ctx: JobContext, p: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
+def reconcile_payments(rec: Reconciling, report: Tally) -> None:
+    """The payment checks, for orders changed between ``lookback`` and ``grace`` ago, each
+    charge looked up at the gateway by each reference of the order:
+
+    - ``charged_not_confirmed``: the gateway has a charge for an order we still show unpaid
+      (the worker died between charge and record). Fix: confirm it
+      (``reconcile:confirm-charge:{o}``). Also a charge whose answer never came
+      (``charged_not_confirmed`` without a ``charge_id``) that the gateway still does not know
+      once ``charge_sent_at`` is past the settle window (longer than the provider's longest
+      processing time, so "not found" is conclusive): nothing was charged, and the order is
+      reopened (``payment_pending``) so a retry or replay charges it, once per unanswered send
+      (``reconcile:reopen-unsettled:{o}:{sent_at}``).
+    - ``double_charged``: more than one charge for one order, under its reference or any other
+      reference a charge of it went out under (``payment_references``: a run under another key
+      of the same order). Fix: a refund is marked pending for each extra charge
+      (``compensate:refund-pending:{o}:{charge}``).
+    - ``paid_without_charge``: we show paid, the gateway has no such charge. Flagged for a
+      person (``reconcile:flag-paid-without-charge:{o}``).
+
+    Skipped when the run has no gateway client."""
+    gateway = rec.client(GATEWAY.name)
+    if gateway is None:
+        return  # nothing to look charges up at
+    now = rec.clock()
+    with rec.db.statement() as conn:
+        orders = conn.execute(
+            text(
+                "SELECT order_id, payment_status, payment_reference, charge_id,"
+                " charge_sent_at FROM orders"
+                " WHERE payment_reference IS NOT NULL AND updated_at <= :settled"
+                " AND updated_at >= :since ORDER BY order_id"
+            ),
+            {"settled": now - rec.grace, "since": now - rec.lookback},
+        ).all()
+    for order in orders:
+        with rec.db.statement() as conn:
+            references = {order.payment_reference, *sent_references(conn, order.order_id)}
+        found = {c.charge_id: c for ref in sorted(references)
+                 for c in gateway.find_charges(ref)}
+        charges = sorted(found.values(), key=lambda c: (c.created_at, c.charge_id))
+        ids = [c.charge_id for c in charges]
+        if order.payment_status in ("payment_pending", "charged_not_confirmed") and charges:
+            report.found["charged_not_confirmed"] += 1
+            first = charges[0].charge_id
+            report.fixed["charged_not_confirmed"] += rec.act(
+                report,
+                f"reconcile:confirm-charge:{order.order_id}",
+                "confirm_charge",
+                order.order_id,
+                functools.partial(_confirm, order_id=order.order_id, charge_id=first, now=now),
+            )
+        elif (
+            order.payment_status == "charged_not_confirmed"
+            and order.charge_id is None
+            and order.charge_sent_at is not None
+            and order.charge_sent_at <= now - rec.settle
+        ):
+            report.found["charged_not_confirmed"] += 1
+            report.fixed["charged_not_confirmed"] += rec.act(
+                report,
+                f"reconcile:reopen-unsettled:{order.order_id}:{order.charge_sent_at!r}",
+                "reopen_unsettled_charge",
+                order.order_id,
+                functools.partial(
+                    _reopen, order_id=order.order_id, sent_at=order.charge_sent_at, now=now
+                ),
+            )
+        if order.payment_status == "paid" and order.charge_id not in ids:
+            key = f"reconcile:flag-paid-without-charge:{order.order_id}"
+            if not rec.done(key):
+                report.found["paid_without_charge"] += 1
+                report.fixed["paid_without_charge"] += rec.act(
+                    report,
+                    key,
+                    "paid_without_charge",
+                    order.order_id,
+                    record_only({"charge_id": order.charge_id, "gateway": ids}),
+                )
+        kept = order.charge_id if order.charge_id in ids else (ids[0] if ids else None)
+        for extra in [i for i in ids if i != kept]:
+            key = f"compensate:refund-pending:{order.order_id}:{extra}"
+            if rec.done(key):
+                continue
+            report.found["double_charged"] += 1
+            report.fixed["double_charged"] += rec.act(
+                report,
+                key,
+                "refund_pending",
+                order.order_id,
+                record_only({"refund_charge_id": extra, "kept_charge_id": kept}),
+            )
+
+
+def _reopen(conn: Connection, *, order_id: str, sent_at: float, now: float) -> dict[str, Any]:
+    """Back to ``payment_pending`` only if the order still waits on that very send: a job that
+    resolved it, or sent again (a new ``charge_sent_at``), meanwhile wins."""
+    reopened = conn.execute(
+        text(
+            "UPDATE orders SET payment_status = 'payment_pending', charge_sent_at = NULL,"
+            " updated_at = :now WHERE order_id = :o AND payment_status = 'charged_not_confirmed'"
+            " AND charge_id IS NULL AND charge_sent_at = :sent"
+        ),
+        {"o": order_id, "sent": sent_at, "now": now},
+    ).rowcount
+    return {"charge_sent_at": sent_at, "not_found_after_settle": True, "reopened": reopened == 1}
+
+
+def _confirm(conn: Connection, *, order_id: str, charge_id: str, now: float) -> dict[str, Any]:
+    conn.execute(
+        text(
+            "UPDATE orders SET payment_status = 'paid', charge_id = :c, updated_at = :now"
+            " WHERE order_id = :o AND payment_status IN ('payment_pending',"
+            " 'charged_not_confirmed')"
+        ),
+        {"c": charge_id, "o": order_id, "now": now},
+    )
+    return {"charge_id": charge_id}
+
+
+WATCHES = (
+    "EXISTS (SELECT 1 FROM orders o WHERE o.order_id = reconciliation_actions.subject"
+    " AND o.updated_at >= :watched_since)"
+)
+"""A payment check reads orders changed within the lookback: their actions stay that long."""
+
+
 JOB_TYPE = JobType(
     name="charge_payment",
     queue="heavy",
@@ -380,8 +514,7 @@ JOB_TYPE = JobType(
     side_effect=True,
     handler=charge_payment,
     resource_id=lambda p: str(p["order_id"]),
-    lock="db-row",
-    downstream="payment_gateway",
+    clients=(GATEWAY,),
     description="Charge an order once at the payment gateway (key payment:{order_id}).",
     concurrency_key="order:{order_id}",  # no customer in the payload; an order's versions share it
     concurrency_limit=1,
@@ -394,4 +527,8 @@ JOB_TYPE = JobType(
     ),
     example={"order_id": "o-example-1", "amount_cents": 1250, "currency": "EUR"},
     result_fields=("charge_id", "reference"),
+    checks=("charged_not_confirmed", "double_charged", "paid_without_charge"),
+    reconcile=reconcile_payments,
+    watches=(WATCHES,),
+    unique=(("orders", ("charge_id",)),),
 )

@@ -19,11 +19,12 @@ from typing import Any
 
 from sqlalchemy import text
 
-from pipelines.jobs.base import (
+from engine import (
     Debounce,
     JobContext,
     JobType,
     PayloadField,
+    Retained,
     reject_unknown,
     require_str,
 )
@@ -82,7 +83,7 @@ def report_loader(db: Database, report: str, as_of: str) -> Callable[[], dict[st
     return load
 
 
-def expired_snapshots(older_than: float, *, now: float | None = None) -> Expiry:
+def expired_snapshots(older_than: float, now: float | None = None) -> Expiry:
     """Report snapshots built more than ``older_than`` seconds before ``now``: a record of who
     built what when, referenced by nothing. Purge with ``.purge(db)``."""
     return Expiry.of(
@@ -91,6 +92,19 @@ def expired_snapshots(older_than: float, *, now: float | None = None) -> Expiry:
         "built_at <= :cutoff",
         {"cutoff": (time.time() if now is None else now) - older_than},
     )
+
+
+def loader_for(db: Database, key: str) -> Callable[[], dict[str, Any]] | None:
+    """The loader of a cache key of this job type (``report:{report}:{as_of}``), or None: how
+    cache warming refreshes a hot report before it expires."""
+    parts = key.split(":", 2)
+    if len(parts) != 3 or parts[0] != "report":
+        return None
+    try:
+        p = validate({"report": parts[1], "as_of": parts[2]})
+    except ValidationError:  # an unknown report: no loader
+        return None
+    return report_loader(db, p["report"], p["as_of"])
 
 
 def cache_key(p: dict[str, Any]) -> str:
@@ -118,7 +132,7 @@ JOB_TYPE = JobType(
     side_effect=False,
     handler=rebuild_report_cache,
     resource_id=lambda p: str(p["report"]),
-    lock="none",
+    needs=frozenset({"cache"}),
     description="Rebuild a report into the cache through the single flight.",
     fields=(
         PayloadField("report", str, "Which report to rebuild.", choices=tuple(sorted(_QUERIES))),
@@ -127,4 +141,6 @@ JOB_TYPE = JobType(
     example={"report": "stock_levels", "as_of": "2026-11-29T10"},
     result_fields=("cache_key", "rows"),
     debounce=DEBOUNCE,
+    retained=(Retained("report_snapshots", "report_snapshots", expired_snapshots),),
+    cache_loader=loader_for,
 )

@@ -1,31 +1,25 @@
-"""The Dagster ops and jobs: one per-request job per job type (``all_jobs``), the batched intake
-jobs, and ``dlq_operations``."""
+"""The Dagster ops and jobs: one per-request job per registered job type (``all_jobs``, in the
+registry's order; ``jobs_by_name`` by job type, and ``<job type>_job`` as a module attribute),
+the batched intake jobs, and ``dlq_operations``. Nothing here names a job type: adding one adds
+its job."""
 
 from __future__ import annotations
 
-from pipelines.jobs import email, fulfilment, inventory, payment, report
+import dagster as dg
+
+from engine.registry import JOB_TYPES
 from pipelines.ops.request_job import RequestConfig, request_job
 
-charge_payment_job = request_job(payment.JOB_TYPE)
-send_email_job = request_job(email.JOB_TYPE)
-reserve_inventory_job = request_job(inventory.JOB_TYPE)
-rebuild_report_cache_job = request_job(report.JOB_TYPE)
-fulfill_order_job = request_job(fulfilment.JOB_TYPE)
+jobs_by_name = {name: request_job(jt) for name, jt in JOB_TYPES.items()}
+all_jobs = list(jobs_by_name.values())
 
-all_jobs = [
-    charge_payment_job,
-    send_email_job,
-    reserve_inventory_job,
-    rebuild_report_cache_job,
-    fulfill_order_job,
-]
 
-__all__ = [
-    "RequestConfig",
-    "all_jobs",
-    "charge_payment_job",
-    "fulfill_order_job",
-    "rebuild_report_cache_job",
-    "reserve_inventory_job",
-    "send_email_job",
-]
+def __getattr__(name: str) -> dg.JobDefinition:
+    """``charge_payment_job`` and the like: the per-request job of a registered job type."""
+    job = jobs_by_name.get(name.removesuffix("_job")) if name.endswith("_job") else None
+    if job is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return job
+
+
+__all__ = ["RequestConfig", "all_jobs", "jobs_by_name"]

@@ -11,7 +11,7 @@ the table stays the one record of what was asked.
   ``running`` for the step's own retry (transient): the one failure path decides
   (:mod:`pipelines.ops.failures`).
 - ``intake_micro_batch``: ``execute_request_batch`` handles up to N requests in one step,
-  through :func:`pipelines.runtime.execute_batch`: the keys are claimed and completed in one
+  through :func:`engine.runtime.execute_batch`: the keys are claimed and completed in one
   statement each, the attempts recorded together, and the job type's batch handler (if any)
   makes the effects in as few transactions as it allows. Each request keeps every guarantee of
   ``execute_request`` and is recorded and dead-lettered on its own; an error is kept per
@@ -33,24 +33,30 @@ from typing import Any
 
 import dagster as dg
 
-from pipelines import tags as tag
-from pipelines.failures import FailurePath, error_text
+from engine import tags as tag
+from engine.failures import FailurePath, error_text
+from engine.registry import downstreams
+from engine.requests import RequestStore
+from engine.runtime import BatchRequest, execute_batch
+from engine.services import Services
+from engine.validation import ValidationError, admit_request_row
 from pipelines.ops.failures import admit_step_request, run_request_step
-from pipelines.profile import RequestsResource
-from pipelines.requests import RequestStore
-from pipelines.runtime import BatchRequest, execute_batch
-from pipelines.services import Services
-from pipelines.validation import ValidationError, admit_request_row
+from sensors.intake import (
+    FAN_OUT_JOB,
+    FAN_OUT_OP,
+    MICRO_BATCH_JOB,
+    MICRO_BATCH_OP,
+    RequestsResource,
+)
 
 log = logging.getLogger(__name__)
 
-FAN_OUT_JOB = "intake_fan_out"
-MICRO_BATCH_JOB = "intake_micro_batch"
 
-# What Services.from_context reads, plus the intake table.
 SERVICE_RESOURCE_KEYS = frozenset(
-    {"idempotency", "locks", "cache", "gateway", "mailer", "app_db", "retry", "concurrency"}
+    {"idempotency", "locks", "cache", "app_db", "retry", "concurrency", *downstreams()}
 )
+"""What :meth:`Services.from_context` reads (every declared downstream's client among it): a
+batch may hold requests of any job type."""
 
 
 class BatchConfig(dg.Config):
@@ -71,7 +77,7 @@ def run_batch(
     """Execute the batch's requests together; one failure never stops its neighbours.
 
     The requests are taken (``running``) and later marked ``completed`` in one statement each,
-    and run through :func:`pipelines.runtime.execute_batch` (keys claimed and completed in one
+    and run through :func:`engine.runtime.execute_batch` (keys claimed and completed in one
     statement each, attempts recorded together, the job type's batch handler when it has one).
     A failure is final for this run (retrying the step would re-run its finished neighbours):
     the failure path records it as ``failed_permanent`` or ``dead_lettered`` and marks the
@@ -130,6 +136,7 @@ def run_batch(
 
 
 @dg.op(
+    name=MICRO_BATCH_OP,
     required_resource_keys=set(SERVICE_RESOURCE_KEYS) | {"requests"},
     tags={"kind": "sekali-intake"},
 )
@@ -165,7 +172,7 @@ def intake_micro_batch() -> None:
     execute_request_batch()
 
 
-@dg.op(out=dg.DynamicOut(int), tags={"kind": "sekali-intake"})
+@dg.op(name=FAN_OUT_OP, out=dg.DynamicOut(int), tags={"kind": "sekali-intake"})
 def fan_out_requests(config: BatchConfig) -> Iterator[dg.DynamicOutput[int]]:
     """One dynamic output per request id: one mapped step per request."""
     for request_id in config.request_ids:

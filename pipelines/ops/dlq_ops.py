@@ -8,7 +8,7 @@ output's ``records`` table has a ``decision`` per record (``would replay``, ``wo
 or why not). A replay requested here is launched by ``dlq_replay_sensor`` at its rate bound,
 exactly as one requested from ``sekali dlq replay``; ``limit`` and ``pace`` bound a replay by
 filter, and a skipped record gets an audit line. ``patch`` (with one id) is the amended replay of
-:mod:`pipelines.replay`. The output's ``versions`` table shows the versions made from the
+:mod:`engine.replay`. The output's ``versions`` table shows the versions made from the
 selected records (and a dry run's plan), ``audit`` their audit trail.
 """
 
@@ -20,10 +20,9 @@ from typing import Any
 import dagster as dg
 import pydantic
 
-from pipelines import tags as tag
-from pipelines.ops.batch import BATCH_JOBS
-from pipelines.registry import JOB_TYPES
-from pipelines.replay import (
+from engine import tags as tag
+from engine.registry import JOB_TYPES
+from engine.replay import (
     Amendment,
     AmendRefused,
     Selection,
@@ -33,6 +32,7 @@ from pipelines.replay import (
     load_patch,
     parse_pace,
 )
+from pipelines.ops.batch import BATCH_JOBS
 from resources.dagster_resources import DlqResource
 from resources.dlq import DlqRecord, DlqRecordNotFound, DlqStatus, DlqStore, parse_age
 from resources.errors import ValidationError

@@ -14,14 +14,14 @@ from typing import Any
 
 import dagster as dg
 
-from pipelines import tags as tag
-from pipelines.attempts import Outcome
-from pipelines.failures import FailurePath
-from pipelines.registry import JOB_TYPES
-from pipelines.requests import RequestStore
-from pipelines.runtime import RequestOutcome, execute_request
-from pipelines.services import Services
-from pipelines.validation import ValidationError, admit, check_id
+from engine import tags as tag
+from engine.attempts import Outcome
+from engine.failures import FailurePath
+from engine.registry import JOB_TYPES
+from engine.requests import RequestStore
+from engine.runtime import RequestOutcome, execute_request
+from engine.services import Services
+from engine.validation import ValidationError, admit, check_id
 from resources.dagster_resources import dagster_signal
 from resources.retry import RetryPolicy
 from resources.telemetry.tracing import SpanKind, inject, span, trace_id_of, tracing_enabled

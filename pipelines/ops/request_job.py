@@ -1,5 +1,5 @@
 """The per-request Dagster job of a job type: one op that runs
-:func:`pipelines.runtime.execute_request` and turns its failures into Dagster retries.
+:func:`engine.runtime.execute_request` and turns its failures into Dagster retries.
 
 Run config (the UI's launchpad opens on the job type's example)::
 
@@ -36,21 +36,17 @@ from typing import Any, cast
 import dagster as dg
 import pydantic
 
-from pipelines import tags as tag
-from pipelines.attempts import Outcome
-from pipelines.jobs.base import JobType, PayloadField
+from engine import tags as tag
+from engine.attempts import Outcome
+from engine.contract import JobType, PayloadField
+from engine.requests import RequestStore
+from engine.services import Services
 from pipelines.ops.failures import admit_run_config, run_request_step
-from pipelines.registry import get_job_type
-from pipelines.requests import RequestStore
-from pipelines.services import Services
 from resources.errors import ValidationError
 
 BASE_RESOURCES = frozenset({"idempotency", "app_db", "retry"})
-EXTRA_RESOURCES: dict[str, frozenset[str]] = {
-    "charge_payment": frozenset({"gateway"}),
-    "send_email": frozenset({"mailer"}),
-    "rebuild_report_cache": frozenset({"cache"}),
-}
+"""What every request op needs; a job type adds its own (``JobType.resource_keys``: its
+downstream clients, the platform services it names, the concurrency limits)."""
 
 RUN_OUTCOMES: dict[Outcome, tag.RunOutcome] = {
     Outcome.COMPLETED: tag.RunOutcome.EFFECT,
@@ -122,32 +118,6 @@ def payload_of(config: dg.Config) -> dict[str, Any]:
     return payload.model_dump(mode="json")
 
 
-def request_run_config(
-    job_type: str,
-    payload: Any,
-    *,
-    key: str | None = None,
-    request_id: int | None = None,
-    correlation_id: str | None = None,
-) -> dict[str, Any]:
-    """Run config of ``job_type``'s per-request job for ``payload``, fitting its config class.
-
-    The payload goes through the job type's ``validate`` first, so a payload stored in an older
-    form (a free-form map from before the typed config, a number where a string is wanted)
-    comes out in the form the class takes. Raises :class:`ValidationError` (naming the field)
-    when the payload is not valid at all: such a request cannot make a valid run.
-    """
-    jt = get_job_type(job_type)
-    if not isinstance(payload, dict):
-        raise ValidationError("payload", "must be an object", payload)
-    config: dict[str, Any] = {"payload": jt.validate(dict(payload))}
-    for name, value in (("key", key), ("request_id", request_id),
-                        ("correlation_id", correlation_id)):
-        if value is not None:
-            config[name] = value
-    return {"ops": {jt.op_name: {"config": config}}}
-
-
 def job_tags(jt: JobType) -> dict[str, str]:
     return {
         tag.QUEUE: jt.queue,
@@ -195,11 +165,7 @@ def request_op(jt: JobType) -> dg.OpDefinition:
     @dg.op(
         name=jt.op_name,
         description=jt.description,
-        required_resource_keys=set(
-            BASE_RESOURCES
-            | EXTRA_RESOURCES.get(jt.name, frozenset())
-            | ({"concurrency"} if jt.concurrency_key else set())
-        ),
+        required_resource_keys=set(BASE_RESOURCES | jt.resource_keys),
         tags={tag.QUEUE: jt.queue},
     )
     def _op(

@@ -64,6 +64,7 @@ import json
 import logging
 import math
 import random as _random
+import re
 import threading
 import time
 import uuid
@@ -162,6 +163,24 @@ class Envelope:
         return cls(d["v"], d["s"], d["h"], d["d"], d["n"], d["t"], d["st"])
 
 
+_HEADER: Final = re.compile(
+    rb'\{"s":([^,]+),"h":([^,]+),"d":([^,]+),"n":[^,]+,"t":[^,]+,"st":[^,]+,"v":'
+)
+"""The envelope's header as :meth:`Envelope.encode_raw` writes it; ``end()`` is where the
+value's JSON starts."""
+_scan: Final[Callable[[str, int], tuple[Any, int]]] = (
+    json.JSONDecoder().scan_once  # type: ignore[attr-defined]
+)
+"""The JSON scanner itself: decodes the value where the header ends, in place."""
+
+
+def value_of(raw: bytes, header: re.Match[bytes]) -> Any:
+    """The value of a stored envelope whose header ``_HEADER`` matched, without decoding the
+    header: the hit path judges freshness from three header numbers, and building the whole
+    envelope as a dict cost about as much again as the value itself."""
+    return _scan(raw.decode(), header.end())[0]
+
+
 def jittered(ttl: float, jitter: float, rand: float) -> float:
     """``ttl`` scaled by ``1 + jitter * (2 * rand - 1)``: uniform within +/- jitter."""
     return ttl * (1.0 + jitter * (2.0 * rand - 1.0))
@@ -183,49 +202,55 @@ class _Call:
     __slots__ = ("done", "error", "result")
 
     def __init__(self) -> None:
-        self.done: threading.Event | None = None  # made only when a follower joins
+        self.done = threading.Event()
         self.result: Any = None
         self.error: BaseException | None = None
+
+
+_LEADING: Final = object()
+"""A flight's entry while nobody has joined its leader: the uncontended call (every hit)
+allocates nothing; the first follower replaces it with a :class:`_Call` to wait on."""
 
 
 class SingleFlight:
     """Callers of one key in one process share one call of ``fn`` and its result or error.
 
-    Uncontended calls allocate no event, so the hit path stays cheap.
+    An uncontended call takes the lock twice and allocates nothing, so the hit path stays cheap.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._calls: dict[Hashable, _Call] = {}
+        self._calls: dict[Hashable, Any] = {}
 
-    def run(self, key: Hashable, fn: Callable[[], T]) -> tuple[T, bool]:
-        """Return (result, led): ``led`` is True for the one caller that ran ``fn``."""
+    def run(self, key: Hashable, fn: Callable[..., T], *args: Any) -> tuple[T, bool]:
+        """Return (``fn(*args)``, led): ``led`` is True for the one caller that ran ``fn``."""
+        calls = self._calls
         with self._lock:
-            call = self._calls.get(key)
+            call = calls.get(key)
             if call is None:
-                call = self._calls[key] = _Call()
-                leader = True
-            else:
-                leader = False
-                if call.done is None:
-                    call.done = threading.Event()
-                done = call.done
-        if not leader:
-            done.wait()
+                calls[key] = _LEADING
+            elif call is _LEADING:
+                call = calls[key] = _Call()
+        if call is not None:
+            call.done.wait()
             if call.error is not None:
                 raise call.error
             return call.result, False
         try:
-            call.result = fn()
+            result = fn(*args)
         except BaseException as exc:
-            call.error = exc
-            raise
-        finally:
             with self._lock:
-                del self._calls[key]
-                if call.done is not None:
-                    call.done.set()
-        return call.result, True
+                joined = calls.pop(key)
+            if joined is not _LEADING:
+                joined.error = exc
+                joined.done.set()
+            raise
+        with self._lock:
+            joined = calls.pop(key)
+        if joined is not _LEADING:
+            joined.result = result
+            joined.done.set()
+        return result, True
 
 
 class StampedeCache:
@@ -277,6 +302,7 @@ class StampedeCache:
             clock=clock,
         )
         self._flight = SingleFlight()
+        self._refreshes = SingleFlight()
         self._pool = ThreadPoolExecutor(refresh_workers, thread_name_prefix="cache-refresh")
         self._pending: set[Future[Any]] = set()
         self._pending_lock = threading.Lock()
@@ -311,16 +337,17 @@ class StampedeCache:
         caller's load failed, or negative cache) or :class:`CacheLoadTimeout`.
         """
         started = time.monotonic()
-        def look() -> tuple[Any, str]:
-            return self._look(key, loader, ttl, stale_ttl, jitter)
-
         try:
             if tracing_enabled():
                 with span("cache.get_or_load", cache_key=key, namespace=self.namespace):
-                    (value, outcome), led = self._flight.run(("get", key), look)
+                    (value, outcome), led = self._flight.run(
+                        key, self._look, key, loader, ttl, stale_ttl, jitter
+                    )
                     set_attributes(outcome=outcome, led=led)
             else:  # the hit path: no span to open and close when nobody collects them
-                (value, outcome), led = self._flight.run(("get", key), look)
+                (value, outcome), led = self._flight.run(
+                    key, self._look, key, loader, ttl, stale_ttl, jitter
+                )
         except Exception:
             self.recorder.record(key, "misses", access=True)
             raise
@@ -345,23 +372,28 @@ class StampedeCache:
         """One flight: the hit path (one GET, judged here), else the script. Concurrent callers
         of one key in this process share the flight, so a cold stampede costs one GET."""
         try:
-            raw = self.client.get(f"{PREFIX}{{{self.namespace}:{key}}}")
+            raw: bytes | None = self.client.get(  # type: ignore[assignment]
+                f"{PREFIX}{{{self.namespace}:{key}}}"
+            )
         except (redis.ConnectionError, redis.TimeoutError) as exc:
             raise StoreUnavailable(f"Redis did not answer: {exc}; retry later") from exc
         factor: float | None = None  # the call's one XFetch draw, made only when it can matter
         if raw is not None:
-            d = json.loads(raw)
+            header = _HEADER.match(raw)  # value_of(), inlined: this is every hit
+            if header is None:
+                raise ValueError(f"cache key {key!r} holds no envelope")
+            soft, hard, delta = float(header[1]), float(header[2]), float(header[3])
             now = self.clock()
-            if now < d["h"]:
-                gap = d["s"] - now
-                if gap > 0 and gap > d["d"] * self.beta * _XFETCH_NEGLIGIBLE:
-                    return d["v"], "hit"
+            if now < hard:
+                gap = soft - now
+                if gap > 0 and gap > delta * self.beta * _XFETCH_NEGLIGIBLE:
+                    return _scan(raw.decode(), header.end())[0], "hit"
                 factor = self._xfetch_factor()
-                if now + d["d"] * factor < d["s"]:
-                    return d["v"], "hit"
+                if now + delta * factor < soft:
+                    return value_of(raw, header), "hit"
                 # Stale or XFetch-early: answer now; the lock attempt runs in the background.
                 self._refresh_soon(key, loader, self._options(ttl, stale_ttl, jitter), factor, now)
-                return d["v"], "stale" if now >= d["s"] else "early"
+                return value_of(raw, header), "stale" if now >= soft else "early"
         opts = self._options(ttl, stale_ttl, jitter)
         if factor is None:
             factor = self._xfetch_factor()
@@ -400,8 +432,8 @@ class StampedeCache:
             stale_ttl if stale_ttl is not None else (current.stale_ttl if current else None),
             jitter,
         )
-        (value, _), _ = self._flight.run(
-            ("refresh", key), lambda: self._resolve(key, loader, opts, force=True)
+        (value, _), _ = self._refreshes.run(
+            key, lambda: self._resolve(key, loader, opts, force=True)
         )
         return value
 

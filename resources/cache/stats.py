@@ -84,7 +84,7 @@ class CacheRecorder:
         with self._lock:
             hits[key] = hits.get(key, 0) + 1
         if time.monotonic() - self._last_flush >= self.flush_interval:
-            self.flush(block=False)
+            self._flush_soon()
 
     def record(self, key: str, field: str, amount: float = 1.0, *, access: bool = False) -> None:
         counts, hits = self._counts, self._access

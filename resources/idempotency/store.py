@@ -62,7 +62,7 @@ from resources.storage.driver import (
     within,
 )
 from resources.storage.json_text import canonical, from_text, to_text
-from resources.storage.migrations import upgrade
+from resources.storage.migrations import ensure_schema
 
 __all__ = [
     "AlreadyInProgress",
@@ -380,10 +380,11 @@ class IdempotencyStore:
     def from_url(
         cls, url: str, *, lease_seconds: float = 60.0, create_schema: bool = True, **kwargs: Any
     ) -> IdempotencyStore:
-        """Open the store at a SQLAlchemy URL, applying ``sql/`` first if asked (the default)."""
+        """Open the store at a SQLAlchemy URL. ``create_schema`` (the default): check the schema
+        first, applying ``sql/`` where ``SEKALI_AUTO_MIGRATE`` allows (:func:`ensure_schema`)."""
         db = Database.from_url(url)
         if create_schema:
-            upgrade(db)
+            ensure_schema(db)
         return cls(db, lease_seconds=lease_seconds, **kwargs)
 
     # -- claiming ---------------------------------------------------------------------------

@@ -368,6 +368,26 @@ class Database:
         with errors_as_ours(), self._autocommit.begin() as conn:
             yield conn
 
+    @contextlib.contextmanager
+    def session(self, *, round_trip: float | None = None) -> Iterator[Connection]:
+        """One Postgres connection kept for a sequence of statements that each commit on their
+        own (autocommit; ``BEGIN``/``COMMIT`` may be sent explicitly), for work that must stay
+        on one server session: a session-level advisory lock, ``SET`` for the statements that
+        follow (schema upgrades). ``round_trip``: the client's deadline for each statement
+        instead of the default. Settings and advisory locks are reset before the connection
+        goes back to the pool."""
+        with errors_as_ours(), self._autocommit.connect() as conn:
+            if round_trip is not None and self.timeouts is not None:
+                conn.info[_ROUND_TRIP] = round_trip + self.timeouts.margin
+            try:
+                yield conn
+            finally:
+                if not conn.invalidated and not conn.closed:
+                    with contextlib.suppress(sa_exc.DBAPIError):
+                        conn.exec_driver_sql("ROLLBACK")  # a transaction an error left open
+                        conn.exec_driver_sql("RESET ALL")
+                        conn.exec_driver_sql("SELECT pg_advisory_unlock_all()")
+
     def dispose(self) -> None:
         self.engine.dispose()
 

@@ -66,7 +66,7 @@ def _from_env(cls: Any, prefix: str) -> Any:
     values: dict[str, Any] = {}
     for f in fields(cls):
         raw = os.environ.get(f"{prefix}{f.name.upper()}")
-        if raw:
+        if raw and f.type in ("int", "float"):
             values[f.name] = int(raw) if f.type == "int" else float(raw)
     return cls(**values)
 
@@ -146,6 +146,49 @@ class DatabaseTimeouts:
     @classmethod
     def from_env(cls) -> DatabaseTimeouts:
         return _from_env(cls, "SEKALI_DB_")  # type: ignore[no-any-return]
+
+
+AUTO_MIGRATE_ENV = "SEKALI_AUTO_MIGRATE"
+
+
+@dataclass(frozen=True)
+class MigrationSettings:
+    """How schema upgrades run (seconds). Env: ``SEKALI_MIGRATION_TIMEOUT``, ...
+
+    - ``timeout``: the bound of one migration statement (an index build, a batch, a validation)
+      and of the wait for another process's upgrade.
+    - ``lock_timeout``: how long a Postgres statement that stops writers (SHARE or stronger on a
+      table) may wait for its lock before it gives way and tries again: while it waits in the
+      lock queue, every writer queued behind it waits too.
+    - ``lock_retries``: how many times it tries (with backoff and jitter) before the upgrade
+      fails, naming the statement and the table.
+    - ``exclusive_hold``: how long such a statement may hold its lock once granted; past it,
+      Postgres cancels the statement and the upgrade stops (a statement that unexpectedly
+      scans or rewrites a large table never stops writers for longer).
+
+    ``auto`` (``SEKALI_AUTO_MIGRATE``, 1 or 0): whether a process applies pending migrations
+    when it first opens the database. Unset: yes on SQLite (the embedded default just works),
+    no on Postgres, where the operator runs ``sekali db upgrade`` (docs/upgrades.md).
+    """
+
+    timeout: float = 120.0
+    lock_timeout: float = 1.0
+    lock_retries: int = 30
+    exclusive_hold: float = 1.0
+    auto: bool | None = None
+
+    def auto_for(self, dialect: str) -> bool:
+        return self.auto if self.auto is not None else dialect == "sqlite"
+
+    @classmethod
+    def from_env(cls) -> MigrationSettings:
+        base: MigrationSettings = _from_env(cls, "SEKALI_MIGRATION_")
+        raw = os.environ.get(AUTO_MIGRATE_ENV, "").strip().lower()
+        if not raw:
+            return base
+        if raw not in ("1", "0", "true", "false", "yes", "no"):
+            raise ValidationError(AUTO_MIGRATE_ENV, "expected 1 or 0", raw)
+        return replace(base, auto=raw in ("1", "true", "yes"))
 
 
 @dataclass(frozen=True)

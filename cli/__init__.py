@@ -1,0 +1,2 @@
+"""The ``sekali`` command: :mod:`cli.main` dispatches to one module per subcommand in
+:mod:`cli.commands`."""

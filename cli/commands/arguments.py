@@ -1,0 +1,57 @@
+"""Argument types shared by the subcommands: every id and count the CLI takes is bounded before it
+reaches a database (a 20-digit id is an OverflowError on SQLite, not an answer), and an age or a
+pace is parsed where argparse can name the flag (exit 2, one line)."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+from engine.replay import parse_pace
+from engine.validation import INT64_MAX
+from resources.dlq import parse_age
+from resources.errors import ValidationError
+
+_DIGITS = re.compile(r"^[0-9]{1,19}$")
+
+
+def _whole(text: str, what: str) -> int:
+    if not _DIGITS.match(text) or not 1 <= int(text) <= INT64_MAX:
+        shown = text if len(text) <= 40 else text[:40] + "..."
+        raise argparse.ArgumentTypeError(
+            f"{shown!r} is not {what} (a whole number from 1 to {INT64_MAX})"
+        )
+    return int(text)
+
+
+def record_id(text: str) -> int:
+    """argparse ``type=`` of a row id: a whole number from 1 to 2**63 - 1 (BIGINT's range);
+    anything else is bad usage (exit 2, one line)."""
+    return _whole(text, "a record id")
+
+
+def count(text: str) -> int:
+    """argparse ``type=`` of a ``--limit``: a whole number from 1 to 2**63 - 1."""
+    return _whole(text, "a count")
+
+
+def age(text: str) -> float:
+    """argparse ``type=`` of ``--older-than``/``--newer-than``: ``90s``, ``15m``, ``2h``,
+    ``3d``, ``1w`` or seconds -> seconds."""
+    try:
+        seconds = parse_age(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    assert seconds is not None  # a str is never None
+    return seconds
+
+
+def pace(text: str) -> float:
+    """argparse ``type=`` of ``--pace``: ``10/s``, ``600/min``, ``5`` -> requests per second."""
+    try:
+        rate = parse_pace(text)
+    except ValidationError as exc:
+        raise argparse.ArgumentTypeError(exc.problem) from None
+    if rate is None:
+        raise argparse.ArgumentTypeError("expected a rate like 10/s, 600/min or 5")
+    return rate

@@ -1,0 +1,349 @@
+"""``sekali dlq list | show | replay | discard``: the dead letter queue from the command line.
+
+- ``list [--status S] [--job-type T] [--class C] [--fingerprint F] [--older-than 2h]
+  [--newer-than 1d] [--json]``: unresolved records by default (open, replay_requested,
+  replaying); ``--status all`` for every record.
+- ``show ID [--json]``: one record with its error, trace, failed runs and audit trail.
+- ``replay [ID ...] [filters] [--limit N] [--pace 10/s] [--dry-run]``: ask for a replay of the
+  selected open records (at most N, oldest first, at most the pace); the ``dlq_replay_sensor``
+  launches them at its rate bound. Each selected record's idempotency key is reset from failed
+  to retryable, and only those; a skipped record gets an audit line saying why. Without ids a
+  filter is required. ``--dry-run`` changes nothing and says what would be replayed. ``--wait``
+  then follows each replayed record to its end (:mod:`cli.commands.follow`; exit 1 when one
+  is dead-lettered again or ``--timeout`` passes first); ``--json`` prints the decisions (and
+  final states).
+- ``replay ID --patch JSON|@file [--dry-run] [--wait]``: amended replay (``pipelines/replay.py``):
+  a new version of the request under ``key#vN`` with the patched payload, the record closed as
+  superseded (``--wait`` follows the new request like ``sekali enqueue --wait``); refused
+  (exit 1, saying why) when the key's effect may have happened.
+- ``discard ID ... --reason R``: give up on records (kept, marked discarded, audited).
+
+Times are ISO-8601 in the local zone, payloads JSON; ``--out PATH`` writes the JSON to a file.
+
+Exit codes: 0 done, 1 nothing matched / nothing changed, 2 bad arguments or unknown record
+(one line on stderr; ids are whole numbers from 1 to 2**63 - 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import getpass
+import re
+import sys
+import textwrap
+from typing import Any
+
+from rich import box
+from rich.table import Table
+
+from cli.commands.arguments import age, pace, record_id
+from cli.commands.follow import (
+    add_wait_arguments,
+    exit_code,
+    follow,
+    record_progress,
+    request_progress,
+)
+from cli.commands.output import (
+    add_output_arguments,
+    console,
+    emit,
+    payload_text,
+    printable,
+    when,
+)
+from engine.privacy import dlq_view
+from engine.replay import AmendRefused, Selection, amend, bulk_replay
+from engine.requests import RequestStore
+from resources.dlq import DlqRecordNotFound, DlqStore
+from resources.errors import ValidationError
+from resources.storage.db import shared_database
+from resources.storage.settings import Settings
+from resources.telemetry.redact import redact_data
+
+UNRESOLVED = ["open", "replay_requested", "replaying"]
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = sub.add_parser("dlq", help="inspect, replay and discard dead letters")
+    dlq_sub = parser.add_subparsers(dest="dlq_command", required=True)
+
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--url", help="app database URL (default: DATABASE_URL or embedded)")
+
+    def filters(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--job-type", dest="job_type")
+        p.add_argument(
+            "--class", dest="error_class", choices=["permanent", "transient", "data_bug", "unknown"]
+        )
+        p.add_argument("--fingerprint")
+        p.add_argument("--older-than", dest="older_than", type=age,
+                       help="last failure at least this old (90s, 15m, 2h, 3d, 1w)")
+        p.add_argument("--newer-than", dest="newer_than", type=age,
+                       help="last failure at most this old")
+
+    p_list = dlq_sub.add_parser("list", help="list dead letters")
+    filters(p_list)
+    common(p_list)
+    p_list.add_argument(
+        "--status", action="append", help="status to show (repeatable); 'all' for every status"
+    )
+    add_output_arguments(p_list)
+    p_list.set_defaults(func=_list)
+
+    p_show = dlq_sub.add_parser("show", help="one dead letter in full")
+    p_show.add_argument("id", type=record_id)
+    add_output_arguments(p_show)
+    common(p_show)
+    p_show.set_defaults(func=_show)
+
+    p_replay = dlq_sub.add_parser("replay", help="request replays (the replay sensor runs them)")
+    p_replay.add_argument("ids", type=record_id, nargs="*")
+    filters(p_replay)
+    common(p_replay)
+    p_replay.add_argument("--dry-run", action="store_true", dest="dry_run")
+    p_replay.add_argument("--actor", default=None)
+    p_replay.add_argument("--reason", default="")
+    p_replay.add_argument(
+        "--patch", help="amend: a JSON merge patch (or @file) for one record's payload; makes"
+        " a new version of the request (key#vN) and closes the record as superseded",
+    )
+    p_replay.add_argument("--limit", type=int, help="at most this many records (oldest first)")
+    p_replay.add_argument("--pace", type=pace,
+                          help="at most this rate of replay requests, e.g. 10/s or 600/min")
+    add_output_arguments(p_replay)
+    add_wait_arguments(p_replay)
+    p_replay.set_defaults(func=_replay)
+
+    p_discard = dlq_sub.add_parser("discard", help="give up on dead letters (kept, audited)")
+    p_discard.add_argument("ids", type=record_id, nargs="+")
+    p_discard.add_argument("--reason", required=True)
+    p_discard.add_argument("--actor", default=None)
+    add_output_arguments(p_discard)
+    common(p_discard)
+    p_discard.set_defaults(func=_discard)
+
+
+def _store(args: argparse.Namespace) -> Any:
+    return DlqStore(shared_database(args.url or Settings.from_env().database_url))
+
+
+def _actor(args: argparse.Namespace) -> str:
+    if args.actor:
+        return str(args.actor)
+    try:
+        return f"cli:{getpass.getuser()}"
+    except Exception:  # noqa: BLE001 - no user name in some containers
+        return "cli"
+
+
+def _selection(args: argparse.Namespace) -> Selection:
+    """The filters of ``list`` and ``replay`` (``--limit`` only where the command has it)."""
+    return Selection(
+        job_type=args.job_type,
+        error_class=args.error_class,
+        fingerprint=args.fingerprint,
+        older_than=args.older_than,
+        newer_than=args.newer_than,
+        ids=getattr(args, "ids", None) or None,
+        limit=getattr(args, "limit", None),
+    )
+
+
+def error_text(record: Any, view: dict[str, Any]) -> str:
+    """The record's error once: its message, prefixed by the error type only when the message
+    does not already start with it."""
+    message = " ".join((view["last_error"] or "").split())
+    kind = str(record.error_type or "")
+    if not kind:
+        return message
+    qualified = re.match(rf"[\w.]*\.{re.escape(kind)}:", message)
+    if qualified:  # ``pkg.module.UnknownSku: ...`` reads as ``UnknownSku: ...``
+        return kind + message[qualified.end() - 1:]
+    if message.startswith(f"{kind}:"):
+        return message
+    return f"{kind}: {message}"
+
+
+def _list(args: argparse.Namespace) -> int:
+    statuses = None if args.status and "all" in args.status else (args.status or UNRESOLVED)
+    try:
+        records = _selection(args).records(_store(args), statuses)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+    def human() -> None:
+        if not records:
+            print("no dead letters match")
+            return
+        table = Table(box=box.SIMPLE_HEAD)
+        for name in ("id", "status", "job type", "class", "fingerprint", "fails", "replays",
+                     "last failure"):
+            table.add_column(name, justify="right" if name in ("id", "fails", "replays")
+                             else "left", overflow="fold")
+        table.add_column("error", ratio=1, min_width=30)  # wraps between words, never cut
+        for r in records:
+            table.add_row(
+                str(r.id), str(r.status), r.job_type, r.error_class, r.fingerprint,
+                str(r.failure_count), str(r.replay_count), when(r.last_failed_at),
+                printable(textwrap.shorten(error_text(r, dlq_view(r, summary=True)), 300,
+                                           placeholder=" ...")),
+            )
+        console().print(table)
+
+    return emit(args, [dlq_view(r, summary=True) for r in records], human)
+
+
+def _show(args: argparse.Namespace) -> int:
+    store = _store(args)
+    try:
+        record = store.get(args.id)
+    except DlqRecordNotFound as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    data = {
+        **dlq_view(record),  # personal fields and e-mail addresses masked
+        "dedupe_window": RequestStore(store.db).dedupe_of(
+            record.request_id, record.idempotency_key
+        ),
+        "failed_runs": store.failures(record.id),
+        "audit": redact_data(store.audit(record.id)),
+    }
+
+    def human() -> None:
+        out = console()
+        grid = Table.grid(padding=(0, 2))
+        grid.add_column(justify="right", style="bold")
+        grid.add_column(overflow="fold")
+        for name, value in data.items():
+            if name in ("trace", "audit"):
+                continue
+            if name.endswith("_at") and isinstance(value, (int, float)):
+                value = when(value)
+            elif isinstance(value, (dict, list)):
+                value = payload_text(value)
+            grid.add_row(name, "" if value is None else printable(str(value)))
+        out.print(grid)
+        out.print("audit:")
+        for entry in data["audit"]:
+            moved = (
+                f"{entry['from_status'] or '-'} -> {entry['to_status'] or '-'} "
+                if entry["from_status"] or entry["to_status"] else ""
+            )
+            out.print(printable(
+                f"  {when(entry['at'])}  {entry['actor']}: {entry['action']} "
+                f"{moved}{entry['detail'] or ''}"
+            ))
+        out.print("trace:")
+        out.print(printable(data["trace"] or "(none)"))
+
+    return emit(args, data, human)
+
+
+def _replay(args: argparse.Namespace) -> int:
+    if args.patch is not None:
+        return _amend(args)
+    store = _store(args)
+    try:
+        result = bulk_replay(
+            store,
+            _selection(args),
+            actor=_actor(args),
+            reason=args.reason,
+            dry_run=args.dry_run,
+            pace=args.pace,
+        )
+    except (ValidationError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    missing = set(args.ids) - {d.record.id for d in result.decisions}
+    if missing:
+        print(f"error: no DLQ record {sorted(missing)}", file=sys.stderr)
+        return 2
+    say = sys.stderr if args.json else sys.stdout
+    for d in result.decisions:
+        verb = ("would replay" if args.dry_run else "replay requested") if d.replay else "skipped"
+        reset = " (key reset)" if d.key_reset else ""
+        print(
+            f"{d.record.id:>5}  {verb}: {d.record.job_type} key={d.record.idempotency_key} "
+            f"{'' if d.replay else d.reason}{reset}", file=say
+        )
+    print(
+        f"{result.chosen} of {len(result.decisions)} selected records "
+        f"{'would be replayed (dry run)' if args.dry_run else 'requested for replay'}", file=say
+    )
+    data: dict[str, Any] = {"decisions": [
+        {"id": d.record.id, "replay": d.replay, "reason": d.reason, "key_reset": d.key_reset}
+        for d in result.decisions]}
+    if not (args.wait and result.chosen and not args.dry_run):
+        return _finish(args, data, [], 0 if result.chosen else 1)
+    requests = RequestStore(store.db)
+    return _finish(args, data, [record_progress(store, requests, d.record.id)
+                                for d in result.decisions if d.replay])
+
+
+def _amend(args: argparse.Namespace) -> int:
+    if len(args.ids) != 1 or args.limit is not None or args.pace is not None:
+        print("error: --patch takes exactly one record id and no --limit/--pace",
+              file=sys.stderr)
+        return 2
+    store = _store(args)
+    try:
+        done = amend(
+            store, args.ids[0], args.patch, actor=_actor(args), reason=args.reason,
+            dry_run=args.dry_run,
+        )
+    except (ValidationError, DlqRecordNotFound) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except AmendRefused as exc:
+        print(f"refused: {exc}", file=sys.stderr)
+        return 1
+    changes = ", ".join(f"{d['path']}: {d['from']!r} -> {d['to']!r}" for d in done.diff)
+    print(
+        f"{'would make' if done.dry_run else 'made'} {done.key} (version {done.version}"
+        f"{'' if done.request_id is None else f', request {done.request_id}'}) from record"
+        f" {done.record_id}, superseding {done.previous_key}: {changes}",
+        file=sys.stderr if args.json else sys.stdout,
+    )
+    data: dict[str, Any] = {
+        "key": done.key, "version": done.version, "request_id": done.request_id,
+        "record_id": done.record_id, "previous_key": done.previous_key,
+        "dry_run": done.dry_run, "diff": list(done.diff)}
+    if not (args.wait and done.request_id is not None and not done.dry_run):
+        return _finish(args, data, [], 0)
+    return _finish(args, data, [request_progress(RequestStore(store.db), store, done.request_id)])
+
+
+def _finish(args: argparse.Namespace, data: dict[str, Any], progress: list[Any],
+            code: int = 0) -> int:
+    """Follow ``progress`` to its end when there is any (``--wait``), adding the final states
+    to ``data``; then print ``data`` as JSON when asked. Returns the exit code."""
+    if progress:
+        states, timed_out = follow(progress, timeout=args.timeout)
+        code = exit_code(states, timed_out, args.timeout)
+        data["final"] = [s.as_dict() for s in states]
+        data["timed_out"] = timed_out
+    if args.json or args.out:
+        return emit(args, data, lambda: None) or code
+    return code
+
+
+def _discard(args: argparse.Namespace) -> int:
+    store = _store(args)
+    try:
+        decisions = store.discard(args.ids, actor=_actor(args), reason=args.reason)
+    except (DlqRecordNotFound, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    say = sys.stderr if args.json else sys.stdout
+    for d in decisions:
+        print(f"{d.record.id:>5}  {'discarded' if d.replay else 'skipped: ' + d.reason}",
+              file=say)
+    code = 0 if any(d.replay for d in decisions) else 1
+    if args.json or args.out:
+        data = [{"id": d.record.id, "discarded": d.replay, "reason": d.reason}
+                for d in decisions]
+        return emit(args, data, lambda: None) or code
+    return code

@@ -1,0 +1,179 @@
+"""``sekali requests list | show``: the job requests producers sent, and what became of them.
+
+- ``list [--status S] [--job-type T] [--limit N] [--json] [--out PATH]``: newest first (50 by
+  default): status, job type, key, attempts, last change, run id, last error.
+- ``show ID|KEY [--json] [--out PATH]``: one request with every field its record has (payload
+  as JSON, personal fields masked), its attempts (time, outcome, error, run), the Dagster runs
+  that served it, its outcome, and the dead letters that keep it.
+
+Reads only through the owner stores (:class:`~engine.requests.RequestStore`,
+:class:`~engine.attempts.AttemptRecorder`, the DLQ store). Times are ISO-8601 in the local
+zone. Exit codes: 0 shown, 2 bad usage or no such request (one line on stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from rich import box
+from rich.table import Table
+
+from cli.commands.arguments import count
+from cli.commands.output import (
+    add_output_arguments,
+    console,
+    emit,
+    payload_text,
+    printable,
+    when,
+)
+from engine.attempts import AttemptRecorder
+from engine.privacy import mask_text, request_view
+from engine.requests import JobRequest, RequestStatus, RequestStore
+from resources.dlq import DlqStore
+from resources.storage.db import Database, shared_database
+from resources.storage.settings import Settings
+from resources.telemetry.redact import redact
+
+_ATTEMPT_FIELDS = ("started_at", "attempt", "outcome", "error_class", "error_reason", "run_id",
+                   "step", "duration_seconds", "host", "pid")
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = sub.add_parser("requests", help="job requests and what became of them")
+    actions = parser.add_subparsers(dest="requests_command", required=True)
+
+    p_list = actions.add_parser("list", help="requests, newest first")
+    p_list.add_argument("--status", action="append", choices=[str(s) for s in RequestStatus],
+                        help="only this status (repeatable)")
+    p_list.add_argument("--job-type", dest="job_type")
+    p_list.add_argument("--limit", type=count, default=50, help="at most this many (50)")
+    p_list.add_argument("--url", help="app database URL (default: DATABASE_URL or embedded)")
+    add_output_arguments(p_list)
+    p_list.set_defaults(func=_list)
+
+    p_show = actions.add_parser("show", help="one request in full: fields, attempts, runs")
+    p_show.add_argument("ref", metavar="ID|KEY", help="the request id or its idempotency key")
+    p_show.add_argument("--url", help="app database URL (default: DATABASE_URL or embedded)")
+    add_output_arguments(p_show)
+    p_show.set_defaults(func=_show)
+
+
+def request_json(request: JobRequest) -> dict[str, Any]:
+    """A request as the CLI prints it in JSON: every record field, masked, times in ISO-8601
+    (``claim_rank`` too: it is the virtual arrival time the intake claims by)."""
+    return {k: when(v) if (k.endswith("_at") or k == "claim_rank")
+            and isinstance(v, (int, float)) else v
+            for k, v in request_view(request).items()}
+
+
+def _db(args: argparse.Namespace) -> Database:
+    return shared_database(args.url or Settings.from_env().database_url)
+
+
+def _list(args: argparse.Namespace) -> int:
+    found = RequestStore(_db(args)).find(status=args.status, job_type=args.job_type,
+                                         limit=args.limit)
+    views = [request_json(r) for r in found]
+
+    def human() -> None:
+        if not views:
+            print("no requests match")
+            return
+        table = Table(box=box.SIMPLE_HEAD)
+        for name in ("id", "status", "job type", "key", "tries", "updated", "run"):
+            table.add_column(name, justify="right" if name in ("id", "tries") else "left",
+                             overflow="fold")
+        table.add_column("last error", ratio=1, overflow="ellipsis")
+        for v in views:
+            table.add_row(str(v["id"]), v["status"], v["job_type"], printable(v["key"]),
+                          str(v["attempts"]), v["updated_at"], v["run_id"] or "",
+                          printable(" ".join((v["last_error"] or "").split())))
+        console().print(table)
+
+    return emit(args, views, human)
+
+
+def _find(store: RequestStore, ref: str) -> JobRequest | None:
+    if ref.isdigit() and len(ref) <= 19:
+        found = store.get(int(ref))
+        if found is not None:
+            return found
+    return store.get_by_key(ref)
+
+
+def _show(args: argparse.Namespace) -> int:
+    db = _db(args)
+    request = _find(RequestStore(db), args.ref)
+    if request is None:
+        shown = args.ref if len(args.ref) <= 60 else args.ref[:60] + "..."
+        print(f"error: no request with id or key {shown!r}; see `sekali requests list`",
+              file=sys.stderr)
+        return 2
+    attempts = [
+        {k: (when(a[k]) if k == "started_at" else a[k]) for k in _ATTEMPT_FIELDS}
+        for a in AttemptRecorder(db).for_key(request.key)
+    ]
+    for a in attempts:
+        if a["error_reason"]:
+            a["error_reason"] = mask_text(a["error_reason"], request.job_type, request.payload)
+    runs = list(dict.fromkeys(
+        [a["run_id"] for a in attempts if a["run_id"]] + ([request.run_id] if request.run_id
+                                                         else [])))
+    letters = [{"id": r.id, "status": str(r.status), "error_class": r.error_class,
+                "last_failed_at": when(r.last_failed_at),
+                "last_error": redact(" ".join((r.last_error or "").split())[:200])}
+               for r in DlqStore(db).list_records(request_id=request.id)]
+    data = {
+        "request": request_json(request),
+        "outcome": _outcome(request, attempts, letters),
+        "runs": runs,
+        "attempts": attempts,
+        "dead_letters": letters,
+    }
+    return emit(args, data, lambda: _print_show(data))
+
+
+def _outcome(request: JobRequest, attempts: list[dict[str, Any]],
+             letters: list[dict[str, Any]]) -> str:
+    """The request's end in one word: its status, or ``dead_lettered`` when a failed request is
+    kept by an open dead letter, followed by the last attempt's outcome."""
+    status = str(request.status)
+    if request.status is RequestStatus.FAILED and any(
+            d["status"] not in ("resolved", "discarded") for d in letters):
+        status = "dead_lettered"
+    last = attempts[-1]["outcome"] if attempts else None
+    return f"{status} (last attempt: {last})" if last else status
+
+
+def _print_show(data: dict[str, Any]) -> None:
+    out = console()
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(justify="right", style="bold")
+    grid.add_column(overflow="fold")
+    for name, value in data["request"].items():
+        if name == "payload" or isinstance(value, (dict, list)):
+            value = payload_text(value)
+        grid.add_row(name, "" if value is None else printable(str(value)))
+    grid.add_row("outcome", data["outcome"])
+    grid.add_row("runs", ", ".join(data["runs"]) or "(none yet)")
+    out.print(grid)
+    if data["attempts"]:
+        table = Table(title="attempts", box=box.SIMPLE_HEAD, title_justify="left")
+        for name in ("started", "#", "outcome", "class", "run", "seconds"):
+            table.add_column(name, overflow="fold")
+        table.add_column("error", ratio=1, overflow="fold")
+        for a in data["attempts"]:
+            seconds = a["duration_seconds"]
+            table.add_row(a["started_at"], str(a["attempt"]), a["outcome"], a["error_class"] or "",
+                          a["run_id"] or "", "" if seconds is None else f"{seconds:.3f}",
+                          printable(a["error_reason"] or ""))
+        out.print(table)
+    else:
+        out.print("attempts: none yet")
+    for d in data["dead_letters"]:
+        out.print(printable(
+            f"dead letter {d['id']} ({d['status']}, {d['error_class']}, last failed "
+            f"{d['last_failed_at']}): {d['last_error']}  -> sekali dlq show {d['id']}"))

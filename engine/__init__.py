@@ -1,0 +1,61 @@
+"""The job platform: what a job type declares and the one path every request takes.
+
+No business word and no Dagster here: the job types live in the code location
+(``pipelines.jobs``, and the modules named in ``SEKALI_JOB_MODULES``) and are found by the
+registry; the Dagster adapter, the CLI and the proof stand above. Public names:
+
+- the contract a job type module writes against: :class:`JobType`, :class:`PayloadField`,
+  :class:`Debounce`, :class:`Retained`, :class:`Downstream`, :class:`ClientOptions`,
+  :class:`Sandbox`, the hook protocols :class:`Reconciling` and :class:`Tally`, the handler's
+  :class:`JobContext`, ``crash_point``, ``fenced_update``, ``batch_slots``, ``SEND_TRIES`` and
+  the ``require_*`` / ``reject_unknown`` checks;
+- the registry: :func:`get_job_type`, ``JOB_TYPES``, :func:`downstreams`;
+- the ways in: :func:`enqueue` (intake) and :func:`execute_request` (the one execution path),
+  with the :class:`Services` they run on.
+"""
+
+from engine.context import SEND_TRIES, JobContext, batch_slots
+from engine.contract import (
+    Debounce,
+    JobType,
+    PayloadField,
+    Reconciling,
+    Retained,
+    Tally,
+    crash_point,
+    fenced_update,
+    reject_unknown,
+    require_int,
+    require_str,
+)
+from engine.downstreams import ClientOptions, Downstream, Sandbox
+from engine.intake import enqueue
+from engine.registry import JOB_TYPES, downstreams, get_job_type
+from engine.runtime import execute_request
+from engine.services import Services
+
+__all__ = [
+    "JOB_TYPES",
+    "SEND_TRIES",
+    "ClientOptions",
+    "Debounce",
+    "Downstream",
+    "JobContext",
+    "JobType",
+    "PayloadField",
+    "Reconciling",
+    "Retained",
+    "Sandbox",
+    "Services",
+    "Tally",
+    "batch_slots",
+    "crash_point",
+    "downstreams",
+    "enqueue",
+    "execute_request",
+    "fenced_update",
+    "get_job_type",
+    "reject_unknown",
+    "require_int",
+    "require_str",
+]

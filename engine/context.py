@@ -1,0 +1,233 @@
+"""The :class:`JobContext` a handler works through for one claimed attempt: the claim and its
+lease keeper, the attempt record and its timings, the downstream clients, transactions with
+row locks, and the concurrency slot of its key.
+
+A handler is a plain function ``handler(ctx, payload) -> result`` that needs no Dagster
+context, so the per-request op, the intake's batch ops and the chaos harness all run the same
+code through :func:`engine.runtime.execute_request`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from sqlalchemy import text
+from sqlalchemy.engine import Connection, Row
+
+from engine.attempts import Attempt
+from engine.contract import JobType, crash_point
+from engine.services import Services
+from resources.flow import Slot
+from resources.idempotency import Claim, Keeper
+from resources.telemetry.tracing import span
+
+SEND_TRIES = 3
+"""How many times one attempt confirms its lease and tries a downstream call whose client found
+the send bound passed before sending (a pause or a stall each time); then the attempt gives up
+as transient, nothing sent. See :meth:`JobContext.confirm_lease`."""
+
+
+@dataclass
+class JobContext:
+    """Everything a handler may touch for one claimed attempt."""
+
+    services: Services
+    claim: Claim
+    attempt: Attempt
+    payload: dict[str, Any]
+    correlation_id: str | None = None
+    keeper: Keeper | None = None
+    completed: bool = False
+    slot: Slot | None = None
+    """The concurrency slot of this payload's key that the caller already holds (a micro-batch
+    holds its keys' slots around its effects): :meth:`concurrency_slot` then uses it."""
+    _lock_wait: float = field(default=0.0, repr=False)
+
+    @property
+    def key(self) -> str:
+        return self.claim.key
+
+    @property
+    def fence(self) -> int:
+        return self.claim.fence
+
+    def crash_point(self, name: str) -> None:
+        crash_point(name)
+
+    def client(self, name: str) -> Any:
+        """The client of the downstream ``name``, one the job type declares in ``clients``:
+        :class:`MissingClient` when the services carry none."""
+        return self.services.client(name)
+
+    def check_lease(self) -> None:
+        """Raise :class:`LeaseLost` if a heartbeat found the lease taken over: stop now."""
+        if self.keeper is not None:
+            self.keeper.check()
+
+    def confirm_lease(self) -> float:
+        """Make sure the lease is still ours now: raises :class:`LeaseLost` if the key was taken
+        over. Returns the send bound: a monotonic time after which no request may leave for the
+        downstream on the strength of this confirmation.
+
+        Every job type calls it right before each call to a downstream (an SMTP send, a charge):
+        effects no fenced write guards. :meth:`check_lease` only reads
+        what the background heartbeat last saw, which a worker just resumed from a pause has not
+        refreshed yet; this asks the store, unless the claim or a heartbeat was confirmed within
+        a tenth of the lease by the monotonic clock (no takeover can happen before the whole
+        lease has passed, and a paused process sees the pause on that clock, so it asks).
+
+        The bound is ``asked + 0.4 * lease``, ``asked`` read on the monotonic clock BEFORE the
+        round trip. The lease was last confirmed at or after ``asked - lease / 10`` (the
+        freshness shortcut), so the bound is at most half a lease after the store extended the
+        lease to ``confirmation + lease``. A pause after this call is seen by the downstream
+        client, which refuses to write the request once the bound passed
+        (:class:`SendDeadlinePassed`: nothing sent). Timeline, lease L, keys ignored::
+
+            m0      A reads the monotonic clock, then heartbeats: expiry E >= m0 + L (store time)
+            m0+.4L  A's bound: A's client writes no byte after it (a connect is cut to it too)
+            E       the lease may run out; a takeover B judges E on its own clock, skewed by s
+            E - s   the earliest B can claim; B then waits the settle window from A's sent_at
+                    before it looks up by reference and charges blind
+            later   A wakes: its bound passed, it sends nothing, re-confirms, gets LeaseLost
+
+        So A's bytes and B's blind charge cannot both happen as long as the skew between the
+        clocks judging expiry stays under 0.6 L (18 s with a 30 s lease); the settle window only
+        adds margin. Half the lease, not all of it, because skew, the store's own processing
+        time and the bound check itself all eat into it. What is left: a pause between the
+        client's bound check and its socket write (a few instructions), documented in
+        ``docs/design.md``.
+        """
+        self.check_lease()
+        asked = time.monotonic()
+        if self.keeper is not None:
+            self.keeper.confirm()
+        else:
+            self.services.store.heartbeat(self.claim)
+        lease = self.services.store.lease_seconds
+        return asked + lease / 2 - lease / 10
+
+    @contextlib.contextmanager
+    def timed(self, name: str) -> Iterator[None]:
+        """Record the duration of a critical step, as a span of the request's trace too."""
+        started = time.perf_counter()
+        try:
+            with span(f"step.{name}", key=self.claim.key, fence=self.claim.fence):
+                yield
+        finally:
+            self.attempt.add_duration(name, time.perf_counter() - started)
+
+    @contextlib.contextmanager
+    def transaction(self, name: str = "transaction") -> Iterator[Connection]:
+        """A transaction on the app database; the time to get it counts as lock wait (on SQLite
+        ``BEGIN IMMEDIATE`` waits for the write lock)."""
+        self.check_lease()
+        started = time.perf_counter()
+        with self.timed(name), self.services.db.transaction() as conn:
+            self._add_lock_wait(time.perf_counter() - started)
+            yield conn
+
+    @contextlib.contextmanager
+    def locked_row(
+        self, table: str, column: str, value: str, name: str = "transaction"
+    ) -> Iterator[tuple[Connection, Row[Any] | None]]:
+        """A transaction holding the row lock on ``table.column = value`` (``FOR UPDATE`` on
+        Postgres; SQLite's ``BEGIN IMMEDIATE`` already excludes every other writer)."""
+        lock = " FOR UPDATE" if self.services.db.is_postgres else ""
+        self.check_lease()
+        started = time.perf_counter()
+        with self.timed(name), self.services.db.transaction() as conn:
+            with span("lock.row", lock=f"{table}:{value}", fence=self.fence):
+                row = conn.execute(
+                    text(f"SELECT * FROM {table} WHERE {column} = :v{lock}"), {"v": value}
+                ).first()
+            self._add_lock_wait(time.perf_counter() - started)
+            yield conn, row
+
+    @contextlib.contextmanager
+    def concurrency_slot(self, job_type: JobType) -> Iterator[Slot | None]:
+        """Hold one of ``job_type``'s concurrency slots for this payload's key around a side
+        effect: at most ``concurrency_limit`` such blocks run at once per key, across workers.
+
+        Waits in line (up to the limits' ``wait``), then :class:`LimitNotAcquired`: transient,
+        contention, so it spends no retry budget. The wait is recorded as the duration
+        ``concurrency_wait``; the lease is checked again after the wait, before the effect. A no-op
+        (yielding None) when the type declares no key or the services carry no limits.
+        """
+        key = job_type.concurrency_key_for(self.payload)
+        limits = self.services.concurrency
+        if key is None or limits is None:
+            yield None
+            return
+        if self.slot is not None:  # held by the batch around every request of this key
+            self.check_lease()
+            yield self.slot
+            return
+        self.check_lease()
+        started = time.perf_counter()
+        with limits.hold(job_type.name, key, job_type.concurrency_limit) as slot:
+            self.attempt.add_duration("concurrency_wait", time.perf_counter() - started)
+            self.check_lease()
+            yield slot
+
+    def _add_lock_wait(self, seconds: float) -> None:
+        self._lock_wait += seconds
+        self.attempt.lock_wait_seconds = round(self._lock_wait, 6)
+
+    def checkpoint(self, point: str, data: Any = None, *, conn: Connection) -> None:
+        """Record a recovery point in the transaction that made this phase's effect."""
+        self.services.store.checkpoint(self.claim, point, data, conn=conn)
+
+    def complete(self, result: Any, *, conn: Connection) -> None:
+        """Mark the key completed in the same transaction as the final effect."""
+        self.services.store.complete(self.claim, result, conn=conn)
+        self.completed = True
+
+
+@contextlib.contextmanager
+def batch_slots(
+    job_type: JobType, contexts: Sequence[JobContext]
+) -> Iterator[dict[int, Exception]]:
+    """Hold, around a micro-batch's effects, one of ``job_type``'s concurrency slots for each
+    distinct key among its payloads, so a batch honours the limit exactly as the per-request
+    handlers do with :meth:`JobContext.concurrency_slot`: across every worker, at most
+    ``concurrency_limit`` holders of one key make its effects at once (the requests of one
+    batch that share a key run one after another under the one slot).
+
+    Keys are taken in sorted order, so two batches never wait on each other in a cycle. A key
+    whose slot could not be had within the limits' wait (:class:`LimitNotAcquired`, transient)
+    or at all (Redis down) fails its requests: yields ``{index: error}`` for them, and the caller
+    leaves them out. Each other context gets its slot as ``ctx.slot`` for the block, with the
+    wait recorded as ``concurrency_wait``. A no-op (yielding ``{}``) when the type declares no
+    key or the services carry no limits.
+    """
+    limits = contexts[0].services.concurrency if contexts else None
+    if job_type.concurrency_key is None or limits is None:
+        yield {}
+        return
+    by_key: dict[str, list[int]] = {}
+    for i, ctx in enumerate(contexts):
+        by_key.setdefault(str(job_type.concurrency_key_for(ctx.payload)), []).append(i)
+    refused: dict[int, Exception] = {}
+    with contextlib.ExitStack() as held:
+        for key in sorted(by_key):
+            started = time.perf_counter()
+            try:
+                slot = held.enter_context(
+                    limits.hold(job_type.name, key, job_type.concurrency_limit)
+                )
+            except Exception as exc:  # noqa: BLE001 - this key's requests fail, not the batch
+                refused.update(dict.fromkeys(by_key[key], exc))
+                continue
+            waited = time.perf_counter() - started
+            for i in by_key[key]:
+                contexts[i].slot = slot
+                contexts[i].attempt.add_duration("concurrency_wait", waited)
+        try:
+            yield refused
+        finally:
+            for ctx in contexts:
+                ctx.slot = None

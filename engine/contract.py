@@ -1,0 +1,353 @@
+"""What a job type declares: the :class:`JobType` (its payload's fields and validation, its
+key, queue, budget and side-effect nature, flow-control needs, the downstreams it calls and its
+upkeep hooks), and the helpers every job type uses to check input and write fenced.
+
+A job type is one module that defines a module-level ``JOB_TYPE`` (or several in a ``JOB_TYPES``
+list); the registry (:mod:`engine.registry`) finds it, and everything else is derived from the
+declaration. The handler works through :class:`engine.context.JobContext`.
+
+Crash points: ``ctx.crash_point("after_charge")`` kills the process with SIGKILL when the
+environment variable ``SEKALI_CRASH_AT`` names that point (comma-separated for several), and
+stops it with SIGSTOP (a stand-in for a long GC pause or a frozen VM) when ``SEKALI_STOP_AT``
+names it. Test hooks for "the worker died / stalled after the side effect"; no-ops otherwise.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import string
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from sqlalchemy import text
+from sqlalchemy.engine import Connection
+
+from engine.downstreams import Downstream
+from resources.errors import FencedWriteRejected, ValidationError, shown
+from resources.storage.db import Database
+from resources.storage.retention import Expiry
+
+CRASH_ENV = "SEKALI_CRASH_AT"
+STOP_ENV = "SEKALI_STOP_AT"
+
+
+def crash_point(name: str) -> None:
+    """Die at once (SIGKILL, no cleanup) if ``SEKALI_CRASH_AT`` names this point, or freeze
+    (SIGSTOP, until someone sends SIGCONT) if ``SEKALI_STOP_AT`` does. Test hook."""
+    if name in os.environ.get(CRASH_ENV, "").split(","):
+        os.kill(os.getpid(), signal.SIGKILL)
+    if name in os.environ.get(STOP_ENV, "").split(","):
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+
+Handler = Callable[[Any, dict[str, Any]], Any]
+"""``handler(ctx, payload) -> result``: ``ctx`` is the :class:`engine.context.JobContext` of
+the claimed attempt, ``payload`` the validated payload."""
+BatchHandler = Callable[[Sequence[tuple[Any, dict[str, Any]]]], list[Any]]
+"""Runs the handler for several claimed requests at once (``(ctx, payload)`` pairs); returns,
+in order, each one's result or the exception it failed with (returned, not raised: one failure
+never stops the others)."""
+
+
+@dataclass(frozen=True)
+class PayloadField:
+    """One field of a job type's payload, as a person launching it by hand should see it.
+
+    The declaration is the shape and the words (the Dagster layer turns a job type's fields into
+    the typed config of its launch form, so a wrong type or a missing field is refused before a
+    run starts, with the field named); the job type's ``validate`` stays the check of values.
+    ``type`` is ``str``, ``int``, ``dict`` (a map of strings) or ``list`` (of objects with the
+    ``items`` fields); ``choices`` are the only values a ``str`` may take; a field with
+    ``required=False`` takes ``default`` (``None`` for a map means empty).
+    """
+
+    name: str
+    type: type
+    description: str
+    required: bool = True
+    default: Any = None
+    choices: tuple[str, ...] = ()
+    items: tuple[PayloadField, ...] = ()
+
+
+@dataclass(frozen=True)
+class Debounce:
+    """Coalesce a job type's requests of one key: the intake waits until ``wait`` seconds pass
+    without a new request for the key, but never longer than ``max_wait`` after the first one
+    waiting, then runs one of them (the newest; ``merge`` may fold the payloads, oldest first,
+    into the one that runs). The others are kept as ``coalesced`` with a link to it.
+
+    ``key`` is a format string over the validated payload (``"{account_id}"``).
+    """
+
+    wait: float
+    max_wait: float
+    key: str
+    merge: Callable[[list[dict[str, Any]]], dict[str, Any]] | None = None
+
+    def __post_init__(self) -> None:
+        if not 0 < self.wait <= self.max_wait:
+            raise ValueError(f"debounce needs 0 < wait <= max_wait, got {self.wait}, "
+                             f"{self.max_wait}")
+        if not [f for _, f, _, _ in string.Formatter().parse(self.key) if f]:
+            raise ValueError(f"debounce key {self.key!r} names no payload field")
+
+
+class Reconciling(Protocol):
+    """What a job type's reconciliation hook may use: the running
+    :class:`engine.upkeep.reconciliation.Reconciler` gives it."""
+
+    db: Database
+    grace: float
+    lookback: float
+    settle: float
+    clock: Callable[[], float]
+
+    def client(self, name: str) -> Any:
+        """The downstream's client, or None when this run has none (its checks are skipped)."""
+        ...
+
+    def done(self, action_key: str) -> bool: ...
+
+    def act(
+        self, report: Any, action_key: str, kind: str, subject: str,
+        fix: Callable[[Connection], Any],
+    ) -> bool: ...
+
+
+class Tally(Protocol):
+    """A reconciliation report's counts per check: what was found, what was fixed."""
+
+    found: dict[str, int]
+    fixed: dict[str, int]
+
+
+ReconcileHook = Callable[[Reconciling, Tally], None]
+CacheLoader = Callable[[], Any]
+
+
+@dataclass(frozen=True)
+class Retained:
+    """A table a job type owns that grows: the upkeep purges it after ``setting`` (a field of
+    :class:`resources.storage.settings.RetentionSettings`). ``expired(older_than, now)`` says
+    which rows may go."""
+
+    table: str
+    setting: str
+    expired: Callable[[float, float], Expiry]
+
+
+PLATFORM_NEEDS = frozenset({"cache", "locks"})
+
+
+def op_name_of(job_type: str) -> str:
+    """The name of a job type's per-request op (its run config is keyed by it)."""
+    return f"{job_type}_op"
+
+
+@dataclass(frozen=True)
+class JobType:
+    """One kind of job: how to check its input, name its intent, and do its effect, and what it
+    adds to the platform's upkeep. Nothing outside the job type's module names it: the
+    registry, the Dagster jobs and resources, reconciliation and retention read these fields.
+    """
+
+    name: str
+    queue: str  # "heavy" | "light" (tag "sekali/queue")
+    validate: Callable[[dict[str, Any]], dict[str, Any]]
+    key_for: Callable[[dict[str, Any]], str]
+    max_runtime_seconds: float
+    side_effect: bool
+    handler: Handler
+    resource_id: Callable[[dict[str, Any]], str]
+    clients: tuple[Downstream, ...] = ()
+    """The downstreams the handler calls (``ctx.client(name)``): their clients, resources,
+    rates and sandboxes follow from these declarations."""
+    downstream: str | None = None
+    """The retry-budget bucket: by default the first client's name; None when it has none."""
+    needs: frozenset[str] = frozenset()
+    """Platform services beyond the ledger the handler uses: ``cache``, ``locks``."""
+    description: str = ""
+    # At most ``concurrency_limit`` side effects at once per key, across every worker: a format
+    # string over the validated payload (``"account:{account_id}"``); None for no limit. The
+    # handler holds the slot around its side effect with ``ctx.concurrency_slot(JOB_TYPE)``.
+    concurrency_key: str | None = None
+    concurrency_limit: int = 1
+    debounce: Debounce | None = None
+    """Coalesce bursts of requests at intake (see :class:`Debounce`); None: every request runs."""
+    dedupe_window: float | None = None
+    """How long a key means the same intent: None is "until finished" (a key done once is done
+    while its records are kept); seconds (86400 for a daily digest) make the stored key
+    ``<key>@<window start, UTC>``, so the same key in a later window is a new intent."""
+    key_prefix: str | None = None
+    """What every key of this type starts with (``points:``), so a key alone names its type;
+    by default the example's key up to its first ``:``."""
+    checks: tuple[str, ...] = ()
+    """The names of the reconciliation checks ``reconcile`` runs, in the order it counts them."""
+    reconcile: ReconcileHook | None = None
+    """Finds what the happy path left inconsistent and fixes it once (``act``); run by every
+    reconciliation pass, after which the platform's own checks run."""
+    watches: tuple[str, ...] = ()
+    """SQL conditions on ``reconciliation_actions`` under which a recorded action must stay
+    (a check may still look at its subject); ``:watched_since`` is the lookback's start."""
+    retained: tuple[Retained, ...] = ()
+    """The job type's own tables that retention purges."""
+    cache_loader: Callable[[Database, str], CacheLoader | None] | None = None
+    """The loader of a cache key this job type fills (None for a key not its own): cache
+    warming refreshes hot keys through it."""
+    unique: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    """``(table, columns)`` that must be unique for its effect to happen once: the doctor
+    checks the live schema has them."""
+
+    def __post_init__(self) -> None:
+        if self.dedupe_window is not None and self.dedupe_window < 1:
+            raise ValueError(f"{self.name}: dedupe_window must be at least 1 second")
+        if self.concurrency_limit < 1:
+            raise ValueError(f"{self.name}: concurrency_limit must be >= 1")
+        if self.concurrency_key is not None:
+            fields = [f for _, f, _, _ in string.Formatter().parse(self.concurrency_key) if f]
+            if not fields:
+                raise ValueError(
+                    f"{self.name}: concurrency_key {self.concurrency_key!r} names no payload "
+                    "field, so every request would share one key"
+                )
+        unknown = self.needs - PLATFORM_NEEDS
+        if unknown:
+            raise ValueError(
+                f"{self.name}: needs {sorted(unknown)} unknown (known: {sorted(PLATFORM_NEEDS)})"
+            )
+        if self.checks and self.reconcile is None:
+            raise ValueError(f"{self.name}: checks {self.checks} declared without reconcile")
+        if self.downstream is None and self.clients:
+            object.__setattr__(self, "downstream", self.clients[0].name)
+
+    fields: tuple[PayloadField, ...] = ()
+    """The payload's fields, in the order a form shows them (``validate`` accepts exactly these).
+    """
+    example: dict[str, Any] = field(default_factory=dict, hash=False)
+    """A valid payload: what the launch form opens with."""
+    result_fields: tuple[str, ...] = ()
+    """The result's fields that name the effect (the downstream's id of it), shown on the run."""
+    personal: frozenset[str] = frozenset()  # payload fields masked in logs, errors and views
+    handler_many: BatchHandler | None = None
+    """Optional: the effects of a micro-batch in as few transactions or connections as the job
+    type allows. Without it a batch runs ``handler`` once per request."""
+
+    @functools.cached_property
+    def prefix(self) -> str | None:
+        """``key_prefix``, or the example's key up to its first ``:`` (None if it has none)."""
+        if self.key_prefix is not None:
+            return self.key_prefix
+        if not self.example:
+            return None
+        key = self.key_for(self.validate(dict(self.example)))
+        head, colon, _ = key.partition(":")
+        return head + colon if colon else None
+
+    @property
+    def resource_keys(self) -> frozenset[str]:
+        """The platform resources and downstream clients its op needs besides the ledger."""
+        keys = set(self.needs) | {d.name for d in self.clients}
+        if self.concurrency_key is not None:
+            keys.add("concurrency")
+        return frozenset(keys)
+
+    @property
+    def op_name(self) -> str:
+        return op_name_of(self.name)
+
+    @property
+    def intake_summary(self) -> str:
+        """How the intake treats this type's requests, in words (shown on the Dagster job)."""
+        window = "until finished" if self.dedupe_window is None else f"{self.dedupe_window:g} s"
+        words = f"A key means one intent {window}."
+        if self.debounce is not None:
+            d = self.debounce
+            words += (
+                f" Debounced per {d.key}: runs {d.wait:g} s after the last request, at least "
+                f"every {d.max_wait:g} s; the others are recorded as coalesced."
+            )
+        return words
+
+    def debounce_key_for(self, payload: dict[str, Any]) -> str | None:
+        """The debounce group of a validated payload (job type included), or None."""
+        if self.debounce is None:
+            return None
+        return f"{self.name}:{self.debounce.key.format_map(payload)}"
+
+    def concurrency_key_for(self, payload: dict[str, Any]) -> str | None:
+        """The concurrency key of a validated payload, or None when the type has no limit."""
+        if self.concurrency_key is None:
+            return None
+        return self.concurrency_key.format_map(payload)
+
+
+def fenced_update(
+    conn: Connection,
+    table: str,
+    column: str,
+    value: str,
+    *,
+    fence_column: str,
+    fence: int,
+    assignments: str,
+    params: dict[str, Any] | None = None,
+) -> None:
+    """``UPDATE`` that applies only if no newer holder has written (``fence_column <= fence``);
+    it records ``fence``. A stale holder gets :class:`FencedWriteRejected` and changes nothing."""
+    sql = (
+        f"UPDATE {table} SET {assignments}, {fence_column} = :fence"
+        f" WHERE {column} = :v AND {fence_column} <= :fence"
+    )
+    rowcount = conn.execute(text(sql), {**(params or {}), "v": value, "fence": fence}).rowcount
+    if rowcount != 1:
+        highest = conn.execute(
+            text(f"SELECT {fence_column} FROM {table} WHERE {column} = :v"), {"v": value}
+        ).scalar()
+        raise FencedWriteRejected(f"{table}:{value}", fence, highest)
+
+
+# -- validation helpers: each names the field it rejects --------------------------------------
+
+
+def require_str(payload: dict[str, Any], field_name: str, *, max_len: int = 200) -> str:
+    value = payload.get(field_name)
+    if value is None:
+        raise ValidationError(field_name, "required: a non-empty string")
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = str(value)
+    if not isinstance(value, str) or not value.strip():
+        raise ValidationError(
+            field_name, f"must be a non-empty string, got {shown(value)}", value
+        )
+    value = value.strip()
+    if len(value) > max_len or any(ch.isspace() or ch == ":" for ch in value):
+        raise ValidationError(
+            field_name, f"must be at most {max_len} characters with no spaces or ':', "
+            f"got {shown(value)}", value
+        )
+    return value
+
+
+def require_int(
+    payload: dict[str, Any], field_name: str, *, minimum: int = 1, maximum: int = 10**12
+) -> int:
+    value = payload.get(field_name)
+    if value is None:
+        raise ValidationError(field_name, "required: an integer")
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValidationError(field_name, f"must be an integer, got {shown(value)}", value)
+    if not minimum <= value <= maximum:
+        raise ValidationError(
+            field_name, f"must be between {minimum} and {maximum}, got {value}", value
+        )
+    return value
+
+
+def reject_unknown(payload: dict[str, Any], allowed: set[str]) -> None:
+    extra = sorted(set(payload) - allowed)
+    if extra:
+        raise ValidationError(extra[0], f"unknown field (allowed: {', '.join(sorted(allowed))})")

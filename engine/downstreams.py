@@ -1,0 +1,128 @@
+"""A downstream: an outside service a job type calls, declared once and found by its name.
+
+A job type names the downstreams its handler calls (``clients=(LEDGER,)``); everything else
+about a downstream follows from its one declaration:
+
+- the client: ``build(settings, options)`` makes it from :class:`Settings` (its address) and
+  :class:`ClientOptions` (overrides; every client has explicit connect/read timeouts and a
+  deadline for a whole call, never a library default). Handlers get it as
+  ``ctx.client(name)``; the Dagster resource of the same name wraps the same ``build``;
+- its shared rate: ``SEKALI_RATE_<NAME>`` (``50/s,burst=20``). With a rate set, every call of
+  the client's ``calls`` takes a token from one Redis bucket shared by all workers
+  (:class:`Paced`), so the downstream sees at most ``burst + rate * t`` calls in any ``t``
+  seconds; an answer carrying ``Retry-After`` lowers the rate for every worker for that long;
+- its retry-budget bucket: its name. A job type's retries for a failure of this downstream
+  draw on the one budget every worker shares;
+- optionally its sandbox stand-in (:class:`Sandbox`), which ``sekali dev`` starts on the
+  address the settings name.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from resources.flow import RateLimits
+from resources.storage.settings import Settings
+
+_NAME = re.compile(r"^[a-z][a-z0-9_]*$")
+
+
+@dataclass(frozen=True)
+class ClientOptions:
+    """Overrides of a client's defaults (None keeps the downstream's own): ``address`` (a URL,
+    or ``host:port``), ``timeout`` (connect and each read), ``deadline`` (a whole call), and
+    ``extra`` for what only this downstream knows."""
+
+    address: str | None = None
+    timeout: float | None = None
+    deadline: float | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+
+class Stoppable(Protocol):
+    def stop(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class Sandbox:
+    """How ``sekali dev`` starts a stand-in of the downstream on this machine.
+
+    ``address(settings)`` is ``(host, port, setting)``: where the client will look for it, and
+    the setting that moves it (checked free before anything starts). ``start(settings, state)``
+    starts it on that address, keeping its records under the ``state`` folder, and returns
+    something to ``stop()``."""
+
+    label: str
+    address: Callable[[Settings], tuple[str, int, str]]
+    start: Callable[[Settings, Path], Stoppable]
+
+
+@dataclass(frozen=True)
+class Downstream:
+    """One outside service (see the module). ``name`` is lower case (``points_ledger``): the
+    key of ``ctx.client``, of the Dagster resource, of ``SEKALI_RATE_<NAME>`` and of the retry
+    budget. ``calls`` are the client's methods that reach the service (each takes a token when
+    a rate is set); empty means every public method."""
+
+    name: str
+    build: Callable[[Settings, ClientOptions], Any]
+    description: str = ""
+    calls: tuple[str, ...] = ()
+    sandbox: Sandbox | None = None
+
+    def __post_init__(self) -> None:
+        if not _NAME.match(self.name):
+            raise ValueError(
+                f"downstream name {self.name!r}: lower case letters, digits and '_', starting "
+                "with a letter (it names an environment variable and a resource)"
+            )
+
+    @property
+    def rate_variable(self) -> str:
+        return f"SEKALI_RATE_{self.name.upper()}"
+
+    def client(
+        self, settings: Settings, rates: RateLimits, options: ClientOptions | None = None
+    ) -> Any:
+        """The client, at the downstream's shared rate when ``rates`` has one for it."""
+        return paced(self, self.build(settings, options or ClientOptions()), rates)
+
+
+class Paced:
+    """A client whose calls to the downstream each take a token of its shared rate first.
+
+    Generic: it wraps any client, pacing the methods the downstream lists in ``calls`` (every
+    public method when it lists none); other attributes pass through untouched."""
+
+    def __init__(self, inner: Any, downstream: Downstream, limits: RateLimits) -> None:
+        self.inner = inner
+        self.downstream = downstream
+        self.limits = limits
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self.inner, name)
+        calls = self.downstream.calls
+        if not callable(value) or name.startswith("_") or (calls and name not in calls):
+            return value
+
+        @functools.wraps(value)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            with self.limits.paced(self.downstream.name):
+                return value(*args, **kwargs)
+
+        return call
+
+
+def paced(downstream: Downstream, client: Any, rates: RateLimits) -> Any:
+    """``client`` at ``downstream``'s shared rate, or ``client`` itself when no rate is set."""
+    if rates.limiter(downstream.name) is None:
+        return client
+    return Paced(client, downstream, rates)
+
+
+__all__ = ["ClientOptions", "Downstream", "Paced", "Sandbox", "Stoppable", "paced"]

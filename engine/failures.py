@@ -1,0 +1,110 @@
+"""The one decision after a failed attempt: classify, decide, record, and say what follows.
+
+Every way a job runs (the per-request op, the fan-out and micro-batch ops, a DLQ replay, the
+chaos harness) hands its failures to a :class:`FailurePath`, so a failure means the same thing
+everywhere:
+
+1. classify the exception itself (:func:`resources.retry.classify`, and the DLQ's
+   :func:`resources.retry.failure_class`), once;
+2. decide with the job type's :class:`RetryPolicy` (attempts, time budget, ``Retry-After``, the
+   shared retry budget) whether this step retries, unless retries are not this step's to make;
+3. the attempt's recorded outcome follows from the decision (:meth:`FailurePath.outcome`, what
+   :func:`engine.runtime.execute_request` records);
+4. the request's status follows too: ``failed`` (the DLQ takes it) unless a retry follows;
+5. the Dagster layer turns the same decision into Dagster's signal
+   (:func:`resources.dagster_resources.dagster_signal`).
+
+Contention (a live lease elsewhere, a held lock) is retried without spending the downstream's
+retry budget; a permanent error is never retried.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from engine.attempts import Outcome
+from engine.requests import RequestStore
+from resources.retry import (
+    ErrorClass,
+    RetryBudget,
+    RetryDecision,
+    RetryPolicy,
+    classify,
+    failure_class,
+)
+from resources.telemetry.redact import redact
+
+NO_RETRY_HERE = "retried by the DLQ, not within this step"
+
+
+def error_text(exc: BaseException) -> str:
+    """How a failure is written into ``job_requests.last_error`` and batch summaries, e-mail
+    addresses masked."""
+    return redact(f"{type(exc).__name__} ({failure_class(exc)}): {exc}")
+
+
+@dataclass
+class FailurePath:
+    """The decision for the failures of one attempt of one step.
+
+    ``policy`` None means the caller retries on its own (the chaos harness's broker redelivers):
+    a permanent error gives up, anything else is left to be retried. ``retries_here`` False
+    (micro-batch: retrying the step would re-run its finished neighbours) gives up at once and
+    leaves the retry to a DLQ replay. ``first_started`` returns when the step's first attempt
+    began, for the policy's time budget.
+    """
+
+    attempt: int = 0
+    policy: RetryPolicy | None = None
+    budget: RetryBudget | None = None
+    downstream: str | None = None
+    retries_here: bool = True
+    first_started: Callable[[], float | None] = lambda: None
+    clock: Callable[[], float] = time.time
+    decision: RetryDecision | None = field(default=None, init=False)
+    _decided_for: BaseException | None = field(default=None, init=False, repr=False)
+
+    def decide(self, exc: BaseException) -> RetryDecision:
+        """Decide once per failure; later calls with the same failure return the same decision."""
+        if self.decision is not None and self._decided_for is exc:
+            return self.decision
+        self.decision = self._decide(exc)
+        self._decided_for = exc
+        return self.decision
+
+    def _decide(self, exc: BaseException) -> RetryDecision:
+        error_class = classify(exc)
+        if error_class is ErrorClass.PERMANENT:
+            return RetryDecision(False, error_class, self.attempt, reason="permanent")
+        if not self.retries_here:
+            return RetryDecision(False, error_class, self.attempt, reason=NO_RETRY_HERE)
+        if self.policy is None:
+            return RetryDecision(True, error_class, self.attempt)
+        first = self.first_started()
+        return self.policy.decide(
+            exc,
+            attempt=self.attempt,
+            elapsed=0.0 if first is None else max(0.0, self.clock() - first),
+            budget=self.budget if self.downstream else None,
+            downstream=self.downstream,
+        )
+
+    def outcome(self, exc: BaseException) -> Outcome:
+        """The attempt's recorded outcome: retried, failed_permanent or dead_lettered."""
+        decision = self.decide(exc)
+        if decision.retry:
+            return Outcome.RETRIED
+        if decision.error_class is ErrorClass.PERMANENT:
+            return Outcome.FAILED_PERMANENT
+        return Outcome.DEAD_LETTERED
+
+    def settle_request(
+        self, requests: RequestStore, request_id: int, exc: BaseException, *, run_id: str | None
+    ) -> None:
+        """Move the request to ``failed`` (for the DLQ) unless a retry of this step follows."""
+        if not self.decide(exc).retry:
+            requests.mark_failed(
+                request_id, error_text(exc), error_class=str(failure_class(exc)), run_id=run_id
+            )

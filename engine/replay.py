@@ -1,0 +1,593 @@
+"""Amended and bulk replay of dead letters: the logic behind ``sekali dlq replay --patch`` /
+``--limit --pace`` and the ``dlq_operations`` job. Owner of ``request_versions``.
+
+**Amended replay** (:func:`amend`). A replay runs the stored request again under its own key, so
+it cannot fix a wrong payload. An amendment makes a *new version of the intent* instead: the
+payload with a JSON merge patch applied (RFC 7396: ``null`` deletes a field), under a derived key
+``<base key>#v<n>`` (``points:a1#v2``), enqueued as a new job request. Guarantees:
+
+- The patched request passes the validation boundary (:func:`engine.validation.admit`, way in
+  ``dlq_patch``) before anything changes: a refusal names the field, keeps one rejection row and
+  changes nothing else. The version's key must fit the key limits too: a key within a few
+  characters of ``key_length`` (or bytes of ``KEY_BYTES``) cannot be versioned (refused naming
+  the limit; enqueue the corrected request under a new key).
+- The original key's effect is never repeated: an amendment is refused while any key of the
+  chain (the base key and every version) completed, holds a live claim, or reached a recovery
+  point (a checkpoint: part of its effect may have gone out). The original key stays ``failed``
+  in the ledger, its DLQ record is closed (``discarded``, audit action ``superseded``) and its
+  request is marked superseded (never requeued), so nothing replays it.
+- One new version per record, however many processes amend it at once: the link row is unique
+  on the key it supersedes (and on ``base key, version``), and it, the new request, the record's
+  close and the request's close commit in one transaction, each conditional (the record still
+  ``open``, the request still ``failed``). A loser changes nothing and is told who won.
+- The new key's fences continue above every fence the chain's keys had
+  (:meth:`IdempotencyStore.continue_fences`): business rows fenced by the earlier keys (the
+  fence column a job type keeps on its business row) accept the new version's writes.
+- The link keeps who (``actor``: the OS user or ``--actor``), what (a JSON diff of the payload,
+  ``[{"path", "from", "to"}]``), why (``reason``) and when.
+
+A second amendment is made from the new version's own DLQ record, so ``#v3`` exists only after
+``#v2`` failed for good; the superseded record refuses, naming its successor.
+
+**Bulk replay** (:func:`bulk_replay`): the open records matching the filters (job type, class,
+fingerprint, age), at most ``limit``, oldest id first; a dry run lists the decision per record
+and changes nothing; otherwise each record is requested through
+:meth:`resources.dlq.DlqStore.request_replay` (audited ``replay_requested``), a record skipped
+gets an audit line ``replay_skipped`` with why, and ``pace`` (``10/s``, ``600/min``) spaces the
+requests: the n-th is made no earlier than ``start + n / rate``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import BigInteger, Column, Float, Integer, Table, Text, text
+
+from engine.contract import crash_point
+from engine.registry import JOB_TYPES
+from engine.requests import RequestStatus, RequestStore
+from engine.validation import admit
+from resources.dlq import DlqRecord, DlqStatus, DlqStore, ReplayDecision
+from resources.errors import IdempotencyConflict, SekaliError, ValidationError, shown
+from resources.flow.limits import RateSetting
+from resources.idempotency import IdempotencyStore
+from resources.storage.db import metadata
+from resources.storage.json_text import canonical, storable
+
+VERSION_MARK = "#v"
+SOURCE = "dlq_patch"
+"""The way in a refused patched payload is recorded under (``job_rejections.source``)."""
+
+request_versions = Table(
+    "request_versions",
+    metadata,
+    Column("id", BigInteger, primary_key=True),
+    Column("base_key", Text, nullable=False),
+    Column("version", Integer, nullable=False),
+    Column("key", Text, nullable=False, unique=True),
+    Column("job_type", Text, nullable=False),
+    Column("request_id", BigInteger),
+    Column("previous_key", Text, nullable=False, unique=True),
+    Column("previous_request_id", BigInteger),
+    Column("previous_record_id", BigInteger),
+    Column("actor", Text, nullable=False),
+    Column("reason", Text),
+    Column("diff", Text, nullable=False),
+    Column("created_at", Float, nullable=False),
+)
+
+_VERSION_COLUMNS = (
+    "base_key, version, key, job_type, request_id, previous_key, previous_request_id,"
+    " previous_record_id, actor, reason, diff, created_at"
+)
+
+
+class AmendRefused(SekaliError):
+    """The record cannot be amended now (its key completed or may have had its effect, it is
+    not open, a newer version exists); the message says why and what to do."""
+
+    permanent = True
+
+
+# -- the patch ---------------------------------------------------------------------------------
+
+
+def load_patch(value: str | dict[str, Any]) -> dict[str, Any]:
+    """A patch from its JSON text, ``@file`` (that file's text) or a dict; it must be a JSON
+    object. Bad text raises :class:`ValidationError` naming ``patch``."""
+    if isinstance(value, dict):
+        return value
+    if value.startswith("@"):
+        try:
+            value = Path(value[1:]).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ValidationError("patch", f"cannot read {value[1:]!r}: {exc.strerror}") from None
+    try:
+        patch = json.loads(value)
+    except ValueError as exc:
+        raise ValidationError("patch", f"not JSON: {exc}", value[:200]) from None
+    if not isinstance(patch, dict) or not patch:
+        raise ValidationError("patch", "a non-empty JSON object, e.g. {\"amount_cents\": 1300}")
+    return patch
+
+
+def merge_patch(payload: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
+    """RFC 7396: objects merge key by key, ``null`` deletes, anything else replaces."""
+    out = dict(payload)
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        elif isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge_patch(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def payload_diff(before: Any, after: Any, path: str = "") -> list[dict[str, Any]]:
+    """What changed, field by field (dotted paths; a field added or removed has ``None`` on its
+    missing side)."""
+    if isinstance(before, dict) and isinstance(after, dict):
+        out: list[dict[str, Any]] = []
+        for key in sorted(set(before) | set(after), key=str):
+            sub = f"{path}.{key}" if path else str(key)
+            out += payload_diff(before.get(key), after.get(key), sub)
+        return out
+    if canonical(before) == canonical(after):
+        return []
+    return [{"path": path, "from": before, "to": after}]
+
+
+# -- versions ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Version:
+    """One link of a chain: ``key`` (version ``version`` of ``base_key``) superseded
+    ``previous_key``."""
+
+    base_key: str
+    version: int
+    key: str
+    job_type: str
+    request_id: int | None
+    previous_key: str
+    previous_request_id: int | None
+    previous_record_id: int | None
+    actor: str
+    reason: str | None
+    diff: list[dict[str, Any]]
+    created_at: float
+
+    @classmethod
+    def from_row(cls, row: Any) -> Version:
+        m = row._mapping
+        return cls(
+            base_key=m["base_key"],
+            version=int(m["version"]),
+            key=m["key"],
+            job_type=m["job_type"],
+            request_id=None if m["request_id"] is None else int(m["request_id"]),
+            previous_key=m["previous_key"],
+            previous_request_id=(
+                None if m["previous_request_id"] is None else int(m["previous_request_id"])
+            ),
+            previous_record_id=(
+                None if m["previous_record_id"] is None else int(m["previous_record_id"])
+            ),
+            actor=m["actor"],
+            reason=m["reason"],
+            diff=json.loads(m["diff"]),
+            created_at=float(m["created_at"]),
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "base_key": self.base_key,
+            "version": self.version,
+            "key": self.key,
+            "request_id": self.request_id,
+            "previous_key": self.previous_key,
+            "previous_request_id": self.previous_request_id,
+            "previous_record_id": self.previous_record_id,
+            "actor": self.actor,
+            "reason": self.reason,
+            "diff": self.diff,
+            "created_at": self.created_at,
+        }
+
+
+class Versions:
+    """Reads of ``request_versions`` (the writes are :func:`amend`'s)."""
+
+    def __init__(self, db: Any) -> None:
+        self.db = db
+
+    def of_key(self, key: str) -> Version | None:
+        """The link that made ``key`` (None for a base key)."""
+        return self._one("key = :k", key)
+
+    def successor(self, key: str) -> Version | None:
+        """The link that superseded ``key``, if any."""
+        return self._one("previous_key = :k", key)
+
+    def chain(self, key: str) -> list[Version]:
+        """Every version of the intent ``key`` belongs to, oldest first."""
+        made = self.of_key(key)
+        base = made.base_key if made else key
+        with self.db.statement() as conn:
+            rows = conn.execute(
+                text(
+                    f"SELECT {_VERSION_COLUMNS} FROM request_versions WHERE base_key = :b"
+                    " ORDER BY version"
+                ),
+                {"b": base},
+            ).all()
+        return [Version.from_row(r) for r in rows]
+
+    def of_records(self, record_ids: Sequence[int]) -> list[Version]:
+        """The versions made from these DLQ records."""
+        if not record_ids:
+            return []
+        ids = ", ".join(str(int(i)) for i in record_ids)
+        with self.db.statement() as conn:
+            rows = conn.execute(
+                text(
+                    f"SELECT {_VERSION_COLUMNS} FROM request_versions"
+                    f" WHERE previous_record_id IN ({ids}) ORDER BY created_at"
+                )
+            ).all()
+        return [Version.from_row(r) for r in rows]
+
+    def _one(self, where: str, key: str) -> Version | None:
+        with self.db.statement() as conn:
+            row = conn.execute(
+                text(f"SELECT {_VERSION_COLUMNS} FROM request_versions WHERE {where}"), {"k": key}
+            ).first()
+        return None if row is None else Version.from_row(row)
+
+
+# -- amending ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Amendment:
+    """What :func:`amend` did (or, in a dry run, would do)."""
+
+    record_id: int
+    job_type: str
+    previous_key: str
+    key: str
+    version: int
+    payload: dict[str, Any]
+    diff: list[dict[str, Any]]
+    request_id: int | None = None
+    dry_run: bool = False
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "record_id": self.record_id,
+            "job_type": self.job_type,
+            "previous_key": self.previous_key,
+            "key": self.key,
+            "version": self.version,
+            "request_id": self.request_id,
+            "diff": self.diff,
+            "dry_run": self.dry_run,
+        }
+
+
+def _stored_payload(record: DlqRecord, requests: RequestStore) -> dict[str, Any]:
+    """The payload the record's request ran with: the request row's, else the run config's,
+    else the record's own."""
+    if record.request_id is not None:
+        request = requests.get(record.request_id)
+        if request is not None:
+            return dict(request.payload)
+    for op_config in (record.run_config.get("ops") or {}).values():
+        payload = ((op_config or {}).get("config") or {}).get("payload")
+        if isinstance(payload, str):
+            try:
+                payload = json.loads(payload)
+            except ValueError:
+                payload = None
+        if isinstance(payload, dict):
+            return payload
+    if isinstance(record.payload, dict):
+        return dict(record.payload)
+    raise AmendRefused(
+        f"DLQ record {record.id} holds no payload to amend; enqueue the request again instead"
+    )
+
+
+def _check_chain(record: DlqRecord, key: str, versions: Versions, ledger: IdempotencyStore,
+                 now: float) -> list[str]:
+    """Refuse while any key of the intent completed, runs, or may have had its effect;
+    returns the chain's keys."""
+    chain = versions.chain(key)
+    keys = [chain[0].previous_key] if chain else [key]
+    keys += [v.key for v in chain]
+    for name, found in ledger.records(keys).items():
+        if found.status == "completed":
+            raise AmendRefused(
+                f"DLQ record {record.id}: key {name} completed; its effect happened, and a new"
+                " version would repeat it. Nothing to amend (discard the record if it is stale)"
+            )
+        if found.status == "in_progress" and (found.lease_expires_at or 0) > now:
+            raise AmendRefused(
+                f"DLQ record {record.id}: key {name} is running now; amend after it ends"
+            )
+        if found.recovery_point:
+            raise AmendRefused(
+                f"DLQ record {record.id}: key {name} reached {found.recovery_point!r}, so part"
+                " of its effect may have happened; a new version could repeat it. Resolve it"
+                " under its own key (sekali dlq replay ID) or discard it"
+            )
+    return keys
+
+
+def amend(
+    store: DlqStore,
+    record_id: int,
+    patch: str | dict[str, Any],
+    *,
+    actor: str,
+    reason: str = "",
+    dry_run: bool = False,
+) -> Amendment:
+    """Make the next version of ``record_id``'s request with ``patch`` applied (module
+    docstring). Raises :class:`ValidationError` (bad patch or patched payload: nothing changed
+    but the rejection row) or :class:`AmendRefused` (the state forbids it; nothing changed)."""
+    patch_obj = load_patch(patch)
+    db = store.db
+    requests = RequestStore(db, clock=store.clock)
+    versions = Versions(db)
+    record = store.get(record_id)
+    if record.status is not DlqStatus.OPEN:
+        after = versions.successor(record.idempotency_key or "")
+        raise AmendRefused(
+            f"DLQ record {record_id} is {record.status}"
+            + (
+                f": superseded by {after.key} (version {after.version}); amend that version's"
+                " own record once it fails"
+                if after
+                else "; only an open record can be amended"
+            )
+        )
+    if record.job_type not in JOB_TYPES:
+        raise AmendRefused(
+            f"DLQ record {record_id} is a {record.job_type!r} failure, not a per-request job"
+            f" type ({', '.join(sorted(JOB_TYPES))}); only those can be amended"
+        )
+    request = requests.get(record.request_id) if record.request_id is not None else None
+    key = record.idempotency_key or (request.key if request else None)
+    if not key:
+        raise AmendRefused(f"DLQ record {record_id} names no idempotency key to version")
+    if request is not None and request.status is not RequestStatus.FAILED:
+        raise AmendRefused(
+            f"DLQ record {record_id}: its request {request.id} is {request.status}, not failed;"
+            " amend once it has failed"
+        )
+    before = _stored_payload(record, requests)
+    after_payload = merge_patch(before, patch_obj)
+    diff = payload_diff(before, after_payload)
+    if not diff:
+        raise ValidationError("patch", "changes nothing in the stored payload", patch_obj)
+    made = versions.of_key(key)
+    base, version = (made.base_key, made.version + 1) if made else (key, 2)
+    new_key = f"{base}{VERSION_MARK}{version}"
+    correlation_id = (request.correlation_id if request else None) or record.correlation_id
+    ledger = IdempotencyStore(db)
+    chain_keys = _check_chain(record, key, versions, ledger, store.clock())  # the why first
+    admitted = admit(
+        requests,
+        record.job_type,
+        after_payload,
+        new_key,
+        source=SOURCE,
+        correlation_id=correlation_id,
+    )
+    crash_point("amend_checked")  # test hook: every check passed, nothing written yet
+    plan = Amendment(
+        record_id=record_id,
+        job_type=record.job_type,
+        previous_key=key,
+        key=admitted.key,
+        version=version,
+        payload=admitted.payload,
+        diff=diff,
+        dry_run=dry_run,
+    )
+    if dry_run:
+        return plan
+    now = store.clock()
+    with db.transaction() as conn:
+        linked = conn.execute(
+            text(
+                "INSERT INTO request_versions (base_key, version, key, job_type, previous_key,"
+                " previous_request_id, previous_record_id, actor, reason, diff, created_at)"
+                " VALUES (:base, :version, :key, :jt, :prev, :preq, :prec, :actor, :reason,"
+                " :diff, :now) ON CONFLICT DO NOTHING"
+            ),
+            {
+                "base": base,
+                "version": version,
+                "key": admitted.key,
+                "jt": record.job_type,
+                "prev": key,
+                "preq": record.request_id,
+                "prec": record_id,
+                "actor": storable(actor, 256),
+                "reason": storable(reason, 2000) if reason else None,
+                "diff": json.dumps(diff, ensure_ascii=True, default=str),
+                "now": now,
+            },
+        ).rowcount
+        if not linked:
+            raise AmendRefused(_lost_race(record_id, key, versions_in=conn))
+        try:
+            enqueued = requests.enqueue(
+                record.job_type,
+                admitted.key,
+                admitted.payload,
+                queue=admitted.job_type.queue,
+                correlation_id=correlation_id,
+                conn=conn,
+                amends=key,
+            )
+        except IdempotencyConflict as exc:
+            raise AmendRefused(
+                f"DLQ record {record_id}: a request under {admitted.key} exists already with"
+                " another payload (enqueued by hand?); discard one of them first"
+            ) from exc
+        # the version writes the rows the earlier keys fenced: its fences continue above theirs
+        ledger.continue_fences(
+            admitted.key,
+            admitted.job_type.validate(dict(admitted.payload)),
+            chain_keys,
+            conn=conn,
+        )
+        conn.execute(
+            text("UPDATE request_versions SET request_id = :rid WHERE key = :key"),
+            {"rid": enqueued.id, "key": admitted.key},
+        )
+        changes = "; ".join(
+            f"{d['path']}: {json.dumps(d['from'], default=str)} -> "
+            f"{json.dumps(d['to'], default=str)}"
+            for d in diff
+        )
+        detail = f"by {admitted.key} (request {enqueued.id}, version {version}): {changes}"
+        if reason:
+            detail += f"; {reason}"
+        if not store.supersede(record_id, actor=actor, detail=detail, conn=conn):
+            raise AmendRefused(f"DLQ record {record_id} changed meanwhile; look again")
+        if request is not None and not requests.supersede(request.id, admitted.key, conn=conn):
+            raise AmendRefused(
+                f"DLQ record {record_id}: its request {request.id} changed meanwhile; look again"
+            )
+    return Amendment(**{**plan.__dict__, "request_id": enqueued.id})
+
+
+def _lost_race(record_id: int, key: str, *, versions_in: Any) -> str:
+    row = versions_in.execute(
+        text("SELECT key, version FROM request_versions WHERE previous_key = :k"), {"k": key}
+    ).first()
+    if row is not None:
+        return (
+            f"DLQ record {record_id} was already amended: {key} is superseded by {row.key}"
+            f" (version {row.version})"
+        )
+    return f"DLQ record {record_id}: that version already exists; look again"
+
+
+# -- bulk replay -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Selection:
+    """Which records a bulk replay takes (every filter given must match)."""
+
+    job_type: str | None = None
+    error_class: str | None = None
+    fingerprint: str | None = None
+    older_than: float | None = None
+    newer_than: float | None = None
+    ids: Sequence[int] | None = None
+    limit: int | None = None
+
+    def any_filter(self) -> bool:
+        return bool(self.ids) or any(
+            v is not None
+            for v in (
+                self.job_type, self.error_class, self.fingerprint, self.older_than,
+                self.newer_than,
+            )
+        )
+
+    def records(self, store: DlqStore, status: Sequence[str] | None) -> list[DlqRecord]:
+        """The records in ``status`` (None: any) that every filter given matches, at most
+        ``limit``: the one reading of a selection for ``sekali dlq``, the bulk replay and the
+        ``dlq_operations`` job."""
+        return store.list_records(
+            status=status,
+            job_type=self.job_type,
+            error_class=self.error_class,
+            fingerprint=self.fingerprint,
+            older_than=self.older_than,
+            newer_than=self.newer_than,
+            ids=self.ids or None,
+            limit=self.limit,
+        )
+
+
+@dataclass
+class BulkReplay:
+    """The decision per selected record, in order."""
+
+    decisions: list[ReplayDecision] = field(default_factory=list)
+    dry_run: bool = False
+
+    @property
+    def chosen(self) -> int:
+        return sum(d.replay for d in self.decisions)
+
+
+def parse_pace(value: str | None) -> float | None:
+    """``10/s``, ``600/min``, ``5`` -> requests per second; bad text names ``pace``."""
+    if value is None or value == "":
+        return None
+    try:
+        if "," not in value:
+            return RateSetting.parse(value, name="pace").rate
+    except ValidationError:
+        pass
+    raise ValidationError("pace", f"expected a rate like 10/s, 600/min or 5, got {shown(value)}",
+                          value)
+
+
+def bulk_replay(
+    store: DlqStore,
+    selection: Selection,
+    *,
+    actor: str,
+    reason: str = "",
+    dry_run: bool = False,
+    pace: float | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> BulkReplay:
+    """Request replays of the selected records (module docstring). Named ids are taken
+    whatever their status (the decision says why one is skipped); filters take open records
+    only. ``pace``: requests per second at most."""
+    if not selection.any_filter():
+        raise ValidationError("ids", "name record ids or give a filter (job type, class, ...)")
+    if selection.limit is not None and selection.limit < 1:
+        raise ValidationError("limit", "at least 1", selection.limit)
+    if pace is not None and pace <= 0:
+        raise ValidationError("pace", "more than 0 a second", pace)
+    records = selection.records(store, None if selection.ids else [str(DlqStatus.OPEN)])
+    out = BulkReplay(dry_run=dry_run)
+    ledger = IdempotencyStore(store.db)
+    start = clock()
+    made = 0
+    for record in records:
+        if dry_run:
+            out.decisions += store.request_replay([record.id], actor=actor, dry_run=True)
+            continue
+        if pace is not None and record.status is DlqStatus.OPEN:
+            wait = start + made / pace - clock()
+            if wait > 0:
+                sleep(wait)
+            made += 1
+        decision = store.request_replay(
+            [record.id], actor=actor, reason=reason, idempotency=ledger
+        )[0]
+        if not decision.replay:
+            store.note(record.id, "replay_skipped", actor=actor, detail=decision.reason)
+        out.decisions.append(decision)
+    return out

@@ -1,0 +1,466 @@
+"""``execute_request``: the one code path every job runs through (per-request op, intake batch
+ops, DLQ replay, chaos harness).
+
+For one request it: validates the payload (a :class:`ValidationError` names the field and is
+permanent), derives the idempotency key, claims it (a completed key returns its stored result:
+``duplicate``), runs the job type's handler under a lease keeper that heartbeats, lets the
+handler complete the key inside its final business transaction, and records the attempt in
+``job_attempts`` with its outcome. On failure it records the error on the claim
+(``store.fail(claim, exc, "permanent" | "transient")``; transient releases the key for the
+retry), records the attempt with the outcome its :class:`engine.failures.FailurePath` decided,
+and raises the original exception: the caller's failure path says how it is retried. The
+attempt is recorded before the step succeeds or fails, never after: the record is the evidence
+the ack relies on.
+
+A holder whose lease was taken over while it worked (it was paused past its lease, another worker
+took the key) raises :class:`LeaseLost`, chained to whatever it was failing with: its own error
+means nothing now, the retry finds the key completed by the new owner (a suppressed duplicate)
+or still in progress, and nothing is dead-lettered in the new owner's name.
+
+Outcomes recorded: completed, duplicate_suppressed, retried, failed_permanent, dead_lettered
+(via ``decide``), lease_lost, in_progress_elsewhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.attempts import Attempt, Outcome
+from engine.context import JobContext, batch_slots
+from engine.contract import JobType
+from engine.failures import FailurePath
+from engine.privacy import personal_values
+from engine.registry import get_job_type
+from engine.services import Services
+from resources.errors import AlreadyInProgress, LeaseLost, StoredFailure
+from resources.idempotency import Claim, Completed
+from resources.retry import ErrorClass, classify
+from resources.telemetry.tracing import inject, set_attributes, span, tracing_enabled
+
+logger = logging.getLogger(__name__)
+
+Decide = Callable[[BaseException], str]
+"""Maps a failure to the outcome to record: ``retried``, ``dead_lettered`` or
+``failed_permanent``: :meth:`engine.failures.FailurePath.outcome`."""
+
+
+@dataclass(frozen=True)
+class RequestOutcome:
+    """How a request ended without an exception."""
+
+    status: str  # "completed" | "duplicate"
+    result: Any
+    key: str
+    fence: int
+    attempt_id: str
+
+
+def execute_request(
+    job_type: str,
+    payload: dict[str, Any],
+    *,
+    services: Services,
+    key: str | None = None,
+    run_id: str | None = None,
+    step: str | None = None,
+    attempt: int = 0,
+    correlation_id: str | None = None,
+    request_id: int | None = None,
+    decide: Decide | None = None,
+    traceparent: str | None = None,
+) -> RequestOutcome:
+    """Run one request of ``job_type`` once per key. See the module docstring.
+
+    The whole attempt is the ``sekali.execute`` span (key, resource, attempt, worker, fence,
+    outcome): a child of ``traceparent`` (the request's own trace, in a batch of many) or else
+    of the caller's current span (the run's).
+    """
+    with span(
+        "sekali.execute", parent=traceparent, job_type=job_type, idempotency_key=key,
+        run_id=run_id, step=step, attempt=attempt, request_id=request_id,
+        correlation_id=correlation_id,
+        worker=f"{socket.gethostname()}:{os.getpid()}",
+    ):
+        return _execute_request(
+            job_type, payload, services=services, key=key, run_id=run_id, step=step,
+            attempt=attempt, correlation_id=correlation_id, request_id=request_id, decide=decide,
+        )
+
+
+def _execute_request(
+    job_type: str,
+    payload: dict[str, Any],
+    *,
+    services: Services,
+    key: str | None = None,
+    run_id: str | None = None,
+    step: str | None = None,
+    attempt: int = 0,
+    correlation_id: str | None = None,
+    request_id: int | None = None,
+    decide: Decide | None = None,
+) -> RequestOutcome:
+    jt = get_job_type(job_type)
+    decide = decide or FailurePath(attempt=attempt).outcome
+    personal = personal_values(jt, payload)
+    record = services.attempts.new(
+        jt.name,
+        attempt=attempt,
+        run_id=run_id,
+        step=step or jt.op_name,
+        correlation_id=correlation_id,
+        request_id=request_id,
+        idempotency_key=key,
+        traceparent=inject(),
+        personal=personal,
+    )
+    asked = time.monotonic()
+    try:
+        clean, key = _prepare(jt, record, payload, key)
+        started = time.perf_counter()
+        with span("ledger.claim", idempotency_key=key):
+            claimed = services.store.begin(key, payload=clean)
+        record.add_duration("claim", time.perf_counter() - started)
+    except Exception as exc:
+        raise _refused(services, record, exc, decide)  # noqa: B904 - the same error, recorded
+    if isinstance(claimed, Completed):
+        return _duplicate(services, record, claimed)
+
+    _claimed(record, claimed)
+    services.attempts.start(record)
+    ctx = JobContext(
+        services=services, claim=claimed, attempt=record, payload=clean,
+        correlation_id=correlation_id,
+    )
+    try:
+        with services.store.keep_alive(claimed, confirmed_at=asked) as keeper:
+            ctx.keeper = keeper
+            result = jt.handler(ctx, clean)
+            if not ctx.completed:  # once completed, a late heartbeat's "lost" means nothing
+                keeper.check()
+                started = time.perf_counter()
+                with span("ledger.complete", idempotency_key=key, fence=claimed.fence):
+                    services.store.complete(claimed, result)
+                record.add_duration("complete", time.perf_counter() - started)
+    except Exception as exc:
+        raise _failed(services, record, claimed, exc, decide)  # noqa: B904 - see _failed
+    _finish(services, record, Outcome.COMPLETED)
+    if jt.downstream and services.retry_budget is not None:
+        with contextlib.suppress(Exception):
+            services.retry_budget.refund(jt.downstream)
+    return RequestOutcome("completed", result, key, claimed.fence, record.attempt_id)
+
+
+@dataclass(frozen=True)
+class BatchRequest:
+    """One request of a micro-batch, as :func:`execute_request` takes it."""
+
+    job_type: str
+    payload: dict[str, Any]
+    key: str | None = None
+    correlation_id: str | None = None
+    request_id: int | None = None
+    decide: Decide | None = None
+    traceparent: str | None = None
+
+
+@dataclass
+class _Item:
+    index: int
+    request: BatchRequest
+    record: Attempt
+    decide: Decide
+    clean: dict[str, Any] = field(default_factory=dict)
+    key: str = ""
+    claim: Claim | None = None
+    ctx: JobContext | None = None
+
+
+def execute_batch(
+    requests: Sequence[BatchRequest],
+    *,
+    services: Services,
+    run_id: str | None = None,
+    step: str | None = None,
+    attempt: int = 0,
+) -> list[RequestOutcome | Exception]:
+    """:func:`execute_request` for a micro-batch, with the same guarantees for every request,
+    in as few statements as the batch allows: the keys are claimed in one statement
+    (``begin_many``), the attempts recorded and finished together, the leases kept by one
+    thread, the job type's ``handler_many`` (if any) runs the effects in as few transactions or
+    connections as the job type allows, and the keys not completed by their handler complete in
+    one statement (``complete_many``).
+
+    Returns one entry per request, in order: its :class:`RequestOutcome`, or the exception
+    :func:`execute_request` would have raised (returned, not raised; already recorded through
+    the request's ``decide``): one request's failure never stops its neighbours.
+    """
+    out: list[RequestOutcome | Exception] = [Exception("not run")] * len(requests)
+    by_type: dict[str, list[int]] = {}
+    for i, request in enumerate(requests):
+        by_type.setdefault(request.job_type, []).append(i)
+    for job_type, indexes in by_type.items():
+        try:
+            jt = get_job_type(job_type)
+        except Exception as exc:  # an unknown job type: each of its requests fails as it would
+            for i in indexes:
+                out[i] = _unknown(services, requests[i], exc, run_id, step, attempt)
+            continue
+        items = [
+            _Item(
+                i,
+                requests[i],
+                services.attempts.new(
+                    jt.name,
+                    attempt=attempt,
+                    run_id=run_id,
+                    step=step or jt.op_name,
+                    correlation_id=requests[i].correlation_id,
+                    request_id=requests[i].request_id,
+                    idempotency_key=requests[i].key,
+                    personal=personal_values(jt, requests[i].payload),
+                    traceparent=requests[i].traceparent,
+                ),
+                requests[i].decide or FailurePath(attempt=attempt).outcome,
+            )
+            for i in indexes
+        ]
+        while items:  # a key twice in one batch: its second request runs in the next round
+            seen: set[str] = set()
+            now: list[_Item] = []
+            later: list[_Item] = []
+            for item in items:
+                try:
+                    item.clean, item.key = _prepare(
+                        jt, item.record, item.request.payload, item.request.key
+                    )
+                except Exception as exc:
+                    out[item.index] = _refused(services, item.record, exc, item.decide)
+                    continue
+                (later if item.key in seen else now).append(item)
+                seen.add(item.key)
+            _run_batch(jt, now, out, services)
+            items = later
+    return out
+
+
+def _run_batch(jt: JobType, items: list[_Item], out: list[Any], services: Services) -> None:
+    if not items:
+        return
+    asked = time.monotonic()
+    started = time.perf_counter()
+    try:
+        answers = services.store.begin_many([(item.key, item.clean) for item in items])
+    except Exception as exc:  # the store is down: every claim fails as begin would have
+        for item in items:
+            out[item.index] = _refused(services, item.record, exc, item.decide)
+        return
+    took = time.perf_counter() - started
+    claimed: list[_Item] = []
+    for item, answer in zip(items, answers, strict=True):
+        item.record.add_duration("claim", took)
+        if isinstance(answer, Exception):
+            out[item.index] = _refused(services, item.record, answer, item.decide)
+        elif isinstance(answer, Completed):
+            out[item.index] = _duplicate(services, item.record, answer)
+        else:
+            item.claim = answer
+            _claimed(item.record, answer)
+            claimed.append(item)
+    if not claimed:
+        return
+    services.attempts.start_many([item.record for item in claimed])
+    claims = [item.claim for item in claimed if item.claim is not None]
+    with services.store.keep_alive_many(claims, confirmed_at=asked) as keeper:
+        for item in claimed:
+            assert item.claim is not None
+            item.ctx = JobContext(
+                services=services, claim=item.claim, attempt=item.record, payload=item.clean,
+                correlation_id=item.request.correlation_id,
+                keeper=keeper.keeper_for(item.claim),
+            )
+        results = _handle(jt, claimed)
+        _complete(services, claimed, results)
+        for item in claimed:
+            assert item.claim is not None
+            keeper.release(item.claim.key)
+    done = []
+    for item, result in zip(claimed, results, strict=True):
+        assert item.claim is not None
+        if isinstance(result, Exception):
+            out[item.index] = _failed(services, item.record, item.claim, result, item.decide)
+        else:
+            out[item.index] = RequestOutcome(
+                "completed", result, item.key, item.claim.fence, item.record.attempt_id
+            )
+            done.append(item)
+    services.attempts.finish_many([(item.record, Outcome.COMPLETED, None, None) for item in done])
+    if done and jt.downstream and services.retry_budget is not None:
+        with contextlib.suppress(Exception):
+            services.retry_budget.refund(jt.downstream, successes=len(done))
+
+
+def _handle(jt: JobType, items: list[_Item]) -> list[Any]:
+    """Every claimed request's result or exception, through ``handler_many`` when the job type
+    has one (under the batch's concurrency slots: :func:`batch_slots`), else ``handler`` one by
+    one (each holds its own slot)."""
+    pairs = [(item.ctx, item.clean) for item in items if item.ctx is not None]
+    if jt.handler_many is not None:
+        results: list[Any] = [None] * len(pairs)
+        with batch_slots(jt, [ctx for ctx, _ in pairs]) as refused:
+            run = [n for n in range(len(pairs)) if n not in refused]
+            for n, error in refused.items():
+                results[n] = error
+            if run:
+                for n, result in zip(run, _handle_many(jt, [pairs[n] for n in run]), strict=True):
+                    results[n] = result
+        return results
+    results = []
+    for ctx, clean in pairs:
+        try:
+            results.append(jt.handler(ctx, clean))
+        except Exception as exc:  # noqa: BLE001 - this request's failure, not the batch's
+            results.append(exc)
+    return results
+
+
+def _handle_many(jt: JobType, pairs: list[tuple[JobContext, dict[str, Any]]]) -> list[Any]:
+    assert jt.handler_many is not None
+    try:
+        results = jt.handler_many(pairs)
+    except Exception as exc:  # noqa: BLE001 - the hook failed as a whole: so did each request
+        return [exc] * len(pairs)
+    if len(results) != len(pairs):
+        error = RuntimeError(f"{jt.name}.handler_many returned {len(results)} results")
+        return [error] * len(pairs)
+    return list(results)
+
+
+def _complete(services: Services, items: list[_Item], results: list[Any]) -> None:
+    """Complete, in one statement, every key whose handler succeeded without completing it;
+    a lost lease or a failed write becomes that request's result."""
+    todo = []
+    for n, (item, result) in enumerate(zip(items, results, strict=True)):
+        if isinstance(result, Exception) or item.ctx is None or item.ctx.completed:
+            continue
+        try:
+            item.ctx.check_lease()
+        except LeaseLost as lost:
+            results[n] = lost
+            continue
+        todo.append(n)
+    if not todo:
+        return
+    started = time.perf_counter()
+    try:
+        answers: list[Exception | None] = list(
+            services.store.complete_many([(_claim(items[n]), results[n]) for n in todo])
+        )
+    except Exception as exc:  # noqa: BLE001 - the store is down: none of them completed
+        answers = [exc] * len(todo)
+    took = time.perf_counter() - started
+    for n, answer in zip(todo, answers, strict=True):
+        items[n].record.add_duration("complete", took)
+        if answer is not None:
+            results[n] = answer
+
+
+def _claim(item: _Item) -> Claim:
+    assert item.claim is not None
+    return item.claim
+
+
+def _prepare(
+    jt: JobType, record: Attempt, payload: dict[str, Any], key: str | None
+) -> tuple[dict[str, Any], str]:
+    clean = jt.validate(dict(payload or {}))
+    key = key or jt.key_for(clean)
+    record.idempotency_key = key
+    record.resource_id = jt.resource_id(clean)
+    set_attributes(idempotency_key=key, resource_id=record.resource_id)
+    return clean, key
+
+
+def _refused(
+    services: Services, record: Attempt, exc: Exception, decide: Decide
+) -> Exception:
+    """Record an attempt that got no claim; returns the exception to raise."""
+    if isinstance(exc, AlreadyInProgress):
+        _finish(services, record, Outcome.IN_PROGRESS_ELSEWHERE, exc)
+    elif isinstance(exc, StoredFailure):
+        _finish(services, record, Outcome.FAILED_PERMANENT, exc)
+    else:
+        _finish(services, record, decide(exc), exc)
+    return exc
+
+
+def _unknown(
+    services: Services,
+    request: BatchRequest,
+    exc: Exception,
+    run_id: str | None,
+    step: str | None,
+    attempt: int,
+) -> Exception:
+    record = services.attempts.new(
+        request.job_type, attempt=attempt, run_id=run_id, step=step,
+        correlation_id=request.correlation_id, request_id=request.request_id,
+        idempotency_key=request.key,
+    )
+    return _refused(services, record, exc, request.decide or FailurePath(attempt=attempt).outcome)
+
+
+def _duplicate(services: Services, record: Attempt, done: Completed) -> RequestOutcome:
+    set_attributes(fence=done.fence)
+    if tracing_enabled():
+        original = services.attempts.effect_traceparent(done.key)
+        with span("sekali.duplicate", links=[original] if original else None):
+            set_attributes(fence=done.fence)
+    record.fence = done.fence
+    record.claim_attempt = done.attempt
+    record.status_before = record.status_after = "completed"
+    _finish(services, record, Outcome.DUPLICATE_SUPPRESSED)
+    return RequestOutcome("duplicate", done.result, done.key, done.fence, record.attempt_id)
+
+
+def _claimed(record: Attempt, claim: Claim) -> None:
+    record.fence = claim.fence
+    record.claim_attempt = claim.attempt
+    record.takeover = claim.takeover
+    set_attributes(fence=claim.fence, takeover=claim.takeover)
+
+
+def _failed(
+    services: Services, record: Attempt, claim: Claim, exc: Exception, decide: Decide
+) -> Exception:
+    """Record a claimed attempt's failure on its claim and attempt; returns what to raise (the
+    error, or :class:`LeaseLost` chained to it when the key was taken over meanwhile)."""
+    if isinstance(exc, LeaseLost):
+        _finish(services, record, Outcome.LEASE_LOST, exc)
+        return exc
+    kind = "permanent" if classify(exc) is ErrorClass.PERMANENT else "transient"
+    try:
+        services.store.fail(claim, exc, kind)
+    except LeaseLost as lost:
+        _finish(services, record, Outcome.LEASE_LOST, exc)
+        lost.__cause__ = exc
+        return lost
+    except Exception:  # noqa: BLE001 - the store is down: the lease expires on its own
+        logger.exception("could not record the failure of %s on its claim", claim.key)
+    _finish(services, record, decide(exc), exc)
+    return exc
+
+
+def _finish(
+    services: Services, record: Attempt, outcome: str, error: BaseException | None = None
+) -> None:
+    set_attributes(outcome=outcome)
+    kind = str(classify(error)) if error is not None else None
+    services.attempts.finish(record, outcome, error=error, error_kind=kind)

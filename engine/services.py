@@ -1,0 +1,160 @@
+"""The collaborators a job needs, gathered once: built from settings (no Dagster) or from an
+op's resources. The same :class:`Services` serves the per-request ops, the intake's batch ops
+and the chaos harness, so every way a job runs takes one code path."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.attempts import AttemptRecorder
+from engine.registry import downstreams
+from resources.cache import StampedeCache
+from resources.errors import SekaliError
+from resources.flow import ConcurrencyLimits, RateLimits
+from resources.idempotency import IdempotencyStore
+from resources.retry import RetryBudget, RetryPolicy
+from resources.storage.db import Database, shared_database
+from resources.storage.redis import redis_client
+from resources.storage.settings import DEFAULT_GATEWAY_SETTLE_SECONDS, Settings
+from resources.telemetry.tracing import configure_tracing
+
+
+class MissingClient(SekaliError):
+    """A handler asked for a downstream client the services do not carry: declare the
+    downstream in the job type's ``clients`` (so its op gets the resource), or pass the client
+    in ``Services(clients={name: ...})``."""
+
+    permanent = True
+
+    def __init__(self, name: str, known: list[str]) -> None:
+        super().__init__(
+            f"no client for the downstream {name!r} (this run has: {', '.join(known) or 'none'})"
+            f": declare it in the job type's clients, or give Services(clients={{{name!r}: ...}})"
+        )
+        self.name = name
+
+
+@dataclass
+class Services:
+    """Everything :func:`engine.runtime.execute_request` may use.
+
+    ``store.db`` and ``db`` must be the same database: handlers complete the key in the same
+    transaction as the business change. ``clients`` holds the downstream clients by name
+    (:meth:`client`); ``cache`` and ``locks`` may be None for job types that do not use them.
+    Without ``concurrency`` the job types' concurrency keys are not enforced.
+    ``settle_seconds``: how long after a send whose answer never came a lookup at the
+    downstream is conclusive (longer than the downstream's longest processing time).
+    """
+
+    db: Database
+    store: IdempotencyStore
+    attempts: AttemptRecorder
+    clients: dict[str, Any] = field(default_factory=dict)
+    cache: StampedeCache | None = None
+    locks: Callable[[str], Any] | None = None
+    retry_policy: RetryPolicy = field(default_factory=RetryPolicy)
+    retry_budget: RetryBudget | None = None
+    concurrency: ConcurrencyLimits | None = None
+    settle_seconds: float = DEFAULT_GATEWAY_SETTLE_SECONDS
+
+    def __post_init__(self) -> None:
+        if str(self.store.db.engine.url) != str(self.db.engine.url):
+            raise ValueError(
+                "the idempotency store and the app database must be the same database "
+                f"(store {self.store.db.engine.url!r}, app {self.db.engine.url!r}): set one "
+                "DATABASE_URL for both, so a key completes in the business transaction"
+            )
+
+    def client(self, name: str) -> Any:
+        """The client of the downstream ``name``; :class:`MissingClient` when there is none."""
+        found = self.clients.get(name)
+        if found is None:
+            raise MissingClient(name, sorted(self.clients))
+        return found
+
+    @classmethod
+    def from_settings(
+        cls,
+        settings: Settings | None = None,
+        *,
+        lease_seconds: float = 60.0,
+        retry_policy: RetryPolicy | None = None,
+        budget_namespace: str = "sekali",
+        cache_namespace: str = "sekali",
+        options: Mapping[str, Any] | None = None,
+    ) -> Services:
+        """Build every collaborator from ``settings`` (``Settings.from_env()`` by default),
+        with a client for every downstream a job type declares (``options`` overrides a
+        client's defaults by downstream name, :class:`engine.downstreams.ClientOptions`).
+        Opens no connection: pools and clients connect on first use. The clients take their
+        shared rate from ``settings.rates``; a concurrency slot's lease is at most the
+        idempotency lease, so a dead holder's slot is free by the time its work is taken
+        over."""
+        configure_tracing()
+        settings = settings or Settings.from_env()
+        db = shared_database(settings.database_url)
+        client = redis_client(settings.redis_url)
+        rates = RateLimits(client, settings.rates)
+        options = options or {}
+        return cls(
+            db=db,
+            store=IdempotencyStore(db, lease_seconds=lease_seconds),
+            attempts=AttemptRecorder(db),
+            clients={
+                name: downstream.client(settings, rates, options.get(name))
+                for name, downstream in downstreams().items()
+            },
+            cache=StampedeCache(client, namespace=cache_namespace),
+            retry_policy=retry_policy or RetryPolicy(),
+            retry_budget=RetryBudget(client, namespace=budget_namespace),
+            concurrency=ConcurrencyLimits(client, lease=min(30.0, lease_seconds)),
+            settle_seconds=settings.gateway_settle_seconds,
+        )
+
+    @classmethod
+    def from_context(cls, context: Any) -> Services:
+        """From an op's resources: ``idempotency``, ``app_db`` (optional: the store's database),
+        one per downstream (by its name), ``cache``, ``locks``, ``retry``, ``concurrency``
+        (each optional but the first)."""
+        configure_tracing()
+        res = context.resources
+        store: IdempotencyStore = res.idempotency.get_store()
+        app_db = _optional(res, "app_db")
+        db = app_db.get_database() if app_db is not None else store.db
+        retry = _optional(res, "retry")
+        cache = _optional(res, "cache")
+        locks = _optional(res, "locks")
+        concurrency = _optional(res, "concurrency")
+        wired = {name: _optional(res, name) for name in downstreams()}
+        wired = {name: resource for name, resource in wired.items() if resource is not None}
+        return cls(
+            db=db,
+            store=store,
+            attempts=AttemptRecorder(db),
+            clients={name: resource.get_client() for name, resource in wired.items()},
+            cache=cache.get_cache() if cache is not None else None,
+            locks=locks.lock if locks is not None else None,
+            retry_policy=retry.get_policy() if retry is not None else RetryPolicy(),
+            retry_budget=retry.get_budget() if retry is not None else None,
+            concurrency=concurrency.get_limits() if concurrency is not None else None,
+            settle_seconds=settle_seconds_of(wired.values()),
+        )
+
+
+def settle_seconds_of(clients: Iterable[Any]) -> float:
+    """The settle window of a run: the longest among its downstream resources' (each one's
+    ``get_settle_seconds``), or the default when it has none."""
+    return max(
+        (resource.get_settle_seconds() for resource in clients),
+        default=DEFAULT_GATEWAY_SETTLE_SECONDS,
+    )
+
+
+def _optional(resources: Any, name: str) -> Any:
+    """A resource the op may not require (Dagster raises on unknown keys)."""
+    try:
+        return getattr(resources, name)
+    except Exception:  # noqa: BLE001 - DagsterUnknownResourceError or AttributeError
+        return None
