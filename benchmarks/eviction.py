@@ -36,7 +36,7 @@ def measure(policy: str, others_with_ttl: bool, folder: Path) -> dict[str, Any]:
     """KiB written by others before each of sekali's keys was evicted (None: kept), and when the
     server first refused a write (``OOM``: nothing left it may evict)."""
     server = RedisServer(folder, port=free_port()).start()
-    admin = redis.Redis(port=server.port, socket_timeout=5)
+    admin = server.plain()
     try:
         client = redis_client(server.url)
         lock = RedisLock(client, "order:o1", ttl=600, auto_renew=False,
@@ -48,9 +48,9 @@ def measure(policy: str, others_with_ttl: bool, folder: Path) -> dict[str, Any]:
         for _ in range(5):
             bucket.try_acquire()
         keys = {"lock": lock.key, "slot": limiter.redis_keys("o1")[0], "bucket": bucket.key}
-        admin.config_set("maxmemory-policy", policy)
+        server.config_set("maxmemory-policy", policy)
         used = int(admin.info("memory")["used_memory"])
-        admin.config_set("maxmemory", str(used + HEADROOM))
+        server.config_set("maxmemory", str(used + HEADROOM))
         gone: dict[str, int | None] = dict.fromkeys(keys)
         refused_at = None
         written = 0

@@ -7,6 +7,12 @@ so machine noise hits every contender alike; the median round counts.
 Contended: 8 and 32 client processes loop acquire / hold 2 ms / release on one name for a few
 seconds: throughput, wait p50/p99, and min/max acquisitions per client (a client with 0 starved).
 
+``--quick``: 600 pairs per contender in three rounds (full: 3,000 in seven), and 1 s of
+contention instead of 6 s. The uncontended ratios are medians of three
+interleaved rounds, as in the full run; the contended throughput ratio is noisier (a second of
+32 processes on two cores is mostly scheduling): read the contended rows of a quick run as a
+smoke test, not a figure.
+
     .venv/bin/python -m benchmarks.locks [--quick] [--json]
 """
 
@@ -24,6 +30,7 @@ from typing import Any
 import redis
 
 from benchmarks.backends import optional_peer, redis_url
+from benchmarks.spread import REPETITIONS
 from resources.locks import MemoryLockStats, RedisLock
 
 _DELETE = """
@@ -96,7 +103,7 @@ def uncontended(quick: bool) -> dict[str, Any]:
     redis_lock = optional_peer("redis_lock", package="python-redis-lock", suite="locks")
     if redis_lock is not None:
         contenders["python-redis-lock"] = _python_redis_lock(redis_lock, client, run_id)
-    n, rounds = (600, 5) if quick else (3000, 7)
+    n, rounds = (600, REPETITIONS) if quick else (3000, 7)
     for once in contenders.values():  # warm up: connections, script cache
         for _ in range(50):
             once()
@@ -176,7 +183,7 @@ def contended(kind: str, clients: int, duration: float, hold: float = 0.002) -> 
 
 
 def run(quick: bool = False) -> dict[str, Any]:
-    duration = 2.0 if quick else 6.0
+    duration = 1.0 if quick else 6.0
     result: dict[str, Any] = {"uncontended": uncontended(quick), "contended": {}}
     for clients in (8, 32):
         for kind in ("sekali", "redis-py"):

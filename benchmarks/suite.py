@@ -55,7 +55,8 @@ from benchmarks.backends import postgres_url
 from benchmarks.plotting import RESULTS
 
 SUITES = ["idempotency", "locks", "stampede", "retry_storm", "intake", "chaos", "observability",
-          "outbox", "flow", "intake_flow", "tracing", "peers", "cluster", "retention", "upgrade"]
+          "outbox", "flow", "intake_flow", "tracing", "peers", "cluster", "retention", "upgrade",
+          "fairness", "dlq_sensor"]
 ON_REQUEST = {"cluster": "it builds network namespaces as root and takes about 10 minutes"}
 """Suites left out of a run unless named with ``--only``, and why."""
 DEFAULT_SUITES = [name for name in SUITES if name not in ON_REQUEST]
@@ -94,6 +95,16 @@ HEADLINE: dict[str, tuple[str, float | None, str]] = {
         "zero", 0, "mails sent twice and intents never sent, 3 SIGKILLs of workers, per system"
     ),
     "peers_latency_p50_ms": ("", None, "enqueue-to-mail latency p50 at a steady load, ms"),
+    "fairness_small_tenant_wait_p99_s": (
+        "", None, "a small tenant's wait p99 behind a large tenant's 5,000 requests, s (5 s ticks)"
+    ),
+    "fairness_share_error_max": (
+        "<=", 0.05, "largest gap between a tenant's claimed share and its settings' share, "
+        "windows of 200 claims"
+    ),
+    "fairness_claim_cost_ratio": (
+        "<=", 1.5, "claim cost with fair share over claim_rank order alone (worse backend)"
+    ),
     "upgrade_longest_exclusive_hold_s": (
         "<=", 1.0, "Postgres upgrade from the previous release, 2 M requests: longest ACCESS "
         "EXCLUSIVE hold on job_requests, s"

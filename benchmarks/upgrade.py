@@ -1,20 +1,25 @@
 """What upgrading Postgres from the previous release costs the intake while it runs, at 2 M job
 requests: ``sekali bench --only upgrade``, or ``python -m benchmarks.upgrade [--quick]``.
 
-A private cluster (:mod:`sandbox.postgres_server`) holds 2 M requests (1 % pending) at the
-previous release's schema, twice (the second a template copy of the first). On one, the files as
-they stood before 0110 had a successor are applied the way the runner of that time applied them
-(every pending file in one transaction); on the other, this release's upgrade (0120, and 0121
-online in 0110's place). Meanwhile, as in a rolling upgrade, the previous release's producer
-inserts a request every 20 ms (its own statement, which knows no ``claim_rank``) and its intake
-claims a page of 50 every 50 ms, each on its own connection; a watcher on another connection
-polls ``pg_locks`` every 5 ms for a granted ACCESS EXCLUSIVE lock on ``job_requests``.
+The run's private cluster (:func:`benchmarks.backends.private_postgres`) holds 2 M requests (1 %
+pending) at the previous release's schema, twice (the second a template copy of the first). On
+one, the files as they stood before 0110 had a successor are applied the way the runner of that
+time applied them (every pending file in one transaction); on the other, this release's upgrade
+(0120, and 0121 online in 0110's place). Meanwhile, as in a rolling upgrade, the previous
+release's producer inserts a request every 20 ms (its own statement, which knows no
+``claim_rank``) and its intake claims a page of 50 every 50 ms, each on its own connection; a
+watcher on another connection polls ``pg_locks`` every 5 ms for a granted ACCESS EXCLUSIVE lock
+on ``job_requests``.
 
 Reported per path: how long the upgrade took; the longest ACCESS EXCLUSIVE hold on
 ``job_requests`` (target: at most 1 s, the bound this release states); enqueue and claim latency
 (p50, p99, max; time to an answer, refusals included) during the upgrade against p99 in a quiet
 window just before (a ratio: the machine is shared); the old enqueues refused during the upgrade
 and in the second after it (requests lost).
+
+``--quick``: 50,000 requests instead of 2 M, the same windows (3 s quiet, 1 s after). The
+statements then take milliseconds, so the quick run proves the path (no request refused, no
+long exclusive hold) rather than measuring the hold the target is about.
 """
 
 from __future__ import annotations
@@ -24,18 +29,19 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from sqlalchemy import text
 
+from benchmarks.backends import private_postgres
 from benchmarks.suite import module_main, render_table
 from resources.storage.db import Database
 from resources.storage.migration_files import load_migrations, sql_through
 from resources.storage.migrations import upgrade
 from resources.storage.settings import DatabaseTimeouts, MigrationSettings
-from sandbox.postgres_server import PostgresServer
 
 ROWS, QUICK_ROWS = 2_000_000, 50_000
 TARGET_HOLD_SECONDS = 1.0
@@ -236,28 +242,30 @@ def _path(url: str, apply: Callable[[Database], None],
 
 def run(quick: bool = False) -> dict[str, Any]:
     n = QUICK_ROWS if quick else ROWS
-    server = PostgresServer(prefix="sekali-bench-upgrade-").start()
+    server = private_postgres()  # the run's, shared: the databases are this run's own
+    suffix = uuid.uuid4().hex[:6]
+    names = {name: f"upgrade_{name}_{suffix}" for name in ("previous", "one_transaction", "online")}
     results: dict[str, Any] = {"rows": n}
+    admin = Database.from_url(server.url())
     try:
         with tempfile.TemporaryDirectory() as tmp:
             previous = sql_through(PREVIOUS_RELEASE, Path(tmp) / "previous")
             before = sql_through(BEFORE_THE_SUCCESSOR, Path(tmp) / "before")
-            admin = Database.from_url(server.url())
             with admin.statement() as conn:
-                conn.execute(text("CREATE DATABASE previous"))
-            template = Database.from_url(server.url("previous"))
+                conn.execute(text(f"CREATE DATABASE {names['previous']}"))
+            template = Database.from_url(server.url(names["previous"]))
             upgrade(template, previous)
             template.dispose()
             print(f"upgrade: filling {n:,} requests", file=sys.stderr, flush=True)
-            _fill(server.url("previous"), n)
+            _fill(server.url(names["previous"]), n)
             with admin.statement() as conn:
                 for name in ("one_transaction", "online"):
-                    conn.execute(text(f"CREATE DATABASE {name} TEMPLATE previous"))
-            admin.dispose()
+                    conn.execute(text(
+                        f"CREATE DATABASE {names[name]} TEMPLATE {names['previous']}"))
             print("upgrade: the files before 0110's successor, in one transaction",
                   file=sys.stderr, flush=True)
             results["one_transaction"] = _path(
-                server.url("one_transaction"), lambda db: _one_transaction(db, before))
+                server.url(names["one_transaction"]), lambda db: _one_transaction(db, before))
             print("upgrade: this release's upgrade (online)", file=sys.stderr, flush=True)
             steps: list[tuple[float, str]] = []
 
@@ -266,10 +274,13 @@ def run(quick: bool = False) -> dict[str, Any]:
                 print(f"  {line}", file=sys.stderr, flush=True)
 
             results["online"] = _path(
-                server.url("online"),
+                server.url(names["online"]),
                 lambda db: upgrade(db, settings=MigrationSettings(), progress=progress), steps)
     finally:
-        server.stop()
+        with admin.statement() as conn:
+            for name in names.values():
+                conn.execute(text(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)"))
+        admin.dispose()
     results["summary"] = _summary(results)
     results["headline"] = {
         "upgrade_longest_exclusive_hold_s": results["online"]["longest_exclusive_hold_s"]}

@@ -26,6 +26,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "requests": ("cli.commands.requests", "job requests and what became of them"),
     "dlq": ("cli.commands.dlq", "inspect, replay and discard dead letters"),
     "rejections": ("cli.commands.rejections", "see the requests the intake refused"),
+    "outbox": ("cli.commands.outbox", "dead outbox events: show, replay, discard"),
+    "tenants": ("cli.commands.tenants", "fair share across tenants: weights, min, max"),
     "doctor": ("cli.commands.doctor", "run the production diagnosis checklist"),
     "metrics": ("cli.commands.metrics", "show metrics or serve them to Prometheus"),
     "chaos": ("cli.commands.chaos", "break the platform on purpose and check the invariants"),

@@ -5,10 +5,11 @@ No business word and no Dagster here: the job types live in the code location
 registry; the Dagster adapter, the CLI and the proof stand above. Public names:
 
 - the contract a job type module writes against: :class:`JobType`, :class:`PayloadField`,
-  :class:`Debounce`, :class:`Retained`, :class:`Downstream`, :class:`ClientOptions`,
-  :class:`Sandbox`, the hook protocols :class:`Reconciling` and :class:`Tally`, the handler's
-  :class:`JobContext`, ``crash_point``, ``fenced_update``, ``batch_slots``, ``SEND_TRIES`` and
-  the ``require_*`` / ``reject_unknown`` checks;
+  the payload model's :class:`Check`, ``formatted`` keys, the lookup hook's :class:`Effect`
+  and :data:`Lookup`, :class:`Debounce`, :class:`Retained`, :class:`Downstream`,
+  :class:`ClientOptions`, :class:`Sandbox`, the hook protocols :class:`Reconciling` and
+  :class:`Tally`, the handler's :class:`JobContext`, ``crash_point``, ``fenced_update``,
+  ``batch_slots``, ``SEND_TRIES`` and the ``require_*`` / ``reject_unknown`` checks;
 - the registry: :func:`get_job_type`, ``JOB_TYPES``, :func:`downstreams`;
 - the ways in: :func:`enqueue` (intake) and :func:`execute_request` (the one execution path),
   with the :class:`Services` they run on.
@@ -17,19 +18,23 @@ registry; the Dagster adapter, the CLI and the proof stand above. Public names:
 from engine.context import SEND_TRIES, JobContext, batch_slots
 from engine.contract import (
     Debounce,
+    Effect,
     JobType,
+    Lookup,
     PayloadField,
     Reconciling,
     Retained,
     Tally,
     crash_point,
     fenced_update,
+    formatted,
     reject_unknown,
     require_int,
     require_str,
 )
 from engine.downstreams import ClientOptions, Downstream, Sandbox
 from engine.intake import enqueue
+from engine.payloads import Check
 from engine.registry import JOB_TYPES, downstreams, get_job_type
 from engine.runtime import execute_request
 from engine.services import Services
@@ -37,11 +42,14 @@ from engine.services import Services
 __all__ = [
     "JOB_TYPES",
     "SEND_TRIES",
+    "Check",
     "ClientOptions",
     "Debounce",
     "Downstream",
+    "Effect",
     "JobContext",
     "JobType",
+    "Lookup",
     "PayloadField",
     "Reconciling",
     "Retained",
@@ -54,6 +62,7 @@ __all__ = [
     "enqueue",
     "execute_request",
     "fenced_update",
+    "formatted",
     "get_job_type",
     "reject_unknown",
     "require_int",

@@ -20,7 +20,9 @@ from sqlalchemy.engine import Connection, Row
 
 from engine.attempts import Attempt
 from engine.contract import JobType, crash_point
+from engine.requests import CancelState, RequestStore
 from engine.services import Services
+from resources.errors import RequestCancelled
 from resources.flow import Slot
 from resources.idempotency import Claim, Keeper
 from resources.telemetry.tracing import span
@@ -46,6 +48,8 @@ class JobContext:
     """The concurrency slot of this payload's key that the caller already holds (a micro-batch
     holds its keys' slots around its effects): :meth:`concurrency_slot` then uses it."""
     _lock_wait: float = field(default=0.0, repr=False)
+    _sent: bool = field(default=False, repr=False)
+    _done: list[str] = field(default_factory=list, repr=False)
 
     @property
     def key(self) -> str:
@@ -102,6 +106,8 @@ class JobContext:
         ``docs/design.md``.
         """
         self.check_lease()
+        self.cancel_point("before a downstream call")
+        self._sent = True
         asked = time.monotonic()
         if self.keeper is not None:
             self.keeper.confirm()
@@ -142,7 +148,7 @@ class JobContext:
         with self.timed(name), self.services.db.transaction() as conn:
             with span("lock.row", lock=f"{table}:{value}", fence=self.fence):
                 row = conn.execute(
-                    text(f"SELECT * FROM {table} WHERE {column} = :v{lock}"), {"v": value}
+                    text(f"SELECT * FROM {table} WHERE {column} = :v{lock}"), {"v": value}  # nosec B608: SQL from code constants, values bound
                 ).first()
             self._add_lock_wait(time.perf_counter() - started)
             yield conn, row
@@ -178,8 +184,31 @@ class JobContext:
         self.attempt.lock_wait_seconds = round(self._lock_wait, 6)
 
     def checkpoint(self, point: str, data: Any = None, *, conn: Connection) -> None:
-        """Record a recovery point in the transaction that made this phase's effect."""
+        """Record a recovery point in the transaction that made this phase's effect; a cancel
+        point first (:meth:`cancel_point`: a cancel rolls this phase back with the
+        transaction)."""
+        self.cancel_point(f"checkpoint {point}", conn=conn)
         self.services.store.checkpoint(self.claim, point, data, conn=conn)
+        self._done.append(point)
+
+    def cancel_point(self, where: str, *, conn: Connection | None = None) -> None:
+        """Raise :class:`RequestCancelled` if the request under this key was cancelled.
+
+        Called at the attempt's start (:func:`engine.runtime.execute_request`), at each
+        :meth:`checkpoint` (inside the transaction that writes it) and in
+        :meth:`confirm_lease` before each downstream call (a job type that wrote the send down
+        first takes it back when this raises there, as after any refusal). Never once this
+        attempt may have sent something (:meth:`confirm_lease` passed: the send must be
+        recorded, so the attempt runs to its end and the cancel is refused when it completes),
+        nor when an earlier attempt left a recovery point (its effect may be under way). A
+        cancel committed just after a passed cancel point is refused the same way: the request
+        either completes with the cancel refused, or stops before an effect.
+        """
+        if self._sent or self.claim.recovery_point is not None:
+            return
+        state = RequestStore(self.services.db).cancel_asked(self.claim.key, conn=conn)
+        if state in (CancelState.REQUESTED, CancelState.CANCELLED):
+            raise RequestCancelled(self.claim.key, where, done=tuple(self._done))
 
     def complete(self, result: Any, *, conn: Connection) -> None:
         """Mark the key completed in the same transaction as the final effect."""

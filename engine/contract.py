@@ -18,14 +18,17 @@ import functools
 import os
 import signal
 import string
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
+from engine import payloads
 from engine.downstreams import Downstream
+from engine.payloads import PayloadField as PayloadField  # re-exported: the contract names it
+from engine.tenants import DEFAULT_TENANT, check_tenant
 from resources.errors import FencedWriteRejected, ValidationError, shown
 from resources.storage.db import Database
 from resources.storage.retention import Expiry
@@ -43,34 +46,30 @@ def crash_point(name: str) -> None:
         os.kill(os.getpid(), signal.SIGSTOP)
 
 
-Handler = Callable[[Any, dict[str, Any]], Any]
+Handler = Callable[[Any, Any], Any]
 """``handler(ctx, payload) -> result``: ``ctx`` is the :class:`engine.context.JobContext` of
-the claimed attempt, ``payload`` the validated payload."""
-BatchHandler = Callable[[Sequence[tuple[Any, dict[str, Any]]]], list[Any]]
+the claimed attempt, ``payload`` the validated payload: an instance of the job type's
+``payload`` model when it declares one, else the validated dict."""
+BatchHandler = Callable[[Sequence[tuple[Any, Any]]], list[Any]]
 """Runs the handler for several claimed requests at once (``(ctx, payload)`` pairs); returns,
 in order, each one's result or the exception it failed with (returned, not raised: one failure
 never stops the others)."""
 
 
 @dataclass(frozen=True)
-class PayloadField:
-    """One field of a job type's payload, as a person launching it by hand should see it.
+class Effect:
+    """One effect a downstream holds for an intent: its id there and, when known, when."""
 
-    The declaration is the shape and the words (the Dagster layer turns a job type's fields into
-    the typed config of its launch form, so a wrong type or a missing field is refused before a
-    run starts, with the field named); the job type's ``validate`` stays the check of values.
-    ``type`` is ``str``, ``int``, ``dict`` (a map of strings) or ``list`` (of objects with the
-    ``items`` fields); ``choices`` are the only values a ``str`` may take; a field with
-    ``required=False`` takes ``default`` (``None`` for a map means empty).
-    """
+    reference: str
+    at: float | None = None
+    detail: Mapping[str, Any] = field(default_factory=dict)
 
-    name: str
-    type: type
-    description: str
-    required: bool = True
-    default: Any = None
-    choices: tuple[str, ...] = ()
-    items: tuple[PayloadField, ...] = ()
+
+Lookup = Callable[[Callable[[str], Any], str, Any], Sequence[Effect]]
+"""``lookup(client, key, payload) -> effects``: the effects the downstream holds for this
+intent (idempotency key ``key``, validated ``payload``); ``client(name)`` returns a declared
+downstream's client. Empty: it never happened; one: it happened; more: duplicates. Raises when
+the downstream cannot answer (then nothing is concluded)."""
 
 
 @dataclass(frozen=True)
@@ -140,7 +139,7 @@ class Retained:
     expired: Callable[[float, float], Expiry]
 
 
-PLATFORM_NEEDS = frozenset({"cache", "locks"})
+PLATFORM_NEEDS = frozenset({"cache"})
 
 
 def op_name_of(job_type: str) -> str:
@@ -148,16 +147,43 @@ def op_name_of(job_type: str) -> str:
     return f"{job_type}_op"
 
 
-@dataclass(frozen=True)
+def _not_declared(payload: dict[str, Any]) -> dict[str, Any]:
+    raise AssertionError("replaced in JobType.__post_init__")
+
+
+def formatted(template: str) -> Callable[[dict[str, Any]], str]:
+    """``key_for=formatted("points:{account_id}")``: a format string over the validated
+    payload's fields, as a function (the fields it names are checked against ``payload``)."""
+    names = tuple(f for _, f, _, _ in string.Formatter().parse(template) if f)
+    if not names:
+        raise ValueError(f"{template!r} names no payload field")
+
+    def fill(payload: dict[str, Any]) -> str:
+        return template.format_map(payload)
+
+    fill.__qualname__ = fill.__name__ = f"formatted({template!r})"
+    fill.names = names  # type: ignore[attr-defined]
+    return fill
+
+
+@dataclass(frozen=True, kw_only=True)
 class JobType:
     """One kind of job: how to check its input, name its intent, and do its effect, and what it
     adds to the platform's upkeep. Nothing outside the job type's module names it: the
     registry, the Dagster jobs and resources, reconciliation and retention read these fields.
+
+    The payload is declared once, as ``payload=<pydantic model or dataclass>``: its launch form
+    ``fields``, ``validate``, ``example`` and the object the handler gets follow from it
+    (:mod:`engine.payloads`). A type may instead give ``validate`` and ``fields`` by hand (then
+    its handler gets the validated dict).
     """
 
     name: str
     queue: str  # "heavy" | "light" (tag "sekali/queue")
-    validate: Callable[[dict[str, Any]], dict[str, Any]]
+    payload: type | None = None
+    """The payload's model (pydantic ``BaseModel`` or dataclass): see the class."""
+    validate: Callable[[dict[str, Any]], dict[str, Any]] = _not_declared
+    """``payload -> validated dict`` (refusals name the field); derived from ``payload``."""
     key_for: Callable[[dict[str, Any]], str]
     max_runtime_seconds: float
     side_effect: bool
@@ -169,13 +195,18 @@ class JobType:
     downstream: str | None = None
     """The retry-budget bucket: by default the first client's name; None when it has none."""
     needs: frozenset[str] = frozenset()
-    """Platform services beyond the ledger the handler uses: ``cache``, ``locks``."""
+    """Platform services beyond the ledger the handler uses: ``cache``. (No lock: the claim and
+    its fence are the mutual exclusion; a concurrency limit is ``concurrency_key``.)"""
     description: str = ""
     # At most ``concurrency_limit`` side effects at once per key, across every worker: a format
     # string over the validated payload (``"account:{account_id}"``); None for no limit. The
     # handler holds the slot around its side effect with ``ctx.concurrency_slot(JOB_TYPE)``.
     concurrency_key: str | None = None
     concurrency_limit: int = 1
+    fairness_key: str | None = None
+    """The tenant a request belongs to, for fair share at intake (:mod:`engine.tenants`): a
+    format string over the validated payload (``"{customer_id}"``); None: every request of
+    this type is the default tenant's."""
     debounce: Debounce | None = None
     """Coalesce bursts of requests at intake (see :class:`Debounce`); None: every request runs."""
     dedupe_window: float | None = None
@@ -201,8 +232,14 @@ class JobType:
     unique: tuple[tuple[str, tuple[str, ...]], ...] = ()
     """``(table, columns)`` that must be unique for its effect to happen once: the doctor
     checks the live schema has them."""
+    lookup: Lookup | None = None
+    """Asks the downstream what it holds for one intent (see :data:`Lookup`): how
+    reconciliation, the chaos checker and a person tell "it happened" from "it never did" when
+    the outcome of a send is unknown. A job type with a side effect at a downstream should
+    declare it (:meth:`missing_lookup` says when one does not)."""
 
     def __post_init__(self) -> None:
+        self._derive_from_payload()
         if self.dedupe_window is not None and self.dedupe_window < 1:
             raise ValueError(f"{self.name}: dedupe_window must be at least 1 second")
         if self.concurrency_limit < 1:
@@ -214,6 +251,13 @@ class JobType:
                     f"{self.name}: concurrency_key {self.concurrency_key!r} names no payload "
                     "field, so every request would share one key"
                 )
+        if self.fairness_key is not None and not [
+            f for _, f, _, _ in string.Formatter().parse(self.fairness_key) if f
+        ]:
+            raise ValueError(
+                f"{self.name}: fairness_key {self.fairness_key!r} names no payload field, so "
+                "every request would be one tenant"
+            )
         unknown = self.needs - PLATFORM_NEEDS
         if unknown:
             raise ValueError(
@@ -236,6 +280,36 @@ class JobType:
     """Optional: the effects of a micro-batch in as few transactions or connections as the job
     type allows. Without it a batch runs ``handler`` once per request."""
 
+    def _derive_from_payload(self) -> None:
+        if self.payload is None:
+            if self.validate is _not_declared:
+                raise ValueError(f"{self.name}: declare payload=<model> (or validate=)")
+            return
+        if self.validate is _not_declared:
+            validate = payloads.validator_of(self.payload, personal=self.personal)
+            object.__setattr__(self, "validate", validate)
+        if not self.fields:
+            object.__setattr__(self, "fields", payloads.fields_of(self.payload))
+        if not self.example:
+            object.__setattr__(self, "example", payloads.example_of(self.payload))
+        known = {f.name for f in self.fields}
+        for hook in (self.key_for, self.resource_id):
+            unknown = [n for n in getattr(hook, "names", ()) if n not in known]
+            if unknown:
+                raise ValueError(f"{self.name}: {hook.__name__} names no field {unknown[0]!r}")
+
+    def typed(self, clean: dict[str, Any]) -> Any:
+        """What the handler receives for a validated payload: the ``payload`` model built from
+        it, or the dict itself when the type declares no model."""
+        if self.payload is None:
+            return clean
+        return self._typed(clean)
+
+    @functools.cached_property
+    def _typed(self) -> Callable[[dict[str, Any]], Any]:
+        assert self.payload is not None
+        return payloads.typed_of(self.payload)
+
     @functools.cached_property
     def prefix(self) -> str | None:
         """``key_prefix``, or the example's key up to its first ``:`` (None if it has none)."""
@@ -254,6 +328,18 @@ class JobType:
         if self.concurrency_key is not None:
             keys.add("concurrency")
         return frozenset(keys)
+
+    @property
+    def missing_lookup(self) -> bool:
+        """True when the type sends effects to a downstream but cannot ask it what happened."""
+        return self.side_effect and bool(self.clients) and self.lookup is None
+
+    def effects(self, client: Callable[[str], Any], key: str, payload: Any) -> list[Effect]:
+        """What the downstream holds for intent ``key`` (its :attr:`lookup`); raises
+        ``ValueError`` when the type declares none (nothing can be concluded)."""
+        if self.lookup is None:
+            raise ValueError(f"{self.name}: declares no lookup, so its effects cannot be asked")
+        return list(self.lookup(client, key, payload))
 
     @property
     def op_name(self) -> str:
@@ -278,6 +364,20 @@ class JobType:
             return None
         return f"{self.name}:{self.debounce.key.format_map(payload)}"
 
+    def tenant_for(self, payload: dict[str, Any]) -> str:
+        """The tenant of a validated payload: its fairness key, or the default tenant.
+        :class:`ValidationError` naming ``fairness_key`` when the key makes no tenant name."""
+        if self.fairness_key is None:
+            return DEFAULT_TENANT
+        try:
+            name = self.fairness_key.format_map(payload)
+        except (KeyError, IndexError, ValueError, AttributeError) as exc:
+            raise ValidationError(
+                "fairness_key", f"{self.fairness_key!r} cannot be formed from the payload "
+                f"({type(exc).__name__}: {exc})"
+            ) from None
+        return check_tenant(name, "fairness_key")
+
     def concurrency_key_for(self, payload: dict[str, Any]) -> str | None:
         """The concurrency key of a validated payload, or None when the type has no limit."""
         if self.concurrency_key is None:
@@ -300,12 +400,12 @@ def fenced_update(
     it records ``fence``. A stale holder gets :class:`FencedWriteRejected` and changes nothing."""
     sql = (
         f"UPDATE {table} SET {assignments}, {fence_column} = :fence"
-        f" WHERE {column} = :v AND {fence_column} <= :fence"
+        f" WHERE {column} = :v AND {fence_column} <= :fence"  # nosec B608: SQL from code constants, values bound
     )
     rowcount = conn.execute(text(sql), {**(params or {}), "v": value, "fence": fence}).rowcount
     if rowcount != 1:
         highest = conn.execute(
-            text(f"SELECT {fence_column} FROM {table} WHERE {column} = :v"), {"v": value}
+            text(f"SELECT {fence_column} FROM {table} WHERE {column} = :v"), {"v": value}  # nosec B608: SQL from code constants, values bound
         ).scalar()
         raise FencedWriteRejected(f"{table}:{value}", fence, highest)
 

@@ -60,6 +60,9 @@ class Sandbox:
     label: str
     address: Callable[[Settings], tuple[str, int, str]]
     start: Callable[[Settings, Path], Stoppable]
+    environment: Callable[[Path], Mapping[str, str]] = lambda state: {}
+    """The settings (environment variables) a client needs beside the address to use the
+    stand-in started under ``state``: where its records can be read, for a lookup hook."""
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,12 @@ class Downstream:
     @property
     def rate_variable(self) -> str:
         return f"SEKALI_RATE_{self.name.upper()}"
+
+    @property
+    def url_variable(self) -> str:
+        """``SEKALI_<NAME>_URL``: where a downstream without a setting of its own is found
+        (its ``build`` reads it when the resource gives no ``address``)."""
+        return f"SEKALI_{self.name.upper()}_URL"
 
     def client(
         self, settings: Settings, rates: RateLimits, options: ClientOptions | None = None

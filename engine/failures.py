@@ -1,8 +1,8 @@
 """The one decision after a failed attempt: classify, decide, record, and say what follows.
 
 Every way a job runs (the per-request op, the fan-out and micro-batch ops, a DLQ replay, the
-chaos harness) hands its failures to a :class:`FailurePath`, so a failure means the same thing
-everywhere:
+chaos harness, through :mod:`engine.step`) hands its failures to a :class:`FailurePath`, so a
+failure means the same thing everywhere:
 
 1. classify the exception itself (:func:`resources.retry.classify`, and the DLQ's
    :func:`resources.retry.failure_class`), once;
@@ -20,12 +20,14 @@ retry budget; a permanent error is never retried.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.attempts import Outcome
 from engine.requests import RequestStore
+from resources.errors import RequestCancelled
 from resources.retry import (
     ErrorClass,
     RetryBudget,
@@ -35,6 +37,8 @@ from resources.retry import (
     failure_class,
 )
 from resources.telemetry.redact import redact
+
+log = logging.getLogger(__name__)
 
 NO_RETRY_HERE = "retried by the DLQ, not within this step"
 
@@ -49,11 +53,12 @@ def error_text(exc: BaseException) -> str:
 class FailurePath:
     """The decision for the failures of one attempt of one step.
 
-    ``policy`` None means the caller retries on its own (the chaos harness's broker redelivers):
-    a permanent error gives up, anything else is left to be retried. ``retries_here`` False
-    (micro-batch: retrying the step would re-run its finished neighbours) gives up at once and
-    leaves the retry to a DLQ replay. ``first_started`` returns when the step's first attempt
-    began, for the policy's time budget.
+    ``policy`` None means the caller retries on its own: a permanent error gives up, anything
+    else is left to be retried. ``retries_here`` False (micro-batch: retrying the step would
+    re-run its finished neighbours) gives up at once and leaves the retry to a DLQ replay.
+    ``first_started`` returns when the step's first attempt began, for the policy's time
+    budget; when it cannot answer (the database is down, often the very failure being decided)
+    the decision is made without the time budget: it ends, it never raises.
     """
 
     attempt: int = 0
@@ -82,7 +87,14 @@ class FailurePath:
             return RetryDecision(False, error_class, self.attempt, reason=NO_RETRY_HERE)
         if self.policy is None:
             return RetryDecision(True, error_class, self.attempt)
-        first = self.first_started()
+        try:
+            first = self.first_started()
+        except Exception:  # noqa: BLE001 - the decision survives its own dependency
+            # the attempts' store is away (often the very failure being decided): the time
+            # budget cannot be asked, the attempts still bound the retries
+            log.warning("first attempt's start unknown (store unavailable); deciding without "
+                        "the time budget", exc_info=True)
+            first = None
         return self.policy.decide(
             exc,
             attempt=self.attempt,
@@ -103,8 +115,11 @@ class FailurePath:
     def settle_request(
         self, requests: RequestStore, request_id: int, exc: BaseException, *, run_id: str | None
     ) -> None:
-        """Move the request to ``failed`` (for the DLQ) unless a retry of this step follows."""
-        if not self.decide(exc).retry:
+        """Move the request to ``failed`` (for the DLQ) unless a retry of this step follows; a
+        cancelled one (it stopped at a cancel point) to ``cancelled``, saying what was done."""
+        if isinstance(exc, RequestCancelled):
+            requests.mark_cancelled(request_id, exc.detail, run_id=run_id)
+        elif not self.decide(exc).retry:
             requests.mark_failed(
                 request_id, error_text(exc), error_class=str(failure_class(exc)), run_id=run_id
             )

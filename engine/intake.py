@@ -20,6 +20,8 @@ Guarantees:
   a new one after it; the request row keeps the window (``dedupe_window``).
 - A debounced job type's request carries its group and timings; the intake runs one request of
   a group per burst (see :meth:`RequestStore.claim_for_launch`).
+- The request's tenant is its job type's fairness key over the validated payload (the default
+  tenant without one): the intake shares claims between tenants by weight (:mod:`engine.tenants`).
 - ``conn=``: the request joins the caller's transaction (transactional outbox): it exists if and
   only if the caller's business change commits. A rejection is then written on its own connection
   on Postgres (so it survives the caller's rollback) and inside the caller's transaction on SQLite
@@ -140,6 +142,7 @@ def _enqueue(
         dedupe_window=spec.dedupe_window,
         debounce=debounce,
         aging=priority_aging(),
+        tenant=admitted.tenant,
     )
     log.info(
         "enqueued %s key=%s request=%s created=%s",

@@ -17,6 +17,7 @@ downstreams they call (:func:`downstreams`) are collected from their ``clients``
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import pkgutil
 from collections.abc import Iterator, MutableMapping
@@ -28,6 +29,8 @@ from resources.errors import PermanentJobError, ValidationError
 
 BUILT_IN_PACKAGE = "pipelines.jobs"
 MODULES_ENV = "SEKALI_JOB_MODULES"
+
+log = logging.getLogger(__name__)
 
 
 class JobModuleError(PermanentJobError):
@@ -93,6 +96,12 @@ def discover(environ: MutableMapping[str, str] | None = None) -> dict[str, JobTy
                 )
             owners[jt.name] = name
             found[jt.name] = jt
+            if jt.missing_lookup:
+                log.warning(
+                    "job type %r (%s) sends effects to %s but declares no lookup: an unknown "
+                    "outcome cannot be asked there; declare lookup= (docs/job-types.md)",
+                    jt.name, name, ", ".join(d.name for d in jt.clients),
+                )
     return dict(sorted(found.items()))
 
 

@@ -34,22 +34,33 @@ fingerprint, age), at most ``limit``, oldest id first; a dry run lists the decis
 and changes nothing; otherwise each record is requested through
 :meth:`resources.dlq.DlqStore.request_replay` (audited ``replay_requested``), a record skipped
 gets an audit line ``replay_skipped`` with why, and ``pace`` (``10/s``, ``600/min``) spaces the
-requests: the n-th is made no earlier than ``start + n / rate``.
+requests: the n-th is made no earlier than ``start + n / rate``. ``stop_after`` ends it once that
+many were requested, leaving the rest undecided (the canary replay, :mod:`engine.canary`).
+
+**Guarded replay.** Each selected record gets a :class:`Verdict` with its evidence
+(:func:`assess`): ``completed`` (its key completed in the ledger: a replay returns the stored
+result and repeats nothing), ``effect_found`` (the job type's declared lookup finds the effect at
+the downstream), ``unknown`` (no lookup, no client, or the downstream cannot answer) or ``safe``
+(no effect anywhere). A real replay refuses ``effect_found`` and ``unknown`` records not named in
+``allow_repeat`` (audited ``replay_skipped``); the others still replay. ``sekali dlq replay``
+always guards; a caller passing no ``allow_repeat`` gets the verdicts without the guard.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
 from sqlalchemy import BigInteger, Column, Float, Integer, Table, Text, text
 
-from engine.contract import crash_point
-from engine.registry import JOB_TYPES
+from engine.contract import Effect, crash_point
+from engine.downstreams import ClientOptions
+from engine.registry import JOB_TYPES, downstreams
 from engine.requests import RequestStatus, RequestStore
 from engine.validation import admit
 from resources.dlq import DlqRecord, DlqStatus, DlqStore, ReplayDecision
@@ -58,6 +69,7 @@ from resources.flow.limits import RateSetting
 from resources.idempotency import IdempotencyStore
 from resources.storage.db import metadata
 from resources.storage.json_text import canonical, storable
+from resources.storage.settings import Settings
 
 VERSION_MARK = "#v"
 SOURCE = "dlq_patch"
@@ -224,7 +236,7 @@ class Versions:
             rows = conn.execute(
                 text(
                     f"SELECT {_VERSION_COLUMNS} FROM request_versions WHERE base_key = :b"
-                    " ORDER BY version"
+                    " ORDER BY version"  # nosec B608: SQL from code constants, values bound
                 ),
                 {"b": base},
             ).all()
@@ -239,7 +251,7 @@ class Versions:
             rows = conn.execute(
                 text(
                     f"SELECT {_VERSION_COLUMNS} FROM request_versions"
-                    f" WHERE previous_record_id IN ({ids}) ORDER BY created_at"
+                    f" WHERE previous_record_id IN ({ids}) ORDER BY created_at"  # nosec B608: SQL from code constants, values bound
                 )
             ).all()
         return [Version.from_row(r) for r in rows]
@@ -247,7 +259,7 @@ class Versions:
     def _one(self, where: str, key: str) -> Version | None:
         with self.db.statement() as conn:
             row = conn.execute(
-                text(f"SELECT {_VERSION_COLUMNS} FROM request_versions WHERE {where}"), {"k": key}
+                text(f"SELECT {_VERSION_COLUMNS} FROM request_versions WHERE {where}"), {"k": key}  # nosec B608: SQL from code constants, values bound
             ).first()
         return None if row is None else Version.from_row(row)
 
@@ -282,11 +294,36 @@ class Amendment:
         }
 
 
+def amended_outcomes(db: Any, records: Sequence[DlqRecord]) -> dict[int, str]:
+    """For each record an amendment closed (status ``discarded``, a version made from it):
+    ``superseded by KEY: STATE``, where KEY is the newest version of its intent and STATE what
+    happened to that version's request (:meth:`engine.requests.RequestStore.states`), so a
+    record whose amended version completed does not read as merely discarded."""
+    closed = [r.id for r in records if r.status is DlqStatus.DISCARDED]
+    versions = Versions(db)
+    made = versions.of_records(closed)
+    if not made:
+        return {}
+    rows_of = RequestStore(db)
+    newest = {v.previous_record_id: versions.chain(v.key)[-1] for v in made}
+    rows = {n.request_id: rows_of.get(n.request_id) for n in newest.values()
+            if n.request_id is not None}
+    states = rows_of.states([r for r in rows.values() if r is not None])
+    out: dict[int, str] = {}
+    for record_id, version in newest.items():
+        if record_id is None:
+            continue
+        row = rows.get(version.request_id) if version.request_id is not None else None
+        state = states.get(row.id, "unknown") if row is not None else "no request"
+        out[record_id] = f"superseded by {version.key}: {state}"
+    return out
+
+
 def _stored_payload(record: DlqRecord, requests: RequestStore) -> dict[str, Any]:
     """The payload the record's request ran with: the request row's, else the run config's,
     else the record's own."""
     if record.request_id is not None:
-        request = requests.get(record.request_id)
+        request = requests.get(record.request_id)  # nosec B113: the request store, not HTTP
         if request is not None:
             return dict(request.payload)
     for op_config in (record.run_config.get("ops") or {}).values():
@@ -364,7 +401,7 @@ def amend(
             f"DLQ record {record_id} is a {record.job_type!r} failure, not a per-request job"
             f" type ({', '.join(sorted(JOB_TYPES))}); only those can be amended"
         )
-    request = requests.get(record.request_id) if record.request_id is not None else None
+    request = requests.get(record.request_id) if record.request_id is not None else None  # nosec B113: the request store, not HTTP
     key = record.idempotency_key or (request.key if request else None)
     if not key:
         raise AmendRefused(f"DLQ record {record_id} names no idempotency key to version")
@@ -381,7 +418,10 @@ def amend(
     made = versions.of_key(key)
     base, version = (made.base_key, made.version + 1) if made else (key, 2)
     new_key = f"{base}{VERSION_MARK}{version}"
-    correlation_id = (request.correlation_id if request else None) or record.correlation_id
+    # A record kept before records named their run's chain: the run id is the id its op used.
+    correlation_id = (
+        (request.correlation_id if request else None) or record.correlation_id or record.run_id
+    )
     ledger = IdempotencyStore(db)
     chain_keys = _check_chain(record, key, versions, ledger, store.clock())  # the why first
     admitted = admit(
@@ -439,6 +479,7 @@ def amend(
                 correlation_id=correlation_id,
                 conn=conn,
                 amends=key,
+                tenant=admitted.tenant,
             )
         except IdempotencyConflict as exc:
             raise AmendRefused(
@@ -525,16 +566,133 @@ class Selection:
         )
 
 
+class Verdict(StrEnum):
+    """Whether replaying a record would repeat its side effect (module docstring)."""
+
+    COMPLETED = "completed"
+    EFFECT_FOUND = "effect_found"
+    UNKNOWN = "unknown"
+    SAFE = "safe"
+
+
+GUARDED = frozenset({Verdict.EFFECT_FOUND, Verdict.UNKNOWN})
+"""Verdicts a real replay refuses unless the record is named in ``allow_repeat``."""
+
+
+@dataclass(frozen=True)
+class Assessment:
+    """A record's :class:`Verdict` and the evidence it rests on."""
+
+    record_id: int
+    verdict: Verdict
+    evidence: str
+    effects: tuple[Effect, ...] = ()
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "verdict": str(self.verdict),
+            "evidence": self.evidence,
+            "effects": [e.reference for e in self.effects],
+        }
+
+
+def lookup_client(settings: Settings | None = None) -> Callable[[str], Any]:
+    """``client(name)`` for the declared downstreams, each built on first use from
+    ``settings`` (``Settings.from_env()`` by default) with its declared timeouts. Lookups only
+    read, so they take no token of the downstream's send rate."""
+    built: dict[str, Any] = {}
+
+    def client(name: str) -> Any:
+        if name not in built:
+            known = downstreams()
+            if name not in known:
+                raise LookupError(f"no downstream {name!r} is declared")
+            built[name] = known[name].build(settings or Settings.from_env(), ClientOptions())
+        return built[name]
+
+    return client
+
+
+def assess(
+    record: DlqRecord,
+    *,
+    ledger: IdempotencyStore,
+    requests: RequestStore,
+    client: Callable[[str], Any] | None,
+) -> Assessment:
+    """The verdict for replaying ``record``: the ledger first (a completed key repeats
+    nothing), then the job type's declared lookup at its downstream. Whatever cannot be asked
+    or does not answer is ``unknown``, never ``safe``."""
+
+    def verdict(v: Verdict, evidence: str, effects: Sequence[Effect] = ()) -> Assessment:
+        return Assessment(record.id, v, evidence, tuple(effects))
+
+    key = record.idempotency_key
+    found = ledger.records([key]).get(key) if key else None
+    if found is not None and found.status == "completed":
+        return verdict(
+            Verdict.COMPLETED,
+            f"key {key} completed in the ledger: a replay returns its stored result and"
+            " repeats nothing",
+        )
+    jt = JOB_TYPES.get(record.job_type)
+    if jt is None:
+        return verdict(
+            Verdict.UNKNOWN,
+            f"{record.job_type!r} is not a per-request job type: nothing can ask its downstream",
+        )
+    if not (jt.side_effect and jt.clients):
+        return verdict(
+            Verdict.SAFE,
+            f"{jt.name} has no downstream effect; its change commits with its key, which did"
+            " not complete",
+        )
+    if jt.lookup is None:
+        return verdict(Verdict.UNKNOWN, f"{jt.name} declares no lookup at {jt.downstream}")
+    if not key:
+        return verdict(Verdict.UNKNOWN, "the record names no idempotency key to look up")
+    if client is None:
+        return verdict(Verdict.UNKNOWN, f"no {jt.downstream} client to ask")
+    payload: Any
+    try:
+        payload = jt.validate(_stored_payload(record, requests))
+    except (SekaliError, ValueError):
+        payload = None  # still-bad input: the lookup asks by key
+    try:
+        effects = jt.effects(client, key, payload)
+    except Exception as exc:  # noqa: BLE001 - any failure to answer concludes nothing
+        return verdict(Verdict.UNKNOWN, f"{jt.downstream} cannot answer: {exc}")
+    if effects:
+        refs = ", ".join(e.reference for e in effects)
+        return verdict(
+            Verdict.EFFECT_FOUND, f"{jt.downstream} holds {len(effects)} effect(s) for {key}:"
+            f" {refs}", effects,
+        )
+    return verdict(Verdict.SAFE, f"{jt.downstream} holds no effect for {key}")
+
+
 @dataclass
 class BulkReplay:
-    """The decision per selected record, in order."""
+    """The decision and verdict per selected record, in order; ``refused``: the ids a guard
+    kept from replaying (verdict not allowed)."""
 
     decisions: list[ReplayDecision] = field(default_factory=list)
     dry_run: bool = False
+    assessments: dict[int, Assessment] = field(default_factory=dict)
+    refused: list[int] = field(default_factory=list)
+    rest: list[DlqRecord] = field(default_factory=list)
+    """The selected records left undecided once ``stop_after`` replays were requested."""
 
     @property
     def chosen(self) -> int:
         return sum(d.replay for d in self.decisions)
+
+
+def refuses(judged: Assessment, allow_repeat: Collection[int] | None) -> bool:
+    """Whether the guard keeps an open record from replaying: its verdict is guarded and
+    ``allow_repeat`` (None: no guard) does not name it."""
+    return (allow_repeat is not None and judged.verdict in GUARDED
+            and judged.record_id not in allow_repeat)
 
 
 def parse_pace(value: str | None) -> float | None:
@@ -558,12 +716,20 @@ def bulk_replay(
     reason: str = "",
     dry_run: bool = False,
     pace: float | None = None,
+    client: Callable[[str], Any] | None = None,
+    allow_repeat: Collection[int] | None = None,
+    stop_after: int | None = None,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
 ) -> BulkReplay:
     """Request replays of the selected records (module docstring). Named ids are taken
     whatever their status (the decision says why one is skipped); filters take open records
-    only. ``pace``: requests per second at most."""
+    only. ``pace``: requests per second at most. ``client(name)``: the downstream clients the
+    job types' lookups ask (None: every record with a downstream effect is ``unknown``);
+    ``allow_repeat``: guard the replay, letting only these ids (of the ``effect_found`` and
+    ``unknown`` records) replay; None replays without the guard (the verdicts are still
+    reported). ``stop_after``: return once that many replays were requested, the records not
+    yet reached in ``rest`` (a dry run decides every record)."""
     if not selection.any_filter():
         raise ValidationError("ids", "name record ids or give a filter (job type, class, ...)")
     if selection.limit is not None and selection.limit < 1:
@@ -571,13 +737,29 @@ def bulk_replay(
     if pace is not None and pace <= 0:
         raise ValidationError("pace", "more than 0 a second", pace)
     records = selection.records(store, None if selection.ids else [str(DlqStatus.OPEN)])
+    stray = sorted(set(allow_repeat or ()) - {r.id for r in records})
+    if stray:
+        raise ValidationError("allow_repeat", f"names records not selected: {stray}", stray)
     out = BulkReplay(dry_run=dry_run)
     ledger = IdempotencyStore(store.db)
+    requests = RequestStore(store.db, clock=store.clock)
     start = clock()
     made = 0
-    for record in records:
+    for n, record in enumerate(records):
+        if not dry_run and stop_after is not None and out.chosen >= stop_after:
+            out.rest = records[n:]
+            break
+        judged = assess(record, ledger=ledger, requests=requests, client=client)
+        out.assessments[record.id] = judged
         if dry_run:
             out.decisions += store.request_replay([record.id], actor=actor, dry_run=True)
+            continue
+        if record.status is DlqStatus.OPEN and refuses(judged, allow_repeat):
+            why = (f"{judged.verdict}: {judged.evidence}; replaying may repeat the effect"
+                   " (name it in allow_repeat to replay anyway)")
+            store.note(record.id, "replay_skipped", actor=actor, detail=why)
+            out.decisions.append(ReplayDecision(record, False, why))
+            out.refused.append(record.id)
             continue
         if pace is not None and record.status is DlqStatus.OPEN:
             wait = start + made / pace - clock()

@@ -28,17 +28,27 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from enum import StrEnum
+from itertools import groupby
 from pathlib import Path
 from typing import Any
 
 from sqlalchemy import BigInteger, Column, Float, Integer, Table, Text, bindparam, text
 from sqlalchemy.engine import Connection
 
-from resources.errors import IdempotencyConflict
+from engine.tenants import (
+    DEFAULT_TENANT,
+    TenantStore,
+    allocate,
+    charged_passes,
+    effective_shares,
+    setting_from_row,
+)
+from resources.dlq import DlqStore
+from resources.errors import CancelUnavailable, IdempotencyConflict
 from resources.idempotency import payload_hash
 from resources.storage.db import Database, metadata
 from resources.storage.json_text import canonical, digest, storable
@@ -69,9 +79,13 @@ class RequestStatus(StrEnum):
     pending/launched/running    permanent error, retries exhausted, run failed      failed
     failed                      requeue (operator or DLQ replay)                    pending
     pending                     debounced: another request of its group ran         coalesced
+    pending/launched/failed     cancelled (:meth:`RequestStore.cancel`)             cancelled
+    running                     its op stopped at a cancel point after a cancel     cancelled
     completed                   (terminal)
     coalesced                   (terminal; ``coalesced_into`` names the one that
                                 ran, whose status is this request's outcome)
+    cancelled                   (terminal; ``cancel_*`` say who, why, when, what
+                                was done)
     ==========================  ==================================================  ===========
 
     ``failed`` may still move to ``running``/``completed``: a run retry or a DLQ replay run can
@@ -84,10 +98,30 @@ class RequestStatus(StrEnum):
     COMPLETED = "completed"
     FAILED = "failed"
     COALESCED = "coalesced"
+    CANCELLED = "cancelled"
+
+
+class CancelState(StrEnum):
+    """Where a cancel of a request stands (``request_cancels.cancel_state``; no row: never asked).
+
+    ===========  ========================================================================
+    requested    the request was running: its op stops at its next cancel point
+                 (:meth:`engine.context.JobContext.cancel_point`), or it completes first
+    cancelled    decided: the request never ran, or stopped before its next side effect
+    refused      decided: it had completed (or sent an effect it must record) first
+    ===========  ========================================================================
+    """
+
+    REQUESTED = "requested"
+    CANCELLED = "cancelled"
+    REFUSED = "refused"
 
 
 _S = RequestStatus
-INTRODUCED_BY: dict[RequestStatus, str] = {_S.COALESCED: "0110_flow_intake"}
+INTRODUCED_BY: dict[RequestStatus, str] = {
+    _S.COALESCED: "0110_flow_intake",
+    _S.CANCELLED: "0140_request_cancel",
+}
 """The migration that admitted each status the first releases did not have. A process of an
 older release has no name for such a status (reading one, it fails), so it is written only
 once every process is declared to know that migration (``sekali db contract``; a database this
@@ -95,13 +129,19 @@ release created knows it from the start): :meth:`RequestStore.writable`. Until t
 request takes the path the older release would (sql/README, "A new status")."""
 TRANSITIONS: dict[RequestStatus | None, frozenset[RequestStatus]] = {
     None: frozenset({_S.PENDING}),
-    _S.PENDING: frozenset({_S.LAUNCHED, _S.RUNNING, _S.COMPLETED, _S.FAILED, _S.COALESCED}),
-    _S.LAUNCHED: frozenset({_S.LAUNCHED, _S.RUNNING, _S.COMPLETED, _S.FAILED}),
-    _S.RUNNING: frozenset({_S.RUNNING, _S.COMPLETED, _S.FAILED}),
-    _S.FAILED: frozenset({_S.PENDING, _S.RUNNING, _S.COMPLETED}),
+    _S.PENDING: frozenset(
+        {_S.LAUNCHED, _S.RUNNING, _S.COMPLETED, _S.FAILED, _S.COALESCED, _S.CANCELLED}
+    ),
+    _S.LAUNCHED: frozenset({_S.LAUNCHED, _S.RUNNING, _S.COMPLETED, _S.FAILED, _S.CANCELLED}),
+    _S.RUNNING: frozenset({_S.RUNNING, _S.COMPLETED, _S.FAILED, _S.CANCELLED}),
+    _S.FAILED: frozenset({_S.PENDING, _S.RUNNING, _S.COMPLETED, _S.CANCELLED}),
     _S.COMPLETED: frozenset(),
     _S.COALESCED: frozenset(),
+    _S.CANCELLED: frozenset(),
 }
+_NOT_STARTED = (_S.PENDING, _S.LAUNCHED, _S.FAILED)
+_OPEN_LETTERS = ("open", "replay_requested")
+"""Statuses a cancel ends at once: no attempt of the request is running."""
 
 
 def _sources(target: RequestStatus) -> list[str]:
@@ -137,6 +177,27 @@ job_requests = Table(
     Column("coalesced_into", BigInteger),
     Column("coalesced_count", Integer, nullable=False),
     Column("amends", Text),
+    Column("tenant", Text, nullable=False),
+    Column("claimed_at", Float),
+)
+
+request_cancels = Table(
+    "request_cancels",
+    metadata,
+    Column("request_id", BigInteger, primary_key=True),
+    Column("cancel_state", Text, nullable=False),
+    Column("cancel_reason", Text),
+    Column("cancel_by", Text, nullable=False),
+    Column("cancel_requested_at", Float, nullable=False),
+    Column("cancel_decided_at", Float),
+    Column("cancel_detail", Text),
+)
+
+request_sources = Table(
+    "request_sources",
+    metadata,
+    Column("request_id", BigInteger, primary_key=True),
+    Column("source", Text, nullable=False),
 )
 
 job_rejections = Table(
@@ -162,8 +223,16 @@ _COLUMNS = (
     "id, job_type, key, payload, payload_hash, status, queue, correlation_id, run_key, run_id,"
     " created_at, updated_at, attempts, last_error, error_class, traceparent, priority,"
     " claim_rank, dedupe_window, debounce_key, debounce_wait, debounce_max_wait, coalesced_into,"
-    " coalesced_count, superseded_by, amends"
+    " coalesced_count, superseded_by, amends, tenant, claimed_at"
 )
+_READ = (
+    "SELECT " + ", ".join(f"job_requests.{c.strip()}" for c in _COLUMNS.split(","))  # nosec B608
+    + ", c.cancel_state, c.cancel_reason, c.cancel_by, c.cancel_requested_at,"
+    " c.cancel_decided_at, c.cancel_detail, s.source"
+    " FROM job_requests LEFT JOIN request_cancels c ON c.request_id = job_requests.id"
+    " LEFT JOIN request_sources s ON s.request_id = job_requests.id"
+)
+"""A request with its cancel and source (the side tables of 0140): what readers select."""
 _Q = load_queries(Path(__file__).with_suffix(".sql"))
 
 
@@ -205,6 +274,20 @@ class JobRequest:
     """For a failed request an amended replay replaced: the key of the new version."""
     amends: str | None = None
     """For an amended version (``key#vN``): the key of the version it replaces."""
+    cancel_state: CancelState | None = None
+    cancel_reason: str | None = None
+    cancel_by: str | None = None
+    cancel_requested_at: float | None = None
+    cancel_decided_at: float | None = None
+    cancel_detail: str | None = None
+    """What the cancel found or did: ``never ran``, where the op stopped, why it was refused."""
+    source: str | None = None
+    """How the request came in: None for ``enqueue``, ``launchpad`` for a run launched by hand."""
+    tenant: str = DEFAULT_TENANT
+    """Its job type's fairness key (:mod:`engine.tenants`): the intake shares claims between
+    tenants by weight."""
+    claimed_at: float | None = None
+    """When the intake first claimed it (its wait ends there)."""
     dedupe: str = field(init=False)
     """The dedupe window as people read it, ``until_finished`` or e.g. ``86400s``: a field, so
     every generic view of the record (``sekali requests show``) prints it."""
@@ -242,6 +325,16 @@ class JobRequest:
             coalesced_count=int(m["coalesced_count"] or 0),
             superseded_by=m["superseded_by"],
             amends=m["amends"],
+            # named queries written before these columns do not select them
+            cancel_state=CancelState(m["cancel_state"]) if m.get("cancel_state") else None,
+            cancel_reason=m.get("cancel_reason"),
+            cancel_by=m.get("cancel_by"),
+            cancel_requested_at=m.get("cancel_requested_at"),
+            cancel_decided_at=m.get("cancel_decided_at"),
+            cancel_detail=m.get("cancel_detail"),
+            source=m.get("source"),
+            tenant=m.get("tenant") or DEFAULT_TENANT,
+            claimed_at=m.get("claimed_at"),
         )
 
 
@@ -257,6 +350,22 @@ def windowed_key(key: str, window: float | None, now: float) -> str:
     stamp = datetime.fromtimestamp(start, tz=UTC)
     text_ = stamp.strftime("%Y-%m-%dT%H:%M:%SZ") if start == int(start) else stamp.isoformat()
     return f"{key}@{text_}"
+
+
+def state_of(request: JobRequest, *, dead_lettered: bool) -> str:
+    """What happened to a request, in one word: its status, except a failed request kept by an
+    open dead letter (``dead_lettered``) or closed by a newer version (``superseded``).
+    Derived for readers, never written: a process of the previous release reads the same
+    rows."""
+    if request.status is _S.FAILED and request.superseded_by:
+        return "superseded"
+    if request.status is _S.FAILED and dead_lettered:
+        return "dead_lettered"
+    return str(request.status)
+
+
+def _iso(seconds: float) -> str:
+    return datetime.fromtimestamp(seconds, tz=UTC).isoformat(timespec="seconds")
 
 
 def dedupe_label(window: float | None) -> str:
@@ -301,13 +410,13 @@ _INSERT = f"""
 INSERT INTO job_requests
     (job_type, key, payload, payload_hash, status, queue, correlation_id, created_at,
      updated_at, attempts, traceparent, priority, claim_rank, dedupe_window, debounce_key,
-     debounce_wait, debounce_max_wait, coalesced_count, amends)
-VALUES (:job_type, :key, :payload, :hash, 'pending', :queue, :cid, :now, :now, 0, :traceparent,
+     debounce_wait, debounce_max_wait, coalesced_count, amends, tenant, run_id)
+VALUES (:job_type, :key, :payload, :hash, :status, :queue, :cid, :now, :now, 0, :traceparent,
         :priority, :rank, :dedupe_window, :debounce_key, :debounce_wait, :debounce_max_wait, 0,
-        :amends)
+        :amends, :tenant, :run_id)
 ON CONFLICT (key) DO NOTHING
 RETURNING {_COLUMNS}
-"""
+"""  # nosec B608: SQL from code constants, values bound
 
 _CLAIMABLE = (
     "status IN ('pending', 'launched') AND ((status = 'pending'{plain})"
@@ -334,7 +443,8 @@ LIMIT :limit
 # are still claimable when they are updated. ``indexed`` names the claim index: without
 # statistics the planner would OR two other indexes and sort the whole backlog.
 _CLAIM = """
-UPDATE job_requests SET status = 'launched', updated_at = :now
+UPDATE job_requests SET status = 'launched', updated_at = :now,
+    claimed_at = COALESCE(claimed_at, :now)
 WHERE id IN (
     SELECT id FROM job_requests {indexed}
     WHERE {claimable} {types}
@@ -351,19 +461,99 @@ WITH picked AS MATERIALIZED (
     WHERE {claimable} {types}
     ORDER BY {order} LIMIT :limit FOR UPDATE SKIP LOCKED
 )
-UPDATE job_requests SET status = 'launched', updated_at = :now
+UPDATE job_requests SET status = 'launched', updated_at = :now,
+    claimed_at = COALESCE(claimed_at, :now)
 FROM picked
 WHERE job_requests.id = picked.id
 RETURNING {columns}
 """
 
 
+_ACTIVE_TENANTS = """
+WITH RECURSIVE active(name) AS (
+    SELECT (SELECT tenant FROM job_requests {indexed}
+            WHERE status IN ('pending', 'launched') ORDER BY tenant LIMIT 1)
+    UNION ALL
+    SELECT (SELECT tenant FROM job_requests {indexed}
+            WHERE status IN ('pending', 'launched') AND tenant > active.name
+            ORDER BY tenant LIMIT 1)
+    FROM active WHERE active.name IS NOT NULL
+)
+SELECT a.name, t.weight, t.min_share, t.max_share, t.pass AS pass_,
+    (SELECT COUNT(*) FROM (
+        SELECT 1 FROM job_requests {waiting}
+        WHERE tenant = a.name AND status IN ('pending', 'launched') AND status = 'pending'
+            {plain} {types}
+        ORDER BY updated_at LIMIT :limit) p) AS pending,
+    (SELECT COUNT(*) FROM (
+        SELECT 1 FROM job_requests {waiting}
+        WHERE tenant = a.name AND status IN ('pending', 'launched') AND status = 'launched'
+            AND updated_at <= :cutoff {types}
+        ORDER BY updated_at DESC LIMIT :limit) d) AS due
+FROM active a LEFT JOIN tenants t ON t.name = a.name
+WHERE a.name IS NOT NULL
+"""
+"""Each tenant with requests waiting (a skip scan: one index probe per tenant, however long its
+backlog), its claimable requests counted up to the page, and its settings and pass (NULL: never
+seen). The count is two ranges of ``job_requests_tenant_waiting`` (pending; launched and due
+again), so it never reads the table nor walks the tenant's requests already claimed; the
+``ORDER BY`` of the index keeps Postgres off a sequential scan that statistics of a large
+backlog would otherwise make look cheap under the ``LIMIT``. The launched range is read from its
+cutoff down, so the requests in flight (after the cutoff) are never stepped over, however many
+dead index entries of earlier claims sit among them."""
+
+_FAIR_BRANCH = """SELECT id FROM (SELECT id FROM job_requests {indexed}
+    WHERE tenant = :t{i} AND {claimable} {types} ORDER BY claim_rank, id LIMIT :n{i})"""
+_FAIR_BRANCH_PG = """SELECT id FROM (SELECT id FROM job_requests
+    WHERE tenant = :t{i} AND {claimable} {types} ORDER BY claim_rank, id LIMIT :n{i}
+    FOR UPDATE SKIP LOCKED) p{i}"""
+_FAIR_CLAIM = """
+UPDATE job_requests SET status = 'launched', updated_at = :now,
+    claimed_at = COALESCE(claimed_at, :now)
+WHERE id IN ({branches})
+RETURNING {columns}
+"""
+_FAIR_CLAIM_PG = """
+WITH picked AS MATERIALIZED ({branches})
+UPDATE job_requests SET status = 'launched', updated_at = :now,
+    claimed_at = COALESCE(claimed_at, :now)
+FROM picked
+WHERE job_requests.id = picked.id
+RETURNING {columns}
+"""
+
+
+_REFUSE_ON_COMPLETION = text(
+    "UPDATE request_cancels SET cancel_state = 'refused', cancel_decided_at = :now,"
+    " cancel_detail = 'refused: it completed before its next cancel point (the effect happened)'"
+    " WHERE request_id IN :ids AND cancel_state = 'requested'"
+).bindparams(bindparam("ids", expanding=True))
+"""In the transaction that completes requests: a cancel still ``requested`` is refused, so a
+completed request never reads as cancelled (and a cancel never dangles). A cancel committed
+before the completion's row update is seen here; one after it waits for the row and finds the
+request completed (:meth:`RequestStore.cancel`)."""
+
+
+@dataclass(frozen=True)
+class CancelDecision:
+    """What :meth:`RequestStore.cancel` did to one request."""
+
+    request: JobRequest
+    state: CancelState
+    detail: str
+    new: bool
+    """False when the request had been decided before (cancel is idempotent)."""
+
+
 class RequestStore:
     """The intake table over a :class:`Database`. Thread-safe; share one per process."""
 
-    def __init__(self, db: Database, *, clock: Clock = time.time) -> None:
+    def __init__(self, db: Database, *, clock: Clock = time.time, fair: bool = True) -> None:
         self.db = db
         self.clock = clock
+        self.fair = fair
+        """Share claims between tenants (:mod:`engine.tenants`); False claims in ``claim_rank``
+        order alone, as before fair share (the benchmark's baseline)."""
         self.readers = ReaderFloor(db)
 
     def writable(self, status: RequestStatus) -> bool:
@@ -389,6 +579,7 @@ class RequestStore:
         debounce: Debounced | None = None,
         aging: float = DEFAULT_PRIORITY_AGING,
         amends: str | None = None,
+        tenant: str = DEFAULT_TENANT,
     ) -> EnqueueResult:
         """Write a pending request, or return the existing one for the same key and payload.
 
@@ -417,18 +608,58 @@ class RequestStore:
             "debounce_wait": debounce.wait if debounce else None,
             "debounce_max_wait": debounce.max_wait if debounce else None,
             "amends": amends,
+            "status": "pending",
+            "run_id": None,
+            "tenant": tenant,
         }
         if conn is not None:
             return self._enqueue(conn, params, given)
         with self.db.transaction() as own:
             return self._enqueue(own, params, given)
 
+    def record_run(
+        self,
+        job_type: str,
+        key: str,
+        payload: dict[str, Any],
+        *,
+        queue: str,
+        source: str,
+        run_id: str,
+        correlation_id: str | None = None,
+    ) -> JobRequest | None:
+        """The request record of a run nobody enqueued (launched by hand from the Launchpad):
+        written ``running`` (never ``pending``: the intake must not launch it a second time)
+        with its ``source`` and run. The same key and payload enqueued before is that request
+        (the run then takes it through :meth:`mark_running`); None when the key is stored with
+        another payload or type (the ledger refuses the run's conflicting payload itself)."""
+        now = self.clock()
+        given = payload_hash(payload)
+        params: dict[str, Any] = {
+            "job_type": job_type, "key": key, "payload": canonical(payload),
+            "hash": given, "queue": queue, "cid": correlation_id,
+            "traceparent": None, "now": now, "priority": 0, "rank": now, "dedupe_window": None,
+            "debounce_key": None, "debounce_wait": None, "debounce_max_wait": None,
+            "amends": None, "status": "running", "run_id": run_id, "tenant": DEFAULT_TENANT,
+        }
+        try:
+            with self.db.transaction() as conn:
+                result = self._enqueue(conn, params, given)
+                if result.created:
+                    conn.execute(
+                        text("INSERT INTO request_sources (request_id, source) VALUES (:id, :s)"),
+                        {"id": result.id, "s": source},
+                    )
+        except IdempotencyConflict:
+            return None
+        return self.get(result.id)
+
     def _enqueue(self, conn: Connection, params: dict[str, Any], given: str) -> EnqueueResult:
         row = conn.execute(text(_INSERT), params).first()
         if row is not None:
             return EnqueueResult(JobRequest.from_row(row), created=True)
         existing = conn.execute(
-            text(f"SELECT {_COLUMNS} FROM job_requests WHERE key = :key"), {"key": params["key"]}
+            text(f"SELECT {_COLUMNS} FROM job_requests WHERE key = :key"), {"key": params["key"]}  # nosec B608: SQL from code constants, values bound
         ).first()
         if existing is None:  # pragma: no cover - the conflicting row was rolled back meanwhile
             return self._enqueue(conn, params, given)
@@ -511,11 +742,19 @@ class RequestStore:
         params: dict[str, Any] = {"now": now, "cutoff": now - relaunch_after, "limit": limit}
         coalesce = self.writable(_S.COALESCED)
         with self.db.transaction() as conn:
+            virtual = TenantStore.lock_clock(conn, now) if self.fair else 0.0
             claimed = self._claim_debounced(conn, params, types, merge) if coalesce else []
-            if len(claimed) < limit:
-                claimed += self._claim_plain(conn, {**params, "limit": limit - len(claimed)},
-                                             types, debounced=not coalesce)
-        return sorted(claimed, key=lambda r: (r.claim_rank, r.id))
+            rest = {**params, "limit": max(0, limit - len(claimed))}
+            if self.fair:
+                plain = self._claim_fair(conn, rest, types, claimed, virtual,
+                                         debounced=not coalesce)
+            elif rest["limit"]:
+                plain = self._claim_plain(conn, rest, types, debounced=not coalesce)
+            else:
+                plain = []
+        if len({r.tenant for r in [*claimed, *plain]}) > 1:
+            return sorted(claimed, key=lambda r: (r.claim_rank, r.id)) + plain
+        return sorted(claimed + plain, key=lambda r: (r.claim_rank, r.id))
 
     def _typed(self, sql: str, types: list[str] | None) -> Any:
         statement = text(sql)
@@ -540,6 +779,71 @@ class RequestStore:
         )
         rows = conn.execute(self._typed(sql, types), {**params, "types": types}).all()
         return [JobRequest.from_row(r) for r in rows]
+
+    def _claim_fair(
+        self, conn: Connection, params: dict[str, Any], types: list[str] | None,
+        earlier: Sequence[JobRequest], virtual: float, *, debounced: bool,
+    ) -> list[JobRequest]:
+        """The plain requests of a page, split between tenants by :mod:`engine.tenants`: one
+        statement finds the tenants with work (a skip scan of ``job_requests_tenant_claim``)
+        with their settings, passes and claimable counts (ranges of
+        ``job_requests_tenant_waiting``, stopping at the page), the scheduler gives each a
+        quota, and one statement claims each tenant's first ``quota`` requests in claim order.
+        Returned in the scheduler's slot order; the page (``earlier``, the
+        debounced groups claimed before, included) is charged to the tenants' passes."""
+        limit = int(params["limit"])
+        plain = "" if debounced else " AND debounce_key IS NULL"
+        claimable = _CLAIMABLE.format(plain=plain)
+        sqlite = not self.db.is_postgres
+        fill = {
+            "indexed": "INDEXED BY job_requests_tenant_claim" if sqlite else "",
+            "claimable": claimable,
+            "types": "AND job_type IN :types" if types is not None else "",
+        }
+        found: Sequence[Any] = []
+        if limit:
+            found = conn.execute(
+                self._typed(_ACTIVE_TENANTS.format(
+                    **fill, plain=plain,
+                    waiting="INDEXED BY job_requests_tenant_waiting" if sqlite else "",
+                ), types),
+                {**params, "types": types},
+            ).all()
+        settings = {r.name: setting_from_row(r) for r in found if r.weight is not None}
+        passes = {r.name: float(r.pass_) for r in found if r.pass_ is not None}
+        available = {r.name: min(limit, int(r.pending) + int(r.due))
+                     for r in found if r.pending or r.due}
+        plan = allocate(available, effective_shares(available, settings), passes, virtual, limit)
+        picked: list[JobRequest] = []
+        if plan.quotas:
+            branch = _FAIR_BRANCH_PG if self.db.is_postgres else _FAIR_BRANCH
+            bind: dict[str, Any] = {**params, "types": types}
+            branches = []
+            for i, (tenant, quota) in enumerate(sorted(plan.quotas.items())):
+                branches.append(branch.format(i=i, **fill))
+                bind[f"t{i}"], bind[f"n{i}"] = tenant, quota
+            template = _FAIR_CLAIM_PG if self.db.is_postgres else _FAIR_CLAIM
+            sql = template.format(branches=" UNION ALL ".join(branches), columns=self._returning)
+            rows = conn.execute(self._typed(sql, types), bind).all()
+            picked = [JobRequest.from_row(r) for r in rows]
+        queues: dict[str, Iterator[JobRequest]] = {}
+        for tenant, group in groupby(sorted(picked, key=lambda r: (r.tenant, r.claim_rank, r.id)),
+                                     key=lambda r: r.tenant):
+            queues[tenant] = iter(list(group))
+        ordered = [r for r in (next(queues[t], None) for t in plan.slots if t in queues)
+                   if r is not None]
+        counts: dict[str, int] = {}
+        for request in [*earlier, *ordered]:
+            counts[request.tenant] = counts.get(request.tenant, 0) + 1
+        TenantStore.charge(conn, charged_passes(plan, counts, passes), counts, plan.clock,
+                           float(params["now"]))
+        return ordered
+
+    @property
+    def _returning(self) -> str:
+        if not self.db.is_postgres:
+            return _COLUMNS
+        return ", ".join(f"job_requests.{c.strip()}" for c in _COLUMNS.split(","))
 
     def _claim_debounced(
         self,
@@ -566,7 +870,7 @@ class RequestStore:
             rows = conn.execute(
                 text(
                     f"SELECT {_COLUMNS} FROM job_requests WHERE debounce_key = :k"
-                    f" AND status = 'pending' ORDER BY created_at, id{lock}"
+                    f" AND status = 'pending' ORDER BY created_at, id{lock}"  # nosec B608: SQL from code constants, values bound
                 ),
                 {"k": group},
             ).all()
@@ -580,9 +884,10 @@ class RequestStore:
             row = conn.execute(
                 text(
                     "UPDATE job_requests SET status = 'launched', updated_at = :now,"
-                    " payload = :payload, payload_hash = :hash,"
+                    " claimed_at = COALESCE(claimed_at, :now), payload = :payload,"
+                    " payload_hash = :hash,"
                     " coalesced_count = coalesced_count + :n"
-                    f" WHERE id = :id AND status = 'pending' RETURNING {_COLUMNS}"
+                    f" WHERE id = :id AND status = 'pending' RETURNING {_COLUMNS}"  # nosec B608: SQL from code constants, values bound
                 ),
                 {"now": params["now"], "payload": canonical(payload),
                  "hash": payload_hash(payload), "n": len(rest), "id": winner.id},
@@ -606,7 +911,7 @@ class RequestStore:
             rows = conn.execute(
                 text(
                     f"SELECT {_COLUMNS} FROM job_requests WHERE coalesced_into = :id"
-                    " ORDER BY created_at, id"
+                    " ORDER BY created_at, id"  # nosec B608: SQL from code constants, values bound
                 ),
                 {"id": request_id},
             ).all()
@@ -652,23 +957,26 @@ class RequestStore:
             "   WHEN :target = 'completed' THEN NULL ELSE error_class END,"
             f" attempts = attempts + {1 if count_attempt else 0}"
             f" WHERE id IN :ids AND status IN :sources{same_run}"
-            " RETURNING id"
+            " RETURNING id"  # nosec B608: SQL from code constants, values bound
         ).bindparams(bindparam("sources", expanding=True), bindparam("ids", expanding=True))
-        with self.db.statement() as conn:
-            result = conn.execute(
-                sql,
-                {
-                    "target": str(target),
-                    "now": self.clock(),
-                    "run_id": run_id,
-                    "error": error,
-                    "error_class": error_class,
-                    "ids": list(request_ids),
-                    "sources": _sources(target),
-                    "run_key": run_key,
-                },
-            )
-            return {int(i) for i in result.scalars()}
+        params = {
+            "target": str(target),
+            "now": self.clock(),
+            "run_id": run_id,
+            "error": error,
+            "error_class": error_class,
+            "ids": list(request_ids),
+            "sources": _sources(target),
+            "run_key": run_key,
+        }
+        if target is not _S.COMPLETED:
+            with self.db.statement() as conn:
+                return {int(i) for i in conn.execute(sql, params).scalars()}
+        with self.db.transaction() as conn:
+            moved = {int(i) for i in conn.execute(sql, params).scalars()}
+            if moved:  # a cancel asked while it ran, not honoured at a cancel point: refused
+                conn.execute(_REFUSE_ON_COMPLETION, {"ids": sorted(moved), "now": params["now"]})
+            return moved
 
     def mark_running(self, request_id: int, *, run_id: str | None = None) -> bool:
         """The op took the request (counts an attempt). False if it is already completed."""
@@ -738,12 +1046,142 @@ class RequestStore:
                 text("SELECT superseded_by FROM job_requests WHERE id = :id"), {"id": request_id}
             ).scalar()
 
+    # -- cancel ----------------------------------------------------------------------------------
+
+    def cancel(self, request_id: int, *, by: str, reason: str | None = None) -> CancelDecision:
+        """Cancel one request, audited (``by``, ``reason``, when). One transaction holding the
+        request's row (``FOR UPDATE``; SQLite's ``BEGIN IMMEDIATE``), decided by its status:
+
+        - pending, launched (claimed, its run not started), failed (dead-lettered): ``cancelled``
+          at once. The intake claims only pending/launched rows and every run path starts with
+          :meth:`mark_running`, whose conditional update has no ``cancelled`` source, so the
+          request never runs, whichever of cancel and claim commits first::
+
+              claim commits first   -> the row is ``launched``: cancelled; its run's
+                                       mark_running moves nothing and the op runs nothing
+              cancel commits first  -> the claim skips it (not pending)
+              mark_running first    -> the row is ``running``: the case below
+
+        - running: ``requested``. The op stops at its next cancel point
+          (:meth:`engine.context.JobContext.cancel_point`: before its next checkpoint or
+          downstream call, never between a send and its record) and the request ends
+          ``cancelled``, or it completes first and the statement that completes it refuses the
+          cancel (:data:`_REFUSE_ON_COMPLETION`).
+        - completed, coalesced: ``refused``, saying why.
+
+        Raises :class:`CancelUnavailable` while a process that cannot read ``cancelled`` may run
+        (:meth:`writable`), and ``KeyError`` for an unknown id.
+        """
+        if not self.writable(_S.CANCELLED):
+            raise CancelUnavailable(
+                "cancelling needs every process to know the status 'cancelled' (migration"
+                f" {INTRODUCED_BY[_S.CANCELLED]}): run `sekali db contract` once no process of"
+                " the previous release runs, then cancel again"
+            )
+        lock = " FOR UPDATE OF job_requests" if self.db.is_postgres else ""
+        with self.db.transaction() as conn:
+            row = conn.execute(
+                text(f"{_READ} WHERE job_requests.id = :id{lock}"), {"id": request_id}
+            ).first()
+            if row is None:
+                raise KeyError(request_id)
+            request = JobRequest.from_row(row)
+            now = self.clock()
+            decided = request.cancel_state in (CancelState.CANCELLED, CancelState.REFUSED)
+            if decided or (request.cancel_state is CancelState.REQUESTED
+                           and request.status is _S.RUNNING):
+                assert request.cancel_state is not None
+                return CancelDecision(request, request.cancel_state,
+                                      request.cancel_detail or "", new=False)
+            status: RequestStatus = request.status
+            if request.status in _NOT_STARTED and request.superseded_by is None:
+                state, status = CancelState.CANCELLED, _S.CANCELLED
+                detail = ("cancelled before it ran" if request.status is not _S.FAILED else
+                          "cancelled after a failed run: no replay runs it")
+            elif request.status in _NOT_STARTED:
+                state = CancelState.REFUSED
+                detail = (f"refused: superseded by {request.superseded_by}, which carries its"
+                          " intent: cancel that one")
+            elif request.status is _S.RUNNING:
+                state = CancelState.REQUESTED
+                detail = ("requested: running, it stops at its next cancel point (before its"
+                          " next side effect) or completes first")
+            elif request.status is _S.COALESCED:
+                state = CancelState.REFUSED
+                detail = (f"refused: coalesced into request {request.coalesced_into}, which"
+                          " ran instead: cancel that one")
+            else:
+                state = CancelState.REFUSED
+                detail = f"refused: it had completed (at {_iso(request.updated_at)})"
+            if status is not request.status:
+                moved = conn.execute(
+                    text("UPDATE job_requests SET status = :status, updated_at = :now"
+                         " WHERE id = :id AND status = :seen"),
+                    {"status": str(status), "now": now, "id": request_id,
+                     "seen": str(request.status)},
+                ).rowcount
+                assert moved == 1  # the row is locked: its status cannot have moved
+            conn.execute(  # replaces a cancel requested while a run that then failed was running
+                text(
+                    "INSERT INTO request_cancels (request_id, cancel_state, cancel_reason,"
+                    " cancel_by, cancel_requested_at, cancel_decided_at, cancel_detail)"
+                    " VALUES (:id, :state, :reason, :by, :now, :decided, :detail)"
+                    " ON CONFLICT (request_id) DO UPDATE SET cancel_state = :state,"
+                    " cancel_reason = :reason, cancel_by = :by, cancel_requested_at = :now,"
+                    " cancel_decided_at = :decided, cancel_detail = :detail"
+                ),
+                {"id": request_id, "state": str(state), "reason": reason, "by": by, "now": now,
+                 "decided": None if state is CancelState.REQUESTED else now, "detail": detail},
+            )
+            row = conn.execute(text(f"{_READ} WHERE job_requests.id = :id"),
+                               {"id": request_id}).first()
+            return CancelDecision(JobRequest.from_row(row), state, detail, new=True)
+
+    def mark_cancelled(self, request_id: int, detail: str, *, run_id: str | None = None) -> bool:
+        """The op stopped at a cancel point: the request ends ``cancelled`` with what was done
+        (``detail``). Only a request whose cancel was asked moves."""
+        params = {"detail": detail[:2000], "now": self.clock(), "run_id": run_id,
+                  "id": request_id}
+        with self.db.transaction() as conn:
+            moved = conn.execute(
+                text(
+                    "UPDATE job_requests SET status = 'cancelled', updated_at = :now,"
+                    " run_id = COALESCE(:run_id, run_id)"
+                    " WHERE id = :id AND status IN ('running', 'launched', 'pending', 'failed')"
+                    " AND EXISTS (SELECT 1 FROM request_cancels c WHERE c.request_id = :id"
+                    "   AND c.cancel_state IN ('requested', 'cancelled'))"
+                ),
+                params,
+            ).rowcount
+            if moved:
+                conn.execute(
+                    text("UPDATE request_cancels SET cancel_state = 'cancelled',"
+                         " cancel_detail = :detail, cancel_decided_at = :now"
+                         " WHERE request_id = :id"),
+                    params,
+                )
+        return bool(moved)
+
+    def cancel_asked(self, key: str, *, conn: Connection | None = None) -> CancelState | None:
+        """The cancel state of the request stored under ``key`` (None: none asked, or no
+        request). In ``conn`` when given (a cancel point inside the effect's transaction)."""
+        sql = text(
+            "SELECT c.cancel_state FROM job_requests r"
+            " JOIN request_cancels c ON c.request_id = r.id WHERE r.key = :key"
+        )
+        if conn is not None:
+            value = conn.execute(sql, {"key": key}).scalar()
+        else:
+            with self.db.statement() as own:
+                value = own.execute(sql, {"key": key}).scalar()
+        return CancelState(value) if value else None
+
     # -- reading ---------------------------------------------------------------------------------
 
     def get(self, request_id: int) -> JobRequest | None:
         with self.db.statement() as conn:
             row = conn.execute(
-                text(f"SELECT {_COLUMNS} FROM job_requests WHERE id = :id"), {"id": request_id}
+                text(f"{_READ} WHERE job_requests.id = :id"), {"id": request_id}  # nosec B608: SQL from code constants, values bound
             ).first()
         return None if row is None else JobRequest.from_row(row)
 
@@ -758,7 +1196,9 @@ class RequestStore:
     def get_many(self, request_ids: Sequence[int]) -> list[JobRequest]:
         if not request_ids:
             return []
-        sql = text(f"SELECT {_COLUMNS} FROM job_requests WHERE id IN :ids ORDER BY id").bindparams(
+        sql = text(
+            f"{_READ} WHERE job_requests.id IN :ids ORDER BY job_requests.id"  # nosec B608: SQL from code constants, values bound
+        ).bindparams(
             bindparam("ids", expanding=True)
         )
         with self.db.statement() as conn:
@@ -767,7 +1207,7 @@ class RequestStore:
     def get_by_key(self, key: str) -> JobRequest | None:
         with self.db.statement() as conn:
             row = conn.execute(
-                text(f"SELECT {_COLUMNS} FROM job_requests WHERE key = :key"), {"key": key}
+                text(f"{_READ} WHERE job_requests.key = :key"), {"key": key}  # nosec B608: SQL from code constants, values bound
             ).first()
         return None if row is None else JobRequest.from_row(row)
 
@@ -776,6 +1216,7 @@ class RequestStore:
         *,
         status: Sequence[str] | None = None,
         job_type: str | None = None,
+        tenant: str | None = None,
         limit: int = 50,
     ) -> list[JobRequest]:
         """Requests matching every filter given, newest first, at most ``limit``."""
@@ -787,10 +1228,13 @@ class RequestStore:
         if job_type is not None:
             where.append("job_type = :jt")
             params["jt"] = job_type
-        sql = f"SELECT {_COLUMNS} FROM job_requests"
+        if tenant is not None:
+            where.append("tenant = :tenant")
+            params["tenant"] = tenant
+        sql = _READ  # nosec B608: SQL from code constants, values bound
         if where:
             sql += " WHERE " + " AND ".join(where)
-        stmt = text(sql + " ORDER BY id DESC LIMIT :limit")
+        stmt = text(sql + " ORDER BY job_requests.id DESC LIMIT :limit")
         if status:
             stmt = stmt.bindparams(bindparam("statuses", expanding=True))
         with self.db.statement() as conn:
@@ -801,7 +1245,7 @@ class RequestStore:
         where = "WHERE job_type = :jt" if job_type else ""
         with self.db.statement() as conn:
             rows = conn.execute(
-                text(f"SELECT status, COUNT(*) AS n FROM job_requests {where} GROUP BY status"),
+                text(f"SELECT status, COUNT(*) AS n FROM job_requests {where} GROUP BY status"),  # nosec B608: SQL from code constants, values bound
                 {"jt": job_type},
             ).all()
         out = {str(s): 0 for s in RequestStatus}
@@ -821,10 +1265,59 @@ class RequestStore:
             rows = conn.execute(text(_Q["failed_in_run"]), {"run": run_id}).all()
         return [JobRequest.from_row(r) for r in rows]
 
+    def states(self, requests: Sequence[JobRequest]) -> dict[int, str]:
+        """What happened to each request, in one word (:func:`state_of`), with one query for
+        the open dead letters among them."""
+        failed = [r.id for r in requests if r.status is _S.FAILED]
+        kept: set[int] = set()
+        if failed:
+            sql = text(
+                "SELECT DISTINCT request_id FROM dlq_records WHERE request_id IN :ids"
+                " AND status NOT IN ('resolved', 'discarded')"
+            ).bindparams(bindparam("ids", expanding=True))
+            with self.db.statement() as conn:
+                kept = {int(i) for i in conn.execute(sql, {"ids": failed}).scalars()}
+        return {r.id: state_of(r, dead_lettered=r.id in kept) for r in requests}
+
     def queue_stats(self) -> list[dict[str, Any]]:
         """Per job type and status (pending, launched): how many, and the oldest ``created_at``."""
         with self.db.statement() as conn:
             return [dict(r._mapping) for r in conn.execute(text(_Q["queue_stats"]))]
+
+    def cancel_stats(self, since: float) -> dict[str, int]:
+        """Cancels asked since ``since``, per :class:`CancelState` (every state, zero if none)."""
+        with self.db.statement() as conn:
+            rows = conn.execute(text(_Q["cancel_stats"]), {"since": since}).all()
+        out = {str(s): 0 for s in CancelState}
+        out.update({str(r.cancel_state): int(r.n) for r in rows})
+        return out
+    def waiting_by_tenant(self) -> dict[str, int]:
+        """Pending requests per tenant."""
+        with self.db.statement() as conn:
+            rows = conn.execute(text(_Q["waiting_by_tenant"])).all()
+        return {str(r.tenant): int(r.n) for r in rows}
+
+    def tenant_waits(self, since: float, limit: int = 20_000) -> list[tuple[str, float]]:
+        """``(tenant, seconds waited)`` of the requests first claimed since ``since``, the
+        newest ``limit`` of them (a bounded sample for percentiles)."""
+        with self.db.statement() as conn:
+            rows = conn.execute(
+                text(_Q["tenant_waits"]), {"since": since, "limit": limit}
+            ).all()
+        return [(str(r.tenant), float(r.waited)) for r in rows]
+
+    def oldest_waiting_by_tenant(self) -> dict[str, tuple[int, float]]:
+        """``{tenant: (pending requests, oldest one's created_at)}``."""
+        with self.db.statement() as conn:
+            rows = conn.execute(text(_Q["oldest_waiting_by_tenant"])).all()
+        return {str(r.tenant): (int(r.n), float(r.oldest)) for r in rows}
+
+    def overtaking(self, tenant: str, since: float) -> int:
+        """Requests of other tenants created after ``since`` and claimed already."""
+        with self.db.statement() as conn:
+            return int(conn.execute(
+                text(_Q["overtaking"]), {"since": since, "tenant": tenant}
+            ).scalar_one())
 
     def correlation_ids_since(self, since: float) -> dict[int, str | None]:
         """Request id -> correlation id of the requests created since ``since``."""
@@ -845,10 +1338,11 @@ class RequestStore:
         return Expiry.of(
             "job_requests",
             "id",
-            "updated_at <= :cutoff AND (status IN ('completed', 'coalesced')"
+            "updated_at <= :cutoff AND (status IN ('completed', 'coalesced', 'cancelled')"
             f" OR (status = 'failed' AND {dead_lettered}))",
             {"cutoff": self.clock() - older_than},
             keep=keep,
+            children=(("request_cancels", "request_id"), ("request_sources", "request_id")),
         )
 
     def expired_rejections(self, older_than: float) -> Expiry:
@@ -863,7 +1357,7 @@ class RequestStore:
         may still run (or be replayed) under that key."""
         return (
             "EXISTS (SELECT 1 FROM job_requests r"
-            f" WHERE r.key = {column} AND r.status NOT IN ('completed', 'coalesced'))"
+            f" WHERE r.key = {column} AND r.status NOT IN ('completed', 'coalesced', 'cancelled'))"  # nosec B608: SQL from code constants, values bound
         )
 
     @staticmethod
@@ -871,7 +1365,7 @@ class RequestStore:
         """SQL, true while the request whose id is in ``column`` exists and has not completed."""
         return (
             "EXISTS (SELECT 1 FROM job_requests r"
-            f" WHERE r.id = {column} AND r.status NOT IN ('completed', 'coalesced'))"
+            f" WHERE r.id = {column} AND r.status NOT IN ('completed', 'coalesced', 'cancelled'))"  # nosec B608: SQL from code constants, values bound
         )
 
     def rejections(
@@ -891,7 +1385,7 @@ class RequestStore:
             rows = conn.execute(
                 text(
                     f"SELECT {_REJECTION_COLUMNS} FROM job_rejections {clause}"
-                    f" ORDER BY id {order}{bound}"
+                    f" ORDER BY id {order}{bound}"  # nosec B608: SQL from code constants, values bound
                 ),
                 {"job_type": job_type, "source": source},
             ).all()
@@ -901,10 +1395,43 @@ class RequestStore:
         """One refused request, or None."""
         with self.db.statement() as conn:
             row = conn.execute(
-                text(f"SELECT {_REJECTION_COLUMNS} FROM job_rejections WHERE id = :id"),
+                text(f"SELECT {_REJECTION_COLUMNS} FROM job_rejections WHERE id = :id"),  # nosec B608: SQL from code constants, values bound
                 {"id": rejection_id},
             ).first()
         return None if row is None else dict(row._mapping)
+
+
+def cancel_requests(
+    store: RequestStore, refs: Sequence[int | str], *, by: str, reason: str | None = None
+) -> list[CancelDecision | KeyError]:
+    """Cancel requests by id or key (a string of digits is an id first, then a key), one
+    :meth:`RequestStore.cancel` each, in order: the Python call behind ``sekali requests
+    cancel`` and the ``cancel_requests`` job. An unknown reference gives its ``KeyError`` in
+    place; :class:`CancelUnavailable` is raised before anything changes."""
+    out: list[CancelDecision | KeyError] = []
+    for ref in refs:
+        request = None
+        if isinstance(ref, int) or (ref.isdigit() and len(ref) <= 18):
+            request = store.get(int(ref))
+        if request is None and isinstance(ref, str):
+            request = store.get_by_key(ref)
+        if request is None:
+            out.append(KeyError(ref))
+            continue
+        decision = store.cancel(request.id, by=by, reason=reason)
+        if decision.new and request.status is _S.FAILED and decision.state is CancelState.CANCELLED:
+            _close_dead_letters(store.db, request.id, by, reason)
+        out.append(decision)
+    return out
+
+
+def _close_dead_letters(db: Database, request_id: int, by: str, reason: str | None) -> None:
+    """A cancelled request's open dead letters are discarded, so no replay is offered."""
+    dlq = DlqStore(db)
+    ids = [r.id for r in dlq.list_records(request_id=request_id, status=_OPEN_LETTERS)]
+    if ids:
+        why = f"request {request_id} cancelled: {reason or 'no reason'}"
+        dlq.discard(ids, actor=by, reason=why)
 
 
 def _bounded(value: Any, max_bytes: int) -> str | None:

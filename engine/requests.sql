@@ -5,7 +5,7 @@
 SELECT id, job_type, key, payload, payload_hash, status, queue, correlation_id, run_key, run_id,
        created_at, updated_at, attempts, last_error, error_class, traceparent, priority,
        claim_rank, dedupe_window, debounce_key, debounce_wait, debounce_max_wait, coalesced_into,
-       coalesced_count, superseded_by, amends
+       coalesced_count, superseded_by, amends, tenant, claimed_at
 FROM job_requests r
 WHERE r.status = 'failed'
   AND NOT EXISTS (SELECT 1 FROM dlq_records d WHERE d.request_id = r.id)
@@ -17,7 +17,7 @@ LIMIT :limit;
 SELECT id, job_type, key, payload, payload_hash, status, queue, correlation_id, run_key, run_id,
        created_at, updated_at, attempts, last_error, error_class, traceparent, priority,
        claim_rank, dedupe_window, debounce_key, debounce_wait, debounce_max_wait, coalesced_into,
-       coalesced_count, superseded_by, amends
+       coalesced_count, superseded_by, amends, tenant, claimed_at
 FROM job_requests
 WHERE run_id = :run AND status = 'failed'
 ORDER BY id;
@@ -41,3 +41,38 @@ INSERT INTO job_rejections
     (job_type, key, payload, payload_size, payload_sha256, field, error, source, created_at)
 VALUES (:job_type, :key, :payload, :size, :sha, :field, :error, :source, :now)
 RETURNING id;
+
+-- cancel_stats --
+-- Cancels asked since a moment, per state (requested, cancelled, refused).
+SELECT cancel_state, COUNT(*) AS n
+FROM request_cancels
+WHERE cancel_requested_at >= :since
+GROUP BY cancel_state;
+
+-- waiting_by_tenant --
+-- Pending requests per tenant (the fair claim's backlog, as the operator sees it).
+SELECT tenant, COUNT(*) AS n
+FROM job_requests
+WHERE status = 'pending'
+GROUP BY tenant;
+
+-- tenant_waits --
+-- How long the requests claimed since a moment waited, with their tenant, newest first.
+SELECT tenant, claimed_at - created_at AS waited
+FROM job_requests
+WHERE claimed_at >= :since
+ORDER BY claimed_at DESC
+LIMIT :limit;
+
+-- oldest_waiting_by_tenant --
+-- Per tenant with pending requests: how many, and the oldest one's creation time.
+SELECT tenant, COUNT(*) AS n, MIN(created_at) AS oldest
+FROM job_requests
+WHERE status = 'pending'
+GROUP BY tenant;
+
+-- overtaking --
+-- Requests of other tenants, created after a moment, that were claimed since then.
+SELECT COUNT(*)
+FROM job_requests
+WHERE claimed_at >= :since AND created_at > :since AND tenant <> :tenant;

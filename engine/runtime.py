@@ -39,7 +39,7 @@ from engine.failures import FailurePath
 from engine.privacy import personal_values
 from engine.registry import get_job_type
 from engine.services import Services
-from resources.errors import AlreadyInProgress, LeaseLost, StoredFailure
+from resources.errors import AlreadyInProgress, CrashLoop, LeaseLost, StoredFailure
 from resources.idempotency import Claim, Completed
 from resources.retry import ErrorClass, classify
 from resources.telemetry.tracing import inject, set_attributes, span, tracing_enabled
@@ -140,9 +140,11 @@ def _execute_request(
         correlation_id=correlation_id,
     )
     try:
+        check_crash_loop(services, claimed, record)
         with services.store.keep_alive(claimed, confirmed_at=asked) as keeper:
             ctx.keeper = keeper
-            result = jt.handler(ctx, clean)
+            ctx.cancel_point("start")
+            result = jt.handler(ctx, jt.typed(clean))
             if not ctx.completed:  # once completed, a late heartbeat's "lost" means nothing
                 keeper.check()
                 started = time.perf_counter()
@@ -251,6 +253,23 @@ def execute_batch(
     return out
 
 
+def check_crash_loop(services: Services, claim: Claim, record: Attempt) -> None:
+    """Refuse to run a key whose workers died mid-run more than ``services.crash_loop_limit``
+    times (:class:`CrashLoop`, permanent: the failure path stores it on the key and
+    dead-letters it as ``crash_loop``), with the dead attempts as evidence."""
+    if claim.crashes <= services.crash_loop_limit:
+        return
+    dead = [
+        {"run_id": row["run_id"], "worker": f"{row['host']}:{row['pid']}", "fence": row["fence"],
+         "step": row["step"], "started_at": row["started_at"]}
+        for row in services.attempts.for_key(claim.key)
+        if row["outcome"] == "started" and row["attempt_id"] != record.attempt_id
+    ][-10:]
+    if dead:
+        dead[-1]["reached"] = claim.recovery_point
+    raise CrashLoop(claim.key, claim.crashes, services.crash_loop_limit, dead)
+
+
 def _run_batch(jt: JobType, items: list[_Item], out: list[Any], services: Services) -> None:
     if not items:
         return
@@ -278,6 +297,7 @@ def _run_batch(jt: JobType, items: list[_Item], out: list[Any], services: Servic
         return
     services.attempts.start_many([item.record for item in claimed])
     claims = [item.claim for item in claimed if item.claim is not None]
+    results: list[Any] = [None] * len(claimed)
     with services.store.keep_alive_many(claims, confirmed_at=asked) as keeper:
         for item in claimed:
             assert item.claim is not None
@@ -286,16 +306,23 @@ def _run_batch(jt: JobType, items: list[_Item], out: list[Any], services: Servic
                 correlation_id=item.request.correlation_id,
                 keeper=keeper.keeper_for(item.claim),
             )
-        results = _handle(jt, claimed)
-        _complete(services, claimed, results)
+        fresh, suspects = _triage(services, claimed, results)
+        _round(jt, services, claimed, fresh, results)
+        for n in suspects:
+            try:
+                services.store.run_alone(_claim(claimed[n]))
+            except LeaseLost as lost:
+                results[n] = lost
+                continue
+            _round(jt, services, claimed, [n], results)
         for item in claimed:
-            assert item.claim is not None
-            keeper.release(item.claim.key)
+            keeper.release(_claim(item).key)
     done = []
     for item, result in zip(claimed, results, strict=True):
         assert item.claim is not None
         if isinstance(result, Exception):
-            out[item.index] = _failed(services, item.record, item.claim, result, item.decide)
+            out[item.index] = _failed(
+                services, item.record, item.claim, result, item.decide, solo=False)
         else:
             out[item.index] = RequestOutcome(
                 "completed", result, item.key, item.claim.fence, item.record.attempt_id
@@ -307,11 +334,50 @@ def _run_batch(jt: JobType, items: list[_Item], out: list[Any], services: Servic
             services.retry_budget.refund(jt.downstream, successes=len(done))
 
 
+def _triage(
+    services: Services, claimed: list[_Item], results: list[Any]
+) -> tuple[list[int], list[int]]:
+    """Split a batch's claims: (fresh ones, run together; suspects, each run alone after them).
+    A suspect is a takeover (its last holder died or stalled with the key in hand, maybe in a
+    group, so maybe because of it); suspects already counted as crashers run last, so a known
+    crasher that dies again takes no innocent suspect with it. A key over the crash-loop
+    limit does not run: its result is the :class:`CrashLoop`; nor does a cancelled one (its
+    :class:`RequestCancelled`)."""
+    fresh: list[int] = []
+    suspects: list[int] = []
+    for n, item in enumerate(claimed):
+        claim = _claim(item)
+        try:
+            check_crash_loop(services, claim, item.record)
+            if item.ctx is not None:
+                item.ctx.cancel_point("start")  # as in execute_request
+        except Exception as exc:  # noqa: BLE001 - a crash loop, cancelled, or the store down
+            results[n] = exc
+            continue
+        (suspects if claim.takeover else fresh).append(n)
+    suspects.sort(key=lambda n: _claim(claimed[n]).crashes)
+    return fresh, suspects
+
+
+def _round(
+    jt: JobType, services: Services, claimed: list[_Item], part: list[int], results: list[Any]
+) -> None:
+    """Run and complete the requests ``part`` (indexes into ``claimed``) together, so a death
+    in a later round finds them done."""
+    if not part:
+        return
+    items = [claimed[n] for n in part]
+    got = _handle(jt, items)
+    _complete(services, items, got)
+    for n, result in zip(part, got, strict=True):
+        results[n] = result
+
+
 def _handle(jt: JobType, items: list[_Item]) -> list[Any]:
     """Every claimed request's result or exception, through ``handler_many`` when the job type
     has one (under the batch's concurrency slots: :func:`batch_slots`), else ``handler`` one by
     one (each holds its own slot)."""
-    pairs = [(item.ctx, item.clean) for item in items if item.ctx is not None]
+    pairs = [(item.ctx, jt.typed(item.clean)) for item in items if item.ctx is not None]
     if jt.handler_many is not None:
         results: list[Any] = [None] * len(pairs)
         with batch_slots(jt, [ctx for ctx, _ in pairs]) as refused:
@@ -323,15 +389,15 @@ def _handle(jt: JobType, items: list[_Item]) -> list[Any]:
                     results[n] = result
         return results
     results = []
-    for ctx, clean in pairs:
+    for ctx, typed in pairs:
         try:
-            results.append(jt.handler(ctx, clean))
+            results.append(jt.handler(ctx, typed))
         except Exception as exc:  # noqa: BLE001 - this request's failure, not the batch's
             results.append(exc)
     return results
 
 
-def _handle_many(jt: JobType, pairs: list[tuple[JobContext, dict[str, Any]]]) -> list[Any]:
+def _handle_many(jt: JobType, pairs: list[tuple[JobContext, Any]]) -> list[Any]:
     assert jt.handler_many is not None
     try:
         results = jt.handler_many(pairs)
@@ -438,17 +504,25 @@ def _claimed(record: Attempt, claim: Claim) -> None:
 
 
 def _failed(
-    services: Services, record: Attempt, claim: Claim, exc: Exception, decide: Decide
+    services: Services, record: Attempt, claim: Claim, exc: Exception, decide: Decide,
+    *, solo: bool = True,
 ) -> Exception:
     """Record a claimed attempt's failure on its claim and attempt; returns what to raise (the
-    error, or :class:`LeaseLost` chained to it when the key was taken over meanwhile)."""
+    error, or :class:`LeaseLost` chained to it when the key was taken over meanwhile).
+    ``solo``: the claim ran its handler alone (a per-request claim), so a takeover counted it
+    as a crash, which a :class:`LeaseLost` here takes back (the holder stalled, it did not
+    die); a batch's members stay counted (conservative)."""
     if isinstance(exc, LeaseLost):
+        if solo:
+            _stalled(services, claim)
         _finish(services, record, Outcome.LEASE_LOST, exc)
         return exc
     kind = "permanent" if classify(exc) is ErrorClass.PERMANENT else "transient"
     try:
         services.store.fail(claim, exc, kind)
     except LeaseLost as lost:
+        if solo:
+            _stalled(services, claim)
         _finish(services, record, Outcome.LEASE_LOST, exc)
         lost.__cause__ = exc
         return lost
@@ -456,6 +530,15 @@ def _failed(
         logger.exception("could not record the failure of %s on its claim", claim.key)
     _finish(services, record, decide(exc), exc)
     return exc
+
+
+def _stalled(services: Services, claim: Claim) -> None:
+    """A per-request holder that learns its key was taken over is alive: its takeover does not
+    count towards the crash-loop bound (:meth:`IdempotencyStore.survived`)."""
+    try:
+        services.store.survived(claim)
+    except Exception:  # noqa: BLE001 - the store is away: the count stays (conservative)
+        logger.warning("could not take back the crash counted for %s", claim.key)
 
 
 def _finish(

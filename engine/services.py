@@ -4,7 +4,7 @@ and the chaos harness, so every way a job runs takes one code path."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,7 +17,11 @@ from resources.idempotency import IdempotencyStore
 from resources.retry import RetryBudget, RetryPolicy
 from resources.storage.db import Database, shared_database
 from resources.storage.redis import redis_client
-from resources.storage.settings import DEFAULT_GATEWAY_SETTLE_SECONDS, Settings
+from resources.storage.settings import (
+    DEFAULT_GATEWAY_SETTLE_SECONDS,
+    Settings,
+    crash_loop_limit,
+)
 from resources.telemetry.tracing import configure_tracing
 
 
@@ -42,10 +46,12 @@ class Services:
 
     ``store.db`` and ``db`` must be the same database: handlers complete the key in the same
     transaction as the business change. ``clients`` holds the downstream clients by name
-    (:meth:`client`); ``cache`` and ``locks`` may be None for job types that do not use them.
+    (:meth:`client`); ``cache`` may be None for job types that do not use it.
     Without ``concurrency`` the job types' concurrency keys are not enforced.
     ``settle_seconds``: how long after a send whose answer never came a lookup at the
     downstream is conclusive (longer than the downstream's longest processing time).
+    ``crash_loop_limit``: the deaths mid-run a key may cause before it is dead-lettered as
+    ``crash_loop`` (``SEKALI_CRASH_LOOP_LIMIT``, 3).
     """
 
     db: Database
@@ -53,11 +59,11 @@ class Services:
     attempts: AttemptRecorder
     clients: dict[str, Any] = field(default_factory=dict)
     cache: StampedeCache | None = None
-    locks: Callable[[str], Any] | None = None
     retry_policy: RetryPolicy = field(default_factory=RetryPolicy)
     retry_budget: RetryBudget | None = None
     concurrency: ConcurrencyLimits | None = None
     settle_seconds: float = DEFAULT_GATEWAY_SETTLE_SECONDS
+    crash_loop_limit: int = field(default_factory=crash_loop_limit)
 
     def __post_init__(self) -> None:
         if str(self.store.db.engine.url) != str(self.db.engine.url):
@@ -116,7 +122,7 @@ class Services:
     @classmethod
     def from_context(cls, context: Any) -> Services:
         """From an op's resources: ``idempotency``, ``app_db`` (optional: the store's database),
-        one per downstream (by its name), ``cache``, ``locks``, ``retry``, ``concurrency``
+        one per downstream (by its name), ``cache``, ``retry``, ``concurrency``
         (each optional but the first)."""
         configure_tracing()
         res = context.resources
@@ -125,7 +131,6 @@ class Services:
         db = app_db.get_database() if app_db is not None else store.db
         retry = _optional(res, "retry")
         cache = _optional(res, "cache")
-        locks = _optional(res, "locks")
         concurrency = _optional(res, "concurrency")
         wired = {name: _optional(res, name) for name in downstreams()}
         wired = {name: resource for name, resource in wired.items() if resource is not None}
@@ -135,7 +140,6 @@ class Services:
             attempts=AttemptRecorder(db),
             clients={name: resource.get_client() for name, resource in wired.items()},
             cache=cache.get_cache() if cache is not None else None,
-            locks=locks.lock if locks is not None else None,
             retry_policy=retry.get_policy() if retry is not None else RetryPolicy(),
             retry_budget=retry.get_budget() if retry is not None else None,
             concurrency=concurrency.get_limits() if concurrency is not None else None,

@@ -7,6 +7,7 @@ request again. Dagster's own tags (``dagster/...``) that sekali sets or reads ar
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from enum import StrEnum
 from typing import Final
 
@@ -23,7 +24,8 @@ INTAKE: Final = "sekali/intake"
 """How the intake sensor launched the run: ``per_request``, ``fan_out`` or ``micro_batch``."""
 CORRELATION_ID: Final = "sekali/correlation_id"
 DLQ_ID: Final = "sekali/dlq_id"
-"""The DLQ record a replay run serves."""
+"""The DLQ record a replay run serves (with ``sekali/dlq_replay``), or the one(s) a failed run was
+dead-lettered as (comma-separated for a batch run): the record names that run back."""
 DLQ_REPLAY: Final = "sekali/dlq_replay"
 """Which replay of that record (its replay count)."""
 CHAOS: Final = "sekali/chaos"
@@ -41,6 +43,13 @@ COALESCED: Final = "sekali/coalesced"
 """How many debounced requests were coalesced into the one(s) this run serves."""
 AMENDS: Final = "sekali/amends"
 """On the run of an amended version (``key#vN``): the key of the version it replaces."""
+CANCEL: Final = "sekali/cancel"
+"""On the run of a request someone cancelled: how the cancel ended (``cancelled``, ``refused``),
+with ``sekali/cancelled_by`` saying who."""
+CANCELLED_BY: Final = "sekali/cancelled_by"
+TENANT: Final = "sekali/tenant"
+"""The tenant (fairness key) of the run's requests; ``~several`` on a batch that mixes them."""
+SEVERAL_TENANTS: Final = "~several"
 DEDUPE_WINDOW: Final = "sekali/dedupe_window"
 """How long the run's key means one intent: ``until_finished`` or seconds (``86400s``)."""
 
@@ -55,9 +64,14 @@ class RunOutcome(StrEnum):
     RETRIED = "retried"
     """The last attempt failed and a retry follows (the tag changes when it ends)."""
     DEAD_LETTERED = "dead_lettered"
-    """A transient failure out of retries, or a run that died: in the DLQ, to be replayed."""
+    """In the DLQ (``sekali/dlq_id`` names the record): a transient failure out of retries, a
+    run that died, or a permanent failure once the DLQ recorded it."""
     FAILED = "failed"
-    """A permanent failure (bad input, refused by the downstream): in the DLQ, never retried."""
+    """A permanent failure (bad input, refused by the downstream), until the DLQ records it
+    (then ``dead_lettered``); never retried."""
+    CANCELLED = "cancelled"
+    """The request was cancelled: the run stopped before its next side effect (or never
+    started one); no DLQ record, never retried."""
 
 
 # Dagster's
@@ -73,3 +87,10 @@ DAGSTER_PREFIX: Final = "dagster/"
 
 NO_RUN_RETRY: Final = {RETRY_ON_ASSET_OR_OP_FAILURE: "false"}
 """The op gives up on its own (the DLQ replays it): the run-retry daemon must not re-run it."""
+
+
+def run_correlation_id(configured: str | None, tags: Mapping[str, str], run_id: str) -> str:
+    """The correlation id of a run's request: the op config's, else the run tag, else the run's
+    own id (a Launchpad run given none). The op and the DLQ record it leaves both use this, so a
+    replay or an amended version continues the same chain."""
+    return configured or tags.get(CORRELATION_ID) or run_id

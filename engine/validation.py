@@ -36,6 +36,7 @@ from sqlalchemy.engine import Connection
 from engine.contract import JobType
 from engine.registry import get_job_type
 from engine.requests import JobRequest, RequestStore, windowed_key
+from engine.tenants import DEFAULT_TENANT
 from resources.errors import ValidationError, shown
 from resources.headers import refuse_found
 from resources.storage.settings import ID_BYTES, KEY_BYTES, InputLimits
@@ -59,9 +60,6 @@ __all__ = [
     "check_text",
 ]
 
-SOURCES = ("enqueue", "cli", "run_config", "dlq_replay", "micro_batch", "fan_out", "outbox")
-"""The ways in, as a rejection records them."""
-
 _CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
 _NUL = re.compile("\x00")
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -77,6 +75,7 @@ class Admitted:
     payload: dict[str, Any]
     key: str
     priority: int = 0
+    tenant: str = DEFAULT_TENANT
 
 
 def admit(
@@ -92,12 +91,16 @@ def admit(
     conn: Connection | None = None,
     priority: Any = 0,
     dedupe_at: float | None = None,
+    kept_elsewhere: bool = False,
 ) -> Admitted:
     """Check a request (:func:`check_request`); on refusal keep one rejection row and raise.
 
     ``conn``: the caller's transaction. The rejection joins it on SQLite (a second writer would
     wait on the caller's own write lock) and is written on its own connection on Postgres.
-    ``priority`` and ``dedupe_at``: see :func:`check_request`.
+    ``priority`` and ``dedupe_at``: see :func:`check_request`. ``kept_elsewhere``: the caller's
+    failure keeps the request anyway (a step's dead letter holds its payload), so a rejection
+    row the database cannot take now is logged and the refusal still raised, permanent; without
+    it the database's error is raised (a producer retries and its refusal is kept then).
     """
     limits = limits or InputLimits.from_env()
     try:
@@ -113,16 +116,23 @@ def admit(
         )
     except ValidationError as exc:
         own_connection = conn is None or requests.db.is_postgres
-        rejection = requests.reject(
-            job_type,
-            payload,
-            field=exc.field,
-            error=str(exc),
-            key=key,
-            source=source,
-            excerpt_bytes=limits.excerpt_bytes,
-            conn=None if own_connection else conn,
-        )
+        try:
+            rejection = requests.reject(
+                job_type,
+                payload,
+                field=exc.field,
+                error=str(exc),
+                key=key,
+                source=source,
+                excerpt_bytes=limits.excerpt_bytes,
+                conn=None if own_connection else conn,
+            )
+        except Exception as unstored:
+            if not kept_elsewhere:
+                raise
+            log.warning("refused a request at %s, rejection not kept (%s): %s", source,
+                        type(unstored).__name__, exc)
+            raise exc from None
         exc.rejection_id = rejection
         log.warning(
             "refused a request at %s (rejection %d): %s",
@@ -191,7 +201,7 @@ def check_request(
     if dedupe_at is not None:
         chosen = windowed_key(chosen, spec.dedupe_window, dedupe_at)
     check_key(chosen, limits)
-    return Admitted(spec, normalised, chosen, level)
+    return Admitted(spec, normalised, chosen, level, spec.tenant_for(normalised))
 
 
 def check_key(value: Any, limits: InputLimits) -> str:

@@ -6,7 +6,7 @@ import dagster as dg
 
 from pipelines.assets import dead_letters, observability, reconciliation, warming
 from pipelines.domain.consumers import default_consumers
-from pipelines.ops import all_jobs, dlq_ops
+from pipelines.ops import all_jobs, dlq_ops, request_ops, tenant_ops
 from pipelines.ops.batch import BATCH_JOBS
 from pipelines.profile import resource_defs
 from sensors.dlq import dlq_sensors
@@ -18,7 +18,8 @@ dlq_sensor, dlq_sweep_sensor, dlq_replay_sensor = dlq_sensors(all_jobs, dead_let
 outbox_publisher, = outbox_sensors(default_consumers)
 
 defs = dg.Definitions(
-    jobs=[*all_jobs, *BATCH_JOBS, *observability.jobs, *dlq_ops.jobs],
+    jobs=[*all_jobs, *BATCH_JOBS, *observability.jobs, *dlq_ops.jobs, *tenant_ops.jobs,
+          *request_ops.jobs],
     sensors=[
         intake_sensor, dlq_sensor, dlq_sweep_sensor, dlq_replay_sensor, outbox_publisher,
         *observability.sensors,

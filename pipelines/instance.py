@@ -16,6 +16,8 @@ import os
 import shutil
 from pathlib import Path
 
+from resources.storage.files import private_folder
+
 DEPLOY_DIR = Path(__file__).resolve().parent.parent / "deploy"
 
 
@@ -29,8 +31,7 @@ def prepare_dagster_home(home: Path, *, profile: str = "embedded", extra_yaml: s
     """Create ``home`` with the profile's ``dagster.yaml`` and initialise its storage once."""
     from dagster import DagsterInstance  # noqa: PLC0415 - heavy import, only when used
 
-    home = home.resolve()
-    home.mkdir(parents=True, exist_ok=True)
+    home = private_folder(home.resolve())
     target = home / "dagster.yaml"
     with open(home / ".sekali-init.lock", "w") as lock_file:
         fcntl.flock(lock_file, fcntl.LOCK_EX)

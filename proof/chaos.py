@@ -6,12 +6,14 @@ that can be restarted, the sandbox payment gateway and mail sink, each on a free
 own database. A coordinator plays an at-least-once broker for P worker processes
 (:mod:`proof.chaos_worker`, talking JSON lines over pipes): every request is delivered K
 times, copies close together so different workers get them at once; a delivery whose worker died
-or passed the visibility timeout is delivered again; a transient failure is retried after a
-jittered delay up to ``max_attempts`` and then dead-lettered with its reason; a permanent one is
-dead-lettered at once. Meanwhile the faults strike (``FAULTS``): SIGKILL at chosen points,
-SIGSTOP past the lease and the lock TTL, Redis restarted, Postgres restarted (only when asked, and
-only the private cluster the run started for its own database), gateway answers dropped after the
-charge, poison payloads.
+or passed the visibility timeout is delivered again. Each delivery runs through the step entry
+the Dagster op calls (:func:`engine.step.run_step`); a failed one is retried after the delay its
+failure path decided (the shipped :class:`RetryPolicy`, with this run's ``max_attempts`` and
+short delays, and the shared retry budget) or dead-lettered with its reason when the path gave
+up, as Dagster follows ``RetryRequested``/``Failure`` and the run-failure sensor records it.
+Meanwhile the faults strike (``FAULTS``): SIGKILL at chosen points, SIGSTOP past the lease,
+Redis restarted, Postgres restarted (only when asked, and only the private cluster the run
+started for its own database), gateway answers dropped after the charge, poison payloads.
 
 The verdict (:func:`check`) comes from the sandbox's own records and the stores, never from what
 workers said: charges at the gateway and mails at the sink per request, stock per cart, the
@@ -24,7 +26,7 @@ idempotency records, ``job_attempts``, the DLQ. Invariants checked (docs/design.
   a key has at most one ``completed`` attempt;
 - every poison payload in the DLQ as permanent, never retried.
 
-``naive=True`` runs the same workload with the defences off (no claim, no lock, no
+``naive=True`` runs the same workload with the defences off (no claim, no
 ``Idempotency-Key``, ack before work) to show what they prevent.
 """
 
@@ -34,6 +36,7 @@ import contextlib
 import heapq
 import json
 import logging
+import math
 import os
 import queue
 import random
@@ -59,12 +62,18 @@ from engine.registry import get_job_type
 from engine.upkeep.reconciliation import Reconciler
 from pipelines.domain.inventory import Inventory
 from pipelines.domain.payments import GATEWAY, HttpPaymentGateway
-from proof.chaos_worker import CRASH_POINTS, STOP_POINTS, WorkerConfig
+from pipelines.instance import prepare_dagster_home
+from proof import chaos_outbox
+from proof.chaos_typed import TYPED_FAULTS, Sandboxes, effect_counter, job_types_of, typed_payloads
+from proof.chaos_worker import CONFIG_ENV, CRASH_POINTS, STOP_POINTS, WorkerConfig
 from resources.dlq import DlqStatus, DlqStore, FailureClass, FailureInfo, dedupe_key_for
-from resources.errors import SekaliError, ValidationError
+from resources.errors import EvictingRedis, SekaliError, ValidationError
 from resources.idempotency import IdempotencyStore
+from resources.retry import BUDGET_UNAVAILABLE
 from resources.storage.db import Database
 from resources.storage.migrations import upgrade
+from resources.storage.redis import memory_policies, redis_client, require_no_eviction
+from resources.storage.settings import RedisTimeouts
 from sandbox.gateway import GatewayServer
 from sandbox.mailsink import MailSink
 from sandbox.postgres_server import PostgresServer, PostgresUnavailable
@@ -75,12 +84,13 @@ logger = logging.getLogger(__name__)
 
 FAULTS = ("kill", "stop", "redis-restart", "drop-response", "poison", "pg-restart",
           "redis-freeze", "redis-rollback", "redis-failover", "slow-provider", "drip-provider",
-          "clock-skew", "retention-travel")
+          "clock-skew", "retention-travel", "budget-redis-down", "crash-loop",
+          "poison-outbox", "evicting-redis")
 DEFAULT_FAULTS = ("kill", "stop", "redis-restart", "drop-response", "poison")
 # Faults that run one at a time on the coordinator's background thread, at planned dispatches.
 BACKGROUND_FAULTS = ("redis-restart", "pg-restart", "redis-freeze", "redis-rollback",
-                     "redis-failover", "slow-provider", "drip-provider")
-REDIS_FAULTS = ("redis-restart", "redis-freeze", "redis-rollback", "redis-failover")
+                     "redis-failover", "slow-provider", "drip-provider", "budget-redis-down",
+                     "evicting-redis")
 DEFAULT_PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/sekali_test"
 EMAIL_DATE = "2026-11-29"
 
@@ -91,18 +101,18 @@ class ChaosConfigError(SekaliError):
     permanent = True
 
 
-def parse_faults(spec: str, *, backend: str, database_url: str | None) -> tuple[
-    tuple[str, ...], list[str]
-]:
+def parse_faults(spec: str, *, backend: str, database_url: str | None,
+                 typed: bool = False) -> tuple[tuple[str, ...], list[str]]:
     """``--faults`` text to fault names. ``all`` means every fault this run can strike: all of
-    :data:`FAULTS` but ``pg-restart`` on SQLite or when the run's database is a server it did
-    not start (then the second value says so). None of the faults needs root: every signal
-    goes to a process the run started itself."""
+    :data:`FAULTS` (``typed``: of :data:`proof.chaos_typed.TYPED_FAULTS`, a ``--job-type``
+    run) but ``pg-restart`` on SQLite or when the run's database is a server it did not start
+    (then the second value says so). None of the faults needs root: every signal goes to a
+    process the run started itself."""
     names = [f.strip() for f in spec.split(",") if f.strip()]
     notes: list[str] = []
     if "all" not in names:
         return tuple(names), notes
-    out = [f for f in FAULTS if f != "pg-restart"]
+    out = [f for f in (TYPED_FAULTS if typed else FAULTS) if f != "pg-restart"]
     given = database_url or os.environ.get("DATABASE_URL")
     if backend != "postgres":
         notes.append("pg-restart left out: it needs --backend postgres")
@@ -129,7 +139,6 @@ class ChaosConfig:
     seed: int = 1
     naive: bool = False
     lease_seconds: float = 2.0
-    lock_ttl: float | None = None  # default: the lease
     timeout: float = 300.0
     max_attempts: int = 8
     kills: int | None = None  # default: about one per 40 requests, at least 3
@@ -140,6 +149,12 @@ class ChaosConfig:
     redis_rollbacks: int = 1
     redis_failovers: int = 1
     provider_windows: int = 1  # per provider fault (slow-provider, drip-provider)
+    budget_outages: int = 1  # budget-redis-down: the retry budget's own Redis killed, then back
+    evicting_windows: int = 1  # evicting-redis: maxmemory-policy allkeys-lru, then back
+    crash_loops: int = 1  # crash-loop: requests whose every run kills its worker
+    crash_loop_limit: int = 2  # the workers' SEKALI_CRASH_LOOP_LIMIT (deaths before crash_loop)
+    outbox_aggregates: int = 6  # poison-outbox: aggregates beside the poison one
+    outbox_per_aggregate: int = 2  # poison-outbox: events per aggregate
     clock_skew: float | None = None  # seconds; default 0.4 x the lease (clocks agree within it)
     travel_days: float = 8.0  # retention-travel: how far after the run the purge runs
     travel_records: int = 4  # retention-travel: completed requests whose success report is lost
@@ -150,6 +165,8 @@ class ChaosConfig:
     retry_cap: float = 1.5
     progress: bool = False
     keep_state: bool = False
+    job_types: tuple[str, ...] = ()  # --job-type: these job types, judged through their lookup
+    dagster: bool = False  # --dagster: each delivery a real run of the per-request Dagster job
 
     def validate(self) -> None:
         unknown = sorted(set(self.faults) - set(FAULTS))
@@ -158,6 +175,21 @@ class ChaosConfig:
                 f"unknown fault(s) {unknown}; choose from {', '.join(FAULTS)}, or all")
         if self.backend not in ("sqlite", "postgres"):
             raise ChaosConfigError("--backend must be sqlite or postgres")
+        if self.dagster and not self.job_types:
+            raise ChaosConfigError("--dagster runs the job types named by --job-type")
+        if self.job_types:
+            job_types_of(self.job_types, ChaosConfigError)
+            other = sorted(set(self.faults) - set(TYPED_FAULTS))
+            if other:
+                raise ChaosConfigError(
+                    f"fault(s) {other} need the built-in mix (they strike the payment gateway "
+                    f"or its mails); with --job-type choose from {', '.join(TYPED_FAULTS)}")
+            if self.dagster and {"stop", "clock-skew"} & set(self.faults):
+                raise ChaosConfigError("--dagster strikes kill, redis and Postgres faults, "
+                                       "drop-response and poison; leave out stop and clock-skew")
+            if self.naive:
+                raise ChaosConfigError("--naive runs the built-in mix only (its effects are "
+                                       "written per job type); leave out --job-type")
         if "pg-restart" in self.faults:
             if self.backend != "postgres":
                 raise ChaosConfigError("pg-restart needs --backend postgres (a private cluster)")
@@ -174,10 +206,6 @@ class ChaosConfig:
             raise ChaosConfigError("--requests, --workers and --redelivery must be >= 1")
         if self.lease_seconds <= 0 or self.timeout <= 0:
             raise ChaosConfigError("--lease and --timeout must be positive")
-
-    @property
-    def ttl(self) -> float:
-        return self.lock_ttl if self.lock_ttl is not None else self.lease_seconds
 
     @property
     def skew(self) -> float:
@@ -224,14 +252,31 @@ class Request:
     payload: dict[str, Any]
     poison: bool = False
     faults: set[str] = field(default_factory=set)
+    crash_loop: bool = False  # crash-loop: every run of its handler kills the worker
     struck: Counter[str] = field(default_factory=Counter)  # kill:/stop: point -> times
     deliveries: int = 0  # dispatches, redeliveries included
 
+    @property
+    def row_id(self) -> int:
+        """The id the stores know it by: from 1, as ``job_requests`` ids (the op refuses 0)."""
+        return self.id + 1
+
 
 def build_workload(config: ChaosConfig) -> list[Request]:
-    """Mostly payments, some mails and reservations; poison payloads when asked."""
+    """Mostly payments, some mails and reservations; poison payloads when asked. With
+    ``job_types``: those job types' examples, varied (:func:`proof.chaos_typed.typed_payloads`).
+    """
     rng = random.Random(config.seed)
     poison_rate = config.poison_rate if "poison" in config.faults else 0.0
+    if config.job_types:
+        job_types = job_types_of(config.job_types, ChaosConfigError)
+        try:
+            made = typed_payloads(job_types, config.requests, seed=config.seed,
+                                  poison_rate=poison_rate)
+        except ValueError as exc:
+            raise ChaosConfigError(str(exc)) from exc
+        return _crash_loops(config, [Request(i, name, payload, poison)
+                                     for i, (name, payload, poison) in enumerate(made)])
     out = []
     for i in range(config.requests):
         roll = rng.random()
@@ -254,7 +299,18 @@ def build_workload(config: ChaosConfig) -> list[Request]:
                 payload["items"] = [{"sku": f"sku-c{i}", "quantity": 0}]
             job_type = "reserve_inventory"
         out.append(Request(i, job_type, payload, poison))
-    return out
+    return _crash_loops(config, out)
+
+
+def _crash_loops(config: ChaosConfig, requests: list[Request]) -> list[Request]:
+    """crash-loop: mark ``config.crash_loops`` valid requests whose effect goes through a
+    hooked client (not the built-in reservation: its effect is a transaction) as crashers."""
+    if "crash-loop" not in config.faults:
+        return requests
+    able = [r for r in requests if not r.poison and r.job_type != "reserve_inventory"]
+    for req in random.Random(config.seed + 5).sample(able, min(config.crash_loops, len(able))):
+        req.crash_loop = True
+    return requests
 
 
 @dataclass
@@ -309,6 +365,12 @@ class ChaosWorld:
         self.failovers = 0
         self.gateway: Any = None
         self.sink: Any = None
+        self.sandboxes: Sandboxes | None = None  # --job-type: the declared stand-ins
+        self.budget_redis: Any = None  # budget-redis-down: the retry budget's own Redis
+        self.outbox_events: list[str] = []  # poison-outbox: the business's events, in order
+        self.evicting = False  # evicting-redis: the policy is allkeys-lru now
+        self.eviction_refused = 0
+        self.eviction_seen = 0
         self.db: Any = None
 
     def __enter__(self) -> ChaosWorld:
@@ -340,30 +402,44 @@ class ChaosWorld:
             self.database_url = f"sqlite:///{self.state / 'app.db'}"
         self.db = Database.from_url(self.database_url)
         upgrade(self.db)
+        if "poison-outbox" in cfg.faults:
+            self.outbox_events = chaos_outbox.write_events(
+                self.db, aggregates=cfg.outbox_aggregates, per=cfg.outbox_per_aggregate)
         if self.pg is not None:
             self.pg_start_times.append(self.postmaster_start_time())
         self.redis = RedisServer(self.state / "redis", port=free_port()).start()
+        if "budget-redis-down" in cfg.faults:
+            self.budget_redis = RedisServer(self.state / "budget-redis", port=free_port()).start()
         if "redis-failover" in cfg.faults:
             self._start_replica()
             self.proxy = TcpProxy(self.redis.port).start()
+        if cfg.job_types:
+            types = job_types_of(cfg.job_types, ChaosConfigError)
+            self.sandboxes = Sandboxes(types, self.state / "sandbox")
+            (self.state / "sandbox").mkdir()
+            self.sandboxes.start()
+            if cfg.dagster:
+                prepare_dagster_home(self.state / "dagster")
+            return
         self.gateway = GatewayServer(
             f"sqlite:///{self.state / 'gateway.db'}",
             honour_idempotency_key=not cfg.naive,
             drop_after_charge_rate=cfg.drop_rate if "drop-response" in cfg.faults else 0.0,
             seed=cfg.seed,
         ).start()
-        self.sink = MailSink(f"sqlite:///{self.state / 'mailsink.db'}").start()
+        self.sink = MailSink(f"sqlite:///{(self.state / 'mailsink.db').resolve()}").start()
 
     @property
     def redis_url(self) -> str:
         """Where workers find Redis: the primary, or the proxy in front of it (failover)."""
         if self.proxy is not None:
-            return f"redis://127.0.0.1:{self.proxy.port}/0"
+            return f"redis://:{self.redis.password}@127.0.0.1:{self.proxy.port}/0"
         return str(self.redis.url)
 
     def _start_replica(self) -> None:
         self.replica = RedisServer(self.state / f"redis-replica-{self.failovers}",
-                                   port=free_port(), replica_of=self.redis.port).start()
+                                   port=free_port(), replica_of=self.redis.port,
+                                   password=self.redis.password).start()
 
     def _replica_in_sync(self, timeout: float = 10.0) -> bool:
         client = self.replica.client()
@@ -378,6 +454,46 @@ class ChaosWorld:
             return False
         finally:
             client.close()
+
+    def budget_outage(
+        self, seconds: float, *, struck: Callable[[], bool] = lambda: True,
+        longest: float | None = None,
+    ) -> None:
+        """budget-redis-down: SIGKILL the retry budget's Redis (every decision asking it now
+        meets a refused connection or a reset mid-call), start it again ``seconds`` later, or,
+        while no decision has met it yet (``struck``), up to ``longest`` seconds later."""
+        self.budget_redis.process.kill()
+        self.budget_redis.process.wait()
+        began = time.monotonic()
+        until = began + max(seconds, longest or seconds)
+        while time.monotonic() < until and not (
+                time.monotonic() - began >= seconds and struck()):
+            time.sleep(0.1)
+        self.budget_redis.start()
+
+    def evicting_window(self, seconds: float) -> None:
+        """evicting-redis: switch the Redis primary to ``allkeys-lru`` for ``seconds``, then
+        back to ``noeviction``. Meanwhile a client's first use must refuse it (the shipped
+        :func:`require_no_eviction`, as a worker started now would) and the doctor's reading
+        (:func:`memory_policies`) must see it; counted in ``eviction_refused`` and
+        ``eviction_seen``."""
+        server = self.redis
+        server.config_set("maxmemory-policy", "allkeys-lru")
+        self.evicting = True
+        try:
+            client = redis_client(self.redis_url, timeouts=RedisTimeouts(socket=2.0, connect=1.0))
+            try:
+                self.eviction_seen += sum(1 for n in memory_policies(client) if n.evicts)
+                try:
+                    require_no_eviction(client, "locks")
+                except EvictingRedis:
+                    self.eviction_refused += 1
+            finally:
+                client.close()
+            time.sleep(seconds)
+        finally:
+            server.config_set("maxmemory-policy", "noeviction")
+            self.evicting = False
 
     def freeze_redis(self, seconds: float) -> None:
         """SIGSTOP the Redis primary for ``seconds``, then SIGCONT: a frozen server (a VM
@@ -478,7 +594,10 @@ class ChaosWorld:
     def close(self) -> None:
         if self.proxy is not None:
             self.proxy.stop()
-        for part in (self.sink, self.gateway, self.redis, self.replica, *self.retired):
+        if self.sandboxes is not None:
+            self.sandboxes.stop()
+        for part in (self.sink, self.gateway, self.redis, self.replica, self.budget_redis,
+                     *self.retired):
             if part is not None:
                 with contextlib.suppress(Exception):
                     part.stop()
@@ -499,6 +618,8 @@ class ChaosWorld:
             shutil.rmtree(self.state, ignore_errors=True)
 
     def seed_stock(self, requests: list[Request]) -> None:
+        if self.config.job_types:
+            return
         inventory = Inventory(self.db)
         for req in requests:
             if req.job_type == "reserve_inventory" and not req.poison:
@@ -507,18 +628,27 @@ class ChaosWorld:
 
     def worker_config(self, worker_id: int) -> WorkerConfig:
         cfg = self.config
+        typed = self.sandboxes is not None
         return WorkerConfig(
             worker_id=worker_id,
             database_url=self.database_url,
             redis_url=self.redis_url,
-            gateway_url=self.gateway.url,
-            smtp_host=self.sink.host,
-            smtp_port=self.sink.port,
+            gateway_url="" if typed else self.gateway.url,
+            smtp_host="" if typed else self.sink.host,
+            smtp_port=0 if typed else self.sink.port,
+            smtp_log_url="" if typed else self.sink.db_url,
+            job_types=cfg.job_types,
+            env=dict(self.sandboxes.env) if self.sandboxes is not None else {},
+            dagster_home=str((self.state / "dagster").resolve()) if cfg.dagster else "",
+            budget_redis_url=str(self.budget_redis.url) if self.budget_redis is not None else "",
+            crash_loop_limit=cfg.crash_loop_limit,
+            outbox_relay="poison-outbox" in cfg.faults,
             lease_seconds=cfg.lease_seconds,
-            lock_ttl=cfg.ttl,
-            lock_wait=cfg.ttl + 1.0,
             naive=cfg.naive,
-            threads=cfg.threads,
+            max_attempts=cfg.max_attempts,
+            retry_base=cfg.retry_base,
+            retry_cap=cfg.retry_cap,
+            threads=1 if cfg.dagster else cfg.threads,  # one run at a time per process
             settle_seconds=cfg.settle_seconds,
             gateway_timeout=cfg.GATEWAY_TIMEOUT if cfg.provider_faults else None,
             gateway_deadline=cfg.GATEWAY_DEADLINE if cfg.provider_faults else None,
@@ -555,8 +685,10 @@ class WorkerProcess:
         skewed = ["-m", "proof.skewed_clock", repr(config.clock_offset)] if config.clock_offset \
             else ["-m"]
         self.proc = subprocess.Popen(
-            [sys.executable, *skewed, "proof.chaos_worker", config.to_json()],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, env=env,
+            [sys.executable, *skewed,
+             "proof.chaos_dagster" if config.dagster_home else "proof.chaos_worker"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
+            env={**env, CONFIG_ENV: config.to_json()},
         )
         self._reader = threading.Thread(target=self._read, args=(events,), daemon=True)
         self._reader.start()
@@ -606,6 +738,8 @@ NO_ANSWER_HINT = "gave no answer"  # GatewayUnavailable after a dropped response
 
 
 def _lane(fault: str) -> str:
+    if fault == "budget-redis-down":
+        return "budget"
     return "provider" if fault in ("slow-provider", "drip-provider") else "servers"
 
 
@@ -635,7 +769,9 @@ class Coordinator:
         self.late: list[dict[str, Any]] = []
         self.dispatches = 0
         self.t0 = time.monotonic()
-        self.visibility = config.ttl + 1.0 + 3 * config.lease_seconds + 4.0
+        self.visibility = 4 * config.lease_seconds + 5.0
+        if config.dagster:  # a run retries inside itself, and starting one takes seconds
+            self.visibility += config.max_attempts * config.retry_cap + 20.0
         # every delivery must end (done or fail) within this, frozen workers aside: a worker
         # cut off from a server gives up within about one production lease (60 s)
         self.stall_bound = 60.0
@@ -661,7 +797,9 @@ class Coordinator:
         counts = {"redis-restart": cfg.redis_restarts, "pg-restart": cfg.pg_restarts,
                   "redis-freeze": cfg.redis_freezes, "redis-rollback": cfg.redis_rollbacks,
                   "redis-failover": cfg.redis_failovers, "slow-provider": cfg.provider_windows,
-                  "drip-provider": cfg.provider_windows}
+                  "drip-provider": cfg.provider_windows,
+                  "budget-redis-down": cfg.budget_outages,
+                  "evicting-redis": cfg.evicting_windows}
         # each background fault at evenly spread points, the faults interleaved so that one
         # waiting for another (they run one at a time) still strikes well inside the run
         self.due: dict[str, list[int]] = {}
@@ -680,10 +818,13 @@ class Coordinator:
                 1 for wid in range(cfg.workers) if self.world.clock_offset(wid))
         if "retention-travel" in cfg.faults:
             self.scheduled["retention-travel"] = 1
+        self.scheduled["crash-loop"] = sum(1 for r in self.requests if r.crash_loop)
+        self.scheduled["poison-outbox"] = int("poison-outbox" in cfg.faults)
         self.skew_struck: set[int] = set()  # skewed workers that finished a delivery
         self.replays: dict[int, int] = {}  # delivery -> DLQ record it replays (retention-travel)
         self.travelled: dict[str, Any] = {}  # the ledger just before the purge "days later"
         self.pending_kills: list[str] = []
+        self.evicted: list[int] = []  # evicting-redis: requests refused, replayed once restored
         self.armed: dict[str, tuple[str, str]] = {}  # tok -> (crash | stop, point)
         self.stopped_toks: set[str] = set()
         self.stop_log: list[dict[str, Any]] = []
@@ -701,15 +842,31 @@ class Coordinator:
         )
 
     def _dispatch(self, now: float) -> None:
+        if self.evicted and not self.world.evicting:
+            self._replay_evicted()
         for w in self.workers.values():
-            while w.state == "running" and len(w.inflight) < w.capacity:
+            # a crash-looping request runs alone in its process, as a run does in its own
+            # (its deaths must not count against neighbours on the process's other threads)
+            while (w.state == "running" and len(w.inflight) < w.capacity
+                   and not any(self.armed.get(t, ("", ""))[0] == "loop" for t in w.inflight)):
                 if self.ready and self.ready[0][0] <= now:
-                    did = heapq.heappop(self.ready)[2]
+                    item = heapq.heappop(self.ready)
+                    did = item[2]
+                    if w.inflight and self._loops(did):
+                        heapq.heappush(self.ready, item)
+                        break
                 elif self.fresh:
                     did = self.fresh.popleft()
+                    if w.inflight and self._loops(did):
+                        self.fresh.appendleft(did)
+                        break
                 else:
                     break
                 self._dispatch_one(w, did, now)
+
+    def _loops(self, did: int) -> bool:
+        req = self.requests[self.deliveries[did].request]
+        return req.crash_loop and req.id not in self.done_requests
 
     def _dispatch_one(self, w: WorkerProcess, did: int, now: float) -> None:
         d = self.deliveries[did]
@@ -722,19 +879,30 @@ class Coordinator:
         d.tok = f"{d.id}.{d.attempts}"
         self.by_tok[d.tok] = d
         msg: dict[str, Any] = {
-            "tok": d.tok, "req": req.id, "job_type": req.job_type,
+            "tok": d.tok, "req": req.id, "request_id": req.row_id, "job_type": req.job_type,
             "payload": req.payload, "attempt": d.attempts - 1,
         }
-        fresh = req.id not in self.done_requests and not req.poison
-        if self.pending_kills and fresh:
+        fresh = req.id not in self.done_requests and not req.poison and not req.crash_loop
+        if req.crash_loop and req.id not in self.done_requests:
+            # its handler kills the worker every time it runs (os._exit, out of memory)
+            msg["crash"] = "before_effect"
+            self.armed[d.tok] = ("loop", msg["crash"])
+        elif self.pending_kills and fresh:
             msg["crash"] = self.pending_kills.pop()
             self.armed[d.tok] = ("crash", msg["crash"])
-        elif (self.pending_stops and fresh and req.job_type != "reserve_inventory"
-              and not self._stop_under_way()):
+        elif (self.pending_stops and fresh and not self._stop_under_way()
+              and (self.config.job_types or req.job_type != "reserve_inventory")):
             self.pending_stops -= 1
             msg["stop"] = STOP_POINTS[self.stats["stops_armed"] % len(STOP_POINTS)]
             self.stats["stops_armed"] += 1
             self.armed[d.tok] = ("stop", msg["stop"])
+        budget_down = "budget-redis-down" in self._active_faults(now)
+        if (self.config.job_types and fresh and "crash" not in msg and (budget_down or (
+                "drop-response" in self.config.faults
+                and self.rng.random() < self.config.drop_rate))):
+            # the effect call's answer is lost (struck: "dropped"); while the budget's Redis is
+            # down every fresh delivery's is, so that retry decisions ask the dead budget
+            msg["drop"] = True
         req.faults.update(self._active_faults(now))
         if w.clock_offset:
             req.faults.add("clock-skew")
@@ -760,16 +928,35 @@ class Coordinator:
         while self.stop_at and self.stop_at[0] <= n:
             self.stop_at.pop(0)
             self.pending_stops += 1
+        self._start_due(n)
+
+    def _start_due(self, upto: float, *, after_settle: bool = False) -> bool:
+        """Start each background fault due by dispatch ``upto`` whose lane is free (one fault
+        per lane at a time; ``after_settle`` counts it as ``<fault>_after_settle``). True when
+        any background fault was still due."""
+        pending = False
         for name, due in self.due.items():
-            if due and due[0] <= n and _lane(name) not in self._running:
+            if not due:
+                continue
+            pending = True
+            if due[0] <= upto and _lane(name) not in self._running:
                 due.pop(0)
+                if after_settle:
+                    self.stats[f"{name}_after_settle"] += 1
                 self._start_restart(name, self._background_action(name))
+        return pending
 
     def _background_action(self, name: str) -> Callable[[], None]:
         cfg, world = self.config, self.world
-        outage = cfg.lease_seconds + cfg.ttl + 1.0  # past every lease and lock TTL
+        outage = 2 * cfg.lease_seconds + 1.0  # past every lease
         if name == "redis-restart":
             return lambda: world.redis.restart()
+        if name == "budget-redis-down":
+            return lambda: world.budget_outage(
+                3 * cfg.lease_seconds, longest=12 * cfg.lease_seconds,
+                struck=lambda: self.stats["budget_unavailable_decisions"] > 0)
+        if name == "evicting-redis":
+            return lambda: world.evicting_window(3 * cfg.lease_seconds)
         if name == "pg-restart":
             return world.restart_postgres
         if name == "redis-freeze":
@@ -841,17 +1028,21 @@ class Coordinator:
             w.stopped_delivery = d.id
             w.stopped_fence = self._key_state(d.request)[0]
             now = time.monotonic()
-            w.cont_at = now + self.config.lease_seconds + self.config.ttl + 0.5
+            w.cont_at = now + 2 * self.config.lease_seconds + 0.5
             if current:  # the broker's visibility timeout, made to pass now
                 self._requeue(d, now + self.config.lease_seconds + 0.1, "stopped")
             return
         if kind == "resumed":
             return
+        if kind == "dropped":
+            self.stats["drop-response"] += 1
+            self.requests[d.request].faults.add("drop-response")
+            return
         # done / fail: the worker is free again; a fault armed but not reached goes to the next
         unfired = None if self.config.naive else self.armed.pop(tok, None)  # naive acks first
         if unfired is not None and unfired[0] == "crash":
             self.pending_kills.append(unfired[1])
-        elif unfired is not None:
+        elif unfired is not None and unfired[0] == "stop":
             self.pending_stops += 1
         sent = w.inflight.pop(tok, None)
         if sent is not None and tok not in self.stopped_toks:
@@ -896,21 +1087,45 @@ class Coordinator:
             for name in ("slow-provider", "drip-provider"):
                 if name in req.faults:  # dispatched while the provider misbehaved
                     self.stats[f"{name}_felt"] += 1
-        if msg.get("kind") == "permanent":
-            self._dead_letter(d, msg, "permanent")
+        if msg.get("run_id") is not None and msg.get("t") == "fail":
+            # --dagster: the run failed; the run-failure sensor's path recorded it (or did not:
+            # then the checker finds the request lost, which is the point)
+            self.stats["dagster_runs_failed"] += 1
+            self.stats["dagster_runs_dead_lettered"] += int(bool(msg.get("dead_lettered")))
+            self._settle(d, "dead_lettered")
             return
-        if msg.get("error") == "PaymentNotSettled":
-            d.waits += 1  # waiting out a settle window is not a failed attempt
-        if d.attempts - d.waits >= self.config.max_attempts:
+        if error == "EvictingRedis":
+            # a worker started while the policy could evict refused it at first use: dead-
+            # lettered (permanent until the configuration changes), replayed once restored
+            req.faults.add("evicting-redis")
+            self.stats["eviction_dead_letters"] += 1
+            self._dead_letter(d, msg, "permanent")
+            if d.request not in self.evicted:
+                self.evicted.append(d.request)
+            return
+        if (error == "StoredFailure" and "crash-loop" in self.config.faults
+                and self.settled_as(d.request, "dead_lettered")):
+            # a broker's copy of a message whose key already failed: its record is open (a
+            # second write would set the crash_loop record's class to the copy's permanent)
+            self._settle(d, "dead_lettered")
+            return
+        if msg.get("kind") == "permanent" or self.config.naive:
+            self._dead_letter(d, msg, str(msg.get("dlq_class") or "permanent")
+                              if msg.get("kind") == "permanent" else "unknown")
+            return
+        if not msg.get("retry"):  # the step's failure path gave up: the DLQ takes it
             self._dead_letter(d, msg, "transient" if msg.get("kind") == "transient" else "unknown")
             return
-        cap = self.config.retry_cap
-        delay = self.rng.uniform(0, min(cap, self.config.retry_base * 2 ** d.attempts))
-        if msg.get("retry_after"):
-            delay = max(delay, min(max(cap, self.config.settle_seconds + 0.5),
-                                   float(msg["retry_after"])))
+        if BUDGET_UNAVAILABLE in str(msg.get("reason") or ""):
+            self.stats["budget_unavailable_decisions"] += 1
+            req.faults.add("budget-redis-down")
+        if msg.get("error") == "PaymentNotSettled":
+            d.waits += 1
         d.retries += 1
-        self._requeue(d, time.monotonic() + delay, f"retry:{error}")
+        self._requeue(d, time.monotonic() + float(msg.get("delay") or 0.0), f"retry:{error}")
+
+    def settled_as(self, request: int, how: str) -> bool:
+        return any(d.request == request and d.settled == how for d in self.deliveries)
 
     def _requeue(self, d: Delivery, ready_at: float, why: str) -> None:
         d.tok = None
@@ -924,9 +1139,10 @@ class Coordinator:
 
     def _dead_letter(self, d: Delivery, msg: dict[str, Any], error_class: str) -> None:
         req = self.requests[d.request]
+        self.stats[f"gave_up:{msg.get('reason') or msg.get('outcome') or error_class}"] += 1
         info = FailureInfo(
             job_type=req.job_type,
-            dedupe_key=dedupe_key_for(req.job_type, request_id=req.id, idempotency_key=None,
+            dedupe_key=dedupe_key_for(req.job_type, request_id=req.row_id, idempotency_key=None,
                                       run_id="", step=""),
             idempotency_key=self._key_for(req),
             error_type=str(msg.get("error")),
@@ -934,10 +1150,11 @@ class Coordinator:
             run_id=f"chaos-{msg.get('tok')}",
             error_class=FailureClass(error_class),
             step=f"{req.job_type}_op",
-            request_id=req.id,
+            request_id=req.row_id,
             payload=req.payload,
             correlation_id=f"chaos-req-{req.id}",
-            tags={tag.CHAOS: "true", "attempts": str(d.attempts)},
+            tags={tag.CHAOS: "true", "attempts": str(d.attempts),
+                  "decision": str(msg.get("reason") or msg.get("outcome") or "")},
         )
         for _ in range(20):  # the app DB may itself be restarting
             try:
@@ -951,13 +1168,21 @@ class Coordinator:
     def _worker_gone(self, w: WorkerProcess) -> None:
         if w.state == "dead":
             return
+        looped = [t for t in w.sent if self.armed.get(t, ("", ""))[0] == "loop"]
+        for t in looped:
+            self.armed.pop(t)
+            self.requests[self.by_tok[t].request].faults.add("crash-loop")
+            self.stats["crash-loop_deaths"] += 1
+        for tok in w.inflight:  # a neighbour on another thread of the process died with it
+            if tok not in looped and self.by_tok[tok].tok == tok:
+                self.requests[self.by_tok[tok].request].struck["died_with_worker"] += 1
         killed = [t for t in w.sent if self.armed.get(t, ("", ""))[0] == "crash"]
         for t in killed:
             point = self.armed.pop(t)[1]
             self.requests[self.by_tok[t].request].faults.add(f"kill:{point}")
             self.requests[self.by_tok[t].request].struck[f"kill:{point}"] += 1
             self.stats["kills"] += 1
-        if not killed and w.state != "starting":
+        if not killed and not looped and w.state != "starting":
             self.stats["unplanned_deaths"] += 1
         for tok in w.inflight:  # a stop armed on a sibling thread's delivery never struck
             if self.armed.get(tok, ("", ""))[0] == "stop":
@@ -1002,6 +1227,10 @@ class Coordinator:
                         self.stats["visibility_timeouts"] += 1
                         self._requeue(d, now, "visibility_timeout")
                     w.overdue.add(tok)
+
+    def _by_row(self, row_id: int) -> Request:
+        """The request the stores know by ``row_id`` (:attr:`Request.row_id`)."""
+        return self.requests[row_id - 1]
 
     @staticmethod
     def _key_for(req: Request) -> str | None:
@@ -1073,9 +1302,14 @@ class Coordinator:
             if progress is not None and now - last_progress > 1.0:
                 progress(self)
                 last_progress = now
-            if self.unsettled() == 0 and self._quiet():
+            if self.unsettled() == 0 and self._quiet() and not self._strike_leftovers():
                 return True
         return False
+
+    def _strike_leftovers(self) -> bool:
+        """Background faults still due when every delivery has settled (a run faster than its
+        fault windows) strike now, so a fast machine skips none. True while any is left."""
+        return self._start_due(math.inf, after_settle=True)
 
     def _time_travel(self) -> None:
         """retention-travel: the reconciliation run (retention purge included) runs
@@ -1099,13 +1333,13 @@ class Coordinator:
                 kept.append(key)
             self.dlq.record_failure(FailureInfo(
                 job_type=req.job_type,
-                dedupe_key=dedupe_key_for(req.job_type, request_id=req.id,
+                dedupe_key=dedupe_key_for(req.job_type, request_id=req.row_id,
                                           idempotency_key=None, run_id="", step=""),
                 error_type="WorkerLost",
                 message="the worker died after the key completed, before the step reported"
                         " success (planted by retention-travel)",
                 run_id=f"chaos-travel-{req.id}", error_class=FailureClass.TRANSIENT,
-                step=f"{req.job_type}_op", idempotency_key=key, request_id=req.id,
+                step=f"{req.job_type}_op", idempotency_key=key, request_id=req.row_id,
                 payload=None if n % 2 else req.payload, correlation_id=f"chaos-req-{req.id}",
                 tags={tag.CHAOS: "true"},
             ), actor="chaos")
@@ -1129,19 +1363,37 @@ class Coordinator:
         if open_before:
             self.stats["retention-travel"] += 1
         replay = [r for r in self.dlq.list_records(status=[DlqStatus.OPEN])
-                  if r.request_id is not None and not self.requests[int(r.request_id)].poison]
+                  if r.request_id is not None and not self._by_row(int(r.request_id)).poison]
         self.dlq.request_replay([r.id for r in replay], actor="chaos",
                                 idempotency=IdempotencyStore(self.world.db),
                                 reason="retention-travel: replayed after the purge")
         for record in self.dlq.claim_for_replay(len(replay), actor="chaos"):
             assert record.request_id is not None
-            req = self.requests[int(record.request_id)]
+            req = self._by_row(int(record.request_id))
             req.faults.add("retention-travel")
             d = Delivery(len(self.deliveries), req.id)
             self.deliveries.append(d)
             self.replays[d.id] = record.id
             self.fresh.append(d.id)
             self.stats["travel_replayed"] += 1
+
+    def _replay_evicted(self) -> None:
+        """evicting-redis: the policy is ``noeviction`` again; the operator replays what the
+        refusal dead-lettered (``sekali dlq replay``: the key reset, the record replaying)."""
+        wanted = {self.requests[r].row_id for r in self.evicted}
+        self.evicted.clear()
+        records = [r for r in self.dlq.list_records(status=[DlqStatus.OPEN])
+                   if r.request_id is not None and int(r.request_id) in wanted]
+        self.dlq.request_replay([r.id for r in records], actor="chaos",
+                                idempotency=IdempotencyStore(self.world.db),
+                                reason="evicting-redis: maxmemory-policy noeviction again")
+        for record in self.dlq.claim_for_replay(len(records), actor="chaos"):
+            assert record.request_id is not None
+            d = Delivery(len(self.deliveries), int(record.request_id) - 1)
+            self.deliveries.append(d)
+            self.replays[d.id] = record.id
+            self.fresh.append(d.id)
+            self.stats["eviction_replayed"] += 1
 
     def fault_counts(self) -> dict[str, int]:
         """Planned vs struck per fault: a fault still pending when the run settled never struck,
@@ -1153,6 +1405,8 @@ class Coordinator:
             **{name: len(due) for name, due in self.due.items()},
             "clock-skew": self.scheduled.get("clock-skew", 0) - len(self.skew_struck),
             "retention-travel": 1 - self.stats["retention-travel"],
+            "crash-loop": self.scheduled["crash-loop"] - self.stats["crash-loop"],
+            "poison-outbox": self.scheduled["poison-outbox"] - self.stats["poison-outbox"],
         }
         out: dict[str, int] = {}
         for name, planned in self.scheduled.items():
@@ -1164,7 +1418,7 @@ class Coordinator:
     def _quiet(self) -> bool:
         """No worker still stopped or working on an old delivery, no restart under way: their
         late writes must happen inside the run, where the checker sees them."""
-        return not self._running and all(
+        return not self._running and not self.evicted and all(
             w.state != "stopped" and not w.inflight for w in self.workers.values()
         )
 
@@ -1287,14 +1541,22 @@ def gather_evidence(
 
 
 def check(world: ChaosWorld, coordinator: Coordinator) -> tuple[list[RequestVerdict], list[str]]:
-    """Judge the run from the stores and the sandbox's records. Returns verdicts, violations."""
-    evidence = gather_evidence(world.db, world.gateway.charges(), world.sink.messages(),
-                               purged_records=coordinator.travelled)
+    """Judge the run from the stores and the sandbox's records. Returns verdicts, violations.
+    A ``--job-type`` run counts effects through each job type's lookup hook only."""
     retries: Counter[int] = Counter()
     for d in coordinator.deliveries:
         retries[d.request] += d.retries
+    if world.sandboxes is not None:
+        count = effect_counter(job_types_of(world.config.job_types, ChaosConfigError),
+                               world.sandboxes.clients())
+        evidence = gather_evidence(world.db, [], [], purged_records=coordinator.travelled)
+        return judge(coordinator.requests, evidence, naive=False, retries=retries,
+                     stats=coordinator.stats, count=count,
+                     crash_loop_limit=world.config.crash_loop_limit)
+    evidence = gather_evidence(world.db, world.gateway.charges(), world.sink.messages(),
+                               purged_records=coordinator.travelled)
     return judge(coordinator.requests, evidence, naive=world.config.naive, retries=retries,
-                 stats=coordinator.stats)
+                 stats=coordinator.stats, crash_loop_limit=world.config.crash_loop_limit)
 
 
 def judge(
@@ -1307,11 +1569,18 @@ def judge(
     request_ids: dict[int, int] | None = None,
     correlation_prefix: str = "chaos-req-",
     now: float | None = None,
+    count: Callable[[str, dict[str, Any]], int] | None = None,
+    crash_loop_limit: int | None = None,
 ) -> tuple[list[RequestVerdict], list[str]]:
     """The invariants over ``evidence``, per workload request: at most one effect, none lost,
     no stale write, poison permanent and never retried. ``request_ids`` maps a workload id to
     the request id the stores know it by (default: the same); the provider knows it by
-    ``correlation_prefix`` + workload id. Unplanned takeovers are counted into ``stats``."""
+    ``correlation_prefix`` + workload id. Unplanned takeovers are counted into ``stats``.
+    ``count(job_type, payload)``, when given, is the effects the downstream holds for the
+    request's intent (a ``--job-type`` run: through the job type's lookup hook), in place of
+    the built-in mix's own counting. A crash-looping request must be dead-lettered as
+    ``crash_loop`` with no effect; no other request may be, unless its workers died on it more
+    than ``crash_loop_limit`` times (kills, stops, deaths beside a crasher)."""
     now = time.time() if now is None else now
     violations: list[str] = []
     charges, mails, records = evidence.charges, evidence.mails, evidence.records
@@ -1319,7 +1588,7 @@ def judge(
     orders, res_fences, refunds = evidence.orders, evidence.res_fences, evidence.refunds
     verdicts = []
     for req in requests:
-        rid = request_ids.get(req.id, -1) if request_ids is not None else req.id
+        rid = request_ids.get(req.id, -1) if request_ids is not None else req.row_id
         mine = attempts_by_id.get(rid, [])
         cid = f"{correlation_prefix}{req.id}"
         jt = get_job_type(req.job_type)
@@ -1328,13 +1597,22 @@ def judge(
         except ValidationError:
             key = None
         resends = allowed_resends = 0
-        if req.job_type == "charge_payment":
+        if count is not None:  # --job-type: what the downstream holds, through the lookup hook
+            try:
+                effects = count(req.job_type, req.payload)
+            except Exception as exc:  # noqa: BLE001 - the verdict says it could not be asked
+                effects = 0
+                violations.append(f"lookup failed: request {req.id} ({req.job_type}): "
+                                  f"{type(exc).__name__}: {exc}")
+        elif req.job_type == "charge_payment":
             effects = len(charges.get(cid, []))
         elif req.job_type == "send_email":
             sent = mails.get(cid, [])
             effects = len({m["message_id"] for m in sent})
             resends = len(sent) - effects
-            # the windows for a resend, one per fault that struck there: the holder died after
+            # a retried or taken-over mail is looked up in the sink's record first (as the
+            # sandbox configures it); a resend needs the first send still in flight then. The
+            # windows for one, one per fault that struck there: the holder died after
             # the SMTP server accepted and before the record (kill:after_effect), or froze
             # after its last lease check (stop:before_effect sits inside the mailer, past
             # confirm_lease; stop:after_effect past the send) and was taken over, or the app
@@ -1382,6 +1660,18 @@ def judge(
         if lost:
             violations.append(f"lost: {tag} neither completed with its effect, dead-lettered, "
                               f"nor live (status {status}, effects {effects})")
+        if req.crash_loop:
+            if dl is None or dl.error_class != "crash_loop" or effects:
+                violations.append(f"crash loop not dead-lettered as crash_loop without an "
+                                  f"effect: {tag} (class {dl and dl.error_class}, {effects})")
+            else:
+                stats["crash-loop"] += 1
+        elif dl is not None and dl.error_class == "crash_loop":
+            deaths = sum(n for fault, n in req.struck.items()
+                         if fault.startswith(("kill:", "stop:", "died_with_worker")))
+            if crash_loop_limit is None or deaths <= crash_loop_limit:
+                violations.append(f"dead-lettered as crash_loop after {deaths} death(s), not "
+                                  f"over the limit {crash_loop_limit}: {tag}")
         if req.poison:
             if dl is None or dl.error_class != "permanent":
                 violations.append(f"poison not dead-lettered as permanent: {tag}")
@@ -1508,7 +1798,15 @@ def run_chaos(config: ChaosConfig) -> ChaosReport:
             bar.end()
         if not config.naive and "slow-provider" in config.faults:
             coordinator.stats["reconciled_double_charges"] = reconcile_double_charges(world)
+        outbox_violations: list[str] = []
+        if world.outbox_events:  # the relays' dead claims expire, then one more pass
+            chaos_outbox.drain(world.db, config.lease_seconds,
+                               time.monotonic() + 6 * config.lease_seconds + 10)
+            outbox_stats, outbox_violations = chaos_outbox.judge_outbox(
+                world.db, world.outbox_events)
+            coordinator.stats.update(outbox_stats)
         verdicts, violations = check(world, coordinator)
+        violations.extend(outbox_violations)
         if not finished:
             violations.insert(0, f"the run did not settle within --timeout {config.timeout}s "
                                  f"({coordinator.unsettled()} deliveries unsettled)")
@@ -1522,10 +1820,17 @@ def run_chaos(config: ChaosConfig) -> ChaosReport:
                               f"over the bound of {coordinator.stall_bound:.0f}s")
         if "clock-skew" in config.faults:
             stats["clock-skew"] = len(coordinator.skew_struck)
-        stats["gateway_charges"] = len(world.gateway.charges())
-        stats["mails"] = len(world.sink.messages())
+        if world.sandboxes is None:
+            stats["gateway_charges"] = len(world.gateway.charges())
+            stats["mails"] = len(world.sink.messages())
         if world.pg is not None:
             stats["pg_restarts_seen"] = world.pg_restarts_seen()
+        if "evicting-redis" in config.faults:
+            stats["eviction_refused"] = world.eviction_refused
+            stats["eviction_seen"] = world.eviction_seen
+            if world.eviction_refused < stats.get("evicting-redis", 0):
+                violations.append("evicting-redis: a client's first use did not refuse the "
+                                  "evicting Redis")
         stats.update(coordinator.fault_counts())
         # requests that should have exactly one effect: neither poison nor dead-lettered
         clean = [v for v in verdicts if not v.poison and not v.dead_lettered]

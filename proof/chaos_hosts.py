@@ -70,7 +70,6 @@ logger = logging.getLogger(__name__)
 
 PARTITION_KINDS = ("worker-store", "worker-provider", "control-worker")
 CORRELATION_PREFIX = "chaos-hosts-"
-SETTLED = ("completed", "failed")
 RUN_DONE = ("SUCCESS", "FAILURE", "CANCELED")
 
 
@@ -333,7 +332,7 @@ def run_hosts_chaos(
         raise ChaosConfigError(f"--topology hosts {exc}") from exc
     started = time.monotonic()
     requests = build_workload(ChaosConfig(requests=config.requests, seed=config.seed, faults=()))
-    root = Path(tempfile.mkdtemp(prefix="sekali-chaos-hosts-", dir="/tmp"))
+    root = Path(tempfile.mkdtemp(prefix="sekali-chaos-hosts-", dir="/tmp"))  # nosec B108: mkdtemp: a fresh 0700 folder
     root.chmod(0o755)  # the private PostgreSQL runs as user postgres
     cluster = Cluster(root / "cluster")
     violations: list[str] = []

@@ -1,14 +1,20 @@
 """One worker process of the chaos harness (:mod:`proof.chaos`): the consumer side of a broker.
 
-Started as ``python -m proof.chaos_worker CONFIG_JSON``. It reads one delivery per line (JSON)
+Started as ``python -m proof.chaos_worker`` with its configuration (JSON) in the environment
+variable ``SEKALI_CHAOS_WORKER_CONFIG``: it holds the database and Redis URLs with their
+passwords, which a command line would show every local user. It reads one delivery per line (JSON)
 on stdin and writes JSON lines on stdout: ``start`` when it takes a delivery, ``done`` or
 ``fail`` when it ends, ``stopping`` just before it freezes itself with SIGSTOP. Nothing else goes
 to stdout; logs go to stderr.
 
-Guarded mode runs the real job code path, :func:`engine.runtime.execute_request`, under a
-:class:`resources.locks.RedisLock` on the job's resource, and reports ``done`` only after it
-returned (the ack follows the record). Naive mode is what the defences replace: it acks first,
-then does the effect with no idempotency claim, no lock and no ``Idempotency-Key``.
+Guarded mode runs each delivery through the step entry the per-request Dagster op calls,
+:func:`engine.step.run_step` (admission, claim, concurrency slots, handler, the failure path with
+the retry policy and the shared retry budget, the request settled), with no lock of its own
+around it, and reports ``done`` only after it returned (the ack follows the record); a failure
+is reported with the path's decision (retry after its delay, or give up), which the coordinator
+follows as Dagster follows ``RetryRequested``/``Failure``. Naive mode is what the defences
+replace: it acks first, then does the effect with no idempotency claim and no
+``Idempotency-Key``.
 
 Fault hooks, chosen per delivery by the coordinator (so a run is reproducible from its seed):
 
@@ -17,12 +23,13 @@ Fault hooks, chosen per delivery by the coordinator (so a run is reproducible fr
   type's own ``SEKALI_CRASH_AT`` point inside the transaction) or ``after_record`` (key
   completed, ``done`` not yet reported).
 - ``stop``: SIGSTOP itself at ``before_effect`` or ``after_effect``; the coordinator sends
-  SIGCONT once the lease and the lock TTL have run out, so every later write is a stale one.
+  SIGCONT once the lease has run out, so every later write is a stale one.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -31,8 +38,8 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from email.utils import make_msgid
 from pathlib import Path
 from typing import Any
@@ -41,16 +48,15 @@ from sqlalchemy import text
 
 from engine.downstreams import ClientOptions
 from engine.registry import get_job_type
-from engine.runtime import execute_request
 from engine.services import Services
+from engine.step import StepAttempt, run_step
 from pipelines.domain.mail import SMTP
 from pipelines.domain.payments import GATEWAY
 from pipelines.jobs import email, payment
-from resources.errors import ValidationError
-from resources.locks import MemoryLockStats, RedisLock
-from resources.retry import classify
+from proof.chaos_outbox import Relay
+from resources.retry import RetryBudget, RetryPolicy, classify, failure_class
 from resources.storage.redis import redis_client
-from resources.storage.settings import RedisTimeouts, Settings
+from resources.storage.settings import SETTLE_ENV, RedisTimeouts, Settings
 
 logger = logging.getLogger(__name__)
 
@@ -71,9 +77,11 @@ class WorkerConfig:
     smtp_host: str
     smtp_port: int
     lease_seconds: float
-    lock_ttl: float
-    lock_wait: float
     naive: bool
+    # the retry policy of the run (the shipped RetryPolicy, with a chaos run's short delays)
+    max_attempts: int = 8
+    retry_base: float = 0.1
+    retry_cap: float = 1.5
     threads: int = 1
     # the sandbox commits a charge before it answers: a second is past its longest processing
     settle_seconds: float = 1.0
@@ -83,13 +91,31 @@ class WorkerConfig:
     gateway_deadline: float | None = None
     # this process's wall clock is off by this much (clock-skew; see proof.skewed_clock)
     clock_offset: float = 0.0
+    # --job-type runs: the job types under test, whose declared downstreams get the generic
+    # fault points (HookedClient), and the environment that moves their sandboxes
+    job_types: tuple[str, ...] = ()
+    env: dict[str, str] = field(default_factory=dict)
+    # --dagster: each delivery is a run of the job type's per-request Dagster job on the
+    # instance in this DAGSTER_HOME; a failed run goes to the DLQ through the sensor's path
+    dagster_home: str = ""
+    # budget-redis-down: the retry budget on a Redis of its own, which the fault kills
+    budget_redis_url: str = ""
+    # the mail sink's record (SEKALI_SMTP_LOG_URL, as the sandbox configures it): a retried or
+    # taken-over mail is looked up by Message-ID before it is sent again
+    smtp_log_url: str = ""
+    # crash-loop: the deaths mid-run a key may cause (None: SEKALI_CRASH_LOOP_LIMIT's)
+    crash_loop_limit: int | None = None
+    # poison-outbox: the process runs the outbox relay beside its deliveries
+    outbox_relay: bool = False
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__)
 
     @classmethod
     def from_json(cls, raw: str) -> WorkerConfig:
-        return cls(**json.loads(raw))
+        data = json.loads(raw)
+        data["job_types"] = tuple(data.get("job_types", ()))
+        return cls(**data)
 
 
 class _Channel:
@@ -171,11 +197,13 @@ class Hooks(threading.local):
         self.tok = ""
         self.crash: str | None = None
         self.stop: str | None = None
+        self.drop = False
 
     def arm(self, msg: dict[str, Any], *, job_hooks: bool) -> None:
         self.tok = msg["tok"]
         self.crash = msg.get("crash")
         self.stop = msg.get("stop")
+        self.drop = bool(msg.get("drop"))
         if self.crash == "after_effect" and job_hooks and msg["job_type"] == "reserve_inventory":
             # inside the reservation transaction only the job type's own hook can strike; it
             # reads the (process-wide) environment, so another thread may hit it first: the
@@ -222,37 +250,136 @@ class HookedMailer:
         self.inner.send(**kwargs)
         self.hooks.point("after_effect")
 
+    def find_messages(self, message_id: str) -> Any:
+        return self.inner.find_messages(message_id)
+
+
+class DroppedAnswer(ConnectionResetError):
+    """drop-response: the downstream took the call and its answer never came back."""
+
+
+class HookedClient:
+    """Any declared downstream's client with the fault points around its effect calls: every
+    public method but the ones the job type's lookup hook reads with (``reads``). A drop
+    armed for the delivery raises :class:`DroppedAnswer` after the effect call returned."""
+
+    def __init__(self, inner: Any, hooks: Hooks, reads: frozenset[str]) -> None:
+        self.inner = inner
+        self.hooks = hooks
+        self.reads = reads
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self.inner, name)
+        if not callable(value) or name.startswith("_") or name in self.reads:
+            return value
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self.hooks.point("before_effect")
+            answer = value(*args, **kwargs)
+            self.hooks.point("after_effect")
+            if self.hooks.drop:
+                self.hooks.drop = False
+                self.hooks.channel.send("dropped", self.hooks.tok, call=name)
+                raise DroppedAnswer(f"{name}: the downstream gave no answer (drop-response)")
+            return answer
+
+        return call
+
+
+class _Recorder:
+    """Delegates to a client and writes down the methods called on it."""
+
+    def __init__(self, inner: Any, seen: set[str]) -> None:
+        self.inner = inner
+        self.seen = seen
+
+    def __getattr__(self, name: str) -> Any:
+        value = getattr(self.inner, name)
+        if callable(value) and not name.startswith("_"):
+            self.seen.add(name)
+        return value
+
+
+def lookup_reads(job_type: str, clients: dict[str, Any]) -> frozenset[str]:
+    """The client methods ``job_type``'s lookup hook calls, found by calling it once for its
+    example (against the sandbox, which holds nothing for it yet)."""
+    jt = get_job_type(job_type)
+    seen: set[str] = set()
+    if jt.lookup is None or not jt.example:
+        return frozenset()
+    try:
+        clean = jt.validate(dict(jt.example))
+        jt.lookup(lambda name: _Recorder(clients[name], seen), jt.key_for(clean), clean)
+    except Exception:  # noqa: BLE001 - the reads recorded before it failed are what we know
+        logger.warning("the lookup of %s failed on its example", job_type, exc_info=True)
+    return frozenset(seen)
+
+
+Deliveries = Callable[["WorkerConfig", dict[str, Any]], Any]
+"""Builds what runs each delivery instead of the step entry (``deliver(msg) -> (event, tok,
+fields)``): :mod:`proof.chaos_dagster`'s real Dagster runs."""
+
 
 class Worker:
     """Runs deliveries on ``threads`` consumer threads (a broker consumer with that prefetch).
     Every thread shares one :class:`engine.services.Services`, as the threads of a run
     worker would."""
 
-    def __init__(self, config: WorkerConfig) -> None:
+    def __init__(self, config: WorkerConfig, deliveries: Deliveries | None = None) -> None:
         self.config = config
         self.channel = _Channel()
         self.hooks = Hooks(self.channel)
-        settings = Settings(
-            database_url=config.database_url,
-            redis_url=config.redis_url,
-            dagster_home=Path("."),
-            gateway_url=config.gateway_url,
-            smtp_host=config.smtp_host,
-            smtp_port=config.smtp_port,
-            gateway_settle_seconds=config.settle_seconds,
-        )
+        if config.job_types:  # the sandboxes' addresses, as the coordinator moved them
+            os.environ.update(config.env)
+            os.environ.update({"DATABASE_URL": config.database_url,
+                               "REDIS_URL": config.redis_url,
+                               SETTLE_ENV: str(config.settle_seconds)})
+            settings = dataclasses.replace(
+                Settings.from_env(), database_url=config.database_url,
+                redis_url=config.redis_url, dagster_home=Path("."),
+                gateway_settle_seconds=config.settle_seconds,
+            )
+        else:
+            settings = Settings(
+                database_url=config.database_url,
+                redis_url=config.redis_url,
+                dagster_home=Path("."),
+                gateway_url=config.gateway_url,
+                smtp_host=config.smtp_host,
+                smtp_port=config.smtp_port,
+                smtp_log_url=config.smtp_log_url or None,
+                gateway_settle_seconds=config.settle_seconds,
+            )
         gateway = ClientOptions(
             timeout=config.gateway_timeout, deadline=config.gateway_deadline,
             extra={"send_idempotency_key": not config.naive},
         )
         self.services = Services.from_settings(
-            settings, lease_seconds=config.lease_seconds, options={GATEWAY.name: gateway}
+            settings, lease_seconds=config.lease_seconds, options={GATEWAY.name: gateway},
+            retry_policy=RetryPolicy(max_attempts=config.max_attempts,
+                                     base_delay=config.retry_base, max_delay=config.retry_cap,
+                                     max_unknown_attempts=config.max_attempts),
         )
+        if config.budget_redis_url:
+            self.services.retry_budget = RetryBudget(
+                redis_client(config.budget_redis_url, timeouts=RedisTimeouts(socket=2.0,
+                                                                             connect=1.0)))
+        if config.crash_loop_limit is not None:
+            self.services.crash_loop_limit = config.crash_loop_limit
         Hooks.gate.wrap(self.services.db)  # the store and the attempts share this Database
         clients = self.services.clients
-        clients[GATEWAY.name] = HookedGateway(clients[GATEWAY.name], self.hooks)
-        clients[SMTP.name] = HookedMailer(clients[SMTP.name], self.hooks)
-        self.redis = redis_client(config.redis_url, timeouts=RedisTimeouts(connect=1.0))
+        if config.job_types:
+            reads: dict[str, frozenset[str]] = {}
+            for name in config.job_types:
+                found = lookup_reads(name, clients)
+                for downstream in get_job_type(name).clients:
+                    reads[downstream.name] = reads.get(downstream.name, frozenset()) | found
+            for downstream_name, read in reads.items():
+                clients[downstream_name] = HookedClient(clients[downstream_name], self.hooks, read)
+        else:
+            clients[GATEWAY.name] = HookedGateway(clients[GATEWAY.name], self.hooks)
+            clients[SMTP.name] = HookedMailer(clients[SMTP.name], self.hooks)
+        self.dagster = deliveries(config, clients) if deliveries is not None else None
 
     def handle(self, msg: dict[str, Any]) -> None:
         self.hooks.arm(msg, job_hooks=not self.config.naive)
@@ -261,59 +388,49 @@ class Worker:
         try:
             if self.config.naive:
                 self._naive(msg)
+            elif self.dagster is not None:
+                event, tok, fields = self.dagster.deliver(msg)
+                if event == "done":
+                    self.hooks.point("after_record")
+                self.channel.send(event, tok, **fields)
             else:
                 self._guarded(msg)
         finally:
             if self.hooks.crash == "after_effect":
                 os.environ["SEKALI_CRASH_AT"] = ""
 
-    # -- guarded: the real code path -------------------------------------------------------
-
-    def _lock_name(self, job_type: str, payload: dict[str, Any]) -> str | None:
-        jt = get_job_type(job_type)
-        try:
-            return f"chaos:{job_type}:{jt.resource_id(jt.validate(dict(payload)))}"
-        except ValidationError:
-            return None  # the runtime validates again, records the attempt and raises
+    # -- guarded: the shipped step entry ----------------------------------------------------
 
     def _guarded(self, msg: dict[str, Any]) -> None:
         tok = msg["tok"]
+        delivery = tok.split(".")[0]  # one delivery is one run; its redeliveries are attempts
         try:
-            name = self._lock_name(msg["job_type"], msg["payload"])
-            lock = (
-                RedisLock(
-                    self.redis, name, ttl=self.config.lock_ttl,
-                    blocking_timeout=self.config.lock_wait, observer=MemoryLockStats(),
-                )
-                if name is not None
-                else None
+            result = run_step(
+                self.services,
+                StepAttempt(run_id=f"chaos-{delivery}", step=f"{msg['job_type']}_op",
+                            attempt=int(msg.get("attempt", 0))),
+                job_type=msg["job_type"],
+                payload=msg["payload"],
+                request_id=int(msg["request_id"]),
+                correlation_id=f"chaos-req-{msg['req']}",
             )
-            if lock is not None:
-                lock.acquire()
-            try:
-                self.hooks.point("after_lock")
-                outcome = execute_request(
-                    msg["job_type"],
-                    msg["payload"],
-                    services=self.services,
-                    run_id=f"chaos-{tok}",
-                    step=f"{msg['job_type']}_op",
-                    attempt=int(msg.get("attempt", 0)),
-                    correlation_id=f"chaos-req-{msg['req']}",
-                    request_id=int(msg["req"]),
-                )
-            finally:
-                if lock is not None:
-                    lock.release()
-        except Exception as exc:  # noqa: BLE001 - every failure is reported to the broker
+        except Exception as exc:  # noqa: BLE001 - out of the step: Dagster fails the run
+            self.channel.send("fail", tok, error=type(exc).__name__, kind=str(classify(exc)),
+                              message=str(exc)[:500], retry=False, outcome="run_failed")
+            return
+        if result.error is not None:
+            error, decision = result.error, result.decision
+            assert decision is not None
             self.channel.send(
-                "fail", tok, error=type(exc).__name__, kind=str(classify(exc)),
-                message=str(exc)[:500],
-                retry_after=getattr(exc, "retry_after", None),
+                "fail", tok, error=type(error).__name__, kind=str(decision.error_class),
+                message=str(error)[:500], retry=decision.retry, delay=decision.delay,
+                reason=decision.reason, outcome=str(result.recorded),
+                dlq_class=str(failure_class(error)),
             )
             return
+        assert result.outcome is not None
         self.hooks.point("after_record")
-        self.channel.send("done", tok, status=outcome.status, fence=outcome.fence)
+        self.channel.send("done", tok, status=result.outcome.status, fence=result.outcome.fence)
 
     # -- naive: ack first, no claim, no lock, no key ------------------------------------------
 
@@ -362,14 +479,17 @@ class Worker:
             raise ValueError(f"the naive worker has no effect for {job_type!r}")
 
 
-def main(argv: list[str] | None = None) -> int:
+CONFIG_ENV = "SEKALI_CHAOS_WORKER_CONFIG"
+
+
+def main(argv: list[str] | None = None, deliveries: Deliveries | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    config = WorkerConfig.from_json(args[0])
+    config = WorkerConfig.from_json(args[0] if args else os.environ[CONFIG_ENV])
     logging.basicConfig(
         level=logging.WARNING, stream=sys.stderr,
         format=f"%(asctime)s w{config.worker_id} %(levelname)s %(name)s: %(message)s",
     )
-    worker = Worker(config)
+    worker = Worker(config, deliveries)
     inbox: queue.Queue[dict[str, Any] | None] = queue.Queue()
 
     def consume() -> None:
@@ -385,6 +505,9 @@ def main(argv: list[str] | None = None) -> int:
                for i in range(max(1, config.threads))]
     for t in threads:
         t.start()
+    if config.outbox_relay:
+        Relay(worker.services.db, config.lease_seconds,
+              on_error=lambda exc: logger.warning("outbox relay: %s", exc)).start()
     worker.channel.send("ready", "")
     for line in sys.stdin:
         line = line.strip()

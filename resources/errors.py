@@ -113,8 +113,9 @@ class NotYetSettled(TransientJobError):
 
 
 class SendDeadlinePassed(TransientJobError):
-    """A call to a downstream was refused by its own client before a byte of the request was
-    written: the caller's send bound (a monotonic time) had passed. Nothing was sent, so no
+    """A call to a downstream was refused by its own client before the request was written
+    (or part-way, on a connection the client then closed: no server can act on a request cut
+    short): the caller's send bound (a monotonic time) had passed. Nothing was sent, so no
     outcome is unknown. The caller confirms it still holds its lease and, if so, sends again
     with a new bound.
     """
@@ -122,7 +123,7 @@ class SendDeadlinePassed(TransientJobError):
     def __init__(self, what: str, late_by: float) -> None:
         super().__init__(
             f"{what} not sent: its send bound passed {late_by:.3f}s ago (the worker was paused "
-            "or slow after confirming its lease); nothing left this process"
+            "or slow after confirming its lease); no request left this process"
         )
         self.late_by = late_by
 
@@ -161,6 +162,53 @@ class StoredFailure(PermanentJobError):
         self.key = key
         self.error_class = error_class
         self.error_message = message
+
+
+class RequestCancelled(PermanentJobError):
+    """The request was cancelled (``sekali requests cancel``): this attempt stopped at a cancel
+    point (``where``), before its next side effect. Never retried; nothing to do. To run the
+    intent after all, enqueue it again under a new key."""
+
+    def __init__(self, key: str, where: str, done: tuple[str, ...] = ()) -> None:
+        super().__init__(
+            f"request {key!r} was cancelled; stopped at {where}, before its next side "
+            "effect: enqueue it again under a new key to run it after all"
+        )
+        self.key = key
+        self.where = where
+        self.done = done
+
+    @property
+    def detail(self) -> str:
+        """What the request's record keeps: where it stopped and what was done before."""
+        done = ", ".join(self.done) or "nothing"
+        return f"cancelled while running: stopped at {self.where}; done before it: {done}"
+
+
+class CancelUnavailable(SekaliError):
+    """The request cannot be cancelled here: the database's readers may not know the
+    ``cancelled`` status yet. Run ``sekali db contract`` once no process of the previous
+    release runs, then cancel again."""
+class CrashLoop(PermanentJobError):
+    """A key's worker died mid-run (a takeover of its expired lease) more than ``limit`` times:
+    its handler most likely kills the process (``os._exit``, out of memory, a native crash), so
+    it is not run again. ``evidence`` lists the dead attempts (run id, worker pid, step
+    reached). Find the cause in those runs' logs, fix it, then replay the DLQ record (the replay
+    sets the count back to zero), or discard it."""
+
+    def __init__(self, key: str, crashes: int, limit: int, evidence: list[dict[str, Any]]
+                 ) -> None:
+        reached = next((e["reached"] for e in reversed(evidence) if e.get("reached")), None)
+        super().__init__(
+            f"idempotency key {key!r} crashed its worker {crashes} times (limit {limit}): not"
+            f" run again; last step reached: {reached or 'unknown'}; dead attempts:"
+            f" {json.dumps(evidence, default=str)[:3000]}. Find the cause in those runs' logs,"
+            " fix it, then replay this record (or discard it)"
+        )
+        self.key = key
+        self.crashes = crashes
+        self.limit = limit
+        self.evidence = evidence
 
 
 class LockNotAcquired(TransientJobError):

@@ -11,7 +11,14 @@ Protocol (Stripe-like):
   same key with a different body is refused (422). With key support off every POST charges.
 - ``GET /charges?reference=R``: ``{"charges": [...]}`` for that reference, oldest first.
 - ``GET /_admin/charges``: every charge; ``GET|POST /_admin/faults``: read or change the faults;
-  ``POST /_admin/reset``: delete every charge.
+  ``POST /_admin/reset``: delete every charge. Each needs ``Authorization: Bearer <token>``
+  (:attr:`GatewayServer.admin_token`: generated, or ``SEKALI_GATEWAY_ADMIN_TOKEN`` for the
+  command line; ``sekali dev`` leaves it in ``<state>/gateway-admin-token``, 0600); without it
+  401, so a local user cannot read the charges or inject faults.
+- ``GET /healthz``: 200 when serving (no token).
+
+Request bodies are bounded: a ``Content-Length`` that is not a non-negative integer is refused
+(400), one above :data:`MAX_BODY` (413) before a byte of the body is read.
 
 Faults (set at start, changeable while running): ``error_rate`` (503 before charging, with
 ``Retry-After`` when ``retry_after_s`` is set), ``latency_ms`` (before handling),
@@ -34,14 +41,13 @@ import contextlib
 import hashlib
 import json
 import logging
+import os
 import random
-import socket
-import sys
+import secrets
 import threading
 import time
 import uuid
-from dataclasses import asdict, dataclass, fields
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from dataclasses import asdict, dataclass
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
@@ -61,6 +67,7 @@ from sqlalchemy.engine import Engine
 from resources.headers import http_header_text
 from resources.storage.db import make_engine
 from resources.storage.settings import state_dir
+from sandbox.http_server import FaultSet, JsonHandler, RequestRefused, ServedOnThread
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +92,7 @@ _PUBLIC = ("charge_id", "reference", "amount_cents", "currency", "idempotency_ke
 
 
 @dataclass
-class Faults:
+class Faults(FaultSet):
     """The gateway's misbehaviour, all off by default."""
 
     error_rate: float = 0.0
@@ -97,19 +104,15 @@ class Faults:
     retry_after_s: float | None = None
     seed: int | None = None
 
-    def update(self, changes: dict[str, Any]) -> None:
-        names = {f.name for f in fields(self)}
-        unknown = set(changes) - names
-        if unknown:
-            raise ValueError(f"unknown fault(s) {sorted(unknown)}; known: {sorted(names)}")
-        for name, value in changes.items():
-            setattr(self, name, value)
+
+MAX_BODY = 64 * 1024
+"""Bytes a request body may have: a charge is a few hundred."""
+ADMIN_TOKEN_ENV = "SEKALI_GATEWAY_ADMIN_TOKEN"
+ADMIN_TOKEN_FILE = "gateway-admin-token"
+"""Where ``sekali dev`` leaves its sandbox gateway's token (0600, in the state folder)."""
 
 
-class _BadRequest(Exception):
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
+_BadRequest = RequestRefused
 
 
 class ChargeLedger:
@@ -216,40 +219,9 @@ def _parse_charge(body: Any) -> tuple[str, int, str]:
     return reference, amount, currency.upper()
 
 
-class _Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    server: _Server
-
-    def log_message(self, format: str, *args: Any) -> None:
-        log.debug("gateway %s " + format, self.address_string(), *args)
-
-    def _send(
-        self,
-        status: int,
-        payload: Any,
-        headers: dict[str, str] | None = None,
-        *,
-        drip_ms: float = 0.0,
-    ) -> None:
-        data = json.dumps(payload).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        for name, value in (headers or {}).items():
-            self.send_header(name, value)
-        self.end_headers()
-        if drip_ms <= 0:
-            self.wfile.write(data)
-            return
-        self.wfile.flush()
-        for i in range(len(data)):
-            time.sleep(drip_ms / 1000)
-            self.wfile.write(data[i : i + 1])
-            self.wfile.flush()
-
+class _Handler(JsonHandler):
     def _body(self) -> Any:
-        length = int(self.headers.get("Content-Length") or 0)
-        raw = self.rfile.read(length) if length else b""
+        raw = self.read_body(MAX_BODY)
         if not raw:
             return {}
         try:
@@ -257,28 +229,18 @@ class _Handler(BaseHTTPRequestHandler):
         except ValueError as exc:
             raise _BadRequest(400, f"body is not JSON: {exc}") from exc
 
-    def _drop(self) -> None:
-        """Close the connection without an answer (the charge is already committed)."""
-        self.close_connection = True
-        with contextlib.suppress(OSError):
-            self.connection.shutdown(socket.SHUT_RDWR)
-
-    def do_GET(self) -> None:  # noqa: N802 - http.server naming
-        self._dispatch("GET")
-
-    def do_POST(self) -> None:  # noqa: N802
-        self._dispatch("POST")
-
-    def _dispatch(self, method: str) -> None:
-        gw = self.server.gateway
+    def dispatch(self, method: str) -> None:
+        gw: GatewayServer = self.server.owner
         url = urlsplit(self.path)
         try:
             body = self._body() if method == "POST" else None
             if url.path.startswith("/_admin/"):
+                if not self.admin_allowed(gw.admin_token):
+                    raise _BadRequest(401, "Authorization: Bearer <admin token> required")
                 self._admin(method, url.path, body)
                 return
             if url.path == "/healthz":
-                self._send(200, {"ok": True})
+                self.send_json(200, {"ok": True})
                 return
             if url.path != "/charges":
                 raise _BadRequest(404, f"no route {method} {url.path}")
@@ -289,7 +251,7 @@ class _Handler(BaseHTTPRequestHandler):
                 reference = (parse_qs(url.query).get("reference") or [""])[0]
                 if not reference:
                     raise _BadRequest(400, "reference: query parameter required")
-                self._send(
+                self.send_json(
                     200, {"charges": gw.ledger.by_reference(reference)}, drip_ms=faults.drip_ms
                 )
                 return
@@ -297,7 +259,7 @@ class _Handler(BaseHTTPRequestHandler):
                 headers = {}
                 if faults.retry_after_s is not None:
                     headers["Retry-After"] = str(faults.retry_after_s)
-                self._send(503, {"error": "injected outage"}, headers)
+                self.send_json(503, {"error": "injected outage"}, headers)
                 return
             reference, amount, currency = _parse_charge(body)
             if faults.charge_delay_ms > 0:
@@ -312,9 +274,9 @@ class _Handler(BaseHTTPRequestHandler):
             )
             if gw.draw() < faults.drop_after_charge_rate:
                 log.info("gateway: charged %s, dropping the response", charge["charge_id"])
-                self._drop()
+                self.drop()
                 return
-            self._send(
+            self.send_json(
                 200 if replayed else 201,
                 charge,
                 {"Idempotent-Replayed": "true"} if replayed else None,
@@ -325,46 +287,34 @@ class _Handler(BaseHTTPRequestHandler):
             log.info("gateway: client went away during %s %s", method, url.path)
             self.close_connection = True
         except _BadRequest as exc:
-            self._send(exc.status, {"error": str(exc)})
+            self.send_json(exc.status, {"error": str(exc)})
         except Exception as exc:  # noqa: BLE001 - a server answers 500, it does not die
             log.exception("gateway error")
-            self._send(500, {"error": repr(exc)})
+            self.send_json(500, {"error": repr(exc)})
 
     def _admin(self, method: str, path: str, body: Any) -> None:
-        gw = self.server.gateway
+        gw: GatewayServer = self.server.owner
         if path == "/_admin/charges" and method == "GET":
-            self._send(200, {"charges": gw.ledger.all()})
+            self.send_json(200, {"charges": gw.ledger.all()})
         elif path == "/_admin/faults":
             if method == "POST":
                 try:
                     gw.set_faults(**body)
                 except (ValueError, TypeError) as exc:
                     raise _BadRequest(400, str(exc)) from exc
-            self._send(200, asdict(gw.faults_snapshot()))
+            self.send_json(200, asdict(gw.faults_snapshot()))
         elif path == "/_admin/reset" and method == "POST":
             gw.ledger.reset()
-            self._send(200, {"ok": True})
+            self.send_json(200, {"ok": True})
         else:
             raise _BadRequest(404, f"no route {method} {path}")
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    allow_reuse_address = True
-    request_queue_size = 128
-    gateway: GatewayServer
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        """A client that hung up (the faults make them) is a debug line, not a traceback that
-        ``socketserver`` prints on stderr; anything else is logged as the error it is."""
-        if isinstance(sys.exc_info()[1], OSError):
-            log.debug("client %s went away", client_address, exc_info=True)
-        else:
-            log.exception("request from %s failed", client_address)
-
-
-class GatewayServer:
+class GatewayServer(ServedOnThread):
     """The gateway in-process: ``start()`` serves on a background thread; ``stop()`` ends it."""
+
+    handler = _Handler
+    thread_name = "sandbox-gateway"
 
     def __init__(
         self,
@@ -380,7 +330,9 @@ class GatewayServer:
         honour_idempotency_key: bool = True,
         retry_after_s: float | None = None,
         seed: int | None = None,
+        admin_token: str | None = None,
     ) -> None:
+        self.admin_token = admin_token or secrets.token_hex(16)
         if db_url is None:
 
             db_url = f"sqlite:///{state_dir() / 'gateway.db'}"
@@ -401,12 +353,6 @@ class GatewayServer:
             seed=seed,
         )
         self.ledger = ChargeLedger(make_engine(db_url, pool_size=10))
-        self._httpd: _Server | None = None
-        self._thread: threading.Thread | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
 
     def set_faults(self, **changes: Any) -> Faults:
         with self._lock:
@@ -429,38 +375,9 @@ class GatewayServer:
     def reset(self) -> None:
         self.ledger.reset()
 
-    def start(self) -> GatewayServer:
-        self._httpd = _Server((self.host, self.port), _Handler)
-        self._httpd.gateway = self
-        self.port = int(self._httpd.server_address[1])
-        self._thread = threading.Thread(
-            target=self._httpd.serve_forever, name="sandbox-gateway", daemon=True
-        )
-        self._thread.start()
-        log.info("sandbox gateway on %s (db %s)", self.url, self.db_url)
-        return self
-
-    def serve_forever(self) -> None:
-        self._httpd = _Server((self.host, self.port), _Handler)
-        self._httpd.gateway = self
-        self.port = int(self._httpd.server_address[1])
-        self._httpd.serve_forever()
-
     def stop(self) -> None:
-        if self._httpd is not None:
-            self._httpd.shutdown()
-            self._httpd.server_close()
-            self._httpd = None
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-            self._thread = None
+        super().stop()
         self.ledger.engine.dispose()
-
-    def __enter__(self) -> GatewayServer:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -490,6 +407,7 @@ def main(argv: list[str] | None = None) -> None:
         honour_idempotency_key=not args.no_idempotency_key,
         retry_after_s=args.retry_after_s,
         seed=args.seed,
+        admin_token=os.environ.get(ADMIN_TOKEN_ENV),
     )
     print(f"sandbox gateway listening on http://{args.host}:{args.port}", flush=True)
     with contextlib.suppress(KeyboardInterrupt):

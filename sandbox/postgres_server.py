@@ -6,6 +6,12 @@ ends it and removes its folder, and nothing here ever signals or restarts a clus
 start. The binaries come from ``PG_BINDIR``, ``pg_config --bindir`` or the newest
 ``/usr/lib/postgresql/*/bin``. ``initdb`` refuses to run as root, so under root every command
 runs as the ``postgres`` user (``runuser``) in a folder that user owns.
+
+Locked down, because any local user can reach a loopback port and a superuser can run programs
+(``COPY ... TO PROGRAM``): every connection, TCP or the Unix socket (in the 0700 folder),
+authenticates with SCRAM and a password generated here (:attr:`PostgresServer.password`, carried
+by :meth:`PostgresServer.url`). ``initdb`` reads it from a 0600 file removed right after, never
+from its command line.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ import contextlib
 import glob
 import os
 import pwd
+import secrets
 import shutil
 import signal
 import subprocess
@@ -54,7 +61,7 @@ def postgres_bindir() -> Path:
 class PostgresServer:
     """One private cluster: its data folder, socket folder, port and log.
 
-    ``start()`` runs ``initdb`` once (trust authentication for the local user ``postgres``) and
+    ``start()`` runs ``initdb`` once (SCRAM authentication of the user ``postgres``) and
     ``pg_ctl start``; ``restart()``, ``freeze()`` / ``thaw()`` (SIGSTOP / SIGCONT of the
     postmaster and every backend) and ``stop()`` act on this cluster only.
     """
@@ -68,10 +75,12 @@ class PostgresServer:
         self.log_file = self.root / "postgres.log"
         self._run_as = "postgres" if os.geteuid() == 0 else None
         self._frozen: list[int] = []
+        self.password = secrets.token_hex(16)
 
     def url(self, database: str = "postgres") -> str:
-        """The SQLAlchemy URL of ``database`` on this cluster (TCP on loopback)."""
-        return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/{database}"
+        """The SQLAlchemy URL of ``database`` on this cluster (TCP on loopback), password
+        included: a secret (environment or 0600 file, never argv or output)."""
+        return f"postgresql+psycopg://postgres:{self.password}@127.0.0.1:{self.port}/{database}"
 
     def _cmd(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
         argv = list(args)
@@ -87,15 +96,24 @@ class PostgresServer:
 
     def start(self) -> PostgresServer:
         if not self.data_dir.exists():
-            self.socket_dir.mkdir(parents=True, exist_ok=True)
+            self.root.chmod(0o700)
+            self.socket_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            pwfile = self.root / "pwfile"
+            fd = os.open(pwfile, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as out:
+                out.write(self.password + "\n")
             if self._run_as is not None:
                 user = pwd.getpwnam(self._run_as)
-                for path in (self.root, self.socket_dir):
+                for path in (self.root, self.socket_dir, pwfile):
                     os.chown(path, user.pw_uid, user.pw_gid)
-            self._cmd(
-                str(self.bindir / "initdb"), "-D", str(self.data_dir), "-U", "postgres",
-                "--auth=trust", "-E", "UTF8", "--no-sync", "--no-instructions",
-            )
+            try:
+                self._cmd(
+                    str(self.bindir / "initdb"), "-D", str(self.data_dir), "-U", "postgres",
+                    "--auth=scram-sha-256", f"--pwfile={pwfile}", "-E", "UTF8", "--no-sync",
+                    "--no-instructions",
+                )
+            finally:
+                pwfile.unlink(missing_ok=True)
         self._pg_ctl("start")
         return self
 

@@ -1,11 +1,14 @@
 """A private Redis Cluster: three masters (no replicas) on free loopback ports, in a folder of its
 own, built with ``redis-cli --cluster create``. For the tests and benchmarks that must show
 sekali's scripts on a real cluster (every script's keys in one slot, timeouts on every node).
-:meth:`LocalRedisCluster.stop` ends every server it started, and nothing else."""
+:meth:`LocalRedisCluster.stop` ends every server it started, and nothing else. Every node requires
+the cluster's one generated password (``redis-cli`` gets it from its environment, not argv)."""
 
 from __future__ import annotations
 
+import os
 import random
+import secrets
 import shutil
 import socket
 import subprocess
@@ -50,10 +53,12 @@ class LocalRedisCluster:
     def __init__(self, directory: Path, *, masters: int = 3, node_timeout_ms: int = 2000) -> None:
         self.directory = directory
         self.node_timeout_ms = node_timeout_ms
+        self.password = secrets.token_hex(16)
         self.servers = [
             RedisServer(
                 directory / f"node{i}",
                 port=free_cluster_port(),
+                password=self.password,
                 options=[
                     "--cluster-enabled", "yes",
                     "--cluster-config-file", "nodes.conf",
@@ -69,12 +74,14 @@ class LocalRedisCluster:
 
     @property
     def url(self) -> str:
-        return "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in self.ports)
+        """The client URL, password included: a secret (environment or 0600 file only)."""
+        nodes = ",".join(f"127.0.0.1:{p}" for p in self.ports)
+        return f"redis+cluster://:{self.password}@{nodes}"
 
     def node(self, index: int) -> redis.Redis:
         """A plain client of one node (it answers MOVED for slots it does not serve)."""
-        return redis.Redis(host="127.0.0.1", port=self.ports[index], socket_timeout=5,
-                           socket_connect_timeout=2)
+        return redis.Redis(host="127.0.0.1", port=self.ports[index], password=self.password,
+                           socket_timeout=5, socket_connect_timeout=2)
 
     def start(self, timeout: float = 60.0) -> LocalRedisCluster:
         for server in self.servers:
@@ -84,6 +91,7 @@ class LocalRedisCluster:
              *(f"127.0.0.1:{p}" for p in self.ports),
              "--cluster-replicas", "0", "--cluster-yes"],
             check=True, capture_output=True, timeout=timeout,
+            env={**os.environ, "REDISCLI_AUTH": self.password},
         )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -146,6 +146,8 @@ def _tags(mode: IntakeMode, requests: Sequence[JobRequest]) -> dict[str, str]:
         tag.PRIORITY: str(priority),
         tag.PRIORITY_RUN: str(priority),
     }
+    tenants = {r.tenant for r in requests}
+    tags[tag.TENANT] = tenants.pop() if len(tenants) == 1 else tag.SEVERAL_TENANTS
     coalesced = sum(r.coalesced_count for r in requests)
     if coalesced:
         tags[tag.COALESCED] = str(coalesced)

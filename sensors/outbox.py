@@ -3,7 +3,9 @@
 A sensor rather than a scheduled job: a tick costs no run (no run worker, no run history noise)
 and runs every ``minimum_interval_seconds``. Each tick publishes up to ``MAX_BATCHES`` batches
 through :class:`resources.outbox.publisher.OutboxPublisher` into the in-app consumers (cache
-invalidation after commit, through the inbox), and reports what it did as its skip reason.
+invalidation after commit, through the inbox), and reports what it did as its skip reason. An
+event that fails ``max_failures`` times in a row is dead-lettered
+(:mod:`resources.outbox.dead_letters`): its own aggregate waits behind it, others go on.
 Several code locations or daemons running it at once is safe: claims keep one publisher per
 aggregate at a time, and the inbox drops redeliveries.
 """
@@ -41,9 +43,14 @@ def outbox_sensors(
         stats = publisher.publish_pending(max_batches=MAX_BATCHES)
         if stats.errors:
             context.log.warning(f"outbox: {stats.failed} events failed: {stats.errors[:5]}")
+        if stats.dead_lettered:
+            context.log.error(
+                f"outbox: {stats.dead_lettered} events dead-lettered (later events of their"
+                " aggregates wait): see `sekali outbox dead`, then replay or discard them"
+            )
         return dg.SkipReason(
             f"published {stats.published} of {stats.claimed} claimed; {stats.failed} failed, "
-            f"{stats.deferred} deferred behind a failure"
+            f"{stats.dead_lettered} dead-lettered, {stats.deferred} deferred behind a failure"
         )
 
     return [outbox_publisher]

@@ -49,7 +49,13 @@ def dagster_resources(
         "budget_namespace": namespace,
         **(retry or {}),
     }
-    return {
+    from engine.registry import downstreams
+
+    unused = {  # every other declared downstream: these tests' runs never call it
+        name: DownstreamResource(downstream=name, address="http://127.0.0.1:9")
+        for name in downstreams()
+    }
+    return unused | {
         "idempotency": IdempotencyResource(database_url=db_url, lease_seconds=lease_seconds),
         "app_db": DatabaseResource(database_url=db_url),
         "locks": LockResource(backend="db", database_url=db_url),
@@ -185,7 +191,9 @@ def batch_worker(spec: dict[str, Any]) -> dict[str, Any]:
         db=db,
         store=IdempotencyStore(db, lease_seconds=spec.get("lease_seconds", 30.0)),
         attempts=AttemptRecorder(db),
-        clients={"smtp": SmtpMailer("127.0.0.1", spec.get("smtp_port", 9))},
+        clients={"smtp": SmtpMailer(
+            "127.0.0.1", spec.get("smtp_port", 9), log_url=spec.get("smtp_log_url")
+        )},
     )
     time.sleep(max(0.0, spec.get("go", 0.0) - time.time()))
     try:

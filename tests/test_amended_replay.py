@@ -166,6 +166,19 @@ def test_a_patched_payment_charges_once_under_its_new_version_never_under_the_ol
     assert [v.key for v in Versions(db).chain("payment:o1#v3")] == [
         "payment:o1#v2", "payment:o1#v3",
     ]
+    # both closed records say what their newest version did, not merely "discarded"
+    v3 = requests.get_by_key("payment:o1#v3")
+    assert v3 is not None and requests.mark_completed(v3.id)
+    capsys.readouterr()
+    assert cli(["dlq", "show", str(record.id), "--json", *url]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert (shown["status"], shown["outcome"]) == (
+        "discarded", "superseded by payment:o1#v3: completed")
+    assert cli(["dlq", "list", "--status", "all", "--json", *url]) == 0
+    listed = {r["id"]: r.get("outcome") for r in json.loads(capsys.readouterr().out)}
+    assert listed[record.id] == listed[record2.id] == "superseded by payment:o1#v3: completed"
+    assert cli(["dlq", "list", "--status", "all", *url]) == 0
+    assert "superseded by payment:o1#v3: completed" in capsys.readouterr().out
 
     # A record whose key completed (the effect happened) is refused, saying so.
     late = store.record_failure(

@@ -191,3 +191,32 @@ def test_out_into_a_missing_folder_is_bad_usage_before_anything_runs(tmp_path: P
     proc = bench("--json", "--only", "observability", "--out", str(tmp_path / "no" / "r.json"))
     assert proc.returncode == 2 and proc.stdout == ""
     assert "no such folder" in proc.stderr and "== observability" not in proc.stderr
+
+
+def test_the_benchmarks_run_resources_cover_every_resource_the_measured_jobs_need() -> None:
+    """Catches a downstream declared after the benchmarks were written: its resource missing
+    from the runs they build (``resource with key ... not provided`` in the intake and peers
+    suites of a fresh clone's ``sekali bench --quick``)."""
+    from benchmarks.intake import run_resources
+    from pipelines.ops import all_jobs
+    from pipelines.ops.batch import BATCH_JOBS
+
+    given = set(run_resources("sqlite://", 9, "t", redis="redis://127.0.0.1:9/0"))
+    for job in [*BATCH_JOBS, *all_jobs]:
+        needed = {key for node in job.graph.node_defs for key in node.required_resource_keys}
+        assert needed <= given, (job.name, sorted(needed - given))
+
+
+def test_a_quick_stampede_summary_has_the_cohort_rows_it_ran_and_the_headline_row() -> None:
+    """Catches a quick run that measures fewer cohort configurations but whose summary still
+    asks for every one (a KeyError failed the suite), or that drops the headline's row."""
+    from benchmarks.stampede import COHORT_CONFIGS, QUICK_COHORT_CONFIGS, summary
+
+    assert "default" in QUICK_COHORT_CONFIGS and set(QUICK_COHORT_CONFIGS) < set(COHORT_CONFIGS)
+    ratios = {"sekali_cold_p99_minus_loader_ms": 4.0, "dogpile_cold_p99_minus_loader_ms": None,
+              "sekali_stale_p99_over_hit_p99": 1.2,
+              **{f"peak_over_mean_{label}": 1.2 for label in QUICK_COHORT_CONFIGS}}
+    rows = summary({}, {"p99_ms": 1.0}, {"sekali_hit_per_s": 1000.0, "ratio": 0.95}, ratios)
+    cohort = [r["metric"].rsplit(", ", 1)[1] for r in rows if "loaded together" in r["metric"]]
+    assert cohort == list(QUICK_COHORT_CONFIGS)
+    assert next(r for r in rows if r["metric"].endswith(", default"))["ok"] is True

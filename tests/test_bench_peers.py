@@ -4,15 +4,20 @@ them); the cluster benchmark's enqueue-to-start comes per request from its first
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
+from sqlalchemy import create_engine, text
 
 from benchmarks import peer_handler
+from benchmarks.backends import private_postgres
 from benchmarks.cluster import timeline_of
 from benchmarks.intake import payloads
-from benchmarks.peers import SinkRecords, watch
+from benchmarks.peers import SinkRecords, installed, postgres_databases, watch
 from sandbox.mailsink import MailSink
+from sandbox.postgres_server import PostgresUnavailable
+from tests.conftest import need_server
 
 
 def test_duplicates_and_lost_are_counted_per_intent_at_the_sink(
@@ -56,3 +61,42 @@ def test_cluster_report_has_enqueue_to_start_per_request_from_its_first_run() ->
     assert timeline["count"] == 3
     assert timeline["enqueue_to_start_p50_s"] == 4.0  # 6, 4, 2 and 1 s
     assert timeline["enqueue_to_start_max_s"] == 6.0
+
+
+def test_a_peer_that_fails_to_import_is_left_out_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Catches a peers suite that takes a peer for installed because its files are found, then
+    fails on the import (``sekali bench --quick`` failed the whole suite that way): a stand-in
+    ``celery`` that raises ImportError, as a missing or half-installed one does."""
+    hidden = tmp_path / "hidden" / "celery"
+    hidden.mkdir(parents=True)
+    (hidden / "__init__.py").write_text("raise ImportError('celery is hidden')\n")
+    monkeypatch.syspath_prepend(str(hidden.parent))
+    for name in [m for m in sys.modules if m == "celery" or m.startswith("celery.")]:
+        monkeypatch.delitem(sys.modules, name)
+
+    assert installed("celery") is False
+    said = [line for line in capsys.readouterr().err.splitlines() if "celery" in line]
+    assert len(said) == 1 and "pip install -e '.[bench]'" in said[0]
+    assert "measures sekali's side" in said[0]
+
+
+def test_the_private_cluster_is_started_once_per_run_and_the_suites_drop_their_databases() -> None:
+    """Catches a run that starts a private PostgreSQL cluster per suite again (an ``initdb`` and a
+    server start each), and a suite that leaves its databases on the shared cluster."""
+    try:
+        server = private_postgres()
+    except PostgresUnavailable as exc:
+        need_server("a private PostgreSQL cluster (initdb, pg_ctl)", exc)
+        raise
+    assert private_postgres() is server
+    with postgres_databases(["sekali"]) as urls:
+        assert f"127.0.0.1:{server.port}/" in urls["sekali"]
+        made = urls["sekali"].rsplit("/", 1)[1]
+    engine = create_engine(server.url())
+    with engine.connect() as conn:
+        names = conn.execute(text("SELECT datname FROM pg_database")).scalars().all()
+    engine.dispose()
+    assert made not in names
+    assert server.postmaster_pid() is not None  # still up for the next suite

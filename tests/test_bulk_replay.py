@@ -97,14 +97,17 @@ def test_filters_limit_dry_run_and_an_audit_line_per_record(
     # bad usage is argparse's exit 2 naming the flag; a pace is a rate only (a limiter's burst
     # or wait would be silently ignored)
     for bad in ([*args, "--pace", "fast"], [*args, "--pace", "10/s,burst=50"],
-                ["dlq", "list", "--older-than", "2x"]):
+                ["dlq", "list", "--older-than", "2x"], ["dlq", "list", "--older-than", "5"]):
         with pytest.raises(SystemExit) as usage:
             cli([*bad, *url])
         assert usage.value.code == 2
         assert f"argument {bad[-2]}:" in capsys.readouterr().err
 
     who = ["--actor", "ops@test", "--reason", "mailbox fixed"]
-    assert cli([*args, "--limit", "2", *who, *url]) == 0
+    # no mail record to ask here: the verdict is unknown, so the guard wants the ids named
+    assert cli([*args, "--limit", "2", *who, *url]) == 1
+    assert "--allow-repeat 1,3" in capsys.readouterr().err
+    assert cli([*args, "--limit", "2", "--allow-repeat", "1,3", *who, *url]) == 0
     assert "2 of 2 selected records requested for replay" in capsys.readouterr().out
     replayed = [r.id for r in store.list_records(status="replay_requested")]
     assert replayed == [1, 3]  # 4 matches too: the limit took the oldest two
@@ -120,7 +123,7 @@ def test_filters_limit_dry_run_and_an_audit_line_per_record(
 
     # The same filters again take the next one (4); 5-6 (other cause), 7-8 (too recent),
     # 9-10 (other type) are never touched.
-    assert cli([*args, "--actor", "ops@test", *url]) == 0
+    assert cli([*args, "--allow-repeat", "4", "--actor", "ops@test", *url]) == 0
     capsys.readouterr()
     assert [r.id for r in store.list_records(status="replay_requested")] == [1, 3, 4]
     for i in (5, 6, 7, 8, 9, 10):
@@ -128,7 +131,8 @@ def test_filters_limit_dry_run_and_an_audit_line_per_record(
         assert len(store.audit(i)) == audit_before[i]
 
     # Named ids: a record that is not open is skipped, with an audit line saying why.
-    assert cli(["dlq", "replay", "2", "5", "--actor", "ops@test", *url]) == 0
+    assert cli(["dlq", "replay", "2", "5", "--allow-repeat", "5", "--actor", "ops@test",
+                *url]) == 0
     capsys.readouterr()
     skipped = store.audit(2)[-1]
     assert (skipped["action"], skipped["detail"]) == ("replay_skipped", "status is discarded")
@@ -170,8 +174,11 @@ def test_dlq_operations_bulk_replay_with_limit_and_pace(db: Database, db_url: st
 
     assert not run(action="replay", job_type="send_email", pace="often").success
     assert not run(action="replay", job_type="send_email", limit=0).success
+    guarded = run(action="replay", job_type="send_email", limit=3, dry_run=False)
+    assert guarded.output_for_node("dlq_operation")["refused"] == [1, 2, 3]  # mail unknowable
+    assert store.counts()["open"] == 10
     done = run(action="replay", job_type="send_email", limit=3, pace="1000/s", dry_run=False,
-               actor="alice")
+               actor="alice", allow_repeat=[1, 2, 3])
     assert done.success
     assert done.output_for_node("dlq_operation")["changed"] == [1, 2, 3]
     assert [r.id for r in store.list_records(status="replay_requested")] == [1, 2, 3]
@@ -182,5 +189,5 @@ def test_dlq_operations_bulk_replay_with_limit_and_pace(db: Database, db_url: st
     )
     audit = [(r.data["record"], r.data["action"], r.data["actor"])
              for r in metadata["audit"].value.records if r.data["action"] != "dead_lettered"]
-    assert audit == [(1, "replay_requested", "alice"), (2, "replay_requested", "alice"),
-                     (3, "replay_requested", "alice")]
+    assert audit == [(i, action, who) for i in (1, 2, 3) for action, who in
+                     (("replay_skipped", "dagster-ui"), ("replay_requested", "alice"))]

@@ -118,7 +118,7 @@ def test_50_cold_callers_in_one_process_share_one_get_and_one_connection(
     admin = redis_server.client()
     cache = StampedeCache.from_url(redis_server.url, namespace="cold", stats_flush_interval=60)
     cache.get_or_load("warm", lambda: 0, ttl=60)  # scripts loaded, one pooled connection open
-    admin.config_resetstat()
+    redis_server.admin("CONFIG", "RESETSTAT")
     before = int(admin.info("stats")["total_connections_received"])
     calls = Counter()
 

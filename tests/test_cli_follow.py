@@ -20,7 +20,9 @@ from typing import Any, TypeVar
 import dagster as dg
 import pytest
 
+from cli.commands.follow import record_progress, request_progress
 from engine import tags as tag
+from engine.intake import enqueue
 from engine.requests import RequestStatus, RequestStore
 from pipelines.definitions import intake_sensor
 from pipelines.ops import send_email_job
@@ -170,10 +172,18 @@ def test_dlq_replay_wait_follows_the_record_to_its_end(
 
     request = enqueue("send_email", EMAIL, db=db).request
     record_id = _fail_with_dead_letter(db, request.id, "run-failed-1")
-    proc = start(db_url, "dlq", "replay", str(record_id), "--wait", "--timeout", "150",
-                 "--json")
+    # no mail log to ask: the guard cannot tell whether the mail went, so the replay is allowed
+    proc = start(db_url, "dlq", "replay", str(record_id), "--allow-repeat", str(record_id),
+                 "--wait", "--timeout", "150", "--json")
     dlq, store = DlqStore(db), RequestStore(db)
     until("replay requested", lambda: str(dlq.get(record_id).status) == "replay_requested", proc)
+    # the follower's first look at the record (before the replay runs) is on stderr first
+    assert proc.stderr is not None
+    said: list[str] = []
+    for line in proc.stderr:
+        said.append(line)
+        if f"dead letter {record_id}: replay requested" in line:
+            break
     (claimed,) = dlq.claim_for_replay(5)
     store.requeue(request.id)
     store.mark_running(request.id, run_id="run-replay-1")
@@ -186,7 +196,8 @@ def test_dlq_replay_wait_follows_the_record_to_its_end(
             job_type="send_email", dedupe_key=f"request:{request.id}", error_type="SmtpRefused",
             message="550 again", run_id="run-replay-1", error_class=FailureClass.PERMANENT,
             idempotency_key=KEY, request_id=request.id, payload=EMAIL, dlq_id=record_id))
-    code, out, err = finish(proc)
+    code, out, rest = finish(proc)
+    err = "".join(said) + rest
     data = json.loads(out)
     (final,) = data["final"]
     assert final["run_id"] == "run-replay-1"
@@ -290,3 +301,27 @@ def test_dlq_replay_patch_wait_follows_the_new_version_to_completed(
     (final,) = data["final"]
     assert final["state"] == "completed" and final["ok"] and final["run_id"] == "run-amended-1"
     assert f"request {amended.id}: completed" in err
+
+
+def test_a_followed_replay_of_a_record_without_a_request_names_its_run(db: Database) -> None:
+    """Catches: ``dlq replay N --wait`` saying "dead-lettered, no run yet" after the replay run
+    of a record with no request (a run launched by hand) ran and failed again; and a cancelled
+    request that ``--wait`` cannot name."""
+    dlq, store = DlqStore(db), RequestStore(db)
+    info = FailureInfo(
+        job_type="send_email", dedupe_key=f"key:send_email:{KEY}", error_type="SmtpRefused",
+        message="550", run_id="run-by-hand", error_class=FailureClass.PERMANENT,
+        idempotency_key=KEY, payload=EMAIL)
+    record_id = dlq.record_failure(info).record.id
+    dlq.request_replay([record_id], actor="test")
+    dlq.claim_for_replay(5)
+    dlq.record_failure(FailureInfo(**{**vars(info), "run_id": "run-replay-1",
+                                      "dlq_id": record_id}))
+    ended = record_progress(dlq, store, record_id)()
+    assert (ended.state, ended.done, ended.run_id) == ("dead-lettered", True, "run-replay-1")
+    assert "no run yet" not in ended.line()
+
+    request = enqueue("send_email", {**EMAIL, "user_id": "u-8"}, db=db).request
+    store.cancel(request.id, by="t", reason="not needed")
+    cancelled = request_progress(store, dlq, request.id)()
+    assert (cancelled.state, cancelled.done, cancelled.ok) == ("cancelled", True, False)

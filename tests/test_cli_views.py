@@ -127,6 +127,36 @@ def test_requests_show_prints_every_field_attempts_runs_and_outcome(
         "error: no request with id or key 'no-such-key'; see `sekali requests list`"]
 
 
+def test_requests_list_says_what_happened_and_cancel_says_what_it_did(
+    db: Database, db_url: str, story: dict[str, int]
+) -> None:
+    """Catches: ``requests list`` saying ``failed`` for a dead-lettered request; a cancel that
+    does not say per request what it did, exits 0 when one was refused, or is not kept (who,
+    why, when) where ``requests show`` prints it."""
+    rows = json.loads(sekali(db_url, "requests", "list", "--json").stdout)
+    assert {r["id"]: r["state"] for r in rows} == {
+        story["failed"]: "dead_lettered", story["done"]: "completed"}
+    waiting = enqueue("charge_payment", {**PAYMENT, "order_id": "o-wait"}, db=db).request
+    cancel = sekali(db_url, "requests", "cancel", str(waiting.id), "payment:o-view",
+                    "--reason", "sent by mistake", "--by", "ops@example", "--json")
+    assert cancel.returncode == 1, cancel.stderr  # the completed one was refused
+    decided = json.loads(cancel.stdout)
+    assert [(d["id"], d["cancel"]) for d in decided] == [
+        (waiting.id, "cancelled"), (story["done"], "refused")]
+    assert "completed" in decided[1]["detail"]
+    shown = json.loads(sekali(db_url, "requests", "show", str(waiting.id), "--json").stdout)
+    assert shown["outcome"] == "cancelled"
+    assert shown["request"]["cancel_by"] == "ops@example"
+    assert shown["request"]["cancel_reason"] == "sent by mistake"
+    assert shown["request"]["cancel_decided_at"].startswith(local_iso(waiting.created_at)[:10])
+    human = sekali(db_url, "requests", "cancel", str(waiting.id), "--reason", "again")
+    assert human.returncode == 0 and human.stdout.startswith(f"{waiting.id}: cancelled: ")
+    unknown = sekali(db_url, "requests", "cancel", "no-such-key", "--reason", "x")
+    assert unknown.returncode == 2
+    blank = sekali(db_url, "requests", "cancel", str(waiting.id), "--reason", " ")
+    assert blank.returncode == 2 and "--reason" in blank.stderr
+
+
 def test_dlq_show_and_list_print_times_in_the_local_zone_json_payloads_and_whole_words(
     db: Database, db_url: str, story: dict[str, int]
 ) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -25,6 +26,7 @@ from typing import Any, TypeVar
 
 import dagster as dg
 import pytest
+import redis
 
 from engine.attempts import AttemptRecorder
 from engine.intake import enqueue
@@ -32,6 +34,7 @@ from engine.requests import RequestStatus, RequestStore
 from resources.storage.db import Database
 from sandbox.hosts import Cluster
 from sandbox.hosts.processes import start_time_of
+from sandbox.hosts.services import PORTS
 from tests.conftest import IN_CI
 
 pytestmark = [pytest.mark.slow, pytest.mark.dagster, pytest.mark.timeout(330)]
@@ -106,6 +109,16 @@ def launcher_hosts(cluster: Cluster, run_ids: list[str]) -> dict[str, str]:
                 os.environ[key] = value
 
 
+def uids_of(pid: int) -> list[int] | None:
+    """The real, effective, saved and filesystem uids of ``pid`` (None once it has ended)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    line = next(x for x in status.splitlines() if x.startswith("Uid:"))
+    return [int(uid) for uid in line.split()[1:]]
+
+
 def tcp_from(cluster: Cluster, host: str, address: str, port: int) -> str:
     """Connect from inside ``host``: 'open', or the error's name ('TimeoutError' when dropped)."""
     code = ("import socket\ns = socket.socket(); s.settimeout(2)\n"
@@ -133,6 +146,50 @@ def test_cluster_runs_jobs_on_worker_hosts_and_down_leaves_nothing(state_dir: Pa
     for host in status["hosts"]:
         assert all(p["alive"] for p in host["processes"]), host
         assert all(v == "ok" for v in host["health"].values()), host
+
+    # --- every service runs as an unprivileged user and owns its folders, 0700; root only
+    # built the namespaces (run workers and anything else in the hosts included)
+    uids: dict[str, int] = {}
+    for record in cluster.processes:
+        seen = uids_of(record.pid)
+        assert seen and min(seen) > 0, (record.host, record.name, seen)
+        uids[f"{record.host}/{record.name}"] = seen[0]
+    assert len(uids) == 8, uids  # postgres, redis, gateway, mailsink, 2 code servers, UI, daemon
+    for h in cluster.hosts:
+        for pid in cluster.pids(h.name):
+            seen = uids_of(pid)
+            assert seen is None or min(seen) > 0, (h.name, pid, seen)
+    service_uid = uids["control/webserver"]
+    assert {uid for name, uid in uids.items() if name != "store/postgres"} == {service_uid}
+    owned = [state_dir / "control" / "dagster_home", state_dir / "store" / "redis",
+             state_dir / "provider", *(state_dir / "hosts" / h.name for h in cluster.hosts)]
+    for folder in owned:
+        info = folder.stat()
+        assert (info.st_uid, stat.S_IMODE(info.st_mode)) == (service_uid, 0o700), folder
+    pgdata = (state_dir / "store" / "pgdata").stat()
+    assert (pgdata.st_uid, stat.S_IMODE(pgdata.st_mode)) == (uids["store/postgres"], 0o700)
+
+    # --- the store Redis: CONFIG and DEBUG renamed for its clients, MODULE disabled
+    store_redis = redis.Redis.from_url(cluster.redis_url, socket_timeout=5,
+                                       socket_connect_timeout=2)
+    try:
+        for command in (("CONFIG", "SET", "dir", "/tmp"), ("CONFIG", "GET", "dir"),
+                        ("MODULE", "LIST"), ("DEBUG", "SLEEP", "0")):
+            with pytest.raises(redis.ResponseError, match="unknown command"):
+                store_redis.execute_command(*command)
+    finally:
+        store_redis.close()
+    assert cluster.redis_admin("CONFIG", "GET", "maxmemory-policy") == {
+        b"maxmemory-policy": b"noeviction"}
+
+    # --- no password in what up printed; services bind their host's address, not 0.0.0.0
+    assert not [name for name, secret in cluster.state["secrets"].items() if secret in up.stdout]
+    report = state_dir.parent / "status.json"
+    assert sekali("cluster", "status", "--state", str(state_dir), "--out", str(report),
+                  timeout=60).returncode == 0
+    assert report.stat().st_mode & 0o777 == 0o600
+    for host, port in (("w1", PORTS["code_server"]), ("control", PORTS["webserver"])):
+        assert tcp_from(cluster, host, "127.0.0.1", port) != "open", host
 
     # --- the UI answers from the machine (root namespace -> bridge -> control host)
     with urllib.request.urlopen(f"{cluster.ui_url}/server_info", timeout=10) as response:

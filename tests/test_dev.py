@@ -10,6 +10,7 @@ The stop test runs last and ends the shared instance.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -108,6 +109,7 @@ def dev_env(state: Path, gateway_port: int, smtp_port: int) -> dict[str, str]:
         SEKALI_GATEWAY_URL=f"http://127.0.0.1:{gateway_port}",
         SEKALI_SMTP_HOST="127.0.0.1",
         SEKALI_SMTP_PORT=str(smtp_port),
+        SEKALI_WEBHOOKS_URL=f"http://127.0.0.1:{free_port()}",
     )
     return env
 
@@ -177,8 +179,36 @@ def test_quiet_by_default(dev: DevInstance) -> None:
     """Catches Dagster's INFO/DEBUG (sensor ticks, alembic, run events) reaching the output."""
     lines = dev.output().splitlines()
     quiet = QuietFilter()
-    assert [line for line in lines if not quiet.keep(line)] == []
+    assert [out for line in lines for out in quiet.feed(line)] + quiet.flush() == lines
     assert not [line for line in lines if "alembic" in line.lower()]
+
+
+def test_an_expected_failure_is_two_lines_naming_its_dead_letter(dev: DevInstance) -> None:
+    """Catches an expected permanent failure printing its tracebacks (STEP_FAILURE and
+    RUN_FAILURE: ~150 lines a run), the attempt and retry lines, a dead-letter line printed
+    twice or without the command to run next, and ANSI codes in output that is not a TTY."""
+    before = len(dev.output().splitlines())
+    carts = [f"c-unknown-sku-{i}" for i in range(2)]
+    for cart in carts:
+        payload = json.dumps({"cart_id": cart, "items": [{"sku": "no-such-sku", "quantity": 1}]})
+        subprocess.run([SEKALI, "enqueue", "reserve_inventory", "--payload", payload],
+                       env=dev.env, check=True, capture_output=True, timeout=120)
+    deadline = time.monotonic() + 300
+    while dev.output().count("dead-lettered as") < len(carts):
+        assert time.monotonic() < deadline, dev.output()[-4000:]
+        time.sleep(1)
+    time.sleep(5)  # anything printed after the dead letter (a late traceback) is counted too
+    new = dev.output().splitlines()[before:]
+    about = [line for line in new
+             if "c-unknown-sku-" in line or "UnknownSku" in line or "no-such-sku" in line]
+    assert len(about) == 2 * len(carts), "\n".join(new)
+    for cart in carts:
+        (op_line,) = [line for line in about if cart in line and "to the DLQ" in line]
+        assert "(permanent): UnknownSku" in op_line
+        (dead,) = [line for line in about if cart in line and "dead-lettered as" in line]
+        record = int(dead.rsplit("sekali dlq show ", 1)[1])
+        assert f"dead-lettered as {record}: sekali dlq show {record}" in dead
+    assert not [line for line in new if "\x1b[" in line]
 
 
 def test_second_instance_on_the_same_folder_exits_2_with_one_line(dev: DevInstance) -> None:
@@ -280,6 +310,39 @@ def test_watchdog_stops_the_groups_when_the_supervisor_is_killed() -> None:
 )
 def test_quiet_filter_keeps_warnings_and_errors(line: str, kept: bool) -> None:
     assert QuietFilter().keep(line + "\n") is kept
+
+
+EXPECTED_FAILURE = """\
+2026-12-02 04:45:43 +0000 - dagster - ERROR - reserve_inventory - 34ea - 3234 - reserve_inventory_op - STEP_FAILURE - Execution of step "reserve_inventory_op" failed.
+
+dagster._core.definitions.events.Failure: permanent after attempt 0 (permanent): UnknownSku: sku 'x' is not stocked
+
+Stack Trace:
+  File "/x/execute_plan.py", line 243, in dagster_event_sequence_for_step
+    yield from check.generator(step_events)
+
+The above exception was caused by the following exception:
+pipelines.domain.inventory.UnknownSku: sku 'x' is not stocked
+
+Stack Trace:
+  File "/x/inventory.py", line 205, in reserve
+    raise UnknownSku(sku)
+
+attempt reserve_inventory bde1109693954d3387586e34624a3ff0 key=inventory-reserve:c-1 outcome=failed_permanent unreserved->None fence=1
+giving up after attempt 0: permanent (permanent: UnknownSku)
+reserve_inventory key=inventory-reserve:c-1 (permanent, UnknownSku) dead-lettered as 6: sekali dlq show 6
+"""  # noqa: E501 - Dagster's lines as printed
+
+
+def test_quiet_filter_drops_an_expected_failure_s_tracebacks_and_keeps_an_unknown_one() -> None:
+    quiet = QuietFilter()
+    lines = EXPECTED_FAILURE.splitlines()
+    kept = [out for line in lines for out in quiet.feed(line)] + quiet.flush()
+    assert kept == lines[-1:]
+    unknown = [line.replace("(permanent): UnknownSku", "(unknown): KeyError")
+               for line in lines[:15]]
+    kept = [out for line in unknown for out in quiet.feed(line)] + quiet.flush()
+    assert kept == unknown
 
 
 def test_quiet_filter_drops_maturity_notices_with_their_source_line() -> None:

@@ -60,8 +60,14 @@ def test_dlq_operations_job_validates_and_replays_only_the_selection(
     assert dry.success and dry.output_for_node("dlq_operation")["changed"] == [1, 2]
     assert store.counts()["open"] == 4
 
-    done = run_ops(
+    guarded = run_ops(
         db_url, action="replay", job_type="send_email", dry_run=False, error_class="unknown"
+    )  # no mail record to ask: the verdict is unknown, so the records must be named
+    assert guarded.output_for_node("dlq_operation")["refused"] == [1, 2]
+    assert store.counts()["open"] == 4
+    done = run_ops(
+        db_url, action="replay", job_type="send_email", dry_run=False, error_class="unknown",
+        allow_repeat=[1, 2],
     )
     assert done.success and done.output_for_node("dlq_operation")["changed"] == [1, 2]
     assert [r.status for r in store.list_records()] == [DlqStatus.REPLAY_REQUESTED] * 2 + [

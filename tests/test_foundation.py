@@ -146,6 +146,7 @@ def test_sekali_dev_starts_the_platform_on_embedded_defaults(tmp_path: Path) -> 
         SEKALI_STATE_DIR=str(tmp_path / "state"),
         SEKALI_GATEWAY_URL=f"http://127.0.0.1:{free_port()}",
         SEKALI_SMTP_PORT=str(free_port()),
+        SEKALI_WEBHOOKS_URL=f"http://127.0.0.1:{free_port()}",
     )
     sekali = str(Path(PYTHON).parent / "sekali")
     proc = subprocess.Popen(
@@ -170,7 +171,14 @@ def test_sekali_dev_starts_the_platform_on_embedded_defaults(tmp_path: Path) -> 
         import redis as redis_py
 
         assert redis_py.Redis(unix_socket_path=str(state / "redis" / "redis.sock")).ping()
-        with urllib.request.urlopen(env["SEKALI_GATEWAY_URL"] + "/_admin/charges", timeout=5) as r:
+        token_file = state / "gateway-admin-token"
+        assert token_file.stat().st_mode & 0o777 == 0o600
+        admin = urllib.request.Request(
+            env["SEKALI_GATEWAY_URL"] + "/_admin/charges",
+            headers={"Authorization": f"Bearer {token_file.read_text().strip()}"})
+        with urllib.request.urlopen(admin, timeout=5) as r:
+            assert r.status == 200
+        with urllib.request.urlopen(env["SEKALI_WEBHOOKS_URL"] + "/healthz", timeout=5) as r:
             assert r.status == 200
     finally:
         proc.send_signal(signal.SIGINT)

@@ -8,6 +8,8 @@ that its faults fail the way a real provider does, especially "charged, then no 
 
 from __future__ import annotations
 
+import email.utils
+import http.server
 import multiprocessing
 import os
 import signal
@@ -18,6 +20,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 import urllib3
@@ -131,8 +134,9 @@ def test_error_rate_fails_before_charging_and_is_changeable_at_run_time(
     """503 comes before the charge (nothing recorded) and carries Retry-After; the admin
     endpoint changes faults on a running server."""
     http = urllib3.PoolManager()
+    admin = {"Authorization": f"Bearer {gateway.admin_token}"}
     http.request("POST", gateway.url + "/_admin/faults",
-                 json={"error_rate": 1.0, "retry_after_s": 3})
+                 json={"error_rate": 1.0, "retry_after_s": 3}, headers=admin)
     client = HttpPaymentGateway(gateway.url)
     with pytest.raises(GatewayUnavailable) as info:
         client.charge(reference="o-6", amount_cents=1, currency="EUR", idempotency_key="k6")
@@ -141,7 +145,8 @@ def test_error_rate_fails_before_charging_and_is_changeable_at_run_time(
     assert classify(info.value) is ErrorClass.TRANSIENT
     assert gateway.charges() == []
 
-    http.request("POST", gateway.url + "/_admin/faults", json={"error_rate": 0.5, "seed": 1})
+    http.request("POST", gateway.url + "/_admin/faults", json={"error_rate": 0.5, "seed": 1},
+                 headers=admin)
     ok = 0
     for i in range(40):
         try:
@@ -151,9 +156,9 @@ def test_error_rate_fails_before_charging_and_is_changeable_at_run_time(
             pass
     assert 5 < ok < 35  # seeded: some of each
     assert len(gateway.charges()) == ok
-    listed = http.request("GET", gateway.url + "/_admin/charges").json()["charges"]
+    listed = http.request("GET", gateway.url + "/_admin/charges", headers=admin).json()["charges"]
     assert len(listed) == ok
-    http.request("POST", gateway.url + "/_admin/reset")
+    http.request("POST", gateway.url + "/_admin/reset", headers=admin)
     assert gateway.charges() == []
 
 
@@ -257,3 +262,48 @@ def test_server_threads_survive_many_keys(gateway: GatewayServer) -> None:
         t.join(60)
     assert errors == []
     assert len(gateway.charges()) == 60
+
+
+class _BusyWithDate(http.server.BaseHTTPRequestHandler):
+    """Answers every request 429 with ``Retry-After`` as an HTTP date ten minutes ahead (the form
+    RFC 9110 allows besides delta seconds)."""
+
+    protocol_version = "HTTP/1.1"
+
+    def _answer(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        body = b'{"error": "busy"}'
+        self.send_response(429)
+        self.send_header("Retry-After", email.utils.formatdate(time.time() + 600, usegmt=True))
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_GET = _answer  # noqa: N815 - http.server naming
+    do_POST = _answer  # noqa: N815
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+def test_a_retry_after_given_as_an_http_date_is_honoured() -> None:
+    """Catches the payment client reading ``Retry-After`` as delta seconds only (an HTTP date
+    fell back to our own backoff, so a provider asking for ten minutes was called again at once):
+    the wait it asks for is carried on the error, on a charge and on a lookup."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _BusyWithDate)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    client = HttpPaymentGateway(f"http://127.0.0.1:{server.server_address[1]}", timeout=5)
+    try:
+        with pytest.raises(GatewayUnavailable) as charged:
+            client.charge(reference="busy", amount_cents=1, currency="EUR",
+                          idempotency_key="k-busy")
+        with pytest.raises(GatewayUnavailable) as looked_up:
+            client.find_charges("busy")
+    finally:
+        client.close()
+        server.shutdown()
+        server.server_close()
+    for error in (charged.value, looked_up.value):
+        assert error.status == 429 and not error.maybe_charged
+        assert error.retry_after is not None and 300 <= error.retry_after <= 601, error.retry_after

@@ -114,10 +114,13 @@ def test_sigkill_after_charge_then_retry_makes_no_second_charge(
         row = conn.execute(text("SELECT payment_status, charge_id FROM orders")).one()
     assert (row.payment_status, row.charge_id) == ("paid", charges[0]["charge_id"])
     rows = AttemptRecorder(db).for_key("payment:o-k")
-    assert [(r["outcome"], r["ended_at"] is None) for r in rows] == [
-        ("started", True), ("completed", False)
-    ]
-    assert rows[1]["takeover"] and rows[1]["fence"] == 2
+    # on a loaded machine the crash run's first attempt can lose its short lease before the
+    # crash point and be retried there: such attempts ended, and the ledger shows one charge
+    early, (crashed, done) = rows[:-2], rows[-2:]
+    assert all(r["outcome"] in ("lease_lost", "in_progress_elsewhere") for r in early), rows
+    assert (crashed["outcome"], crashed["ended_at"] is None) == ("started", True), rows
+    assert (done["outcome"], done["ended_at"] is None) == ("completed", False), rows
+    assert done["takeover"] and done["fence"] == crashed["fence"] + 1
     assert "gateway_lookup" in rows[1]["durations"]
     assert "gateway_charge" not in rows[1]["durations"]
 

@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -55,7 +56,7 @@ def key_of(payload: dict[str, Any]) -> str:
 def services_for(db: Database, sink: MailSink, lease: float = 30.0) -> Services:
     return Services(
         db=db, store=IdempotencyStore(db, lease_seconds=lease), attempts=AttemptRecorder(db),
-        clients={"smtp": SmtpMailer("127.0.0.1", sink.port)},
+        clients={"smtp": SmtpMailer("127.0.0.1", sink.port, log_url=sink.db_url)},
     )
 
 
@@ -166,8 +167,10 @@ def test_a_batch_killed_after_its_first_send_is_finished_without_a_second_effect
     db: Database, db_url: str, sink: MailSink
 ) -> None:
     """Catches: keys claimed by a batch that died staying stuck, or being redone with another
-    identity: after the dead batch's short lease expires the next run takes every key over and
-    each mail exists once (the first with the same Message-ID, which receivers deduplicate)."""
+    identity, or a mail sent again: the worker died after the SMTP accept of the first mail and
+    before recording it; after the dead batch's short lease expires the next run takes every
+    key over, finds the first mail at the provider by its Message-ID (the lookup on takeover)
+    and sends only the other four: each mail exists once."""
     payloads = [email("crash", i) for i in range(5)]
     ids = enqueue(db, "send_email", payloads, key_of)
     spec = {"db_url": db_url, "smtp_port": sink.port, "request_ids": ids, "lease_seconds": 1.5}
@@ -187,8 +190,7 @@ def test_a_batch_killed_after_its_first_send_is_finished_without_a_second_effect
 
     assert summary["completed"] == 5
     assert Counter(m["message_id"] for m in sink.messages()) == Counter(
-        {message_id_for(key_of(payloads[0])): 2}
-        | {message_id_for(key_of(p)): 1 for p in payloads[1:]}
+        {message_id_for(key_of(p)): 1 for p in payloads}
     )
     for p in payloads:
         record = store.get(key_of(p))
@@ -233,15 +235,21 @@ def test_inventory_batch_commits_its_carts_together_and_a_bad_cart_alone_rolls_b
 
     event.listen(db.engine, "before_cursor_execute", note)
     summary = run_batch(RequestStore(db), ids, services=services_for(db, sink), run_id="inv")
+    # each cart was taken over from the dead batch, so each ran alone (a crasher among them
+    # must not take the others with it again); a fresh batch reserves its carts together
+    transactions.clear()
+    fresh = enqueue(db, "reserve_inventory", [cart(4), cart(5)],
+                    lambda p: f"inventory-reserve:{p['cart_id']}")
+    assert run_batch(RequestStore(db), fresh, services=services_for(db, sink))["completed"] == 2
     event.remove(db.engine, "before_cursor_execute", note)
-    assert len(transactions) == 1  # three carts reserved in one transaction
+    assert len(transactions) == 1  # a fresh batch reserves its carts in one transaction
 
     assert (summary["completed"], summary["failed"]) == (3, 1)
     assert "InsufficientStock" in summary["failures"]["inventory-reserve:c2"]
-    assert inventory.stock("sku-a") == (10, 3) and inventory.stock("sku-b") == (10, 3)
+    assert inventory.stock("sku-a") == (10, 5) and inventory.stock("sku-b") == (10, 5)
     with db.statement() as conn:
         rows = conn.execute(text("SELECT cart_id, COUNT(*) FROM reservations GROUP BY cart_id"))
-        assert dict(rows.tuples().all()) == {"c0": 2, "c1": 2, "c3": 2}
+        assert dict(rows.tuples().all()) == {"c0": 2, "c1": 2, "c3": 2, "c4": 2, "c5": 2}
     store = IdempotencyStore(db)
     for i in (0, 1, 3):
         again = store.begin(f"inventory-reserve:c{i}", payload=inventory_job.validate(payloads[i]))
@@ -301,3 +309,46 @@ def test_a_cart_whose_slot_another_worker_holds_waits_out_and_fails_alone(
     other.release()
     again = run_batch(RequestStore(db), [ids[1]], services=services, run_id="free")
     assert again["completed"] == 1 and inventory.stock("sku-a") == (10, 3)
+
+
+class SlowAnswerSink(MailSink):
+    """The sandbox sink that records the first mail, then answers later than the mailer's read
+    timeout: the mail was accepted and the sender saw no answer (a lost SMTP reply)."""
+
+    def __init__(self, *args: Any, hold: float, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.hold = hold
+        self.answered = threading.Event()
+
+    def record(self, **kwargs: Any) -> None:
+        super().record(**kwargs)
+        if not self.answered.is_set():
+            time.sleep(self.hold)
+            self.answered.set()
+
+
+def test_a_retry_after_a_lost_smtp_answer_asks_the_provider_before_sending(
+    db: Database, tmp_path: Path
+) -> None:
+    """Catches: a plain retry (no takeover) that sends a mail again when the first attempt's
+    SMTP answer was lost after the server accepted it: the retry must find the mail at the
+    provider by its Message-ID and complete without a second send."""
+    sink = SlowAnswerSink(f"sqlite:///{tmp_path / 'slow.db'}", hold=2.5).start()
+    try:
+        services = Services(
+            db=db, store=IdempotencyStore(db, lease_seconds=30.0),
+            attempts=AttemptRecorder(db),
+            clients={"smtp": SmtpMailer("127.0.0.1", sink.port, timeout=1.0, deadline=5.0,
+                                        log_url=sink.db_url)},
+        )
+        payload = email("lost", 0)
+        [rid] = enqueue(db, "send_email", [payload], key_of)
+        first = run_batch(RequestStore(db), [rid], services=services, run_id="lost-1")
+        assert first["completed"] == 0, first
+        assert sink.answered.wait(30)  # the sink answers (late) before the retry
+        assert len(sink.messages()) == 1  # accepted, though the sender saw no answer
+        second = run_batch(RequestStore(db), [rid], services=services, run_id="lost-2")
+        assert second["completed"] == 1, second
+        assert [m["message_id"] for m in sink.messages()] == [message_id_for(key_of(payload))]
+    finally:
+        sink.stop()

@@ -307,6 +307,42 @@ def test_the_client_sends_nothing_once_the_send_bound_passed(gateway: GatewaySer
     assert len(gateway.ledger.by_reference("ref-late")) == 1
 
 
+def test_a_pause_after_the_bound_check_and_before_the_write_sends_nothing(
+    gateway: GatewayServer, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Catches the window the guide example's chaos run struck (a duplicate credit): the bound
+    was checked once, before urllib3 was handed the request, so a process paused after that
+    check (here, right after the new connection is up; in the chaos run, a sibling thread's
+    SIGSTOP) wrote the whole request once it resumed, past its bound, while a takeover had
+    already looked up, found nothing and sent its own. Every write of the request is checked
+    against the bound: a pause past it sends nothing and raises SendDeadlinePassed, and the
+    gateway records no charge."""
+    import urllib3.connection
+
+    gateway.set_faults(honour_idempotency_key=False)
+    client = HttpPaymentGateway(gateway.url, timeout=2.0, deadline=4.0)
+    connect = urllib3.connection.HTTPConnection.connect
+    bound = time.monotonic() + 0.5
+
+    def paused_after_connect(self: Any) -> None:
+        connect(self)
+        time.sleep(max(0.0, bound - time.monotonic()) + 0.2)  # frozen: the bound passes
+
+    monkeypatch.setattr(urllib3.connection.HTTPConnection, "connect", paused_after_connect)
+    try:
+        with pytest.raises(SendDeadlinePassed):
+            client.charge(reference="ref-paused", amount_cents=100, currency="EUR",
+                          idempotency_key="k-paused", send_by=bound)
+        monkeypatch.undo()
+        time.sleep(0.5)  # a request written late would be in the gateway's ledger by now
+        assert gateway.ledger.by_reference("ref-paused") == []
+        client.charge(reference="ref-paused", amount_cents=100, currency="EUR",
+                      idempotency_key="k-paused", send_by=time.monotonic() + 30)
+        assert len(gateway.ledger.by_reference("ref-paused")) == 1
+    finally:
+        client.close()
+
+
 class _LateOnce:
     """The real client, handed a send bound already passed on its first charge: what a holder
     paused after its lease confirmation, but not taken over, sees when it resumes."""

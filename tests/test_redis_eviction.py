@@ -40,12 +40,12 @@ def private_redis(tmp_path: Path, policy: str, headroom: int | None = None
     """A redis-server of this test with ``policy``; with ``headroom``, ``maxmemory`` is what
     it uses now plus that many bytes."""
     server = RedisServer(tmp_path / policy, port=free_port()).start()
-    admin = redis.Redis(port=server.port, socket_timeout=5)
+    admin = server.plain()
     try:
-        admin.config_set("maxmemory-policy", policy)
+        server.config_set("maxmemory-policy", policy)
         if headroom is not None:
             used = int(admin.info("memory")["used_memory"])
-            admin.config_set("maxmemory", str(used + headroom))
+            server.config_set("maxmemory", str(used + headroom))
         yield server, admin
     finally:
         admin.close()
@@ -126,9 +126,9 @@ def test_what_eviction_does_to_locks_slots_and_buckets(tmp_path: Path) -> None:
         bucket = RateLimiter(client, "gateway", rate=0.001, burst=5)
         granted_before = sum(bucket.try_acquire() for _ in range(10))
         assert granted_before == 5
-        admin.config_set("maxmemory-policy", "allkeys-lru")
+        server.config_set("maxmemory-policy", "allkeys-lru")
         used = int(admin.info("memory")["used_memory"])
-        admin.config_set("maxmemory", str(used + 512 * 1024))
+        server.config_set("maxmemory", str(used + 512 * 1024))
         written = 0
         while admin.exists(held.key) and written < 64 * 1024 * 1024:
             admin.set(f"filler:{written}", "x" * 8192)

@@ -166,6 +166,6 @@ def test_a_job_module_that_cannot_be_used_is_refused_naming_it(
 def test_the_built_in_job_types_are_found_without_being_listed() -> None:
     """Every module of pipelines.jobs that declares a JOB_TYPE, in name order."""
     assert list(discover({})) == [
-        "charge_payment", "fulfill_order", "rebuild_report_cache", "reserve_inventory",
-        "send_email",
+        "charge_payment", "deliver_webhook", "fulfill_order", "rebuild_report_cache",
+        "reserve_inventory", "send_email",
     ]

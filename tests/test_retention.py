@@ -33,13 +33,22 @@ from resources.dagster_resources import DlqResource
 from resources.dlq import MIN_RETENTION_SECONDS, DlqStatus, DlqStore
 from resources.errors import ValidationError
 from resources.idempotency import IdempotencyStore
-from resources.outbox import Consumer, InAppPublisher, Inbox, OutboxPublisher, write_event
+from resources.outbox import (
+    Consumer,
+    InAppPublisher,
+    Inbox,
+    OutboxDeadLetters,
+    OutboxPublisher,
+    write_event,
+)
 from resources.storage.db import Database
 from resources.storage.settings import RetentionSettings
 from sandbox.mailsink import MailSink
 from sandbox.redis_server import free_port
 from sensors.dlq import dead_letter_failed_requests
 from tests.job_workers import replay_sensor
+from tests.test_outbox import make_tables
+from tests.test_outbox_dead_letters import Poisoned
 
 DAY = 86400.0
 
@@ -352,3 +361,42 @@ def test_the_doctor_fails_when_an_open_record_lost_its_completed_key(
     assert not finding.passed and finding.severity == "ERROR"
     assert finding.evidence["forgotten_keys"] == ["email:welcome:u1:2026-11-01"]
     assert "Do not replay" in finding.fix
+
+
+# -- outbox dead letters --------------------------------------------------------------------------
+
+
+def test_closed_outbox_dead_letters_are_purged_after_the_dlq_retention_and_open_ones_never(
+    db: Database,
+) -> None:
+    """Catches outbox dead letters kept forever (they had no retention), and a purge that drops
+    one an operator still has to decide on (open, whatever its age), one closed within the
+    retention, or a replayed one whose event is still unpublished (if it dies again, its dead
+    letter opens again with its count of deaths)."""
+    clock = Clock(time.time())
+    make_tables(db)
+    events = ["ev-open", "ev-discarded", "ev-replayed-published", "ev-replayed-pending",
+              "ev-discarded-recent"]
+    with db.transaction() as conn:
+        for i, event_id in enumerate(events):
+            write_event(conn, aggregate_type="order", aggregate_id=f"a{i}", event_type="e",
+                        payload={}, event_id=event_id, now=clock())
+    OutboxPublisher(db, Poisoned(db, set(events)), max_failures=1, clock=clock).publish_batch()
+    store = OutboxDeadLetters(db, clock=clock)
+    dead = {d.event_id: d.id for d in store.page()}
+    assert set(dead) == set(events)
+    assert store.discard([dead["ev-discarded"]], actor="test", reason="bad") != []
+    assert store.replay([dead["ev-replayed-published"], dead["ev-replayed-pending"]],
+                        actor="test") != []
+    still_failing = Poisoned(db, {"ev-replayed-pending"})
+    OutboxPublisher(db, still_failing, max_failures=100, clock=clock).publish_batch()
+    clock.now += MIN_RETENTION_SECONDS + DAY
+    assert store.discard([dead["ev-discarded-recent"]], actor="test", reason="bad") != []
+
+    report = Reconciler(db, store=IdempotencyStore(db, clock=clock),
+                        dlq=DlqStore(db, clock=clock), clock=clock, retention=ZERO).run()
+
+    assert report.purged["outbox_dead_letters"] == 2
+    left = {d.event_id: str(d.status) for d in store.page(None)}
+    assert left == {"ev-open": "open", "ev-replayed-pending": "replayed",
+                    "ev-discarded-recent": "discarded"}

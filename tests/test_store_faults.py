@@ -62,9 +62,8 @@ def _raised(call: Callable[[], Any]) -> BaseException:
     raise AssertionError("expected an error")
 
 
-def _plain(port: int, *, socket_timeout: float = 5) -> redis.Redis:
-    return redis.Redis(port=port, socket_timeout=socket_timeout, socket_connect_timeout=2,
-                       retry=NO_RETRY)
+def _plain(server: RedisServer, *, socket_timeout: float = 5) -> redis.Redis:
+    return server.plain(socket_timeout=socket_timeout)
 
 
 def _defences(client: Any, name: str) -> dict[str, Callable[[], Any]]:
@@ -96,10 +95,10 @@ def test_a_full_redis_is_transient_and_every_defence_says_it_is_full(tmp_path: P
     classified ``unknown`` on a full Redis (``noeviction`` at ``maxmemory``)."""
     server = RedisServer(tmp_path / "full", port=free_port()).start()
     try:
-        admin = _plain(int(server.port or 0))
+        admin = _plain(server)
         used = int(admin.info("memory")["used_memory"])
-        admin.config_set("maxmemory-policy", "noeviction")
-        admin.config_set("maxmemory", str(used + 256 * 1024))
+        server.config_set("maxmemory-policy", "noeviction")
+        server.config_set("maxmemory", str(used + 256 * 1024))
         with contextlib.suppress(redis.exceptions.OutOfMemoryError):
             for i in range(10_000):
                 admin.set(f"filler:{i}", "x" * 4096)
@@ -131,9 +130,9 @@ def test_a_replica_is_read_only_and_transient(tmp_path: Path) -> None:
     ``unknown``."""
     primary = RedisServer(tmp_path / "primary", port=free_port()).start()
     replica = RedisServer(tmp_path / "replica", port=free_port(),
-                          replica_of=primary.port).start()
+                          replica_of=primary.port, password=primary.password).start()
     try:
-        raw = _raised(lambda: _plain(int(replica.port or 0)).set("k", "v"))
+        raw = _raised(lambda: _plain(replica).set("k", "v"))
         assert isinstance(raw, redis.exceptions.ReadOnlyError) and classify(raw) is T
         client = redis_client(replica.url)
         for name, call in _defences(client, "ro").items():
@@ -151,7 +150,7 @@ def test_a_replica_without_its_primary_answers_masterdown_transient(tmp_path: Pa
     replica = RedisServer(tmp_path / "replica", port=free_port(), replica_of=free_port(),
                           options=["--replica-serve-stale-data", "no"]).start()
     try:
-        raw = _raised(lambda: _plain(int(replica.port or 0)).get("k"))
+        raw = _raised(lambda: _plain(replica).get("k"))
         assert isinstance(raw, redis.exceptions.MasterDownError) and classify(raw) is T
         error = _raised(_defences(redis_client(replica.url), "md")["lock"])
         assert isinstance(error, StoreUnavailable) and "MASTERDOWN" in str(error)
@@ -169,25 +168,22 @@ def test_a_server_loading_its_dataset_answers_loading_transient(tmp_path: Path) 
     if not binary or " v=6." in version:
         need_server("a Redis 7 redis-server on PATH", RuntimeError(version or "none"))
     assert binary is not None
-    port = free_port()
-    base = [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(tmp_path),
-            "--save", "", "--logfile", str(tmp_path / "redis.log")]
-    seed = subprocess.Popen([*base, "--enable-debug-command", "yes"])
+    seed = RedisServer(tmp_path, port=free_port(), binary=binary,
+                       options=["--enable-debug-command", "yes"]).start()
     try:
-        _wait_for(lambda: _plain(port).ping())
-        _plain(port).execute_command("DEBUG", "POPULATE", "20000", "k", "100")
-        _plain(port).save()
+        seed.debug("POPULATE", "20000", "k", "100")
+        _plain(seed).save()
     finally:
-        seed.terminate()
-        seed.wait(10)
-    loading = subprocess.Popen([*base, "--key-load-delay", "100",
-                                "--loading-process-events-interval-bytes", "1024"])
+        seed.stop()
+    loading = RedisServer(tmp_path, port=seed.port, binary=binary, password=seed.password,
+                          options=["--key-load-delay", "100",
+                                   "--loading-process-events-interval-bytes", "1024"]).launch()
     try:
         deadline = time.monotonic() + 20
         raw: BaseException | None = None
         while raw is None and time.monotonic() < deadline:
             try:
-                _plain(port, socket_timeout=1).get("k:1")
+                _plain(loading, socket_timeout=1).get("k:1")
             except redis.BusyLoadingError as exc:
                 raw = exc
             except redis.ConnectionError:
@@ -195,30 +191,28 @@ def test_a_server_loading_its_dataset_answers_loading_transient(tmp_path: Path) 
         assert raw is not None, "the server never answered LOADING"
         assert classify(raw) is T
     finally:
-        loading.terminate()
-        loading.wait(10)
+        loading.stop()
 
 
 def test_a_server_busy_in_a_script_answers_busy_transient(tmp_path: Path) -> None:
     """Catches: BUSY (another client's long script) classified ``unknown``."""
     server = RedisServer(tmp_path / "busy", port=free_port(),
                          options=["--lua-time-limit", "50"]).start()
-    port = int(server.port or 0)
     looping = threading.Thread(
-        target=lambda: _raised(lambda: _plain(port, socket_timeout=60).eval(
+        target=lambda: _raised(lambda: _plain(server, socket_timeout=60).eval(
             "local i = 0 while true do i = i + 1 end", 0)),
         daemon=True,
     )
     try:
         looping.start()
         time.sleep(0.3)
-        raw = _raised(lambda: _plain(port).get("k"))
+        raw = _raised(lambda: _plain(server).get("k"))
         assert "BUSY" in str(raw) and classify(raw) is T
         error = _raised(_defences(redis_client(server.url), "busy")["slot"])
         assert isinstance(error, StoreUnavailable) and "BUSY" in str(error)
     finally:
         with contextlib.suppress(redis.RedisError):
-            _plain(port).script_kill()
+            _plain(server).script_kill()
         looping.join(10)
         server.stop()
 
@@ -262,7 +256,7 @@ def test_a_plain_client_on_a_cluster_node_is_redirected_transient(
     other = (owner + 1) % len(cluster.ports)
     raw = _raised(lambda: cluster.node(other).get(key))
     assert isinstance(raw, redis.exceptions.MovedError) and classify(raw) is T
-    plain = redis_client(f"redis://127.0.0.1:{cluster.ports[other]}/0")
+    plain = redis_client(f"redis://:{cluster.password}@127.0.0.1:{cluster.ports[other]}/0")
     errors = []
     for name, call in _defences(plain, "moved").items():
         error = _raised(call)
@@ -322,7 +316,7 @@ def test_a_cluster_node_serving_no_slot_answers_clusterdown_transient(tmp_path: 
     lone = RedisServer(tmp_path / "lone", port=free_cluster_port(), options=[
         "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"]).start()
     try:
-        raw = _raised(lambda: _plain(int(lone.port or 0)).get("k"))
+        raw = _raised(lambda: _plain(lone).get("k"))
         assert isinstance(raw, redis.exceptions.ClusterDownError) and classify(raw) is T
         error = _raised(_defences(redis_client(lone.url), "down")["rate"])
         assert isinstance(error, StoreUnavailable) and "CLUSTERDOWN" in str(error)

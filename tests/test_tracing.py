@@ -123,6 +123,58 @@ def test_a_dead_letter_keeps_its_trace_id(
     assert trace_id and out["dlq_trace_ids"] == [trace_id]
 
 
+APP_WITH_ITS_OWN_SDK = """
+import json, sys
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from engine.intake import enqueue
+from resources.storage.db import Database
+from resources.storage.migrations import upgrade
+from resources.telemetry import tracing
+
+db = Database.from_url(sys.argv[1])
+upgrade(db)  # the engine exists before the application sets its provider up
+off = tracing.span("before") is tracing.span("before, too")
+exporter = InMemorySpanExporter()
+provider = TracerProvider()
+provider.add_span_processor(SimpleSpanProcessor(exporter))
+trace.set_tracer_provider(provider)
+with trace.get_tracer("app").start_as_current_span("POST /orders"):
+    request = enqueue("charge_payment", {"order_id": "o-app", "amount_cents": 990,
+                                          "currency": "EUR"}, db=db).request
+print(json.dumps({
+    "off_before": off,
+    "traceparent": request.traceparent,
+    "spans": [{"name": s.name, "trace_id": format(s.context.trace_id, "032x"),
+               "parent": format(s.parent.span_id, "016x") if s.parent else None,
+               "span_id": format(s.context.span_id, "016x"), "kind": s.kind.name}
+              for s in exporter.get_finished_spans()],
+}))
+"""
+
+
+def test_an_application_s_global_provider_gets_sekali_spans(sqlite_url: str) -> None:
+    """Catches: spans only after ``use_provider``/``OTEL_*``, when the application set the SDK's
+    provider globally the way the OpenTelemetry docs say (sekali as a library in a web app)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    out = subprocess.run(
+        [sys.executable, "-c", APP_WITH_ITS_OWN_SDK, sqlite_url], cwd=ROOT,
+        env={**env, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen["off_before"]  # no provider yet: the shared no-op, as before
+    spans = {s["name"]: s for s in seen["spans"]}
+    app, enqueued = spans["POST /orders"], spans["sekali.enqueue"]
+    assert enqueued["trace_id"] == app["trace_id"] and enqueued["parent"] == app["span_id"]
+    assert seen["traceparent"].split("-")[1] == app["trace_id"]  # stored for the run to continue
+    statements = [s for s in seen["spans"] if s["kind"] == "CLIENT"]
+    assert statements and all(s["trace_id"] == app["trace_id"] for s in statements)
+
+
 def test_tracing_off_is_a_shared_no_op() -> None:
     assert not tracing.configure_tracing(env={})
     assert not tracing.configure_tracing(env={"OTEL_TRACES_EXPORTER": "none"})

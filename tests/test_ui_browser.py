@@ -6,7 +6,9 @@ a private SQLite app database, the test Redis and the sandbox gateway (the stack
 :mod:`tests.test_e2e`). The test opens the Launchpad of ``charge_payment``, launches the default
 example twice, and checks that the runs list shows one ``effect`` and one ``duplicate`` and that
 the duplicate links to the run that charged; then, after a permanent failure, that the
-``dead_letters`` asset shows its row and its check fails. Screenshots go to
+``dead_letters`` asset shows its row and its check fails, the failed run names its dead letter
+(``sekali/dlq_id``), and a cancelled request's run runs nothing and says who cancelled it.
+Screenshots go to
 ``test-results/ui/`` (gitignored; CI leaves them there).
 """
 
@@ -24,6 +26,10 @@ from playwright.sync_api import TimeoutError as PlaywrightTimeout
 from playwright.sync_api import sync_playwright
 
 from engine import tags as tag
+from engine.intake import enqueue
+from engine.requests import CancelState, RequestStore
+from resources.dlq import DlqStore
+from resources.storage.db import Database
 from tests.test_e2e import ROOT, Stack, _location_loaded, stack, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.dagster, pytest.mark.timeout(600)]
@@ -121,6 +127,14 @@ def _launch_from_launchpad(page: Any, base: str, shot: str) -> None:
     page.wait_for_url(re.compile(r".*/runs/[0-9a-f-]{36}.*"), timeout=WAIT_MS)
 
 
+def _see_run_tag(page: Any, base: str, run_id: str, pattern: str) -> None:
+    """A run's page lists its tags only in the "View tags and config" dialog (Dagster 1.13):
+    open it and wait for ``pattern`` (``key: value``) there."""
+    page.goto(f"{base}/runs/{run_id}")
+    page.get_by_role("button", name=re.compile("View tags and config")).click(timeout=WAIT_MS)
+    page.get_by_text(re.compile(pattern)).first.wait_for(timeout=WAIT_MS)
+
+
 def test_launch_twice_from_the_launchpad_then_see_outcomes_and_the_dlq(
     stack: Stack, browser: Any
 ) -> None:
@@ -185,4 +199,34 @@ def test_launch_twice_from_the_launchpad_then_see_outcomes_and_the_dlq(
     page.get_by_text("no_permanent_dead_letters").first.wait_for(timeout=WAIT_MS)
     page.screenshot(path=str(SHOTS / "06-dead-letters-check.png"), full_page=True)
     bad_tags = {t["key"]: t["value"] for r in _runs(stack) if r["runId"] == bad for t in r["tags"]}
-    assert bad_tags[tag.OUTCOME] == "failed"
+    assert bad_tags[tag.OUTCOME] == "dead_lettered"
+
+    # 5. The failed run points at its dead letter, and the record names the run back.
+    dlq_id = bad_tags[tag.DLQ_ID]
+    app = Database.from_url(stack.app_url)
+    try:
+        record = DlqStore(app).get(int(dlq_id))
+        assert record.run_id == bad
+        _see_run_tag(page, base, bad, rf"{re.escape(tag.DLQ_ID)}\W+{dlq_id}\b")
+        page.screenshot(path=str(SHOTS / "07-dead-lettered-run.png"), full_page=True)
+
+        # 6. A request cancelled before it ran: launched again by hand, its run runs nothing
+        # and says so (outcome, who cancelled); the runs list finds it by that tag.
+        cancel_me = {"order_id": "o-browser-cancel", "amount_cents": 700, "currency": "EUR"}
+        waiting = enqueue("charge_payment", cancel_me, db=app).request
+        decided = RequestStore(app).cancel(waiting.id, by="browser-test", reason="by mistake")
+        assert decided.state is CancelState.CANCELLED
+        again = stack.client().submit_job_execution(
+            "charge_payment",
+            run_config={"ops": {"charge_payment_op": {"config": {"payload": cancel_me}}}},
+        )
+        wait_for("the cancelled run", lambda: any(
+            r["runId"] == again and r["status"] == "SUCCESS"
+            for r in _runs(stack, **{tag.OUTCOME: "cancelled"})), 240, stack.logs)
+    finally:
+        app.dispose()
+    page.goto(f"{base}/runs?q%5B%5D=tag%3A{tag.OUTCOME}%3Dcancelled")
+    page.get_by_text(again[:8]).first.wait_for(timeout=WAIT_MS)
+    _see_run_tag(page, base, again, rf"{re.escape(tag.CANCELLED_BY)}\W+browser-test")
+    page.screenshot(path=str(SHOTS / "08-cancelled-run.png"), full_page=True)
+    assert len(stack.gateway.charges()) == 1  # nothing charged for the cancelled order

@@ -52,22 +52,28 @@ def test_warming_refreshes_hot_keys_before_expiry_so_next_reads_hit(
 ) -> None:
     """Catches: warming that refreshes cold keys instead of hot ones, or refreshes too late
     (after expiry the next readers miss and rebuild)."""
-    cache = StampedeCache.from_url(redis_url, namespace=namespace, ttl=2.0, jitter=0.0)
+    lifetime = 5.0  # long enough that a loaded machine's 46 reads end before the first key expires
+    # beta=0: no XFetch early refresh, which a slow loader makes likely within seconds of expiry
+    cache = StampedeCache.from_url(
+        redis_url, namespace=namespace, ttl=lifetime, jitter=0.0, beta=0.0
+    )
     try:
         for key in HOT:
             for _ in range(15):
-                read(cache, db, key)
-        read(cache, db, COLD)
+                read(cache, db, key, ttl=lifetime)
+        read(cache, db, COLD, ttl=lifetime)
+        all_written = time.monotonic()
+        assert all(builds(db, k) == 1 for k in HOT + [COLD])
         report = Warmer(cache, declared_loaders(db), top_n=3, refresh_within=60.0, ttl=60.0).run()
         assert sorted(report.refreshed) == sorted(HOT)
         assert report.misses_avoided == 3 and not report.failed
         assert all(builds(db, k) == 2 for k in HOT)
 
-        time.sleep(2.5)  # past the 2 s lifetime the keys were first written with
+        time.sleep(max(0.0, all_written + lifetime + 0.5 - time.monotonic()))  # past the old expiry
         before = hits(cache)
         for key in HOT:
-            read(cache, db, key)
-        read(cache, db, COLD)
+            read(cache, db, key, ttl=lifetime)
+        read(cache, db, COLD, ttl=lifetime)
         assert all(builds(db, k) == 2 for k in HOT), "a warmed key missed after its old expiry"
         assert builds(db, COLD) == 2  # not warmed: it expired and its next read rebuilt it
         assert hits(cache) - before == 3  # the three warmed keys, read after their old expiry

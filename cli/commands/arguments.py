@@ -30,14 +30,26 @@ def record_id(text: str) -> int:
     return _whole(text, "a record id")
 
 
+def id_list(text: str) -> list[int]:
+    """argparse ``type=`` of ``ID[,ID...]``: record ids separated by commas."""
+    return [record_id(part) for part in text.split(",") if part.strip()] or [record_id(text)]
+
+
 def count(text: str) -> int:
     """argparse ``type=`` of a ``--limit``: a whole number from 1 to 2**63 - 1."""
     return _whole(text, "a count")
 
 
+_BARE_NUMBER = re.compile(r"^\s*[0-9.]+\s*$")
+
+
 def age(text: str) -> float:
     """argparse ``type=`` of ``--older-than``/``--newer-than``: ``90s``, ``15m``, ``2h``,
-    ``3d``, ``1w`` or seconds -> seconds."""
+    ``3d``, ``1w`` -> seconds. A bare number is refused: ``5`` could mean 5 s or 5 days."""
+    if _BARE_NUMBER.match(text):
+        raise argparse.ArgumentTypeError(
+            f"{text.strip()!r} has no unit: say 90s, 15m, 2h, 3d or 1w"
+        )
     try:
         seconds = parse_age(text)
     except ValueError as exc:

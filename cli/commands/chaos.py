@@ -41,6 +41,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--faults", default=",".join(DEFAULT_FAULTS),
                    help=f"comma-separated, from {','.join(FAULTS)}; 'all' for every fault the "
                         f"run can strike (default: {','.join(DEFAULT_FAULTS)})")
+    p.add_argument("--job-type", dest="job_type", default=None, metavar="NAME[,NAME...]",
+                   help="run these registered job types (built-in or from SEKALI_JOB_MODULES) "
+                        "instead of the built-in mix: payloads from each one's example, effects "
+                        "counted through its lookup hook at its sandbox stand-in")
+    p.add_argument("--dagster", action="store_true",
+                   help="with --job-type: each delivery is a real run of the job type's "
+                        "per-request Dagster job on a real instance (Dagster's retries and the "
+                        "run-failure sensor's DLQ path inside the proof; slower: run fewer)")
     p.add_argument("--backend", choices=["sqlite", "postgres"], default="sqlite")
     p.add_argument("--database-url", dest="database_url",
                    help="Postgres URL to create the run's schema in (default DATABASE_URL or the "
@@ -74,14 +82,21 @@ def _report(args: argparse.Namespace, report: dict[str, Any], say: Any) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.topology == "hosts" and args.job_type is not None:
+        print("sekali chaos: --job-type runs with --topology local only", file=sys.stderr)
+        return 2
     if args.topology == "hosts":
         return _run_hosts(args)
     if not args.verbose:  # the sandbox servers log every charge and mail
         for name in ("mail.log", "sandbox.gateway", "sandbox.mailsink", "resources"):
             logging.getLogger(name).setLevel(logging.WARNING)
 
+    job_types = tuple(n.strip() for n in (args.job_type or "").split(",") if n.strip())
+    if args.job_type is not None and not job_types:
+        print("sekali chaos: --job-type: name at least one job type", file=sys.stderr)
+        return 2
     faults, notes = parse_faults(args.faults, backend=args.backend,
-                                 database_url=args.database_url)
+                                 database_url=args.database_url, typed=bool(job_types))
     out = sys.stderr if args.json else sys.stdout
     for note in notes:
         print(f"sekali chaos: {note}", file=sys.stderr)
@@ -100,6 +115,8 @@ def _run(args: argparse.Namespace) -> int:
         timeout=args.timeout,
         progress=args.progress and sys.stderr.isatty(),
         keep_state=args.keep_state,
+        job_types=job_types,
+        dagster=args.dagster,
     )
     try:
         report = run_chaos(config)
@@ -107,6 +124,8 @@ def _run(args: argparse.Namespace) -> int:
         print(f"sekali chaos: {exc}", file=sys.stderr)
         return 2
     mode = "naive (defences off)" if config.naive else "guarded"
+    if job_types:
+        mode += f", job types {','.join(job_types)}" + (", Dagster runs" if args.dagster else "")
     print(f"sekali chaos: {mode}, {config.requests} requests x {config.redelivery} deliveries, "
           f"{config.workers} workers, backend {config.backend}, faults {','.join(config.faults)}",
           file=out)

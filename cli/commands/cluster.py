@@ -4,7 +4,9 @@
 dagster-daemon on ``deploy/production/dagster.yaml``), N worker hosts (a gRPC code server each:
 runs execute there) and a provider host (sandbox gateway and mail sink), joined by a bridge; the
 Dagster UI answers on the control host's address from this machine. ``down`` removes every
-namespace, link, rule and process it made, and may be run again at any time. ``partition A B``
+namespace, link, rule and process it made, and may be run again at any time. Root only builds
+the namespaces, links and rules: the services run as the system user ``sekali`` (PostgreSQL as
+``postgres``), created if missing. ``partition A B``
 drops packets between two hosts (connects time out, nothing is refused); ``heal [A B]`` removes
 that partition, or every one. See
 ``deploy/cluster/README.md`` and :mod:`sandbox.hosts`.

@@ -11,7 +11,16 @@
   filter is required. ``--dry-run`` changes nothing and says what would be replayed. ``--wait``
   then follows each replayed record to its end (:mod:`cli.commands.follow`; exit 1 when one
   is dead-lettered again or ``--timeout`` passes first); ``--json`` prints the decisions (and
-  final states).
+  final states). Each record is listed with its verdict and evidence (``completed``: its key
+  completed, a replay returns the stored result; ``effect_found``: the job type's lookup finds
+  the effect at the downstream; ``unknown``: it cannot be asked or does not answer; ``safe``).
+  A real replay refuses ``effect_found`` and ``unknown`` records unless ``--allow-repeat
+  ID[,ID...]`` names them (exit 1 naming the refused ids; the others still replay).
+  ``--canary N [--canary-timeout S]`` (:mod:`engine.canary`) replays N records first, follows
+  them to their end (progress on stderr) and requests the rest only if every canary resolved;
+  one that fails again, or has not ended after S seconds (600), leaves the rest open and exits
+  1. Each record's ``outcome`` (``canary resolved``, ``canary failed again``, ``not replayed:
+  canary failed``, ...) is printed and in ``--json``; a dry run names the would-be canaries.
 - ``replay ID --patch JSON|@file [--dry-run] [--wait]``: amended replay (``pipelines/replay.py``):
   a new version of the request under ``key#vN`` with the patched payload, the record closed as
   superseded (``--wait`` follows the new request like ``sekali enqueue --wait``); refused
@@ -31,29 +40,40 @@ import getpass
 import re
 import sys
 import textwrap
+import time
 from typing import Any
 
 from rich import box
 from rich.table import Table
 
-from cli.commands.arguments import age, pace, record_id
+from cli.commands.arguments import age, count, id_list, pace, record_id
 from cli.commands.follow import (
     add_wait_arguments,
     exit_code,
     follow,
     record_progress,
     request_progress,
+    seconds,
 )
 from cli.commands.output import (
     add_output_arguments,
     console,
     emit,
+    err_console,
     payload_text,
     printable,
     when,
 )
+from engine import canary as canaries
 from engine.privacy import dlq_view
-from engine.replay import AmendRefused, Selection, amend, bulk_replay
+from engine.replay import (
+    AmendRefused,
+    Selection,
+    amend,
+    amended_outcomes,
+    bulk_replay,
+    lookup_client,
+)
 from engine.requests import RequestStore
 from resources.dlq import DlqRecordNotFound, DlqStore
 from resources.errors import ValidationError
@@ -74,7 +94,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     def filters(p: argparse.ArgumentParser) -> None:
         p.add_argument("--job-type", dest="job_type")
         p.add_argument(
-            "--class", dest="error_class", choices=["permanent", "transient", "data_bug", "unknown"]
+            "--class", dest="error_class",
+            choices=["permanent", "transient", "data_bug", "unknown", "crash_loop"],
         )
         p.add_argument("--fingerprint")
         p.add_argument("--older-than", dest="older_than", type=age,
@@ -111,6 +132,21 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p_replay.add_argument("--limit", type=int, help="at most this many records (oldest first)")
     p_replay.add_argument("--pace", type=pace,
                           help="at most this rate of replay requests, e.g. 10/s or 600/min")
+    p_replay.add_argument(
+        "--allow-repeat", type=id_list, action="extend", default=[], dest="allow_repeat",
+        metavar="ID[,ID...]", help="replay these records even though their effect was found"
+        " at the downstream or cannot be ruled out",
+    )
+    p_replay.add_argument(
+        "--canary", type=count, metavar="N", help="replay N records first, follow them to their"
+        " end, and replay the rest only if all of them resolved (exit 1 when one fails again"
+        " or has not ended by --canary-timeout: the rest stay open)",
+    )
+    p_replay.add_argument(
+        "--canary-timeout", type=seconds, dest="canary_timeout", metavar="SECONDS",
+        help=f"with --canary: how long the canaries may take to end; one that has not ended by"
+        f" then stops the rest too ({canaries.DEFAULT_TIMEOUT:g})",
+    )
     add_output_arguments(p_replay)
     add_wait_arguments(p_replay)
     p_replay.set_defaults(func=_replay)
@@ -172,6 +208,8 @@ def _list(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    outcomes = amended_outcomes(_store(args).db, records)
+    views = [{**dlq_view(r, summary=True), **_outcome(outcomes, r.id)} for r in records]
 
     def human() -> None:
         if not records:
@@ -185,14 +223,20 @@ def _list(args: argparse.Namespace) -> int:
         table.add_column("error", ratio=1, min_width=30)  # wraps between words, never cut
         for r in records:
             table.add_row(
-                str(r.id), str(r.status), r.job_type, r.error_class, r.fingerprint,
+                str(r.id), "superseded" if r.id in outcomes else str(r.status), r.job_type,
+                r.error_class, r.fingerprint,
                 str(r.failure_count), str(r.replay_count), when(r.last_failed_at),
-                printable(textwrap.shorten(error_text(r, dlq_view(r, summary=True)), 300,
-                                           placeholder=" ...")),
+                printable(outcomes.get(r.id) or textwrap.shorten(
+                    error_text(r, dlq_view(r, summary=True)), 300, placeholder=" ...")),
             )
         console().print(table)
 
-    return emit(args, [dlq_view(r, summary=True) for r in records], human)
+    return emit(args, views, human)
+
+
+def _outcome(outcomes: dict[int, str], record_id: int) -> dict[str, str]:
+    """``{"outcome": ...}`` for a record an amendment closed (what its newest version did)."""
+    return {"outcome": outcomes[record_id]} if record_id in outcomes else {}
 
 
 def _show(args: argparse.Namespace) -> int:
@@ -204,6 +248,7 @@ def _show(args: argparse.Namespace) -> int:
         return 2
     data = {
         **dlq_view(record),  # personal fields and e-mail addresses masked
+        **_outcome(amended_outcomes(store.db, [record]), record.id),
         "dedupe_window": RequestStore(store.db).dedupe_of(
             record.request_id, record.idempotency_key
         ),
@@ -242,18 +287,16 @@ def _show(args: argparse.Namespace) -> int:
 
 
 def _replay(args: argparse.Namespace) -> int:
+    if args.canary_timeout is not None and args.canary is None:
+        print("error: --canary-timeout needs --canary N", file=sys.stderr)
+        return 2
     if args.patch is not None:
         return _amend(args)
+    if args.canary is not None:
+        return _canary_replay(args)
     store = _store(args)
     try:
-        result = bulk_replay(
-            store,
-            _selection(args),
-            actor=_actor(args),
-            reason=args.reason,
-            dry_run=args.dry_run,
-            pace=args.pace,
-        )
+        result = bulk_replay(store, _selection(args), **_replay_options(args))
     except (ValidationError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -265,27 +308,102 @@ def _replay(args: argparse.Namespace) -> int:
     for d in result.decisions:
         verb = ("would replay" if args.dry_run else "replay requested") if d.replay else "skipped"
         reset = " (key reset)" if d.key_reset else ""
+        judged = result.assessments[d.record.id]
         print(
             f"{d.record.id:>5}  {verb}: {d.record.job_type} key={d.record.idempotency_key} "
             f"{'' if d.replay else d.reason}{reset}", file=say
         )
+        if d.replay or args.dry_run:
+            print(f"       {judged.verdict}: {judged.evidence}", file=say)
     print(
         f"{result.chosen} of {len(result.decisions)} selected records "
         f"{'would be replayed (dry run)' if args.dry_run else 'requested for replay'}", file=say
     )
+    if result.refused:
+        print(
+            f"refused {result.refused}: replaying may repeat their effect; check the evidence,"
+            f" then replay with --allow-repeat {','.join(map(str, result.refused))}",
+            file=sys.stderr,
+        )
     data: dict[str, Any] = {"decisions": [
-        {"id": d.record.id, "replay": d.replay, "reason": d.reason, "key_reset": d.key_reset}
-        for d in result.decisions]}
+        {"id": d.record.id, "replay": d.replay, "reason": d.reason, "key_reset": d.key_reset,
+         **result.assessments[d.record.id].as_dict()}
+        for d in result.decisions], "refused": result.refused}
+    code = 1 if result.refused or not result.chosen else 0
     if not (args.wait and result.chosen and not args.dry_run):
-        return _finish(args, data, [], 0 if result.chosen else 1)
+        return _finish(args, data, [], code)
     requests = RequestStore(store.db)
     return _finish(args, data, [record_progress(store, requests, d.record.id)
-                                for d in result.decisions if d.replay])
+                                for d in result.decisions if d.replay]) or code
+
+
+def _replay_options(args: argparse.Namespace) -> dict[str, Any]:
+    """What a replay of the selection takes from the command line, canaries or not."""
+    return {"actor": _actor(args), "reason": args.reason, "dry_run": args.dry_run,
+            "pace": args.pace, "client": lookup_client(), "allow_repeat": args.allow_repeat}
+
+
+def _canary_replay(args: argparse.Namespace) -> int:
+    """``--canary``: the canaries first, followed to their end, then the rest (or not)."""
+    store = _store(args)
+    say = sys.stderr if args.json else sys.stdout
+    progress = err_console()
+    try:
+        result = canaries.canary_replay(
+            store,
+            _selection(args),
+            canary=args.canary,
+            canary_timeout=args.canary_timeout or canaries.DEFAULT_TIMEOUT,
+            **_replay_options(args),
+            on_change=lambda now: progress.print(f"{when(time.time())}  {now.line()}"),
+        )
+    except (ValidationError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    replay = result.replay
+    missing = set(args.ids) - {d.record.id for d in replay.decisions}
+    if missing:
+        print(f"error: no DLQ record {sorted(missing)}", file=sys.stderr)
+        return 2
+    for d in replay.decisions:
+        judged = replay.assessments.get(d.record.id)
+        print(f"{d.record.id:>5}  {result.outcomes[d.record.id]}: {d.record.job_type}"
+              f" key={d.record.idempotency_key}", file=say)
+        if judged is not None and (d.replay or args.dry_run):
+            print(f"       {judged.verdict}: {judged.evidence}", file=say)
+    print(f"canaries: {result.canaries}", file=say)
+    if result.stopped:
+        print(f"stopped: {result.stopped}; not replayed: {result.held} (still open: fix the"
+              " cause, then replay them)", file=sys.stderr)
+    if replay.refused:
+        print(
+            f"refused {replay.refused}: replaying may repeat their effect; check the evidence,"
+            f" then replay with --allow-repeat {','.join(map(str, replay.refused))}",
+            file=sys.stderr,
+        )
+    data: dict[str, Any] = {
+        "decisions": [
+            {"id": d.record.id, "replay": d.replay, "reason": d.reason,
+             "key_reset": d.key_reset, "outcome": result.outcomes[d.record.id],
+             **(replay.assessments[d.record.id].as_dict()
+                if d.record.id in replay.assessments else {})}
+            for d in replay.decisions],
+        "refused": replay.refused,
+        "canary": result.as_dict(),
+    }
+    code = 1 if result.stopped or replay.refused or not replay.chosen else 0
+    rest = [d.record.id for d in replay.decisions
+            if d.replay and d.record.id not in result.canaries]
+    if not (args.wait and rest and not args.dry_run):
+        return _finish(args, data, [], code)
+    requests = RequestStore(store.db)
+    return _finish(args, data, [record_progress(store, requests, i) for i in rest]) or code
 
 
 def _amend(args: argparse.Namespace) -> int:
-    if len(args.ids) != 1 or args.limit is not None or args.pace is not None:
-        print("error: --patch takes exactly one record id and no --limit/--pace",
+    if (len(args.ids) != 1 or args.limit is not None or args.pace is not None
+            or args.canary is not None):
+        print("error: --patch takes exactly one record id and no --limit/--pace/--canary",
               file=sys.stderr)
         return 2
     store = _store(args)

@@ -30,7 +30,7 @@ CHECK_NAMES = (
     "real_duplicates", "lease_vs_duration", "idempotency_coverage", "lock_ttl",
     "retry_synchronisation", "cache_expiry_clusters", "ack_timing", "dlq",
     "unique_constraints", "correlation", "retention_backlog", "retention_agreement",
-    "redis_eviction",
+    "redis_eviction", "tenant_starvation", "outbox_dead_letters",
 )
 
 

@@ -3,6 +3,8 @@
 - :func:`when`: a time for a person, ISO-8601 in the local zone with its offset
   (``2026-11-30T19:02:05+01:00``); JSON output keeps the same text, so a script reads the
   zone too.
+- :func:`iso_times`: what ``--json`` prints goes through it, so every field holding a time
+  (a key ending in ``_at``, or ``at``) is that ISO-8601 text, never epoch seconds.
 - :func:`payload_text`: a payload (or any stored value) as JSON text, never Python's ``repr``.
 - :func:`add_output_arguments` / :func:`emit`: ``--json`` prints only JSON on stdout (progress
   and errors go to stderr), ``--out PATH`` writes the same JSON to a file (the human view still
@@ -23,12 +25,38 @@ from typing import Any
 
 from rich.console import Console
 
+from resources.storage.files import write_private
+
 
 def when(ts: float | None) -> str:
     """``ts`` (epoch seconds) as ISO-8601 in the local zone, to the second; ``""`` for None."""
     if ts is None:
         return ""
     return dt.datetime.fromtimestamp(float(ts)).astimezone().isoformat(timespec="seconds")
+
+
+def _is_time_key(key: object) -> bool:
+    return isinstance(key, str) and (key == "at" or key.endswith("_at"))
+
+
+_VERBATIM = frozenset({"payload", "patch", "result", "run_config"})
+"""Values shown as stored: a user's own ``ship_at`` inside a payload stays what they sent."""
+
+
+def iso_times(data: Any) -> Any:
+    """``data`` with every number under a time key (``*_at``, ``at``) as :func:`when` text, in
+    nested dicts and lists too (not inside a payload); text already converted and everything
+    else is left as it is."""
+    if isinstance(data, dict):
+        return {
+            k: v if k in _VERBATIM
+            else when(v) if _is_time_key(k) and isinstance(v, int | float)
+            and not isinstance(v, bool) else iso_times(v)
+            for k, v in data.items()
+        }
+    if isinstance(data, list | tuple):
+        return [iso_times(v) for v in data]
+    return data
 
 
 def payload_text(value: Any, *, indent: int | None = None) -> str:
@@ -68,11 +96,11 @@ def add_output_arguments(parser: argparse.ArgumentParser) -> None:
 def emit(args: argparse.Namespace, data: Any, human: Callable[[], None]) -> int:
     """Print ``data`` as JSON (``--json``) or through ``human()``; write it to ``--out`` too.
     Returns 0, or 2 with one line on stderr when ``--out`` cannot be written."""
-    text = json.dumps(data, indent=2, default=str)
+    text = json.dumps(iso_times(data), indent=2, default=str)
     out: Path | None = getattr(args, "out", None)
     if out is not None:
         try:
-            out.write_text(text + "\n", encoding="utf-8")
+            write_private(out, text + "\n")  # a report may name hosts and personal data
         except OSError as exc:
             print(f"error: --out {out}: {exc.strerror or exc}", file=sys.stderr)
             return 2

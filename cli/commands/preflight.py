@@ -28,6 +28,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from resources.errors import SekaliError
+from resources.storage.files import private_folder
 
 LOCK_NAME = "dev.lock"
 
@@ -76,8 +77,8 @@ class InstanceLock:
     def acquire(self) -> InstanceLock:
         try:
             for folder in self.folders:
-                folder.mkdir(parents=True, exist_ok=True)
-                fd = os.open(folder / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+                private_folder(folder)  # state and Dagster home: personal data, sockets
+                fd = os.open(folder / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except BlockingIOError:

@@ -1,19 +1,28 @@
 """``sekali requests list | show``: the job requests producers sent, and what became of them.
 
 - ``list [--status S] [--job-type T] [--limit N] [--json] [--out PATH]``: newest first (50 by
-  default): status, job type, key, attempts, last change, run id, last error.
+  default): what happened (``state``: the status, or ``dead_lettered`` / ``superseded`` for a
+  failed request), job type, key, attempts, last change, run id, last error. Runs launched
+  from the Launchpad have their record too (``source: launchpad``).
 - ``show ID|KEY [--json] [--out PATH]``: one request with every field its record has (payload
   as JSON, personal fields masked), its attempts (time, outcome, error, run), the Dagster runs
-  that served it, its outcome, and the dead letters that keep it.
+  that served it, its outcome, the cancel (who, why, when, what it did), and the dead letters
+  that keep it.
+- ``cancel ID|KEY... --reason TEXT [--by WHO] [--json]``: cancel requests
+  (:func:`engine.requests.cancel_requests`): one line per request, ``cancelled`` (it never
+  runs), ``requested`` (running: it stops at its next cancel point) or ``refused`` with why.
 
 Reads only through the owner stores (:class:`~engine.requests.RequestStore`,
 :class:`~engine.attempts.AttemptRecorder`, the DLQ store). Times are ISO-8601 in the local
-zone. Exit codes: 0 shown, 2 bad usage or no such request (one line on stderr).
+zone. Exit codes: 0 shown (every cancel cancelled or requested), 1 a cancel was refused or
+not possible yet, 2 bad usage or no such request (one line on stderr).
 """
 
 from __future__ import annotations
 
 import argparse
+import getpass
+import socket
 import sys
 from typing import Any
 
@@ -31,8 +40,16 @@ from cli.commands.output import (
 )
 from engine.attempts import AttemptRecorder
 from engine.privacy import mask_text, request_view
-from engine.requests import JobRequest, RequestStatus, RequestStore
+from engine.requests import (
+    CancelDecision,
+    JobRequest,
+    RequestStatus,
+    RequestStore,
+    cancel_requests,
+    state_of,
+)
 from resources.dlq import DlqStore
+from resources.errors import CancelUnavailable
 from resources.storage.db import Database, shared_database
 from resources.storage.settings import Settings
 from resources.telemetry.redact import redact
@@ -60,6 +77,17 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_output_arguments(p_show)
     p_show.set_defaults(func=_show)
 
+    p_cancel = actions.add_parser(
+        "cancel", help="cancel requests: queued ones never run, running ones stop at their next"
+        " cancel point, completed ones are refused")
+    p_cancel.add_argument("refs", nargs="+", metavar="ID|KEY", help="request ids or keys")
+    p_cancel.add_argument("--reason", required=True, help="why (kept on the request)")
+    p_cancel.add_argument("--by", default=None,
+                          help="who cancels (kept on the request; default user@host)")
+    p_cancel.add_argument("--url", help="app database URL (default: DATABASE_URL or embedded)")
+    add_output_arguments(p_cancel)
+    p_cancel.set_defaults(func=_cancel)
+
 
 def request_json(request: JobRequest) -> dict[str, Any]:
     """A request as the CLI prints it in JSON: every record field, masked, times in ISO-8601
@@ -74,21 +102,22 @@ def _db(args: argparse.Namespace) -> Database:
 
 
 def _list(args: argparse.Namespace) -> int:
-    found = RequestStore(_db(args)).find(status=args.status, job_type=args.job_type,
-                                         limit=args.limit)
-    views = [request_json(r) for r in found]
+    store = RequestStore(_db(args))
+    found = store.find(status=args.status, job_type=args.job_type, limit=args.limit)
+    states = store.states(found)
+    views = [{**request_json(r), "state": states[r.id]} for r in found]
 
     def human() -> None:
         if not views:
             print("no requests match")
             return
         table = Table(box=box.SIMPLE_HEAD)
-        for name in ("id", "status", "job type", "key", "tries", "updated", "run"):
+        for name in ("id", "state", "job type", "key", "tries", "updated", "run"):
             table.add_column(name, justify="right" if name in ("id", "tries") else "left",
                              overflow="fold")
         table.add_column("last error", ratio=1, overflow="ellipsis")
         for v in views:
-            table.add_row(str(v["id"]), v["status"], v["job_type"], printable(v["key"]),
+            table.add_row(str(v["id"]), v["state"], v["job_type"], printable(v["key"]),
                           str(v["attempts"]), v["updated_at"], v["run_id"] or "",
                           printable(" ".join((v["last_error"] or "").split())))
         console().print(table)
@@ -138,14 +167,49 @@ def _show(args: argparse.Namespace) -> int:
 
 def _outcome(request: JobRequest, attempts: list[dict[str, Any]],
              letters: list[dict[str, Any]]) -> str:
-    """The request's end in one word: its status, or ``dead_lettered`` when a failed request is
-    kept by an open dead letter, followed by the last attempt's outcome."""
-    status = str(request.status)
-    if request.status is RequestStatus.FAILED and any(
-            d["status"] not in ("resolved", "discarded") for d in letters):
-        status = "dead_lettered"
+    """The request's end in one word (:func:`engine.requests.state_of`), followed by the last
+    attempt's outcome."""
+    status = state_of(request, dead_lettered=any(
+        d["status"] not in ("resolved", "discarded") for d in letters))
     last = attempts[-1]["outcome"] if attempts else None
     return f"{status} (last attempt: {last})" if last else status
+
+
+def _cancel(args: argparse.Namespace) -> int:
+    if not args.reason.strip():
+        print("error: --reason: a cancel needs a reason", file=sys.stderr)
+        return 2
+    by = args.by or f"{getpass.getuser()}@{socket.gethostname()} (cli)"
+    try:
+        decided = cancel_requests(RequestStore(_db(args)), args.refs, by=by, reason=args.reason)
+    except CancelUnavailable as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    views: list[dict[str, Any]] = []
+    for ref, d in zip(args.refs, decided, strict=True):
+        if isinstance(d, CancelDecision):
+            views.append({"ref": ref, "id": d.request.id, "key": d.request.key,
+                          "status": str(d.request.status), "cancel": str(d.state),
+                          "detail": d.detail, "new": d.new})
+        else:
+            views.append({"ref": ref, "id": None, "key": None, "status": None,
+                          "cancel": "unknown", "detail": "no request with this id or key",
+                          "new": False})
+
+    def human() -> None:
+        for v in views:
+            if v["cancel"] == "unknown":
+                print(printable(f"error: no request with id or key {v['ref']!r}; see `sekali"
+                                " requests list`"), file=sys.stderr)
+            else:
+                print(printable(f"{v['ref']}: {v['cancel']}: {v['detail']}"))
+
+    code = emit(args, views, human)
+    if code:
+        return code
+    if any(v["cancel"] == "unknown" for v in views):
+        return 2
+    return 1 if any(v["cancel"] == "refused" for v in views) else 0
 
 
 def _print_show(data: dict[str, Any]) -> None:

@@ -35,7 +35,9 @@ from engine.requests import RequestStore
 from engine.upkeep.reconciliation import retention_expiries
 from engine.upkeep.retention import backlog
 from resources.dlq import MIN_RETENTION_SECONDS, UNRESOLVED, DlqStore
+from resources.errors import ValidationError
 from resources.idempotency import IdempotencyStore, Status
+from resources.outbox.publisher import held_by_dead_letters
 from resources.storage.db import Database
 from resources.storage.redis import RedisClient, memory_policies
 from resources.storage.settings import RetentionSettings
@@ -65,12 +67,6 @@ class Finding:
 
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "verdict": self.verdict}
-
-
-class JobTypeLike(Protocol):
-    name: str
-    side_effect: bool
-    max_runtime_seconds: float
 
 
 class CacheLike(Protocol):
@@ -104,7 +100,7 @@ class EffectLedger:
         if since is not None and self.time_column:
             where, params = f" WHERE {self.time_column} >= :since", {"since": since}
         with self.db.statement() as conn:
-            result = conn.execute(text(f"SELECT {cols} FROM {self.table}{where}"), params)
+            result = conn.execute(text(f"SELECT {cols} FROM {self.table}{where}"), params)  # nosec B608: SQL from code constants, values bound
             return [(str(r[0]), r[1]) for r in result]
 
 
@@ -131,6 +127,7 @@ class DiagnosisSetup:
     retention: RetentionSettings = field(default_factory=RetentionSettings)
     retention_slack_seconds: float = 86400.0
     reconciliation_watch_seconds: float = 2 * 86400.0 + 600.0
+    tenant_starved_seconds: float = 600.0
     critical_section_keys: tuple[str, ...] = (
         "lock_held", "critical_section", "transaction", "lock_order",
     )
@@ -284,6 +281,22 @@ def check_lease_vs_duration(s: DiagnosisSetup) -> Finding:
 
 # -- 3 ------------------------------------------------------------------------------------------
 
+
+def _validation_errors() -> frozenset[str]:
+    names, todo = set(), [ValidationError]
+    while todo:
+        cls = todo.pop()
+        names.add(cls.__name__)
+        todo.extend(cls.__subclasses__())
+    return frozenset(names)
+
+
+def _refused_input(attempt: Mapping[str, Any]) -> bool:
+    """An attempt the validation boundary refused (bad payload or key): it ends before any
+    claim, so it has no key and no effect by design."""
+    return attempt["error_class"] in _validation_errors()
+
+
 _LEDGER_COLUMNS = {"key", "status", "owner_token", "lease_expires_at", "fence", "attempt"}
 
 
@@ -308,16 +321,18 @@ def check_idempotency_coverage(s: DiagnosisSetup) -> Finding:
                 f"idempotency_records lacks columns {sorted(_LEDGER_COLUMNS - cols)}"
             )
     keyless: Counter[str] = Counter()
+    refused: Counter[str] = Counter()
     if "job_attempts" in tables:
         side = {n for n, jt in s.job_types.items() if getattr(jt, "side_effect", True)}
-        keyless = Counter(
-            a["job_type"] for a in s.attempts()
-            if a["job_type"] in side and not a["idempotency_key"]
-        )
+        for a in s.attempts():
+            if a["job_type"] in side and not a["idempotency_key"]:
+                # a payload the boundary refused never got a key, a claim or an effect
+                (refused if _refused_input(a) else keyless)[a["job_type"]] += 1
         if keyless:
             problems.append(f"attempts of side-effecting job types without a key: "
                             f"{dict(keyless)}")
-    evidence = {"job_types_without_key": no_key, "keyless_attempts": dict(keyless)}
+    evidence = {"job_types_without_key": no_key, "keyless_attempts": dict(keyless),
+                "refused_inputs": dict(refused)}
     if problems:
         return _finding(
             "idempotency_coverage", ERROR, False, "; ".join(problems) + ".",
@@ -327,11 +342,17 @@ def check_idempotency_coverage(s: DiagnosisSetup) -> Finding:
             **evidence,
         )
     side_count = sum(1 for jt in s.job_types.values() if getattr(jt, "side_effect", True))
+    blind = sorted(n for n, jt in s.job_types.items() if getattr(jt, "missing_lookup", False))
     return _finding(
         "idempotency_coverage", ERROR, True,
         f"all {side_count} side-effecting job types derive a key; the store is migrated and "
-        "every recorded attempt of them carried its key.",
-        "Nothing to change.", **evidence,
+        "every recorded attempt of them carried its key"
+        + (f" ({sum(refused.values())} refused at the validation boundary before any key or"
+           " effect, as designed)." if refused else ".")
+        + (f" Without a lookup (an unknown outcome cannot be asked at the downstream): "
+           f"{blind}." if blind else ""),
+        "Declare lookup= on the job types named, if any (docs/job-types.md).",
+        job_types_without_lookup=blind, **evidence,
     )
 
 
@@ -509,7 +530,7 @@ def check_ack_timing(s: DiagnosisSetup, *, tolerance: float = 0.05) -> Finding:
             marks = ", ".join(f":k{j}" for j in range(len(chunk)))
             for r in conn.execute(
                 text(f"SELECT key, status, updated_at FROM idempotency_records "
-                     f"WHERE key IN ({marks})"), params,
+                     f"WHERE key IN ({marks})"), params,  # nosec B608: SQL from code constants, values bound
             ):
                 records[r.key] = (r.status, float(r.updated_at))
     unrecorded, late = [], []
@@ -784,6 +805,70 @@ def check_retention_backlog(s: DiagnosisSetup) -> Finding:
     )
 
 
+# -- 14 -----------------------------------------------------------------------------------------
+
+
+def check_tenant_starvation(s: DiagnosisSetup) -> Finding:
+    """A tenant is starved when its oldest waiting request has waited longer than
+    ``tenant_starved_seconds`` while requests of other tenants enqueued after it were claimed:
+    the intake passes it over (a weight far below the others', a maximum share held near zero).
+    A backlog that nobody is claiming (the intake stopped) is not starvation: no one overtook."""
+    now = s.clock()
+    starved = {}
+    waiting = RequestStore(s.db).oldest_waiting_by_tenant()
+    for tenant, (n, oldest) in sorted(waiting.items()):
+        if now - oldest < s.tenant_starved_seconds:
+            continue
+        overtaken_by = RequestStore(s.db).overtaking(tenant, oldest)
+        if overtaken_by:
+            starved[tenant] = {"waiting": n, "oldest_wait_seconds": round(now - oldest, 1),
+                               "overtaken_by": overtaken_by}
+    if starved:
+        names = ", ".join(
+            f"{t} ({v['waiting']} waiting, oldest {v['oldest_wait_seconds']:g}s, overtaken by "
+            f"{v['overtaken_by']} newer requests of other tenants)" for t, v in starved.items()
+        )
+        return _finding(
+            "tenant_starvation", WARN, False,
+            f"starved tenants: {names}.",
+            "Give the tenant a larger weight or a guaranteed minimum share, or lift its "
+            "maximum: `sekali tenants set NAME --weight W --min M` (read at the next claim); "
+            "`sekali tenants list` shows every tenant's settings and backlog.",
+            starved=starved, waiting=len(waiting),
+        )
+    return _finding(
+        "tenant_starvation", WARN, True,
+        f"no tenant's oldest request waited over {s.tenant_starved_seconds:g}s while newer "
+        f"requests of others were claimed ({len(waiting)} tenants waiting).",
+        "Nothing to change.", waiting=len(waiting),
+    )
+
+
+# -- 15 -----------------------------------------------------------------------------------------
+
+
+def check_outbox_dead_letters(s: DiagnosisSetup) -> Finding:
+    """An outbox event whose consumer failed for good waits in the outbox dead letters for an
+    operator, and later events of its aggregate wait behind it (the ordering rule): nothing
+    retries them, so they are reported until someone replays or discards them."""
+    dead, behind = held_by_dead_letters(s.db)
+    evidence = {"dead_lettered": dead, "waiting_behind": behind}
+    if dead:
+        return _finding(
+            "outbox_dead_letters", WARN, False,
+            f"{dead} outbox events are dead-lettered and {behind} later events of their "
+            "aggregates wait behind them.",
+            "Look at each with `sekali outbox dead`, fix the consumer, then `sekali outbox "
+            "replay ID` (it goes first, then the events behind it) or `sekali outbox discard ID "
+            "--reason ...`.",
+            **evidence,
+        )
+    return _finding(
+        "outbox_dead_letters", WARN, True, "no outbox event waits for an operator.",
+        "Nothing to change.", **evidence,
+    )
+
+
 # -- 12 -----------------------------------------------------------------------------------------
 
 
@@ -881,6 +966,8 @@ TITLES = {
     "retention_backlog": "11. Table sizes against their retention",
     "retention_agreement": "12. Ledger retention outlives open DLQ records",
     "redis_eviction": "13. Redis never evicts locks, slots and buckets",
+    "tenant_starvation": "14. No tenant starved by the fair share",
+    "outbox_dead_letters": "15. No outbox event waiting for an operator",
 }
 
 CHECKS: tuple[Check, ...] = tuple(
@@ -899,6 +986,8 @@ CHECKS: tuple[Check, ...] = tuple(
         ("retention_backlog", check_retention_backlog),
         ("retention_agreement", check_retention_agreement),
         ("redis_eviction", check_redis_eviction),
+        ("tenant_starvation", check_tenant_starvation),
+        ("outbox_dead_letters", check_outbox_dead_letters),
     )
 )
 """The checklist in order. Severity on failure: ERROR for broken invariants, WARN otherwise."""
@@ -908,6 +997,7 @@ DEFAULT_SEVERITY = {
     "lock_ttl": ERROR, "retry_synchronisation": WARN, "cache_expiry_clusters": WARN,
     "ack_timing": ERROR, "dlq": WARN, "unique_constraints": ERROR, "correlation": WARN,
     "retention_backlog": WARN, "retention_agreement": ERROR, "redis_eviction": ERROR,
+    "tenant_starvation": WARN, "outbox_dead_letters": WARN,
 }
 
 

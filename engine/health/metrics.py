@@ -3,11 +3,14 @@
 :class:`MetricsCollector` reads the records the other parts already write and turns them into
 one :class:`MetricsSnapshot`:
 
-- ``job_requests``: queue depth (pending + launched) and lag (age of the oldest pending request);
+- ``job_requests``: queue depth (pending + launched), lag (age of the oldest pending request) and
+  cancels asked in the window by state;
 - ``job_attempts``: processing time p50/p95/p99 per job type, attempts by outcome, retries by
   reason, the duplicate detection rate (suppressed duplicates per executed job), lease takeovers
   (the redelivery rate), lock waits and lock failures;
 - ``dlq_records`` (when the DLQ is installed): inflow by error class and open records;
+- ``job_requests`` by tenant: depth, wait p50/p99 and share of claims (the top tenants, the rest
+  as ``~other``: bounded label cardinality);
 - Redis: cache hit / stale / miss / rebuild counts per key pattern, and lock counters.
 
 Guarantees: every number comes from a bounded recent window (``window_seconds``), and
@@ -42,6 +45,7 @@ from sqlalchemy import inspect, text
 
 from engine.attempts import AttemptRecorder, nearest_rank
 from engine.requests import RequestStore
+from engine.tenants import OTHER
 from resources.locks import lock_stats
 from resources.storage.db import Database
 
@@ -119,7 +123,11 @@ def _existing_tables(db: Database) -> set[str]:
         return set(inspect(conn).get_table_names())
 
 
-_SOURCE_TABLES = frozenset({"job_requests", "job_attempts", "job_attempt_rollups", "dlq_records"})
+_SOURCE_TABLES = frozenset(
+    {"job_requests", "job_attempts", "job_attempt_rollups", "dlq_records", "tenants"}
+)
+TOP_TENANTS = 10
+"""Tenants with their own label (the most waiting or claimed); the others are one ``~other``."""
 
 
 class MetricsCollector:
@@ -159,10 +167,12 @@ class MetricsCollector:
             (("job_requests",), self._queue),
             (("job_attempts", "job_attempt_rollups"), self._attempts),
             (("dlq_records",), self._dlq),
+            (("job_requests", "tenants"), self._tenants),
         ):
             absent = [table for table in needed if table not in tables]
             if absent:
-                snap.missing.append(absent[0])
+                if absent[0] not in snap.missing:
+                    snap.missing.append(absent[0])
             else:
                 part(snap, now, since)
         for name, provider, part2 in (
@@ -180,7 +190,11 @@ class MetricsCollector:
 
     # -- sources ----------------------------------------------------------------------------
 
-    def _queue(self, snap: MetricsSnapshot, now: float, _since: float) -> None:
+    def _queue(self, snap: MetricsSnapshot, now: float, since: float) -> None:
+        for state, n in sorted(self.requests.cancel_stats(since).items()):
+            snap.add("sekali_request_cancels", n,
+                     "cancels asked in the window, by state (requested, cancelled, refused)",
+                     state=state)
         rows = self.requests.queue_stats()
         depth: Counter[str] = Counter()
         oldest: dict[str, float] = {}
@@ -200,6 +214,36 @@ class MetricsCollector:
             max((now - t for t in oldest.values()), default=0.0),
             help_lag,
         )
+
+    def _tenants(self, snap: MetricsSnapshot, _now: float, since: float) -> None:
+        """Per tenant: requests waiting, the wait of those claimed in the window (p50, p99:
+        enqueue to first claim) and their share of the window's claims. Bounded cardinality:
+        the :data:`TOP_TENANTS` tenants with the most waiting and claimed have their own label,
+        the rest are summed (waits pooled) under ``~other``."""
+        waiting = self.requests.waiting_by_tenant()
+        waits: dict[str, list[float]] = {}
+        for tenant, waited in self.requests.tenant_waits(since):
+            waits.setdefault(tenant, []).append(max(0.0, waited))
+        ranked = sorted(set(waiting) | set(waits),
+                        key=lambda t: (-(waiting.get(t, 0) + len(waits.get(t, ()))), t))
+        top = set(ranked[:TOP_TENANTS])
+        depth: Counter[str] = Counter()
+        pooled: dict[str, list[float]] = {}
+        for tenant in ranked:
+            label = tenant if tenant in top else OTHER
+            depth[label] += waiting.get(tenant, 0)
+            pooled.setdefault(label, []).extend(waits.get(tenant, ()))
+        claimed = sum(len(v) for v in pooled.values())
+        for label in sorted(depth):
+            snap.add("sekali_tenant_queue_depth", depth[label],
+                     "pending requests per tenant", tenant=label)
+            for q in (0.5, 0.99):
+                snap.add("sekali_tenant_wait_seconds", percentile(pooled[label], q),
+                         "enqueue to first claim, requests claimed in the window",
+                         tenant=label, quantile=f"{q:g}")
+            snap.add("sekali_tenant_claim_share",
+                     len(pooled[label]) / claimed if claimed else 0.0,
+                     "share of the window's claims per tenant", tenant=label)
 
     def _attempts(self, snap: MetricsSnapshot, _now: float, since: float) -> None:
         totals = self.attempts.totals(since)

@@ -9,7 +9,10 @@ made at a downstream and never recorded, work given up half-way), then the platf
   nothing retried). Fix: hand them to the DLQ (replayable with the same key); side-effect-free
   job types are pushed to completion by requesting the replay at once. The job type of a key
   nothing else names is the one whose key prefix it carries.
-- ``stale_outbox``: events unpublished past a threshold. Fix: publish them now.
+- ``stale_outbox``: live events unpublished past a threshold. Fix: publish them now. A
+  dead-lettered event, and a later event of its aggregate waiting behind it, is no stuck
+  publisher: they are counted apart (``dead_outbox``, ``outbox_behind_dead``) and wait for an
+  operator (``sekali outbox dead|replay|discard``).
 - ``expired_idempotency``: completed keys past retention (the reaper). The retention must be at
   least :data:`MIN_RETENTION_SECONDS` (a weekend's failures must still be replayable on Monday).
 
@@ -50,7 +53,11 @@ from resources.dlq import (
 )
 from resources.errors import AlreadyInProgress
 from resources.idempotency import Completed, IdempotencyStore
-from resources.outbox.publisher import OutboxPublisher, unpublished_older_than
+from resources.outbox.publisher import (
+    OutboxPublisher,
+    held_by_dead_letters,
+    unpublished_older_than,
+)
 from resources.storage.db import Database, metadata
 from resources.storage.retention import Expiry
 from resources.storage.settings import DEFAULT_GATEWAY_SETTLE_SECONDS, RetentionSettings
@@ -84,6 +91,8 @@ class ReconciliationResult:
     actions: list[str] = field(default_factory=list)
     resolved_dead_letters: list[int] = field(default_factory=list)
     purged: dict[str, int] = field(default_factory=dict)
+    dead_outbox: int = 0
+    outbox_behind_dead: int = 0
 
     @property
     def total_found(self) -> int:
@@ -99,6 +108,8 @@ class ReconciliationResult:
             out[f"found_{check}"] = self.found[check]
             out[f"fixed_{check}"] = self.fixed[check]
         out["resolved_dead_letters"] = len(self.resolved_dead_letters)
+        out["dead_outbox"] = self.dead_outbox
+        out["outbox_behind_dead"] = self.outbox_behind_dead
         out.update({f"purged_{table}": n for table, n in self.purged.items()})
         return out
 
@@ -312,6 +323,7 @@ class Reconciler:
             self.publisher.publish_pending(max_batches=max(1, len(stale) // 50 + 2))
             left = set(unpublished_older_than(self.db, self.outbox_threshold, now=self.clock()))
             report.fixed["stale_outbox"] = len([i for i in stale if i not in left])
+        report.dead_outbox, report.outbox_behind_dead = held_by_dead_letters(self.db)
 
 
 def side_effect_free(job_types: Mapping[str, JobType] | None = None) -> frozenset[str]:
@@ -382,7 +394,7 @@ def given_up(conn: Connection, key: str, *, lock: str = "") -> bool:
     """True when nothing may resume ``key``: it failed permanently or is absent, or it is
     retryable and its DLQ record was discarded (and none is open or replaying)."""
     row = conn.execute(
-        text(f"SELECT status FROM idempotency_records WHERE key = :k{lock}"), {"k": key}
+        text(f"SELECT status FROM idempotency_records WHERE key = :k{lock}"), {"k": key}  # nosec B608: SQL from code constants, values bound
     ).first()
     if row is None or row.status == "failed":
         return True

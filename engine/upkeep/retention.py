@@ -20,6 +20,8 @@ referencing tables and passed as ``keep`` conditions. Per table (retention field
   tables (its ``retained``) after their setting;
 - ``outbox`` rows after ``outbox`` since publication (never unpublished ones), ``inbox`` entries
   after ``inbox`` unless their event is unpublished (it may be delivered again);
+- ``outbox_dead_letters`` after ``dlq`` since they were replayed or discarded (never an open
+  one, nor a replayed one whose event is still unpublished);
 - ``reconciliation_actions`` after ``reconciliation_actions``, unless a check may still look at
   their subject (:func:`engine.upkeep.reconciliation.expired_actions`).
 
@@ -46,7 +48,7 @@ from engine.registry import JOB_TYPES, get_job_type
 from engine.requests import RequestStore
 from resources.dlq import DlqRecord, DlqStatus, DlqStore
 from resources.idempotency import IdempotencyStore, Record, Status, payload_hash
-from resources.outbox import expired_inbox, expired_outbox
+from resources.outbox import OutboxDeadLetters, expired_inbox, expired_outbox
 from resources.storage.db import Database
 from resources.storage.retention import Expiry, count_rows
 from resources.storage.settings import RetentionSettings
@@ -64,6 +66,7 @@ PLATFORM_SETTING = {
     "job_rejections": "rejections",
     "outbox": "outbox",
     "inbox": "inbox",
+    "outbox_dead_letters": "dlq",
     "reconciliation_actions": "reconciliation_actions",
 }
 """The platform's purged tables and the :class:`RetentionSettings` field that says how long
@@ -121,6 +124,7 @@ def expiries(
         },
         "outbox": expired_outbox(settings.outbox, now=now),
         "inbox": expired_inbox(settings.inbox, now=now),
+        "outbox_dead_letters": OutboxDeadLetters(db, clock=clock).expired(settings.dlq),
     }
 
 
@@ -175,11 +179,41 @@ def resolve_completed_dead_letters(
     work), or with the record's own payload (the worker died after the key completed and before
     the step reported success). A key completed before the failure with another payload is a
     conflict, and a record whose payload cannot be checked stays too: a person decides.
-    Returns the ids resolved."""
-    records = [r for r in dlq.list_records(status=list(statuses)) if r.idempotency_key]
-    done = ledger.records(
-        [r.idempotency_key for r in records if r.idempotency_key], status=Status.COMPLETED
-    )
+    Returns the ids resolved. Reads :data:`RESOLVE_PAGE` records at a time
+    (:func:`resolve_completed_page`)."""
+    resolved: list[int] = []
+    after = 0
+    while True:
+        ids, after = resolve_completed_page(
+            dlq, ledger, requests, actor=actor, statuses=statuses, after_id=after
+        )
+        resolved += ids
+        if after == 0:
+            return resolved
+
+
+RESOLVE_PAGE = 500
+"""Records one :func:`resolve_completed_page` reads (a DLQ sensor tick reads one page)."""
+
+
+def resolve_completed_page(
+    dlq: DlqStore,
+    ledger: IdempotencyStore,
+    requests: RequestStore,
+    *,
+    actor: str,
+    statuses: Iterable[DlqStatus] = (DlqStatus.OPEN, DlqStatus.REPLAY_REQUESTED),
+    after_id: int = 0,
+    limit: int = RESOLVE_PAGE,
+) -> tuple[list[int], int]:
+    """:func:`resolve_completed_dead_letters` over one page: the records with ids above
+    ``after_id``, at most ``limit`` (and within :meth:`DlqStore.key_page`'s window). Returns
+    the ids resolved and where the next page starts (0 after the last page: the oldest
+    again)."""
+    page, following = dlq.key_page([str(s) for s in statuses], after_id=after_id, limit=limit)
+    done = ledger.records([key for _, key in page if key], status=Status.COMPLETED)
+    candidates = [record_id for record_id, key in page if key in done]
+    records = dlq.list_records(ids=candidates, status=list(statuses)) if candidates else []
     resolved = []
     for record in records:
         key = record.idempotency_key or ""
@@ -201,7 +235,7 @@ def resolve_completed_dead_letters(
             if record.request_id is not None:
                 requests.mark_completed(record.request_id)
             log.warning("resolved DLQ record %d: %s", record.id, redact(detail))
-    return resolved
+    return resolved, following
 
 
 def _same_intent(record: DlqRecord, completed: Record) -> bool:

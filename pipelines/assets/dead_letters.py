@@ -9,14 +9,17 @@
 
 Both are published without a run: the DLQ sensors call :func:`publish` after they record,
 resolve or launch something, and it reports a materialisation and the check's evaluation as
-runless asset events only when the table's content changed (its digest is kept in the
-metadata), so the asset page follows the store within one sensor tick at the cost of one query.
-Materialising the asset from the UI computes the same in a run.
+runless asset events only when the store changed (its change mark and the table's digest are
+kept in the metadata), so the asset page follows the store within one sensor tick at the cost
+of one query when nothing changed, and of a bounded :func:`snapshot` when something did: the
+counts come from a grouped count in the database, the table shows the oldest ``MAX_ROWS``
+records; no tick lists every unresolved record. Materialising the asset from the UI computes
+the same in a run.
 """
 
 import hashlib
 import time
-from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import dagster as dg
@@ -68,19 +71,55 @@ def reason_text(record: DlqRecord, limit: int = 120) -> str:
     return cut + " …"
 
 
-def digest(records: Sequence[DlqRecord]) -> str:
+STUCK = ("permanent", "crash_loop")
+"""Classes no retry can help: the check fails while a record of one waits."""
+STUCK_IDS = 20
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What the asset shows, read with a bounded amount of work whatever the number of
+    unresolved records: a grouped count per (status, class) done by the database, the oldest
+    :data:`MAX_ROWS` records, the oldest :data:`STUCK_IDS` permanent ones, and the store's
+    change mark when it was read."""
+
+    tally: dict[tuple[str, str], int]
+    oldest: list[DlqRecord]
+    stuck: list[DlqRecord]
+    mark: int
+
+    @property
+    def unresolved(self) -> int:
+        return sum(self.tally.values())
+
+    @property
+    def stuck_count(self) -> int:
+        return sum(n for (_, error_class), n in self.tally.items() if error_class in STUCK)
+
+
+def snapshot(store: DlqStore) -> Snapshot:
+    mark = store.change_mark()  # first: a write after it shows as a change next tick
+    return Snapshot(
+        tally=store.tally(UNRESOLVED),
+        oldest=store.list_records(status=UNRESOLVED, limit=MAX_ROWS, scan_ids=True),
+        stuck=store.list_records(
+            status=UNRESOLVED, error_classes=STUCK, limit=STUCK_IDS, by_id=False
+        ),
+        mark=mark,
+    )
+
+
+def digest(view: Snapshot) -> str:
     """What the table says, apart from ages: a change of it is worth publishing."""
     raw = "|".join(
-        f"{r.id}:{r.status}:{r.failure_count}:{r.error_class}:{r.fingerprint}" for r in records
+        [f"{k[0]}:{k[1]}:{n}" for k, n in sorted(view.tally.items())]
+        + [f"{r.id}:{r.status}:{r.failure_count}:{r.error_class}:{r.fingerprint}"
+           for r in view.oldest]
     )
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
 
-def permanent(records: Sequence[DlqRecord]) -> list[DlqRecord]:
-    return [r for r in records if r.error_class == "permanent"]
-
-
-def dead_letter_metadata(records: Sequence[DlqRecord], now: float) -> dict[str, Any]:
+def dead_letter_metadata(view: Snapshot, now: float) -> dict[str, Any]:
     rows = [
         dg.TableRecord(
             {
@@ -94,58 +133,65 @@ def dead_letter_metadata(records: Sequence[DlqRecord], now: float) -> dict[str, 
                 "key": r.idempotency_key or "",
             }
         )
-        for r in records[:MAX_ROWS]
+        for r in view.oldest
     ]
     by_class: dict[str, int] = {}
     by_status: dict[str, int] = {}
-    for r in records:
-        by_class[r.error_class] = by_class.get(r.error_class, 0) + 1
-        by_status[str(r.status)] = by_status.get(str(r.status), 0) + 1
+    for (status, error_class), n in view.tally.items():
+        by_class[error_class] = by_class.get(error_class, 0) + n
+        by_status[status] = by_status.get(status, 0) + n
     metadata: dict[str, Any] = {
         "records": dg.MetadataValue.table(rows, dg.TableSchema(columns=_COLUMNS)),
-        "unresolved": dg.MetadataValue.int(len(records)),
+        "unresolved": dg.MetadataValue.int(view.unresolved),
         **{f"class/{k}": dg.MetadataValue.int(v) for k, v in sorted(by_class.items())},
         **{f"status/{k}": dg.MetadataValue.int(v) for k, v in sorted(by_status.items())},
-        "digest": dg.MetadataValue.text(digest(records)),
+        "digest": dg.MetadataValue.text(digest(view)),
+        "mark": dg.MetadataValue.int(view.mark),
     }
-    if len(records) > MAX_ROWS:
-        metadata["shown"] = dg.MetadataValue.text(f"the oldest {MAX_ROWS} of {len(records)}")
+    if view.unresolved > len(rows):
+        metadata["shown"] = dg.MetadataValue.text(f"the oldest {len(rows)} of {view.unresolved}")
     return metadata
 
 
-def check_evaluation(records: Sequence[DlqRecord]) -> tuple[bool, str, dict[str, Any]]:
+def check_evaluation(view: Snapshot) -> tuple[bool, str, dict[str, Any]]:
     """(passed, description, metadata) of ``no_permanent_dead_letters``."""
-    stuck = permanent(records)
-    if not stuck:
+    if not view.stuck_count:
         return True, "no permanent failure is waiting in the DLQ", {}
-    ids = ", ".join(str(r.id) for r in stuck[:20]) + (" …" if len(stuck) > 20 else "")
+    ids = ", ".join(str(r.id) for r in view.stuck) + (
+        " …" if view.stuck_count > len(view.stuck) else ""
+    )
     return (
         False,
-        f"{len(stuck)} permanent failure(s) waiting in the DLQ (ids {ids}): fix the cause, then"
-        " replay them (dlq_operations, `sekali dlq replay`) or discard them with a reason",
-        {"permanent": dg.MetadataValue.int(len(stuck)), "ids": dg.MetadataValue.text(ids)},
+        f"{view.stuck_count} permanent failure(s) (permanent or crash_loop) waiting in the DLQ"
+        f" (ids {ids}): fix the cause, then replay them (dlq_operations, `sekali dlq replay`)"
+        " or discard them with a reason",
+        {"permanent": dg.MetadataValue.int(view.stuck_count), "ids": dg.MetadataValue.text(ids)},
     )
-
-
-def unresolved(store: DlqStore) -> list[DlqRecord]:
-    return store.list_records(status=UNRESOLVED)
 
 
 def publish(instance: dg.DagsterInstance, store: DlqStore, *, force: bool = False) -> bool:
-    """Report the table and the check as runless events if the table changed since the last
-    materialisation (or ``force``). Returns whether it reported."""
-    records = unresolved(store)
+    """Report the table and the check as runless events if the DLQ changed since the last
+    materialisation (or ``force``). Returns whether it reported.
+
+    Bounded work per call whatever the number of records: one read of the store's change mark
+    and of the latest materialisation; only when the mark moved, a :func:`snapshot` (a grouped
+    count and two pages), and the events only when its digest differs from the last one."""
     key = dg.AssetKey(DEAD_LETTERS)
+    last: dict[str, Any] = {}
     if not force:
         latest = instance.get_latest_materialization_event(key)
         materialization = latest.asset_materialization if latest is not None else None
-        last = materialization.metadata.get("digest") if materialization is not None else None
-        if last is not None and getattr(last, "value", None) == digest(records):
+        if materialization is not None:
+            last = {k: getattr(v, "value", None) for k, v in materialization.metadata.items()}
+        if last.get("mark") is not None and last["mark"] == store.change_mark():
             return False
+    view = snapshot(store)
+    if not force and last.get("digest") == digest(view) and last.get("mark") is not None:
+        return False
     instance.report_runless_asset_event(
-        dg.AssetMaterialization(key, metadata=dead_letter_metadata(records, time.time()))
+        dg.AssetMaterialization(key, metadata=dead_letter_metadata(view, time.time()))
     )
-    passed, description, metadata = check_evaluation(records)
+    passed, description, metadata = check_evaluation(view)
     instance.report_runless_asset_event(
         dg.AssetCheckEvaluation(
             asset_key=key,
@@ -166,8 +212,9 @@ def publish(instance: dg.DagsterInstance, store: DlqStore, *, force: bool = Fals
     "failures, age, key). Kept current by the DLQ sensors; materialise to refresh by hand.",
 )
 def dead_letters(dlq: DlqResource) -> dg.MaterializeResult:
-    records = unresolved(dlq.get_store())
-    return dg.MaterializeResult(metadata=dead_letter_metadata(records, time.time()))
+    return dg.MaterializeResult(
+        metadata=dead_letter_metadata(snapshot(dlq.get_store()), time.time())
+    )
 
 
 @dg.asset_check(
@@ -176,7 +223,7 @@ def dead_letters(dlq: DlqResource) -> dg.MaterializeResult:
     description="Fails (ERROR) while a permanent failure waits in the DLQ.",
 )
 def no_permanent_dead_letters(dlq: DlqResource) -> dg.AssetCheckResult:
-    passed, description, metadata = check_evaluation(unresolved(dlq.get_store()))
+    passed, description, metadata = check_evaluation(snapshot(dlq.get_store()))
     return dg.AssetCheckResult(
         passed=passed,
         severity=dg.AssetCheckSeverity.ERROR,

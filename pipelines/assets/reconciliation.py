@@ -10,7 +10,7 @@ from engine.registry import JOB_TYPES
 from engine.services import settle_seconds_of
 from engine.upkeep.reconciliation import Reconciler
 from pipelines.domain.consumers import default_consumers
-from resources.dagster_resources import DlqResource
+from resources.dagster_resources import DlqResource, PlainDocs
 from resources.idempotency import IdempotencyStore
 from resources.outbox import InAppPublisher, Inbox, OutboxPublisher
 from resources.storage.settings import RetentionSettings
@@ -21,7 +21,7 @@ CHECKED_CLIENTS = sorted(
 """The downstreams the job types' reconciliation checks look effects up at."""
 
 
-class ReconciliationConfig(dg.Config):
+class ReconciliationConfig(PlainDocs, dg.Config):
     """Thresholds: ``grace_seconds`` before an unsettled state counts as inconsistent, the
     payment ``lookback_hours``, the outbox threshold, and the idempotency retention (>= 72 h).
     The other tables' retention comes from ``SEKALI_RETENTION_*_DAYS``

@@ -5,9 +5,10 @@ from typing import Any
 import dagster as dg
 
 from engine.upkeep.warming import Warmer, declared_loaders
+from resources.dagster_resources import PlainDocs
 
 
-class WarmingConfig(dg.Config):
+class WarmingConfig(PlainDocs, dg.Config):
     """How many hot keys to look at, and how close to expiry a key must be to be refreshed."""
 
     top_n: int = 50

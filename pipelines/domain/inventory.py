@@ -22,12 +22,14 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
+from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import BigInteger, Column, Float, Table, Text, bindparam, text
 from sqlalchemy.engine import Connection
 
-from engine.contract import PayloadField, reject_unknown, require_int, require_str
+from engine import Check
+from engine.contract import reject_unknown, require_int, require_str
 from resources.errors import PermanentJobError, ValidationError, shown
 from resources.storage.db import Database, metadata
 
@@ -96,11 +98,14 @@ class Reservation:
     status: str
 
 
-def merge_items(items: Iterable[Mapping[str, Any]]) -> dict[str, int]:
+def merge_items(items: Iterable[Mapping[str, Any] | Item]) -> dict[str, int]:
     """Sum quantities per sku, sorted by sku (the lock order)."""
     merged: dict[str, int] = {}
     for item in items:
-        merged[str(item["sku"])] = merged.get(str(item["sku"]), 0) + int(item["quantity"])
+        sku, quantity = (
+            (item.sku, item.quantity) if isinstance(item, Item) else (item["sku"], item["quantity"])
+        )
+        merged[str(sku)] = merged.get(str(sku), 0) + int(quantity)
     return dict(sorted(merged.items()))
 
 
@@ -179,7 +184,7 @@ class Inventory:
         self,
         conn: Connection,
         cart_id: str,
-        items: Iterable[Mapping[str, Any]],
+        items: Iterable[Mapping[str, Any] | Item],
         *,
         fence: int = 0,
     ) -> list[Reservation]:
@@ -199,7 +204,7 @@ class Inventory:
         now = time.time()
         for sku, quantity in wanted.items():
             row = conn.execute(
-                text(f"SELECT on_hand, reserved FROM stock WHERE sku = :sku{lock}"), {"sku": sku}
+                text(f"SELECT on_hand, reserved FROM stock WHERE sku = :sku{lock}"), {"sku": sku}  # nosec B608: SQL from code constants, values bound
             ).first()
             if row is None:
                 raise UnknownSku(sku)
@@ -284,15 +289,13 @@ def _require_held(cart_id: str, rows: list[Reservation]) -> None:
         raise ReservationsNotHeld(cart_id, {r.sku: r.status for r in rows})
 
 
-ITEMS = PayloadField(
-    "items",
-    list,
-    "What to take from stock: a non-empty list of {sku, quantity}.",
-    items=(
-        PayloadField("sku", str, "The stock keeping unit (no spaces or ':')."),
-        PayloadField("quantity", int, "How many, 1 to 100000."),
-    ),
-)
+class Item(BaseModel):
+    """One line of what to take from stock."""
+
+    model_config = ConfigDict(frozen=True)
+
+    sku: str = Field(description="The stock keeping unit (no spaces or ':').")
+    quantity: int = Field(description="How many, 1 to 100000.")
 
 
 def require_items(payload: dict[str, Any], field_name: str = "items") -> list[dict[str, Any]]:
@@ -324,3 +327,9 @@ def require_items(payload: dict[str, Any], field_name: str = "items") -> list[di
             field = f"{field_name}[{i}].{exc.field}"
             raise ValidationError(field, exc.problem, exc.value) from None
     return sorted(clean, key=lambda it: it["sku"])
+
+
+Items = Annotated[list[Item], Check(require_items), Field(
+    description="What to take from stock: a non-empty list of {sku, quantity}.")]
+"""A payload's ``items`` field: checked by :func:`require_items` (each refusal names the line,
+``items[2].quantity``), sorted by sku."""

@@ -41,7 +41,7 @@ from email.message import Message
 from email.mime.text import MIMEText
 from email.utils import formatdate
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from engine import ClientOptions, Downstream, Sandbox
 from resources.errors import (
@@ -220,6 +220,7 @@ class SmtpMailer:
         sender: str = "sekali@localhost",
         timeout: float = 10,
         deadline: float = 30,
+        log_url: str | None = None,
     ) -> None:
         if timeout <= 0 or deadline <= 0:
             raise ValueError("SMTP timeout and deadline must be positive")
@@ -228,6 +229,21 @@ class SmtpMailer:
         self.sender = sender
         self.timeout = timeout
         self.deadline = deadline
+        self.log_url = log_url
+        self._log: MailSink | None = None
+
+    def find_messages(self, message_id: str) -> list[dict[str, Any]]:
+        """The messages the provider accepted under ``message_id`` (SMTP itself cannot be
+        asked: this reads the provider's record, ``log_url``). Raises :class:`MailUnavailable`
+        when there is no record to read."""
+        if self.log_url is None:
+            raise MailUnavailable(
+                "the mail provider's record cannot be searched: set SEKALI_SMTP_LOG_URL "
+                "(the sandbox sink's database) to look mails up by Message-ID"
+            )
+        if self._log is None:
+            self._log = MailSink(self.log_url)
+        return self._log.messages(message_id)
 
     def build(
         self, *, to: str, subject: str, body: str, message_id: str, correlation_id: str | None
@@ -378,6 +394,7 @@ def _client(settings: Settings, options: ClientOptions) -> SmtpMailer:
     return SmtpMailer(
         host, port, sender=str(options.extra.get("sender", "sekali@localhost")),
         timeout=options.timeout or 10.0, deadline=options.deadline or 30.0,
+        log_url=str(options.extra.get("log_url") or settings.smtp_log_url or "") or None,
     )
 
 
@@ -395,8 +412,10 @@ SMTP = Downstream(
     name="smtp",
     build=_client,
     description="The SMTP relay (SEKALI_SMTP_HOST, SEKALI_SMTP_PORT).",
-    calls=("send",),
-    sandbox=Sandbox("sandbox mail sink", _address, _start_sandbox),
+    calls=("send", "find_messages"),
+    sandbox=Sandbox("sandbox mail sink", _address, _start_sandbox,
+                    environment=lambda state: {"SEKALI_SMTP_LOG_URL":
+                                               f"sqlite:///{state / 'mailsink.db'}"}),
 )
 """The mail downstream: ``ctx.client("smtp")`` is a :class:`Mailer`; ``SEKALI_RATE_SMTP``
 paces its sends; its retry budget is ``smtp``."""

@@ -2,15 +2,17 @@
 
 Job types talk to :class:`PaymentGateway` only, so a user swaps the sandbox gateway for their
 provider by writing one class. The HTTP client speaks the sandbox's protocol (Stripe-like):
-``POST /charges`` with an ``Idempotency-Key`` header, ``GET /charges?reference=R``.
+``POST /charges`` with an ``Idempotency-Key`` header, ``GET /charges?reference=R``, through
+:class:`resources.http.BoundedHttp` (the one bounded HTTP read: timeouts, deadline, size cap).
 
 Error mapping (one place):
 
 - timeouts, connection errors, resets, the deadline passed, 5xx, 409 (the same key is being
   processed), 429 -> :class:`GatewayUnavailable` (transient; ``retry_after`` from the
-  ``Retry-After`` header). ``maybe_charged`` is True when a POST may have reached the gateway
-  (the connection broke after sending, a read timed out, the deadline passed while waiting or
-  reading, a body that is not JSON, or 500, 502 or 504, which a provider or its proxy may send
+  ``Retry-After`` header, delta seconds or an HTTP date); so is an answer over ``max_answer``
+  bytes. ``maybe_charged`` is True when a POST may have reached the gateway (the connection
+  broke after sending, a read timed out, the deadline passed while waiting or reading, an
+  answer too large or not JSON, or 500, 502 or 504, which a provider or its proxy may send
   after the charge): the charge may have happened. With the gateway's key support on, retrying
   with the same key is safe; without it, nothing may charge again until a lookup by reference
   is conclusive (see ``pipelines/jobs/payment.py``).
@@ -27,15 +29,15 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 from urllib.parse import urlencode, urlsplit
 
-import urllib3
-
 from engine import ClientOptions, Downstream, Sandbox
 from engine.health.diagnosis import EffectLedger
-from resources.errors import PermanentJobError, SendDeadlinePassed, TransientJobError
+from resources.errors import PermanentJobError, TransientJobError
 from resources.headers import http_header_value
+from resources.http import BoundedHttp, HttpNoAnswer, HttpUnreachable, retry_after
 from resources.storage.db import shared_database
+from resources.storage.files import write_private
 from resources.storage.settings import Settings
-from sandbox.gateway import GatewayServer
+from sandbox.gateway import ADMIN_TOKEN_FILE, GatewayServer
 
 log = logging.getLogger(__name__)
 
@@ -120,38 +122,31 @@ class PaymentGateway(Protocol):
         ...
 
 
-def _retry_after(headers: Any) -> float | None:
-    value = headers.get("Retry-After") if headers is not None else None
-    if value is None:
-        return None
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        return None  # HTTP-date form: not used by the sandbox; fall back to our own backoff
-
-
 _MAYBE_CHARGED_STATUSES = frozenset({500, 502, 504})
 
-
-class _DeadlinePassed(Exception):  # noqa: N818 - internal signal, mapped to GatewayUnavailable
-    pass
+MAX_ANSWER = 1024 * 1024
+"""Bytes of an answer the client reads at most: a charge is a few hundred, a reference's list of
+charges a few KiB; anything bigger is a broken or hostile provider, not data to hold in memory."""
 
 
 class HttpPaymentGateway:
-    """:class:`PaymentGateway` over HTTP with a pooled, thread-safe urllib3 client.
+    """:class:`PaymentGateway` over HTTP through :class:`resources.http.BoundedHttp` (pooled,
+    thread-safe, urllib3's own retries off: the retry policy lives in :mod:`resources.retry`,
+    which knows the error class, the attempt count and the shared budget).
+    ``send_idempotency_key=False`` simulates a provider without key support (every POST
+    charges).
 
-    urllib3's own retries are off: the retry policy lives in :mod:`resources.retry`, which knows
-    the error class, the attempt count and the shared budget. ``send_idempotency_key=False``
-    simulates a provider without key support (every POST charges).
+    Time bounds (BoundedHttp's): ``timeout`` bounds connecting and each read; ``deadline``
+    bounds the whole call, the body read a piece at a time with each read's socket timeout cut
+    to what is left, so a provider that answers a byte at a time cannot hold a job past it: the
+    call ends at most ``deadline`` (plus scheduling slack) after it began, with
+    :class:`GatewayUnavailable`. The status line and headers, read by urllib3 itself, are
+    bounded per read by ``timeout``.
 
-    Time bounds: ``timeout`` bounds connecting and each read; ``deadline`` bounds the whole call,
-    so a provider that answers a byte at a time cannot hold a job past it. Connecting and
-    waiting for the answer to start fall under urllib3's ``Timeout(total=deadline)``; the body
-    is read a piece at a time, each read's socket timeout cut to what is left of the deadline,
-    so a call ends at most ``deadline`` (plus scheduling slack) after it began, with
-    :class:`GatewayUnavailable`. The one part urllib3 reads itself, the status line and headers,
-    is bounded per read by ``timeout`` and in total only by the provider sending them (a few
-    hundred bytes).
+    Size bound: an answer over ``max_answer`` bytes is dropped with its connection after at most
+    ``max_answer + 1`` bytes were read, and raises :class:`GatewayUnavailable` (``maybe_charged``
+    for a POST: the provider answered something), so memory per call stays bounded whatever the
+    provider sends.
     """
 
     def __init__(
@@ -162,103 +157,62 @@ class HttpPaymentGateway:
         deadline: float = 15.0,
         send_idempotency_key: bool = True,
         pool_maxsize: int = 16,
+        max_answer: int = MAX_ANSWER,
     ) -> None:
-        if timeout <= 0 or deadline <= 0:
-            raise ValueError("timeout and deadline must be positive seconds")
+        self._http = BoundedHttp(timeout=timeout, deadline=deadline, max_body=max_answer,
+                                 pool_maxsize=pool_maxsize)
+        self.max_answer = max_answer
         self.base_url = base_url.rstrip("/")
         self.timeout = timeout
         self.deadline = deadline
         self.send_idempotency_key = send_idempotency_key
-        self._timeouts = urllib3.Timeout(
-            connect=min(timeout, deadline), read=min(timeout, deadline), total=deadline
-        )
-        self._http = urllib3.PoolManager(
-            maxsize=pool_maxsize, block=False, retries=False, timeout=self._timeouts
-        )
 
     def _request(
         self, method: str, path: str, *, body: Any = None, headers: dict[str, str] | None = None,
         send_by: float | None = None,
     ) -> Any:
-        url = self.base_url + path
-        ends_at = time.monotonic() + self.deadline
+        """The answer's JSON, or the error the module maps it to. ``send_by``: BoundedHttp
+        writes no byte of the request after it (see :meth:`charge`)."""
         all_headers = {"Accept": "application/json", **(headers or {})}
         payload = None
         if body is not None:
             payload = json.dumps(body).encode()
             all_headers["Content-Type"] = "application/json"
-        timeout = self._timeouts
-        if send_by is not None:
-            # The last check before urllib3 writes the request; a new connection must be up
-            # before the bound too, so no byte leaves after send_by (see :meth:`charge`).
-            left = send_by - time.monotonic()
-            if left <= 0:
-                raise SendDeadlinePassed(f"{method} {path}", -left)
-            timeout = urllib3.Timeout(
-                connect=min(self.timeout, self.deadline, left),
-                read=min(self.timeout, self.deadline),
-                total=self.deadline,
-            )
         try:
-            response = self._http.request(
-                method, url, body=payload, headers=all_headers, preload_content=False,
-                timeout=timeout,
-            )
-        except urllib3.exceptions.NewConnectionError as exc:
-            raise GatewayUnavailable(f"payment gateway unreachable at {url}: {exc}") from exc
-        except urllib3.exceptions.ConnectTimeoutError as exc:
-            raise GatewayUnavailable(f"payment gateway connect timeout at {url}") from exc
-        except urllib3.exceptions.HTTPError as exc:
-            # Read timeout, reset or close after the request was sent: the outcome is unknown.
+            answer = self._http.request(method, self.base_url + path, body=payload,
+                                        headers=all_headers, send_by=send_by)
+        except HttpUnreachable as exc:  # nothing was sent: nothing can have been charged
+            raise GatewayUnavailable(f"payment gateway unreachable: {exc}") from exc
+        except HttpNoAnswer as exc:  # sent, no whole answer: the outcome is unknown
             raise GatewayUnavailable(
-                f"payment gateway gave no answer to {method} {path}: {exc!r}",
+                f"payment gateway gave no answer to {method} {path}: {exc}",
                 maybe_charged=method == "POST",
             ) from exc
-        try:
-            data = self._read_body(response, ends_at)
-        except (urllib3.exceptions.HTTPError, OSError, _DeadlinePassed) as exc:
-            response.close()
+        status = answer.status
+        if answer.truncated:
             raise GatewayUnavailable(
-                f"payment gateway gave no answer to {method} {path} within its "
-                f"{self.deadline:g}s deadline: {exc!r}",
+                f"payment gateway answered {method} {path} with a body over "
+                f"{self.max_answer} bytes",
+                status=status,
                 maybe_charged=method == "POST",
-            ) from exc
-        finally:
-            response.release_conn()
-        status = response.status
+            )
         if status >= 500 or status in (409, 429):
             raise GatewayUnavailable(
                 f"payment gateway answered {status} to {method} {path}",
                 status=status,
-                retry_after=_retry_after(response.headers),
+                retry_after=retry_after(answer.header("Retry-After"), time.time()),
                 maybe_charged=method == "POST" and status in _MAYBE_CHARGED_STATUSES,
             )
         if status >= 400:
-            raise GatewayRejected(status, data.decode(errors="replace")[:500])
+            raise GatewayRejected(status, answer.body.decode(errors="replace")[:500])
         try:
-            return json.loads(data)
+            return json.loads(answer.body)
         except ValueError as exc:
             raise GatewayUnavailable(
                 f"payment gateway sent a body that is not JSON ({status})",
                 status=status,
                 maybe_charged=method == "POST",
             ) from exc
-
-    def _read_body(self, response: urllib3.BaseHTTPResponse, ends_at: float) -> bytes:
-        """The whole body, or :class:`_DeadlinePassed`: each read waits at most until
-        ``ends_at``, so a body dripped a byte at a time cannot outlast the deadline."""
-        sock = getattr(response.connection, "sock", None)
-        chunks: list[bytes] = []
-        while True:
-            left = ends_at - time.monotonic()
-            if left <= 0:
-                raise _DeadlinePassed(f"{self.deadline:g}s passed while reading the answer")
-            if sock is not None:
-                sock.settimeout(min(self.timeout, left))
-            chunk = response.read1(65536)
-            if not chunk:
-                return b"".join(chunks)
-            chunks.append(chunk)
 
     def charge(
         self,
@@ -277,11 +231,12 @@ class HttpPaymentGateway:
         printable ASCII is percent-encoded (the gateway decodes it), one with a control
         character is refused with :class:`ValidationError` naming the field, nothing sent.
 
-        The bound is checked right before urllib3 is handed the request, and a connection
-        urllib3 opens for it gets a connect timeout cut to what is left of the bound (a connect
-        timeout is not charged: :class:`GatewayUnavailable` without ``maybe_charged``). So the
-        request's bytes leave before ``send_by``, unless this process is paused between the
-        check and the socket write (a few instructions inside urllib3), the one window left.
+        :class:`resources.http.BoundedHttp` checks the bound right before urllib3 is handed the
+        request and again right before each write to the socket, and a connection urllib3 opens
+        for it gets a connect timeout cut to what is left of the bound (a connect timeout is not
+        charged: :class:`GatewayUnavailable` without ``maybe_charged``). So the request's bytes
+        leave before ``send_by``, unless this process is paused between the last check and its
+        ``sendall`` (a few instructions), the one window left.
         """
         headers: dict[str, str] = {}
         if idempotency_key is not None and self.send_idempotency_key:
@@ -311,7 +266,7 @@ class HttpPaymentGateway:
         return [Charge.from_json(item) for item in data["charges"]]
 
     def close(self) -> None:
-        self._http.clear()
+        self._http.close()
 
 
 def _client(settings: Settings, options: ClientOptions) -> HttpPaymentGateway:
@@ -329,8 +284,12 @@ def _address(settings: Settings) -> tuple[str, int, str]:
 
 
 def _start_sandbox(settings: Settings, state: Path) -> GatewayServer:
+    """The sandbox gateway of ``sekali dev``; its admin token is left, 0600, in the state
+    folder for the developer's own tools."""
     host, port, _ = _address(settings)
-    return GatewayServer(f"sqlite:///{state / 'gateway.db'}", host=host, port=port).start()
+    server = GatewayServer(f"sqlite:///{state / 'gateway.db'}", host=host, port=port).start()
+    write_private(state / ADMIN_TOKEN_FILE, server.admin_token + "\n")
+    return server
 
 
 GATEWAY = Downstream(

@@ -11,23 +11,30 @@ States (recorded per attempt, status before/after): ``not_sent -> sent``.
 from __future__ import annotations
 
 import datetime
+import logging
 import re
 import string
-from collections.abc import Sequence
-from typing import Any
+import typing
+from collections.abc import Callable, Mapping, Sequence
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine import (
     SEND_TRIES,
+    Check,
+    Effect,
     JobContext,
     JobType,
-    PayloadField,
-    reject_unknown,
+    formatted,
     require_str,
 )
 from engine.services import MissingClient
 from pipelines.domain.mail import SMTP, Mailer, mail_session, message_id_for, single_address
 from resources.errors import SendDeadlinePassed, ValidationError, shown
 from resources.headers import refuse_control
+
+log = logging.getLogger(__name__)
 
 TEMPLATES: dict[str, tuple[str, str]] = {
     "welcome": ("Welcome, $name", "Hello $name,\n\nwelcome to sekali.\n"),
@@ -50,58 +57,93 @@ def _is_calendar_date(text: str) -> bool:
     return True
 
 
-def validate(payload: dict[str, Any]) -> dict[str, Any]:
-    reject_unknown(payload, {"template", "user_id", "date", "to", "context"})
-    template = require_str(payload, "template")
+TemplateName = Literal["receipt", "reminder", "welcome"]
+assert set(typing.get_args(TemplateName)) == set(TEMPLATES)
+
+
+def _template(payload: dict[str, Any], field_name: str) -> str:
+    template = require_str(payload, field_name)
     if template not in TEMPLATES:
         known = ", ".join(sorted(TEMPLATES))
         raise ValidationError(
-            "template", f"must be one of {known}, got {shown(template)}", template
+            field_name, f"must be one of {known}, got {shown(template)}", template
         )
-    date = require_str(payload, "date")
+    return template
+
+
+def _date(payload: dict[str, Any], field_name: str) -> str:
+    date = require_str(payload, field_name)
     if len(date) != 10 or not _DATE.fullmatch(date) or not _is_calendar_date(date):
         raise ValidationError(
-            "date", f"must be an ISO date YYYY-MM-DD that exists, got {shown(date)}", date
+            field_name, f"must be an ISO date YYYY-MM-DD that exists, got {shown(date)}", date
         )
-    to = single_address("to", payload.get("to"))  # personal: never quoted
-    context = payload.get("context", {})
+    return date
+
+
+def _address(payload: dict[str, Any], field_name: str) -> str:
+    return single_address(field_name, payload.get(field_name))  # personal: never quoted
+
+
+def _context(payload: dict[str, Any], field_name: str) -> dict[str, str]:
+    context = payload.get(field_name)
     if not isinstance(context, dict) or not all(isinstance(k, str) for k in context):
         raise ValidationError(
-            "context", f"must be an object of template variables, got {shown(context)}",
+            field_name, f"must be an object of template variables, got {shown(context)}",
             context,
         )
-    subject = string.Template(TEMPLATES[template][0])
-    for name in subject.get_identifiers():  # what reaches the Subject header
-        if isinstance(context.get(name), str):
-            refuse_control(f"context.{name}", context[name])
-    return {
-        "template": template,
-        "user_id": require_str(payload, "user_id"),
-        "date": date,
-        "to": to,
-        "context": {k: str(v) for k, v in sorted(context.items())},
-    }
+    return {k: str(v) for k, v in sorted(context.items())}
 
 
-def key_for(payload: dict[str, Any]) -> str:
-    return f"email:{payload['template']}:{payload['user_id']}:{payload['date']}"
+class EmailRequest(BaseModel):
+    """One templated mail: the key is ``email:{template}:{user_id}:{date}``."""
+
+    model_config = ConfigDict(frozen=True, json_schema_extra={"examples": [
+        {"template": "welcome", "user_id": "u-example-1", "date": "2026-11-29",
+         "to": "u-example-1@example.com", "context": {}},
+    ]})
+
+    template: Annotated[TemplateName, Check(_template), Field(
+        description="Which mail; part of the key email:{template}:{user_id}:{date}.")]
+    user_id: Annotated[str, Check(require_str), Field(
+        description="The recipient's user id (no spaces or ':').")]
+    date: Annotated[str, Check(_date), Field(
+        description="The day the mail is for, YYYY-MM-DD: one mail per day.")]
+    to: Annotated[str, Check(_address), Field(description="The recipient's e-mail address.")]
+    context: Annotated[dict[str, str], Check(_context)] = Field(
+        default_factory=dict,
+        description="Template variables (strings), e.g. order_id for receipt.",
+    )
+
+    @model_validator(mode="after")
+    def _subject_has_no_control(self) -> EmailRequest:
+        subject = string.Template(TEMPLATES[self.template][0])
+        for name in subject.get_identifiers():  # what reaches the Subject header
+            if name in self.context:
+                refuse_control(f"context.{name}", self.context[name])
+        return self
 
 
-def render(p: dict[str, Any]) -> tuple[str, str]:
-    subject, body = TEMPLATES[p["template"]]
-    values = {"name": p["user_id"], "date": p["date"], **p["context"]}
+key_for = formatted("email:{template}:{user_id}:{date}")
+
+
+def render(p: EmailRequest | Mapping[str, Any]) -> tuple[str, str]:
+    """The mail's subject and body (``p`` a validated payload, typed or as its dict)."""
+    if not isinstance(p, EmailRequest):
+        p = EmailRequest.model_validate(dict(p))
+    subject, body = TEMPLATES[p.template]
+    values = {"name": p.user_id, "date": p.date, **p.context}
     return (
         string.Template(subject).safe_substitute(values),
         string.Template(body).safe_substitute(values),
     )
 
 
-def send_email(ctx: JobContext, p: dict[str, Any]) -> dict[str, Any]:
+def send_email(ctx: JobContext, p: EmailRequest) -> dict[str, Any]:
     mailer: Mailer = ctx.client(SMTP.name)
     return _send(ctx, p, mailer)
 
 
-def send_emails(items: Sequence[tuple[JobContext, dict[str, Any]]]) -> list[Any]:
+def send_emails(items: Sequence[tuple[JobContext, EmailRequest]]) -> list[Any]:
     """A micro-batch of mails over one SMTP connection; each mail is still its own attempt
     (lease confirmed, crash points, its own result or error)."""
     if not items:
@@ -121,17 +163,20 @@ def send_emails(items: Sequence[tuple[JobContext, dict[str, Any]]]) -> list[Any]
 
 
 
-def _send(ctx: JobContext, p: dict[str, Any], mailer: Mailer) -> dict[str, Any]:
+def _send(ctx: JobContext, p: EmailRequest, mailer: Mailer) -> dict[str, Any]:
     subject, body = render(p)
     message_id = message_id_for(ctx.key)
     ctx.attempt.status_before = "not_sent"
+    if (ctx.claim.takeover or ctx.claim.attempt > 1) and _accepted_before(ctx, p):
+        ctx.attempt.status_before = ctx.attempt.status_after = "sent"
+        return {"message_id": message_id, "to": p.to}
     ctx.crash_point("before_send")
     for tries_left in range(SEND_TRIES - 1, -1, -1):
         send_by = ctx.confirm_lease()
         try:
             with ctx.timed("smtp"):
                 mailer.send(
-                    to=p["to"], subject=subject, body=body, message_id=message_id,
+                    to=p.to, subject=subject, body=body, message_id=message_id,
                     correlation_id=ctx.correlation_id, send_by=send_by,
                 )
             break
@@ -141,36 +186,48 @@ def _send(ctx: JobContext, p: dict[str, Any], mailer: Mailer) -> dict[str, Any]:
                 raise
     ctx.crash_point("after_send")
     ctx.attempt.status_after = "sent"
-    return {"message_id": message_id, "to": p["to"]}
+    return {"message_id": message_id, "to": p.to}
+
+
+def _accepted_before(ctx: JobContext, p: EmailRequest) -> bool:
+    """Any claim after the first may follow a send: the last holder handed this mail over and
+    died before recording it (a batch worker killed after the SMTP accept), or its attempt saw
+    no answer (the reply lost after the server accepted: a transient failure, retried). Ask the
+    provider's record by Message-ID before sending again. A provider whose record cannot be read
+    gets the mail again, under the same Message-ID (receivers deduplicate it)."""
+    try:
+        return bool(lookup_mails(ctx.client, ctx.key, p))
+    except Exception as exc:  # noqa: BLE001 - no record to ask: send, as without a lookup
+        log.warning("no Message-ID lookup for %s before resending: %s", ctx.key, exc)
+        return False
+
+
+def lookup_mails(client: Callable[[str], Any], key: str, payload: Any) -> list[Effect]:
+    """The messages the mail provider accepted under this intent's Message-ID
+    (:func:`message_id_for`), oldest first; raises :class:`MailUnavailable` when its record
+    cannot be read."""
+    mailer = client(SMTP.name)  # an SmtpMailer: a bare Mailer cannot be asked
+    message_id = message_id_for(key)
+    return [
+        Effect(message_id, m.get("received_at"), {"subject": m.get("subject")})
+        for m in mailer.find_messages(message_id)
+    ]
 
 
 JOB_TYPE = JobType(
     name="send_email",
     queue="light",
-    validate=validate,
+    payload=EmailRequest,
     key_for=key_for,
     max_runtime_seconds=120,
     side_effect=True,
     handler=send_email,
-    resource_id=lambda p: str(p["user_id"]),
+    resource_id=formatted("{user_id}"),
     clients=(SMTP,),
     description="Send one templated mail per (template, user, date).",
-    fields=(
-        PayloadField(
-            "template", str, "Which mail; part of the key email:{template}:{user_id}:{date}.",
-            choices=tuple(sorted(TEMPLATES)),
-        ),
-        PayloadField("user_id", str, "The recipient's user id (no spaces or ':')."),
-        PayloadField("date", str, "The day the mail is for, YYYY-MM-DD: one mail per day."),
-        PayloadField("to", str, "The recipient's e-mail address."),
-        PayloadField(
-            "context", dict, "Template variables (strings), e.g. order_id for receipt.",
-            required=False,
-        ),
-    ),
-    example={"template": "welcome", "user_id": "u-example-1", "date": "2026-11-29",
-             "to": "u-example-1@example.com", "context": {}},
     result_fields=("message_id",),
     personal=frozenset({"to"}),
     handler_many=send_emails,
+    lookup=lookup_mails,
 )
+validate = JOB_TYPE.validate

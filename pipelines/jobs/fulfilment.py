@@ -27,23 +27,24 @@ import functools
 import logging
 import time
 from enum import StrEnum
-from typing import Any
+from typing import Annotated, Any
 
+from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
 from engine import (
+    Check,
     JobContext,
     JobType,
-    PayloadField,
     Reconciling,
     Tally,
     fenced_update,
-    reject_unknown,
+    formatted,
     require_str,
 )
 from engine.upkeep.reconciliation import NotGivenUp, given_up, record_only
-from pipelines.domain.inventory import ITEMS, Inventory, require_items
+from pipelines.domain.inventory import Inventory, Items
 from resources.errors import FencedWriteRejected, LeaseLost
 from resources.outbox import write_event
 from resources.retry import ErrorClass, classify
@@ -62,13 +63,19 @@ class FulfilmentStatus(StrEnum):
 STARTED, RESERVED = "started", "reserved"
 
 
-def validate(payload: dict[str, Any]) -> dict[str, Any]:
-    reject_unknown(payload, {"order_id", "items"})
-    return {"order_id": require_str(payload, "order_id"), "items": require_items(payload)}
+class FulfilRequest(BaseModel):
+    """An order and its items to fulfil: the key is ``fulfil:{order_id}``."""
+
+    model_config = ConfigDict(frozen=True, json_schema_extra={"examples": [
+        {"order_id": "o-example-2", "items": [{"sku": "apple", "quantity": 1}]},
+    ]})
+
+    order_id: Annotated[str, Check(require_str), Field(
+        description="The order to fulfil; the key is fulfil:{order_id}.")]
+    items: Items
 
 
-def key_for(payload: dict[str, Any]) -> str:
-    return f"fulfil:{payload['order_id']}"
+key_for = formatted("fulfil:{order_id}")
 
 
 def cart_for(order_id: str) -> str:
@@ -91,8 +98,8 @@ def _event(ctx: JobContext, conn: Connection, order_id: str, event: str, data: A
     )
 
 
-def fulfill_order(ctx: JobContext, p: dict[str, Any]) -> dict[str, Any]:
-    order_id = p["order_id"]
+def fulfill_order(ctx: JobContext, p: FulfilRequest) -> dict[str, Any]:
+    order_id = p.order_id
     cart = cart_for(order_id)
     point = ctx.claim.recovery_point
     inventory = Inventory(ctx.services.db)
@@ -118,7 +125,8 @@ def fulfill_order(ctx: JobContext, p: dict[str, Any]) -> dict[str, Any]:
                         ctx.attempt.status_after = row.fulfilment_status
                         return result
                 _set_status(ctx, conn, order_id, FulfilmentStatus.PROCESSING)
-                _event(ctx, conn, order_id, "fulfilment_started", {"items": p["items"]})
+                lines = [item.model_dump() for item in p.items]
+                _event(ctx, conn, order_id, "fulfilment_started", {"items": lines})
                 ctx.checkpoint(STARTED, None, conn=conn)
             point = STARTED
             ctx.crash_point("after_start")
@@ -127,7 +135,7 @@ def fulfill_order(ctx: JobContext, p: dict[str, Any]) -> dict[str, Any]:
 
         if point == STARTED:
             with ctx.locked_row("orders", "order_id", order_id, "reserve") as (conn, _):
-                reservations = inventory.reserve(conn, cart, p["items"], fence=ctx.fence)
+                reservations = inventory.reserve(conn, cart, p.items, fence=ctx.fence)
                 _set_status(ctx, conn, order_id, FulfilmentStatus.RESERVED)
                 ctx.checkpoint(RESERVED, {r.sku: r.quantity for r in reservations}, conn=conn)
             point = RESERVED
@@ -242,7 +250,7 @@ def _release(
     """Release the cart, re-checking in this transaction that its fulfilment was given up. The
     order's row lock is the one every fulfilment phase holds, so no phase runs meanwhile."""
     lock = " FOR UPDATE" if inventory.db.is_postgres else ""
-    conn.execute(text(f"SELECT 1 FROM orders WHERE order_id = :o{lock}"), {"o": order_id})
+    conn.execute(text(f"SELECT 1 FROM orders WHERE order_id = :o{lock}"), {"o": order_id})  # nosec B608: SQL from code constants, values bound
     if not given_up(conn, key, lock=lock):
         raise NotGivenUp(key)
     return {"released": inventory.release(conn, cart_id)}
@@ -258,18 +266,13 @@ WATCHES = (
 JOB_TYPE = JobType(
     name="fulfill_order",
     queue="heavy",
-    validate=validate,
+    payload=FulfilRequest,
     key_for=key_for,
     max_runtime_seconds=900,
     side_effect=True,
     handler=fulfill_order,
-    resource_id=lambda p: str(p["order_id"]),
+    resource_id=formatted("{order_id}"),
     description="Start, reserve and ship an order, resuming from recovery points.",
-    fields=(
-        PayloadField("order_id", str, "The order to fulfil; the key is fulfil:{order_id}."),
-        ITEMS,
-    ),
-    example={"order_id": "o-example-2", "items": [{"sku": "apple", "quantity": 1}]},
     result_fields=("order_id", "status"),
     checks=("needs_compensation",),
     reconcile=reconcile_fulfilments,

@@ -11,30 +11,31 @@ States: ``unreserved -> reserved`` (see ``resources/inventory.py`` for release a
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Annotated, Any
 
+from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy.engine import Connection
 
-from engine import (
-    JobContext,
-    JobType,
-    PayloadField,
-    reject_unknown,
-    require_str,
-)
-from pipelines.domain.inventory import ITEMS, Inventory, merge_items, require_items
+from engine import Check, JobContext, JobType, formatted, require_str
+from pipelines.domain.inventory import Inventory, Items, merge_items
 
 
-def validate(payload: dict[str, Any]) -> dict[str, Any]:
-    reject_unknown(payload, {"cart_id", "items"})
-    return {"cart_id": require_str(payload, "cart_id"), "items": require_items(payload)}
+class ReserveRequest(BaseModel):
+    """A cart's items to reserve: the key is ``inventory-reserve:{cart_id}``."""
+
+    model_config = ConfigDict(frozen=True, json_schema_extra={"examples": [
+        {"cart_id": "c-example-1", "items": [{"sku": "apple", "quantity": 1}]},
+    ]})
+
+    cart_id: Annotated[str, Check(require_str), Field(
+        description="The cart; the key is inventory-reserve:{cart_id}.")]
+    items: Items
 
 
-def key_for(payload: dict[str, Any]) -> str:
-    return f"inventory-reserve:{payload['cart_id']}"
+key_for = formatted("inventory-reserve:{cart_id}")
 
 
-def reserve_inventory(ctx: JobContext, p: dict[str, Any]) -> dict[str, Any]:
+def reserve_inventory(ctx: JobContext, p: ReserveRequest) -> dict[str, Any]:
     inventory = Inventory(ctx.services.db)
     with ctx.concurrency_slot(JOB_TYPE), ctx.transaction("reserve") as conn:
         result = _reserve(ctx, p, inventory, conn)
@@ -44,7 +45,7 @@ def reserve_inventory(ctx: JobContext, p: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def reserve_inventories(items: Sequence[tuple[JobContext, dict[str, Any]]]) -> list[Any]:
+def reserve_inventories(items: Sequence[tuple[JobContext, ReserveRequest]]) -> list[Any]:
     """A micro-batch of carts in one transaction: every cart's stock rows are locked first, in
     sku order (two batches never deadlock); each cart reserves inside its own savepoint, so a
     cart that fails (no stock, unknown sku) rolls back alone; the reserved carts' keys complete
@@ -58,7 +59,7 @@ def reserve_inventories(items: Sequence[tuple[JobContext, dict[str, Any]]]) -> l
     try:
         with services.db.transaction() as conn:
             inventory.lock_stock(
-                conn, {sku for _, p in items for sku in merge_items(p["items"])}
+                conn, {sku for _, p in items for sku in merge_items(p.items)}
             )
             done = []
             for i, (ctx, p) in enumerate(items):
@@ -89,7 +90,7 @@ class _TakenOver(Exception):
     """A cart's lease was taken over mid-batch: roll the batch back and go one by one."""
 
 
-def _one(ctx: JobContext, p: dict[str, Any]) -> Any:
+def _one(ctx: JobContext, p: ReserveRequest) -> Any:
     try:
         return reserve_inventory(ctx, p)
     except Exception as exc:  # noqa: BLE001 - returned as this cart's outcome
@@ -97,33 +98,29 @@ def _one(ctx: JobContext, p: dict[str, Any]) -> Any:
 
 
 def _reserve(
-    ctx: JobContext, p: dict[str, Any], inventory: Inventory, conn: Connection
+    ctx: JobContext, p: ReserveRequest, inventory: Inventory, conn: Connection
 ) -> dict[str, Any]:
-    before = inventory.reservations(p["cart_id"], conn)
+    before = inventory.reservations(p.cart_id, conn)
     ctx.attempt.status_before = "reserved" if before else "unreserved"
-    reservations = inventory.reserve(conn, p["cart_id"], p["items"], fence=ctx.fence)
-    return {"cart_id": p["cart_id"], "reserved": {r.sku: r.quantity for r in reservations}}
+    reservations = inventory.reserve(conn, p.cart_id, p.items, fence=ctx.fence)
+    return {"cart_id": p.cart_id, "reserved": {r.sku: r.quantity for r in reservations}}
 
 
 JOB_TYPE = JobType(
     name="reserve_inventory",
     queue="light",
-    validate=validate,
+    payload=ReserveRequest,
     key_for=key_for,
     max_runtime_seconds=120,
     side_effect=True,
     handler=reserve_inventory,
-    resource_id=lambda p: str(p["cart_id"]),
+    resource_id=formatted("{cart_id}"),
     description="Reserve a cart's items in one transaction with row locks (one at a time per "
     "cart:{cart_id}).",
     concurrency_key="cart:{cart_id}",
     concurrency_limit=1,
-    fields=(
-        PayloadField("cart_id", str, "The cart; the key is inventory-reserve:{cart_id}."),
-        ITEMS,
-    ),
-    example={"cart_id": "c-example-1", "items": [{"sku": "apple", "quantity": 1}]},
     result_fields=("cart_id", "reserved"),
     handler_many=reserve_inventories,
     unique=(("reservations", ("cart_id", "sku")),),
 )
+validate = JOB_TYPE.validate

@@ -67,24 +67,28 @@ import functools
 import hashlib
 import logging
 import time
+from collections.abc import Callable
 from enum import StrEnum
-from typing import Any
+from typing import Annotated, Any
 
+from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
 from engine import (
     SEND_TRIES,
+    Check,
+    Effect,
     JobContext,
     JobType,
-    PayloadField,
     Reconciling,
     Tally,
     fenced_update,
-    reject_unknown,
+    formatted,
     require_int,
     require_str,
 )
+from engine.registry import get_job_type
 from engine.upkeep.reconciliation import record_only
 from pipelines.domain.payments import (
     GATEWAY,
@@ -97,6 +101,7 @@ from resources.errors import (
     NotYetSettled,
     PermanentJobError,
     RateLimited,
+    RequestCancelled,
     SendDeadlinePassed,
     ValidationError,
     shown,
@@ -153,23 +158,48 @@ def reference_for(key: str) -> str:
     return "ord-" + hashlib.sha256(key.encode()).hexdigest()[:24]
 
 
-def validate(payload: dict[str, Any]) -> dict[str, Any]:
-    reject_unknown(payload, {"order_id", "amount_cents", "currency"})
-    currency = payload.get("currency", "EUR")
+def _currency(payload: dict[str, Any], field_name: str) -> str:
+    currency = payload.get(field_name)
     if not isinstance(currency, str) or len(currency) != 3 or not currency.isalpha():
         raise ValidationError(
-            "currency", f"must be a three-letter ISO code such as EUR, got {shown(currency)}",
+            field_name, f"must be a three-letter ISO code such as EUR, got {shown(currency)}",
             currency,
         )
-    return {
-        "order_id": require_str(payload, "order_id"),
-        "amount_cents": require_int(payload, "amount_cents", maximum=10**9),
-        "currency": currency.upper(),
-    }
+    return currency.upper()
 
 
-def key_for(payload: dict[str, Any]) -> str:
-    return f"payment:{payload['order_id']}"
+class ChargeRequest(BaseModel):
+    """What charging an order takes: the key is ``payment:{order_id}``."""
+
+    model_config = ConfigDict(frozen=True, json_schema_extra={"examples": [
+        {"order_id": "o-example-1", "amount_cents": 1250, "currency": "EUR"},
+    ]})
+
+    order_id: Annotated[str, Check(require_str), Field(
+        description="The order to charge; the key is payment:{order_id}.")]
+    amount_cents: Annotated[int, Check(require_int, maximum=10**9), Field(
+        description="The amount in cents, 1 to 10^9.")]
+    currency: Annotated[str, Check(_currency), Field(description="A three-letter ISO code.")] = (
+        "EUR"
+    )
+
+
+def charge_effect(charge: Charge) -> Effect:
+    """A gateway charge as the lookup reports it: the charge id, when, and what it was."""
+    return Effect(
+        charge.charge_id, charge.created_at,
+        {"reference": charge.reference, "amount_cents": charge.amount_cents,
+         "currency": charge.currency},
+    )
+
+
+def lookup_charges(client: Callable[[str], Any], key: str, payload: Any) -> list[Effect]:
+    """The charges the gateway holds under this intent's reference (:func:`reference_for`),
+    oldest first. Raises :class:`GatewayUnavailable` when the gateway cannot answer."""
+    gateway: PaymentGateway = client(GATEWAY.name)
+    charges = sorted(gateway.find_charges(reference_for(key)),
+                     key=lambda c: (c.created_at, c.charge_id))
+    return [charge_effect(c) for c in charges]
 
 
 def _charge_dict(charge: Charge) -> dict[str, Any]:
@@ -194,17 +224,22 @@ def _lookup(ctx: JobContext, gateway: PaymentGateway, order_id: str, reference: 
     return found[0] if found else None
 
 
-def sent_references(conn: Connection, order_id: str) -> list[str]:
-    """Every reference a charge of ``order_id`` went out under, oldest first (the owner's read
-    of ``payment_references``; reconciliation looks under each)."""
+def sent(conn: Connection, order_id: str) -> list[tuple[str, str | None]]:
+    """Every ``(reference, key)`` a charge of ``order_id`` went out under, oldest first (the
+    owner's read of ``payment_references``; reconciliation asks under each)."""
     return [
-        r.reference
+        (r.reference, r.key)
         for r in conn.execute(
-            text("SELECT reference FROM payment_references WHERE order_id = :o"
+            text("SELECT reference, key FROM payment_references WHERE order_id = :o"
                  " ORDER BY first_sent_at, reference"),
             {"o": order_id},
         )
     ]
+
+
+def sent_references(conn: Connection, order_id: str) -> list[str]:
+    """Every reference a charge of ``order_id`` went out under, oldest first."""
+    return [reference for reference, _ in sent(conn, order_id)]
 
 
 def _set_payment(ctx: JobContext, order_id: str, name: str, assignments: str) -> None:
@@ -216,7 +251,7 @@ def _set_payment(ctx: JobContext, order_id: str, name: str, assignments: str) ->
 
 
 def _send_charge(
-    ctx: JobContext, gateway: PaymentGateway, p: dict[str, Any], reference: str
+    ctx: JobContext, gateway: PaymentGateway, p: ChargeRequest, reference: str
 ) -> Charge:
     """Write the send down, confirm the lease, charge within the send bound the confirmation
     gave. Raises :class:`PaymentNotSettled` when the outcome is unknown (the order keeps its
@@ -227,7 +262,7 @@ def _send_charge(
     (a new ``sent_at``) and the lease confirmed again: a holder taken over meanwhile stops
     there with :class:`LeaseLost` and the new owner's lookup after the settle window is still
     conclusive, because this holder never sent."""
-    order_id = p["order_id"]
+    order_id = p.order_id
     ctx.crash_point("before_charge")
     with ctx.concurrency_slot(JOB_TYPE):
         for tries_left in range(SEND_TRIES - 1, -1, -1):
@@ -249,13 +284,18 @@ def _send_charge(
                     ),
                     {"o": order_id, "ref": reference, "key": ctx.key, "sent": sent_at},
                 )
-            send_by = ctx.confirm_lease()
+            try:
+                send_by = ctx.confirm_lease()
+            except RequestCancelled:  # cancelled before the send: nothing left, take it back
+                _set_payment(ctx, order_id, "record_not_charged",
+                             "payment_status = 'payment_pending', charge_sent_at = NULL")
+                raise
             try:
                 with ctx.timed("gateway_charge"):
                     return gateway.charge(
                         reference=reference,
-                        amount_cents=p["amount_cents"],
-                        currency=p["currency"],
+                        amount_cents=p.amount_cents,
+                        currency=p.currency,
                         idempotency_key=ctx.key,
                         correlation_id=ctx.correlation_id,
                         send_by=send_by,
@@ -289,10 +329,10 @@ def _send_charge(
     raise AssertionError("the last try returns or raises")
 
 
-def charge_payment(ctx: JobContext, p: dict[str, Any]) -> dict[str, Any]:
+def charge_payment(ctx: JobContext, p: ChargeRequest) -> dict[str, Any]:
     services = ctx.services
     gateway: PaymentGateway = ctx.client(GATEWAY.name)
-    order_id = p["order_id"]
+    order_id = p.order_id
     reference = reference_for(ctx.key)
     now = time.time()
     charge_id: str | None = None
@@ -306,7 +346,7 @@ def charge_payment(ctx: JobContext, p: dict[str, Any]) -> dict[str, Any]:
                     " payment_reference, payment_fence, created_at, updated_at)"
                     " VALUES (:o, :a, :c, 'payment_pending', :ref, :f, :now, :now)"
                 ),
-                {"o": order_id, "a": p["amount_cents"], "c": p["currency"], "ref": reference,
+                {"o": order_id, "a": p.amount_cents, "c": p.currency, "ref": reference,
                  "f": ctx.fence, "now": now},
             )
             status = PaymentStatus.PENDING
@@ -315,12 +355,12 @@ def charge_payment(ctx: JobContext, p: dict[str, Any]) -> dict[str, Any]:
             status = PaymentStatus(row.payment_status)
             ctx.attempt.status_before = str(status)
             if row.amount_cents is not None and (
-                row.amount_cents != p["amount_cents"] or row.currency != p["currency"]
+                row.amount_cents != p.amount_cents or row.currency != p.currency
             ):
                 raise OrderAmountMismatch(
                     order_id,
                     f"{row.amount_cents} {row.currency}",
-                    f"{p['amount_cents']} {p['currency']}",
+                    f"{p.amount_cents} {p.currency}",
                 )
             if status is PaymentStatus.PAID:
                 result = {"order_id": order_id, "charge_id": row.charge_id,
@@ -333,7 +373,7 @@ def charge_payment(ctx: JobContext, p: dict[str, Any]) -> dict[str, Any]:
                 fence=ctx.fence,
                 assignments="amount_cents = :a, currency = :c, payment_reference = :ref,"
                 " updated_at = :now",
-                params={"a": p["amount_cents"], "c": p["currency"], "ref": reference, "now": now},
+                params={"a": p.amount_cents, "c": p.currency, "ref": reference, "now": now},
             )
             charge_id = row.charge_id
             if status is PaymentStatus.CHARGED_NOT_CONFIRMED and charge_id is None:
@@ -413,16 +453,22 @@ def reconcile_payments(rec: Reconciling, report: Tally) -> None:
             ),
             {"settled": now - rec.grace, "since": now - rec.lookback},
         ).all()
+    lookup = get_job_type(JOB_TYPE.name).effects  # as registered: a test may swap it
     for order in orders:
         with rec.db.statement() as conn:
-            references = {order.payment_reference, *sent_references(conn, order.order_id)}
-        found = {c.charge_id: c for ref in sorted(references)
-                 for c in gateway.find_charges(ref)}
-        charges = sorted(found.values(), key=lambda c: (c.created_at, c.charge_id))
-        ids = [c.charge_id for c in charges]
+            went_out = sent(conn, order.order_id)
+        keyed = sorted({key for _, key in went_out if key is not None})
+        references = {order.payment_reference, *(reference for reference, _ in went_out)}
+        found: dict[str, Effect] = {}
+        for key in keyed:
+            found.update((e.reference, e) for e in lookup(rec.client, key, None))
+        for ref in sorted(references - {reference_for(k) for k in keyed}):
+            found.update((c.charge_id, charge_effect(c)) for c in gateway.find_charges(ref))
+        charges = sorted(found.values(), key=lambda e: (e.at or 0.0, e.reference))
+        ids = [c.reference for c in charges]
         if order.payment_status in ("payment_pending", "charged_not_confirmed") and charges:
             report.found["charged_not_confirmed"] += 1
-            first = charges[0].charge_id
+            first = charges[0].reference
             report.fixed["charged_not_confirmed"] += rec.act(
                 report,
                 f"reconcile:confirm-charge:{order.order_id}",
@@ -508,27 +554,20 @@ WATCHES = (
 JOB_TYPE = JobType(
     name="charge_payment",
     queue="heavy",
-    validate=validate,
-    key_for=key_for,
+    payload=ChargeRequest,
+    key_for=formatted("payment:{order_id}"),
     max_runtime_seconds=300,
     side_effect=True,
     handler=charge_payment,
-    resource_id=lambda p: str(p["order_id"]),
+    resource_id=formatted("{order_id}"),
     clients=(GATEWAY,),
     description="Charge an order once at the payment gateway (key payment:{order_id}).",
     concurrency_key="order:{order_id}",  # no customer in the payload; an order's versions share it
     concurrency_limit=1,
-    fields=(
-        PayloadField("order_id", str, "The order to charge; the key is payment:{order_id}."),
-        PayloadField("amount_cents", int, "The amount in cents, 1 to 10^9."),
-        PayloadField(
-            "currency", str, "A three-letter ISO code.", required=False, default="EUR"
-        ),
-    ),
-    example={"order_id": "o-example-1", "amount_cents": 1250, "currency": "EUR"},
     result_fields=("charge_id", "reference"),
     checks=("charged_not_confirmed", "double_charged", "paid_without_charge"),
     reconcile=reconcile_payments,
     watches=(WATCHES,),
     unique=(("orders", ("charge_id",)),),
+    lookup=lookup_charges,
 )

@@ -14,18 +14,20 @@ import json
 import os
 import socket
 import time
+import typing
 from collections.abc import Callable
-from typing import Any
+from typing import Annotated, Any, Literal
 
+from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import text
 
 from engine import (
+    Check,
     Debounce,
     JobContext,
     JobType,
-    PayloadField,
     Retained,
-    reject_unknown,
+    formatted,
     require_str,
 )
 from resources.errors import ValidationError, shown
@@ -49,18 +51,33 @@ rebuild 30 s after the last of them, and a steady stream still one every 5 minut
 request runs (its ``as_of`` names the latest event)."""
 
 
-def validate(payload: dict[str, Any]) -> dict[str, Any]:
-    reject_unknown(payload, {"report", "as_of"})
-    report = require_str(payload, "report")
+ReportName = Literal["fulfilment_by_status", "orders_by_status", "stock_levels"]
+assert set(typing.get_args(ReportName)) == set(_QUERIES)
+
+
+def _report(payload: dict[str, Any], field_name: str) -> str:
+    report = require_str(payload, field_name)
     if report not in _QUERIES:
         raise ValidationError(
-            "report", f"must be one of {', '.join(sorted(_QUERIES))}, got {shown(report)}", report
+            field_name, f"must be one of {', '.join(sorted(_QUERIES))}, got {shown(report)}",
+            report,
         )
-    return {"report": report, "as_of": require_str(payload, "as_of", max_len=64)}
+    return report
 
 
-def key_for(payload: dict[str, Any]) -> str:
-    return f"report:{payload['report']}:{payload['as_of']}"
+class ReportRequest(BaseModel):
+    """Which report to rebuild, for which version: the key is ``report:{report}:{as_of}``."""
+
+    model_config = ConfigDict(frozen=True, json_schema_extra={"examples": [
+        {"report": "stock_levels", "as_of": "2026-11-29T10"},
+    ]})
+
+    report: Annotated[ReportName, Check(_report), Field(description="Which report to rebuild.")]
+    as_of: Annotated[str, Check(require_str, max_len=64), Field(
+        description="The version it is for (e.g. 2026-11-29T10), part of the key.")]
+
+
+key_for = formatted("report:{report}:{as_of}")
 
 
 def report_loader(db: Database, report: str, as_of: str) -> Callable[[], dict[str, Any]]:
@@ -101,22 +118,22 @@ def loader_for(db: Database, key: str) -> Callable[[], dict[str, Any]] | None:
     if len(parts) != 3 or parts[0] != "report":
         return None
     try:
-        p = validate({"report": parts[1], "as_of": parts[2]})
+        p = JOB_TYPE.validate({"report": parts[1], "as_of": parts[2]})
     except ValidationError:  # an unknown report: no loader
         return None
     return report_loader(db, p["report"], p["as_of"])
 
 
-def cache_key(p: dict[str, Any]) -> str:
-    return f"report:{p['report']}:{p['as_of']}"
+def cache_key(p: ReportRequest) -> str:
+    return f"report:{p.report}:{p.as_of}"
 
 
-def rebuild_report_cache(ctx: JobContext, p: dict[str, Any]) -> dict[str, Any]:
+def rebuild_report_cache(ctx: JobContext, p: ReportRequest) -> dict[str, Any]:
     cache = ctx.services.cache
     if cache is None:
         raise RuntimeError("rebuild_report_cache needs the cache (resource 'cache')")
     ctx.attempt.status_before = "stale"
-    loader = report_loader(ctx.services.db, p["report"], p["as_of"])
+    loader = report_loader(ctx.services.db, p.report, p.as_of)
     with ctx.timed("rebuild"):
         value = cache.refresh(cache_key(p), loader, ttl=REPORT_TTL_SECONDS)
     ctx.attempt.status_after = "cached"
@@ -126,21 +143,17 @@ def rebuild_report_cache(ctx: JobContext, p: dict[str, Any]) -> dict[str, Any]:
 JOB_TYPE = JobType(
     name="rebuild_report_cache",
     queue="light",
-    validate=validate,
+    payload=ReportRequest,
     key_for=key_for,
     max_runtime_seconds=600,
     side_effect=False,
     handler=rebuild_report_cache,
-    resource_id=lambda p: str(p["report"]),
+    resource_id=formatted("{report}"),
     needs=frozenset({"cache"}),
     description="Rebuild a report into the cache through the single flight.",
-    fields=(
-        PayloadField("report", str, "Which report to rebuild.", choices=tuple(sorted(_QUERIES))),
-        PayloadField("as_of", str, "The version it is for (e.g. 2026-11-29T10), part of the key."),
-    ),
-    example={"report": "stock_levels", "as_of": "2026-11-29T10"},
     result_fields=("cache_key", "rows"),
     debounce=DEBOUNCE,
     retained=(Retained("report_snapshots", "report_snapshots", expired_snapshots),),
     cache_loader=loader_for,
 )
+validate = JOB_TYPE.validate

@@ -41,6 +41,8 @@ from engine.runtime import BatchRequest, execute_batch
 from engine.services import Services
 from engine.validation import ValidationError, admit_request_row
 from pipelines.ops.failures import admit_step_request, run_request_step
+from resources.dagster_resources import PlainDocs
+from resources.errors import RequestCancelled
 from sensors.intake import (
     FAN_OUT_JOB,
     FAN_OUT_OP,
@@ -53,13 +55,13 @@ log = logging.getLogger(__name__)
 
 
 SERVICE_RESOURCE_KEYS = frozenset(
-    {"idempotency", "locks", "cache", "app_db", "retry", "concurrency", *downstreams()}
+    {"idempotency", "cache", "app_db", "retry", "concurrency", *downstreams()}
 )
 """What :meth:`Services.from_context` reads (every declared downstream's client among it): a
 batch may hold requests of any job type."""
 
 
-class BatchConfig(dg.Config):
+class BatchConfig(PlainDocs, dg.Config):
     """The requests of one batch, by id in ``job_requests`` (payloads are read from there)."""
 
     request_ids: list[int]
@@ -84,11 +86,12 @@ def run_batch(
     request failed for the DLQ, which replays it. Returns counts per outcome and the failed keys
     with their errors. Usable without Dagster (the benchmark calls it directly).
     """
-    summary: dict[str, Any] = {"completed": 0, "duplicate": 0, "failed": 0, "skipped": 0}
+    summary: dict[str, Any] = {"completed": 0, "duplicate": 0, "failed": 0, "skipped": 0,
+                               "cancelled": 0}
     failures: dict[str, str] = {}
     requests = store.get_many(request_ids)
     taken = store.mark_running_many([r.id for r in requests], run_id=run_id)
-    summary["skipped"] = len(requests) - len(taken)  # already completed by an earlier run
+    summary["skipped"] = len(requests) - len(taken)  # completed by an earlier run, or cancelled
     todo = []
     for request in (r for r in requests if r.id in taken):
         try:  # the validation boundary: a row written before it, or changed since, is refused
@@ -122,6 +125,11 @@ def run_batch(
     )
     done = []
     for request, path, outcome in zip(todo, paths, outcomes, strict=True):
+        if isinstance(outcome, RequestCancelled):  # stopped at a cancel point: not a failure
+            path.settle_request(store, request.id, outcome, run_id=run_id)
+            summary["cancelled"] += 1
+            log.info("request %s (%s): %s", request.id, request.key, outcome.detail)
+            continue
         if isinstance(outcome, Exception):
             path.settle_request(store, request.id, outcome, run_id=run_id)
             failures[request.key] = error_text(outcome)
@@ -157,6 +165,7 @@ def execute_request_batch(context: dg.OpExecutionContext, config: BatchConfig) -
             "duplicate": summary["duplicate"],
             "failed": summary["failed"],
             "skipped": summary["skipped"],
+            "cancelled": summary["cancelled"],
             "failed_keys": dg.MetadataValue.json(summary["failures"]),
         }
     )

@@ -9,7 +9,10 @@ or why not). A replay requested here is launched by ``dlq_replay_sensor`` at its
 exactly as one requested from ``sekali dlq replay``; ``limit`` and ``pace`` bound a replay by
 filter, and a skipped record gets an audit line. ``patch`` (with one id) is the amended replay of
 :mod:`engine.replay`. The output's ``versions`` table shows the versions made from the
-selected records (and a dry run's plan), ``audit`` their audit trail.
+selected records (and a dry run's plan), ``audit`` their audit trail. ``canary: N`` (with
+``canary_timeout``, 600 s) replays N records first and waits in the op for their end
+(:mod:`engine.canary`): the rest are requested only when every canary resolved; otherwise they
+stay open and the run fails, its failure metadata holding each record's outcome.
 """
 
 import enum
@@ -20,6 +23,7 @@ from typing import Any
 import dagster as dg
 import pydantic
 
+from engine import canary as canaries
 from engine import tags as tag
 from engine.registry import JOB_TYPES
 from engine.replay import (
@@ -30,10 +34,12 @@ from engine.replay import (
     amend,
     bulk_replay,
     load_patch,
+    lookup_client,
     parse_pace,
 )
 from pipelines.ops.batch import BATCH_JOBS
-from resources.dagster_resources import DlqResource
+from pipelines.ops.failures import refused_input
+from resources.dagster_resources import DlqResource, PlainDocs
 from resources.dlq import DlqRecord, DlqRecordNotFound, DlqStatus, DlqStore, parse_age
 from resources.errors import ValidationError
 from resources.telemetry.redact import redact_data
@@ -67,7 +73,7 @@ DlqStatusChoice = enum.Enum(  # type: ignore[misc]
 UNRESOLVED: Any = ["open", "replay_requested", "replaying"]  # Dagster wants the enum names
 
 
-class DlqOperationConfig(dg.Config):
+class DlqOperationConfig(PlainDocs, dg.Config):
     """What to do with which records. Filters combine with AND; ``ids`` select records directly."""
 
     action: DlqAction = pydantic.Field(
@@ -112,6 +118,22 @@ class DlqOperationConfig(dg.Config):
     pace: str | None = pydantic.Field(
         default=None, description="Replay requests at most at this rate, e.g. 10/s or 600/min."
     )
+    allow_repeat: list[int] = pydantic.Field(
+        default=[],
+        description="Replay these records even though their effect was found at the downstream"
+        " or cannot be ruled out (verdict effect_found / unknown); others with such a verdict"
+        " are refused.",
+    )
+    canary: int | None = pydantic.Field(
+        default=None,
+        description="Replay this many records first and wait for their end; the rest are"
+        " replayed only if every canary resolved (else they stay open and the run fails).",
+    )
+    canary_timeout: float = pydantic.Field(
+        default=canaries.DEFAULT_TIMEOUT,
+        description="With canary: seconds the canaries may take to end; one that has not ended"
+        " by then stops the rest too.",
+    )
 
     def check(self) -> None:
         """Raise :class:`ValidationError` naming the field when the request cannot be right."""
@@ -134,6 +156,10 @@ class DlqOperationConfig(dg.Config):
         if self.limit is not None and self.limit < 1:
             raise ValidationError("limit", "at least 1", self.limit)
         parse_pace(self.pace)
+        if self.canary is not None:
+            if self.action is not DlqAction.replay or self.patch is not None:
+                raise ValidationError("canary", "a canary takes action replay and no patch")
+            canaries.check(self.canary, self.canary_timeout)
 
 
 _TABLE = dg.TableSchema(
@@ -245,9 +271,7 @@ def dlq_operation(context: dg.OpExecutionContext, config: DlqOperationConfig) ->
     try:
         config.check()
     except ValidationError as exc:
-        raise dg.Failure(
-            description=str(exc), allow_retries=False, metadata={"field": exc.field}
-        ) from exc
+        raise refused_input(exc) from exc
     dlq: DlqResource = context.resources.dlq
     store = dlq.get_store()
     action = config.action.value
@@ -269,6 +293,7 @@ def dlq_operation(context: dg.OpExecutionContext, config: DlqOperationConfig) ->
     changed: list[int] = []
     decision: dict[int, str] = {}
     amended: Amendment | None = None
+    refused: list[int] = []
     if action == "replay" and config.patch is not None:
         try:
             amended = amend(
@@ -286,19 +311,22 @@ def dlq_operation(context: dg.OpExecutionContext, config: DlqOperationConfig) ->
             amended.record_id: f"{'would make' if config.dry_run else 'superseded by'}"
             f" {amended.key}"
         }
+    elif action == "replay" and config.canary is not None:
+        return _canary_replay(context, config, store, records)
     elif action == "replay":
-        decisions = bulk_replay(
-            store,
-            Selection(ids=ids or [-1]),
-            actor=config.actor,
-            reason=config.reason,
-            dry_run=config.dry_run,
-            pace=parse_pace(config.pace),
-        ).decisions
+        try:
+            replayed = bulk_replay(store, Selection(ids=ids or [-1]), **_replay_options(config))
+        except ValidationError as exc:
+            raise refused_input(exc) from exc
+        decisions = replayed.decisions
+        refused = replayed.refused
         changed = [d.record.id for d in decisions if d.replay]
         decision = {
-            d.record.id: ("would replay" if config.dry_run else "replay requested")
-            if d.replay else f"not replayed: {d.reason}"
+            d.record.id: (
+                ("would replay" if config.dry_run else "replay requested") if d.replay
+                else f"not replayed: {d.reason}"
+            ) + f" [{replayed.assessments[d.record.id].verdict}:"
+            f" {replayed.assessments[d.record.id].evidence}]"
             for d in decisions
         }
     elif action == "discard" and not config.dry_run:
@@ -326,8 +354,81 @@ def dlq_operation(context: dg.OpExecutionContext, config: DlqOperationConfig) ->
             **_history(store, ids, amended),
         }
     )
-    context.log.info(f"{len(changed)} of {len(records)} selected records: {verb}")
-    return {"selected": ids, "changed": changed, "dry_run": config.dry_run}
+    if refused:
+        context.log.warning(
+            f"refused {refused}: replaying may repeat their effect; check the evidence, then"
+            f" run again with allow_repeat: {refused}"
+        )
+    if action == "list":  # a listing changes nothing: say what it showed
+        context.log.info(f"listed {len(records)} selected records")
+    else:
+        context.log.info(f"{len(changed)} of {len(records)} selected records: {verb}")
+    return {"selected": ids, "changed": changed, "dry_run": config.dry_run, "refused": refused}
+
+
+def _replay_options(config: DlqOperationConfig) -> dict[str, Any]:
+    """What a replay of the selection takes from the job's config, canaries or not (a bad
+    ``pace`` raises :class:`ValidationError` naming it)."""
+    return {"actor": config.actor, "reason": config.reason, "dry_run": config.dry_run,
+            "pace": parse_pace(config.pace), "client": lookup_client(),
+            "allow_repeat": config.allow_repeat}
+
+
+def _canary_replay(
+    context: dg.OpExecutionContext, config: DlqOperationConfig, store: DlqStore,
+    records: list[DlqRecord],
+) -> dict[str, Any]:
+    """``canary``: the canaries first, waited for in this op, then the rest or a failed run."""
+    ids = [r.id for r in records]
+    try:
+        result = canaries.canary_replay(
+            store,
+            Selection(ids=ids or [-1]),
+            canary=config.canary or 1,
+            canary_timeout=config.canary_timeout,
+            **_replay_options(config),
+            on_change=lambda now: context.log.info(now.line()),
+        )
+    except ValidationError as exc:
+        raise refused_input(exc) from exc
+    replay = result.replay
+    decision = {
+        d.record.id: result.outcomes[d.record.id] + (
+            f" [{replay.assessments[d.record.id].verdict}:"
+            f" {replay.assessments[d.record.id].evidence}]"
+            if d.record.id in replay.assessments else "")
+        for d in replay.decisions
+    }
+    changed = [d.record.id for d in replay.decisions if d.replay]
+    metadata: dict[str, Any] = {
+        "selected": len(records),
+        "changed": 0 if config.dry_run else len(changed),
+        "action": f"replay, canary {config.canary}{' (dry run)' if config.dry_run else ''}",
+        "canaries": dg.MetadataValue.json(result.as_dict()),
+        "records": records_table(records, decision),
+        **_history(store, ids, None),
+    }
+    if replay.refused:
+        context.log.warning(
+            f"refused {replay.refused}: replaying may repeat their effect; check the evidence,"
+            f" then run again with allow_repeat: {replay.refused}"
+        )
+    if result.stopped:
+        raise dg.Failure(
+            description=f"stopped: {result.stopped}; not replayed: {result.held} (still open:"
+            " fix the cause, then replay them)",
+            allow_retries=False,
+            metadata=metadata,
+        )
+    context.add_output_metadata(metadata)
+    context.log.info(
+        f"canaries {result.canaries}"
+        f" {'would be replayed first' if config.dry_run else 'resolved'};"
+        f" {len(changed)} of {len(records)} selected records"
+        f" {'would replay' if config.dry_run else 'replay requested'}"
+    )
+    return {"selected": ids, "changed": changed, "dry_run": config.dry_run,
+            "refused": replay.refused, "canaries": result.canaries, "held": result.held}
 
 
 @dg.job(

@@ -1,9 +1,10 @@
-"""The Dagster side of the one failure path: run a request in a step, and turn a failure into
-the attempt's outcome, the request's status and Dagster's signal, all from one decision.
+"""The Dagster side of the one failure path: a thin adapter over :mod:`engine.step`.
 
-Used by the per-request op (:mod:`pipelines.ops.request_job`) and the fan-out step
-(:mod:`pipelines.ops.batch`); the micro-batch step uses the same :class:`FailurePath` with
-``retries_here=False``.
+The step entry decides (admit, execute, settle, the retry decision with the policy and the
+shared budget); this module adds what only Dagster has: the run's span and tags, the step's
+log, and Dagster's signal for the decision (``RetryRequested`` with our delay, or
+``Failure(allow_retries=False)``). Used by the per-request op (:mod:`pipelines.ops.request_job`)
+and the fan-out step (:mod:`pipelines.ops.batch`).
 """
 
 from __future__ import annotations
@@ -17,30 +18,45 @@ import dagster as dg
 from engine import tags as tag
 from engine.attempts import Outcome
 from engine.failures import FailurePath
-from engine.registry import JOB_TYPES
+from engine.privacy import mask_text
 from engine.requests import RequestStore
-from engine.runtime import RequestOutcome, execute_request
+from engine.runtime import RequestOutcome
 from engine.services import Services
-from engine.validation import ValidationError, admit, check_id
+from engine.step import StepAttempt, StepResult, admit_step, execute_step, run_step
 from resources.dagster_resources import dagster_signal
-from resources.retry import RetryPolicy
+from resources.errors import ValidationError
+from resources.retry import RetryDecision, RetryPolicy
 from resources.telemetry.tracing import SpanKind, inject, span, trace_id_of, tracing_enabled
 
 
-def failure_path(
-    context: dg.OpExecutionContext, services: Services, job_type: str, step: str
-) -> FailurePath:
-    """The failure path of this step's current attempt: the services' policy and budget, the
-    job type's downstream, and the step's first attempt for the time budget."""
-    run_id = context.run_id
-    known = JOB_TYPES.get(job_type)  # an unknown type fails in execute_request, naming the field
-    return FailurePath(
-        attempt=context.retry_number,
-        policy=services.retry_policy,
-        budget=services.retry_budget,
-        downstream=known.downstream if known is not None else None,
-        first_started=lambda: services.attempts.first_started(run_id, step),
-    )
+def step_attempt(context: Any, step: str) -> StepAttempt:
+    """This Dagster step's attempt: its run, step name and ``retry_number``."""
+    return StepAttempt(run_id=context.run_id, step=step, attempt=context.retry_number)
+
+
+def run_op_step(
+    context: dg.OpExecutionContext,
+    services: Services,
+    *,
+    job_type: str,
+    payload: Any,
+    key: str | None,
+    step: str,
+    request_id: int | None = None,
+    correlation_id: str | None = None,
+    on_failure: Callable[[Outcome], None] | None = None,
+) -> RequestOutcome:
+    """The per-request op's attempt: :func:`engine.step.run_step` in the run's span; a failure
+    is logged, ``on_failure`` hears the recorded outcome, and Dagster's signal is raised."""
+    at = step_attempt(context, step)
+    requests = RequestStore(services.db) if request_id is not None else None
+    with _run_span(context, job_type, step, request_id, requests):
+        result = run_step(
+            services, at, job_type=job_type, payload=payload, key=key, request_id=request_id,
+            correlation_id=correlation_id,
+            on_failure=_heard(context, job_type, key, payload, on_failure),
+        )
+    return _signalled(result)
 
 
 def run_request_step(
@@ -56,14 +72,40 @@ def run_request_step(
     correlation_id: str | None = None,
     on_failure: Callable[[Outcome], None] | None = None,
 ) -> RequestOutcome:
-    """Execute one request in this step. On failure: the request is marked ``failed`` unless a
-    retry follows, ``on_failure`` hears the outcome decided (retried, dead_lettered or
-    failed_permanent), and Dagster's ``RetryRequested`` or ``Failure(allow_retries=False)`` is
-    raised from the error."""
-    path = failure_path(context, services, job_type, step)
+    """Execute one admitted request in this step (:func:`engine.step.execute_step`); on
+    failure Dagster's ``RetryRequested`` or ``Failure(allow_retries=False)`` is raised from the
+    error."""
     with _run_span(context, job_type, step, request_id, requests):
-        return _run(context, services, path, job_type, payload, key, step, request_id,
-                    requests, correlation_id, on_failure)
+        result = execute_step(
+            services, step_attempt(context, step), job_type=job_type, payload=payload, key=key,
+            request_id=request_id, requests=requests, correlation_id=correlation_id,
+            on_failure=_heard(context, job_type, key, payload, on_failure),
+        )
+    return _signalled(result)
+
+
+def _heard(
+    context: dg.OpExecutionContext, job_type: str, key: str | None, payload: Any,
+    on_failure: Callable[[Outcome], None] | None,
+) -> Callable[[StepResult], None]:
+    def heard(result: StepResult) -> None:
+        exc = result.error
+        assert exc is not None and result.decision is not None
+        context.log.warning(
+            failure_line(job_type, key, payload, context.retry_number, exc, result.decision)
+        )
+        if on_failure is not None and result.recorded is not None:
+            on_failure(result.recorded)
+
+    return heard
+
+
+def _signalled(result: StepResult) -> RequestOutcome:
+    if result.error is not None:
+        assert result.path is not None
+        raise signal(result.path, result.error) from result.error
+    assert result.outcome is not None
+    return result.outcome
 
 
 def _run_span(
@@ -80,7 +122,7 @@ def _run_span(
         return span("sekali.run")
     parent = context.run.tags.get(tag.TRACEPARENT)
     if parent is None and requests is not None and request_id is not None:
-        request = requests.get(request_id)
+        request = requests.get(request_id)  # nosec B113: the request store, not HTTP
         parent = request.traceparent if request is not None else None
     run_span = span(
         "sekali.run", parent=parent, kind=SpanKind.CONSUMER, run_id=context.run_id,
@@ -103,44 +145,36 @@ def _tagged(context: dg.OpExecutionContext, run_span: Any) -> Iterator[Any]:
         yield current
 
 
-def _run(
-    context: dg.OpExecutionContext,
-    services: Services,
-    path: FailurePath,
-    job_type: str,
-    payload: dict[str, Any],
-    key: str | None,
-    step: str,
-    request_id: int | None,
-    requests: RequestStore | None,
-    correlation_id: str | None,
-    on_failure: Callable[[Outcome], None] | None,
-) -> RequestOutcome:
-    try:
-        outcome = execute_request(
-            job_type,
-            payload,
-            services=services,
-            key=key,
-            run_id=context.run_id,
-            step=step,
-            attempt=context.retry_number,
-            correlation_id=correlation_id,
-            request_id=request_id,
-            decide=path.outcome,
-        )
-    except Exception as exc:
-        context.log.warning(
-            f"{job_type} attempt {context.retry_number} failed: {type(exc).__name__}: {exc}"
-        )
-        if requests is not None and request_id is not None:
-            path.settle_request(requests, request_id, exc, run_id=context.run_id)
-        if on_failure is not None:
-            on_failure(path.outcome(exc))
-        raise signal(path, exc) from exc
-    if requests is not None and request_id is not None:
-        requests.mark_completed(request_id, run_id=context.run_id)
-    return outcome
+def failure_line(
+    job_type: str, key: str | None, payload: Any, attempt: int, exc: BaseException,
+    decision: RetryDecision,
+) -> str:
+    """The one line a failed attempt prints (``sekali dev``'s console, the run's log): the job
+    type, the key, the error and its class, and what happens next (a retry and when, or the
+    DLQ, whose sensor then prints the record's id). Personal values are masked."""
+    if callable(getattr(payload, "model_dump", None)):  # a typed run config's payload model
+        payload = payload.model_dump(mode="json")
+    message = mask_text(str(exc).strip().splitlines()[0] if str(exc).strip() else "", job_type,
+                        payload)
+    what = (f"{job_type} key={key or '(derived)'} attempt {attempt} failed "
+            f"({decision.error_class}): {type(exc).__name__}: {message[:300]}")
+    if decision.retry:
+        return f"{what}; retrying in {decision.delay or 0:.1f} s"
+    return f"{what}; {decision.reason or 'giving up'}: to the DLQ (sekali dlq list)"
+
+
+def tag_cancelled(
+    context: dg.OpExecutionContext, services: Services, request_id: int | None, detail: str
+) -> None:
+    """A step that ended cancelled (its request never ran, or stopped at a cancel point): the
+    run is tagged ``sekali/outcome=cancelled`` with who cancelled; it succeeds, so nothing is
+    dead-lettered or retried."""
+    request = RequestStore(services.db).get(request_id) if request_id is not None else None
+    run_tags = {tag.OUTCOME: str(tag.RunOutcome.CANCELLED), tag.CANCEL: "cancelled"}
+    if request is not None and request.cancel_by:
+        run_tags[tag.CANCELLED_BY] = request.cancel_by
+    context.instance.add_run_tags(context.run_id, run_tags)
+    context.log.info(detail)
 
 
 def admit_run_config(
@@ -174,51 +208,25 @@ def admit_step_request(
     request_id: Any = None,
     correlation_id: Any = None,
 ) -> None:
-    """The validation boundary before a step runs a request it did not get from ``enqueue`` (a
-    run's config, a request read back by a batch step). A refusal runs nothing: it is kept in
-    ``job_rejections``, recorded as a ``failed_permanent`` attempt, the request (if any) is
-    marked failed, and the step fails without a retry (``Failure(allow_retries=False)`` through
-    the one failure path). ``job_type`` is the step's own (never the caller's input)."""
-    requests = RequestStore(services.db)
-    if callable(getattr(payload, "model_dump", None)):  # a typed run config's payload model
-        payload = payload.model_dump(mode="json")
-    try:
-        admit(
-            requests,
-            job_type,
-            payload,
-            key,
-            source=source,
-            request_id=request_id,
-            correlation_id=correlation_id,
-        )
-    except ValidationError as exc:
-        path = failure_path(context, services, job_type, step)
-        row_id = request_id if request_id is not None and _is_row_id(request_id) else None
-        record = services.attempts.new(  # the refused attempt is recorded too (invariant 6)
-            job_type, attempt=context.retry_number, run_id=context.run_id, step=step,
-            request_id=row_id,
-        )
-        services.attempts.finish(
-            record, path.outcome(exc), error=exc, error_kind=str(path.decide(exc).error_class)
-        )
-        if row_id is not None:
-            path.settle_request(requests, row_id, exc, run_id=context.run_id)
-        with contextlib.suppress(Exception):  # run history only: the refusal stands regardless
-            context.instance.add_run_tags(
-                context.run_id, {tag.OUTCOME: str(tag.RunOutcome.FAILED)}
-            )
-        raise signal(path, exc) from exc
-
-
-def _is_row_id(value: Any) -> bool:
-    try:
-        check_id("request_id", value)
-    except ValidationError:
-        return False
-    return True
+    """:func:`engine.step.admit_step` in a step: a refusal tags the run ``failed`` and fails
+    the step without a retry (``Failure(allow_retries=False)``)."""
+    refused = admit_step(
+        services, step_attempt(context, step), job_type=job_type, payload=payload, key=key,
+        source=source, request_id=request_id, correlation_id=correlation_id,
+    )
+    if refused is None:
+        return
+    with contextlib.suppress(Exception):  # run history only: the refusal stands regardless
+        context.instance.add_run_tags(context.run_id, {tag.OUTCOME: str(tag.RunOutcome.FAILED)})
+    _signalled(refused)
 
 
 def signal(path: FailurePath, exc: BaseException) -> Exception:
     """Dagster's signal for the path's decision on ``exc``."""
     return dagster_signal(exc, path.decide(exc), path.policy or RetryPolicy())
+
+
+def refused_input(exc: ValidationError) -> dg.Failure:
+    """An operations job's config refused: the step fails at once, naming the field, never
+    retried (nothing was done)."""
+    return dg.Failure(description=str(exc), allow_retries=False, metadata={"field": exc.field})

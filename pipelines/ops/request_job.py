@@ -1,5 +1,6 @@
-"""The per-request Dagster job of a job type: one op that runs
-:func:`engine.runtime.execute_request` and turns its failures into Dagster retries.
+"""The per-request Dagster job of a job type: one op, a thin adapter over the step entry
+:func:`engine.step.run_step` (the same entry the chaos harness's workers call for each
+delivery), that turns its failures into Dagster retries.
 
 Run config (the UI's launchpad opens on the job type's example)::
 
@@ -21,7 +22,8 @@ retried, dead_lettered, failed) and, for a duplicate, ``sekali/original_run``: t
 filters on them. Its output metadata names the business result with a link to the run that made
 it.
 
-Failures go through the one failure path (:mod:`pipelines.ops.failures`). Transient ->
+Failures go through the one failure path (:mod:`engine.step`, signalled by
+:mod:`pipelines.ops.failures`). Transient ->
 ``RetryRequested`` with our capped, jittered delay; permanent, or out of attempts/time/retry
 budget -> ``Failure(allow_retries=False)``, and the request is marked failed for the DLQ. The
 jobs carry ``dagster/retry_on_asset_or_op_failure:
@@ -41,7 +43,9 @@ from engine.attempts import Outcome
 from engine.contract import JobType, PayloadField
 from engine.requests import RequestStore
 from engine.services import Services
-from pipelines.ops.failures import admit_run_config, run_request_step
+from engine.validation import check_request
+from pipelines.ops.failures import run_op_step, tag_cancelled
+from resources.dagster_resources import PlainDocs
 from resources.errors import ValidationError
 
 BASE_RESOURCES = frozenset({"idempotency", "app_db", "retry"})
@@ -57,7 +61,7 @@ RUN_OUTCOMES: dict[Outcome, tag.RunOutcome] = {
 }
 
 
-class RequestConfig(dg.Config):
+class RequestConfig(PlainDocs, dg.Config):
     """What every request carries besides its payload."""
 
     key: str | None = pydantic.Field(
@@ -128,12 +132,13 @@ def job_tags(jt: JobType) -> dict[str, str]:
 
 
 def _key_of(jt: JobType, config: RequestConfig, payload: dict[str, Any]) -> str | None:
-    if config.key:
-        return config.key
+    """The run's key when its config passes the same checks as an enqueue (so no refused
+    value reaches a run tag or a request row); None when it does not: the step's admission
+    then refuses it, naming the field."""
     try:
-        return jt.key_for(jt.validate(dict(payload)))
+        return check_request(jt.name, payload, config.key or None).key
     except ValidationError:
-        return None  # the op's own run of validate fails the step, naming the field
+        return None
 
 
 def run_link(run_id: str) -> dg.MetadataValue:
@@ -159,6 +164,28 @@ def result_metadata(jt: JobType, result: Any) -> dict[str, Any]:
     return out
 
 
+def _launchpad_request(
+    context: dg.OpExecutionContext,
+    requests: RequestStore,
+    jt: JobType,
+    key: str,
+    payload: dict[str, Any],
+    correlation_id: str,
+) -> int | None:
+    """The request record of a run launched by hand (source ``launchpad``), or the request
+    enqueued before under the same key and payload; the run is tagged with its id, so the DLQ
+    and ``sekali requests`` find it. None when the key is stored with another payload."""
+    recorded = requests.record_run(
+        jt.name, key, jt.validate(dict(payload)), queue=jt.queue, source="launchpad",
+        run_id=context.run_id, correlation_id=correlation_id,
+    )
+    if recorded is None:
+        return None
+    if context.run.tags.get(tag.REQUEST_ID) != str(recorded.id):
+        context.instance.add_run_tags(context.run_id, {tag.REQUEST_ID: str(recorded.id)})
+    return recorded.id
+
+
 def request_op(jt: JobType) -> dg.OpDefinition:
     config_cls = config_class(jt)
 
@@ -174,34 +201,36 @@ def request_op(jt: JobType) -> dg.OpDefinition:
     ) -> dict[str, Any]:
         request: RequestConfig = config
         services = Services.from_context(context)
-        admit_run_config(context, services, jt.name, config, step=jt.op_name)
         run_id = context.run_id
         payload = payload_of(request)
         key = _key_of(jt, request, payload)
         if key is not None and context.run.tags.get(tag.KEY) != key:
             context.instance.add_run_tags(run_id, {tag.KEY: key})
-        correlation_id = (
-            request.correlation_id or context.run.tags.get(tag.CORRELATION_ID) or run_id
-        )
-        requests = RequestStore(services.db) if request.request_id is not None else None
-        if requests is not None and request.request_id is not None:
-            requests.mark_running(request.request_id, run_id=run_id)
+        correlation_id = tag.run_correlation_id(request.correlation_id, context.run.tags, run_id)
+        request_id = request.request_id
+        if request_id is None and key is not None:  # launched by hand: it gets its record
+            request_id = _launchpad_request(
+                context, RequestStore(services.db), jt, key, payload, correlation_id)
 
         def tag_failure(outcome: Outcome) -> None:
             context.instance.add_run_tags(run_id, {tag.OUTCOME: str(RUN_OUTCOMES[outcome])})
 
-        outcome = run_request_step(
+        outcome = run_op_step(
             context,
             services,
             job_type=jt.name,
-            payload=payload,
+            payload=getattr(request, "payload"),  # noqa: B009 - the typed config's own field
             key=request.key,
             step=jt.op_name,
-            request_id=request.request_id,
-            requests=requests,
+            request_id=request_id,
             correlation_id=correlation_id,
             on_failure=tag_failure,
         )
+        if outcome.status == "cancelled":
+            tag_cancelled(context, services, request_id, str(outcome.result["detail"]))
+            context.add_output_metadata({"outcome": "cancelled", "key": outcome.key,
+                                         "detail": str(outcome.result["detail"])})
+            return {"status": outcome.status, "key": outcome.key, "result": outcome.result}
         duplicate = outcome.status == "duplicate"
         run_tags = {
             tag.OUTCOME: str(tag.RunOutcome.DUPLICATE if duplicate else tag.RunOutcome.EFFECT)

@@ -80,15 +80,15 @@ class CacheRecorder:
 
     def hit(self, key: str) -> None:
         """``record(key, "hits", access=True)``, kept as cheap as it can be (the hit path)."""
-        hits = self._hits
-        with self._lock:
+        with self._lock:  # read the dict under the lock: a flush swaps it for a new one
+            hits = self._hits
             hits[key] = hits.get(key, 0) + 1
         if time.monotonic() - self._last_flush >= self.flush_interval:
             self._flush_soon()
 
     def record(self, key: str, field: str, amount: float = 1.0, *, access: bool = False) -> None:
-        counts, hits = self._counts, self._access
         with self._lock:
+            counts, hits = self._counts, self._access
             counts[key, field] = counts.get((key, field), 0.0) + amount
             if access:
                 hits[key] = hits.get(key, 0) + 1

@@ -127,6 +127,8 @@ class RetentionTooShort(SekaliError):
 MIN_RETENTION_SECONDS = 72 * 3600.0
 
 SUPERSEDED = "superseded"
+MARK_WINDOW = 1000
+"""Audit ids behind the newest in which a late commit still moves :meth:`DlqStore.change_mark`."""
 """The audit action of a record closed because a new version of its request replaced it (an
 amended replay): the record is ``discarded`` and can never be replayed under the old key."""
 
@@ -428,7 +430,7 @@ VALUES (:dedupe_key, :job_type, :ikey, :request_id, :run_id, :step, :payload, :r
     :now, :trace_id)
 ON CONFLICT (dedupe_key) DO NOTHING
 RETURNING {_COLUMNS}
-"""
+"""  # nosec B608: SQL from code constants, values bound
 
 
 class DlqStore:
@@ -638,7 +640,7 @@ class DlqStore:
                 for r in conn.execute(
                     text(
                         "SELECT id FROM dlq_records WHERE status = 'replay_requested'"
-                        f" ORDER BY status_changed_at, id LIMIT :limit{skip}"
+                        f" ORDER BY status_changed_at, id LIMIT :limit{skip}"  # nosec B608: SQL from code constants, values bound
                     ),
                     {"limit": limit},
                 )
@@ -665,7 +667,7 @@ class DlqStore:
                     now,
                 )
             rows = conn.execute(
-                text(f"SELECT {_COLUMNS} FROM dlq_records WHERE id IN :ids").bindparams(
+                text(f"SELECT {_COLUMNS} FROM dlq_records WHERE id IN :ids").bindparams(  # nosec B608: SQL from code constants, values bound
                     bindparam("ids", expanding=True)
                 ),
                 {"ids": ids},
@@ -721,13 +723,28 @@ class DlqStore:
         ids: Iterable[int] | None = None,
         request_id: int | None = None,
         limit: int | None = None,
+        after_id: int | None = None,
+        error_classes: Iterable[str] | None = None,
+        by_id: bool = True,
+        scan_ids: bool = False,
     ) -> list[DlqRecord]:
-        """Records matching every filter given; ages are seconds since the last failure."""
+        """Records matching every filter given, by id; ages are seconds since the last failure.
+        ``after_id`` with ``limit`` reads one page (ids above it): what a sensor tick reads.
+        ``by_id=False``: in whatever order an index gives (a few matches of a large set, no
+        sort). ``scan_ids``: read along the primary key, checking the status row by row (the
+        first ``limit`` of a status most records have, without sorting all of them)."""
         where: list[str] = []
         params: dict[str, Any] = {}
         expanding: list[str] = []
+        if after_id is not None:
+            where.append("id > :after_id")
+            params["after_id"] = int(after_id)
+        if error_classes is not None:
+            where.append("error_class IN :classes")
+            params["classes"] = [str(c) for c in error_classes] or ["-"]
+            expanding.append("classes")
         if status is not None:
-            where.append("status IN :statuses")
+            where.append(f"{self._by_id('status') if scan_ids else 'status'} IN :statuses")
             params["statuses"] = [status] if isinstance(status, str) else [str(s) for s in status]
             expanding.append("statuses")
         if ids is not None:
@@ -750,10 +767,11 @@ class DlqStore:
         if newer_than is not None:
             where.append("last_failed_at >= :new")
             params["new"] = now - newer_than
-        sql = f"SELECT {_COLUMNS} FROM dlq_records"
+        sql = f"SELECT {_COLUMNS} FROM dlq_records"  # nosec B608: SQL from code constants, values bound
         if where:
             sql += " WHERE " + " AND ".join(where)
-        sql += " ORDER BY id"
+        if by_id:
+            sql += " ORDER BY id"
         if limit is not None:
             sql += f" LIMIT {int(limit)}"
         stmt = text(sql)
@@ -783,6 +801,73 @@ class DlqStore:
                     {"id": record_id},
                 )
             ]
+
+    def key_page(
+        self, statuses: Iterable[str], *, after_id: int, limit: int, window: int = 10_000
+    ) -> tuple[list[tuple[int, str | None]], int]:
+        """``(id, idempotency_key)`` of the records in ``statuses`` among the ids above
+        ``after_id`` and at most ``window`` past it, by id, at most ``limit``: one page without
+        the records' bodies, read along the primary key (at most ``window`` rows examined,
+        whatever the table holds). Returns the page and where the next one starts (0: the
+        oldest again)."""
+        with self.db.statement() as conn:
+            rows = conn.execute(
+                text(
+                    "SELECT id, idempotency_key FROM dlq_records WHERE id > :after"
+                    f" AND id <= :hi AND {self._by_id('status')} IN :statuses"
+                    " ORDER BY id LIMIT :limit"  # nosec B608: SQL from code constants, values bound
+                ).bindparams(bindparam("statuses", expanding=True)),
+                {"statuses": [str(s) for s in statuses], "after": after_id,
+                 "hi": after_id + window, "limit": limit},
+            ).all()
+            if len(rows) >= limit:
+                following = int(rows[-1].id)
+            else:
+                newest = conn.execute(text("SELECT MAX(id) FROM dlq_records")).scalar() or 0
+                following = after_id + window if after_id + window < int(newest) else 0
+        return [(int(r.id), r.idempotency_key) for r in rows], following
+
+    def _by_id(self, column: str) -> str:
+        """``column`` as a condition SQLite checks row by row along the primary key instead of
+        through an index on it (which would read every match, then sort by id)."""
+        return column if self.db.is_postgres else f"+{column}"
+
+    def tally(self, statuses: Iterable[str]) -> dict[tuple[str, str], int]:
+        """How many records there are per (status, class) among ``statuses``: one grouped count
+        in the database (the covering index ``dlq_records_status_class``), a few rows back."""
+        with self.db.statement() as conn:
+            rows = conn.execute(
+                text(
+                    "SELECT status, error_class, COUNT(*) AS n FROM dlq_records"
+                    " WHERE status IN :statuses GROUP BY status, error_class"
+                ).bindparams(bindparam("statuses", expanding=True)),
+                {"statuses": [str(s) for s in statuses]},
+            ).all()
+        return {(str(r.status), str(r.error_class)): int(r.n) for r in rows}
+
+    def change_mark(self) -> int:
+        """A number that changes whenever a record is written (every write of this store adds
+        an audit line); 0 when none.
+
+        Not the newest audit id alone: on Postgres ids are taken at insert and rows appear at
+        commit, so a write can become visible after a newer one was read::
+
+            T1 inserts audit N (uncommitted)    T2 inserts N+1, commits
+            reader: MAX = N+1, publishes        T1 commits: MAX still N+1, nothing moves
+
+        The mark is ``MAX * (W + 1) + rows among the newest W ids`` (W = :data:`MARK_WINDOW`):
+        T1's commit adds a row inside the window, so the mark moves. Bounded work (a range of
+        W ids on the primary key); a write in flight while W newer ones commit is still missed
+        until the next write."""
+        with self.db.statement() as conn:
+            row = conn.execute(
+                text(
+                    "SELECT m.top, (SELECT COUNT(*) FROM dlq_audit WHERE id > m.top - :w)"
+                    " FROM (SELECT COALESCE(MAX(id), 0) AS top FROM dlq_audit) m"
+                ),
+                {"w": MARK_WINDOW},
+            ).one()
+        return int(row[0]) * (MARK_WINDOW + 1) + int(row[1])
 
     def counts(self) -> dict[str, int]:
         with self.db.statement() as conn:
@@ -831,7 +916,7 @@ class DlqStore:
         idempotency key in ``column``: a replay may still run under that key."""
         return (
             "EXISTS (SELECT 1 FROM dlq_records d WHERE d.idempotency_key = "
-            f"{column} AND d.status IN ({_UNRESOLVED_SQL}))"
+            f"{column} AND d.status IN ({_UNRESOLVED_SQL}))"  # nosec B608: SQL from code constants, values bound
         )
 
     @staticmethod
@@ -839,13 +924,13 @@ class DlqStore:
         """SQL, true while an unresolved record holds the request whose id is in ``column``."""
         return (
             "EXISTS (SELECT 1 FROM dlq_records d WHERE d.request_id = "
-            f"{column} AND d.status IN ({_UNRESOLVED_SQL}))"
+            f"{column} AND d.status IN ({_UNRESOLVED_SQL}))"  # nosec B608: SQL from code constants, values bound
         )
 
     @staticmethod
     def request_reference(column: str) -> str:
         """SQL, true when any record (whatever its status) holds the request in ``column``."""
-        return f"EXISTS (SELECT 1 FROM dlq_records d WHERE d.request_id = {column})"
+        return f"EXISTS (SELECT 1 FROM dlq_records d WHERE d.request_id = {column})"  # nosec B608: SQL from code constants, values bound
 
     def at_retention_risk(self, limit_seconds: float, warn_before: float) -> list[DlqRecord]:
         """Unresolved records that a retention limit of ``limit_seconds`` (counted from the first
@@ -881,7 +966,7 @@ class DlqStore:
     def _select(self, conn: Connection, where: str, params: dict[str, Any], *, lock: bool) -> Any:
         suffix = " FOR UPDATE" if lock and self.db.is_postgres else ""
         return conn.execute(
-            text(f"SELECT {_COLUMNS} FROM dlq_records WHERE {where}{suffix}"), params
+            text(f"SELECT {_COLUMNS} FROM dlq_records WHERE {where}{suffix}"), params  # nosec B608: SQL from code constants, values bound
         ).first()
 
     def _move(

@@ -35,7 +35,7 @@ import math
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from enum import StrEnum
@@ -141,12 +141,14 @@ idempotency_records = Table(
     Column("created_at", Float, nullable=False),
     Column("updated_at", Float, nullable=False),
     Column("retention_expires_at", Float),
+    Column("crashes", Integer, nullable=False, server_default="0"),
+    Column("solo_fence", BigInteger),
 )
 
 _COLUMNS = (
     "key, payload_hash, status, owner_token, lease_expires_at, fence, attempt, recovery_point,"
     " recovery_data, result, error_class, error_message, created_at, updated_at,"
-    " retention_expires_at"
+    " retention_expires_at, crashes"
 )
 _NAMES = [name.strip() for name in _COLUMNS.split(",")]
 
@@ -164,28 +166,33 @@ _ON_CONFLICT = f"""ON CONFLICT (key) DO UPDATE SET
     lease_expires_at = excluded.lease_expires_at,
     fence = r.fence + 1,
     attempt = r.attempt + 1,
+    crashes = r.crashes
+        + CASE WHEN r.status = 'in_progress' AND r.solo_fence = r.fence THEN 1 ELSE 0 END,
+    solo_fence = CASE WHEN excluded.solo_fence IS NULL THEN NULL ELSE r.fence + 1 END,
     updated_at = excluded.updated_at
-WHERE {_CLAIMABLE}"""
+WHERE {_CLAIMABLE}"""  # nosec B608: SQL from code constants, values bound
+
+_FRESH = ":key, :hash, 'in_progress', :owner, :expires, 1, 1, :now, :now, CAST(:solo AS BIGINT)"
 
 _UPSERT = f"""
 INSERT INTO idempotency_records AS r
     (key, payload_hash, status, owner_token, lease_expires_at, fence, attempt,
-     created_at, updated_at)
-VALUES (:key, :hash, 'in_progress', :owner, :expires, 1, 1, :now, :now)
+     created_at, updated_at, solo_fence)
+VALUES ({_FRESH})
 {_ON_CONFLICT}
-"""
+"""  # nosec B608: SQL from code constants, values bound
 
 # Postgres: the upsert is only attempted when the statement's snapshot shows the key absent or
 # claimable (ON CONFLICT's WHERE still decides, on the latest row version). Without that filter
 # every replay of a completed key would lock its row: a transaction id and a WAL flush per read,
 # and replays of one hot key queued behind each other.
 _UPSERT_PG = _UPSERT.replace(
-    "VALUES (:key, :hash, 'in_progress', :owner, :expires, 1, 1, :now, :now)",
-    """SELECT :key, :hash, 'in_progress', :owner, :expires, 1, 1, :now, :now
+    f"VALUES ({_FRESH})",
+    f"""SELECT {_FRESH}
 WHERE NOT EXISTS (
     SELECT 1 FROM idempotency_records x WHERE x.key = :key AND NOT (
         x.payload_hash = :hash AND (x.status = 'retryable'
-        OR (x.status = 'in_progress' AND x.lease_expires_at <= :now))))""",
+        OR (x.status = 'in_progress' AND x.lease_expires_at <= :now))))""",  # nosec B608: SQL from code constants, values bound
 )
 assert _UPSERT_PG != _UPSERT
 
@@ -199,7 +206,7 @@ FROM claimed
 UNION ALL
 SELECT {_COLUMNS}, FALSE AS claimed, status AS previous_status
 FROM idempotency_records WHERE key = :key AND NOT EXISTS (SELECT 1 FROM claimed)
-""")
+""")  # nosec B608: SQL from code constants, values bound
 
 # Postgres, a batch: the same decision for every key in one statement. ``before`` is the
 # statement's snapshot of the batch's records (the previous status, or the record to answer
@@ -217,8 +224,8 @@ before AS (
 claimed AS (
     INSERT INTO idempotency_records AS r
         (key, payload_hash, status, owner_token, lease_expires_at, fence, attempt,
-         created_at, updated_at)
-    SELECT i.key, i.hash, 'in_progress', i.owner, :expires, 1, 1, :now, :now
+         created_at, updated_at, solo_fence)
+    SELECT i.key, i.hash, 'in_progress', i.owner, :expires, 1, 1, :now, :now, NULL
     FROM input i
     WHERE NOT EXISTS (
         SELECT 1 FROM before x WHERE x.key = i.key AND NOT (
@@ -233,29 +240,30 @@ FROM claimed c LEFT JOIN before b ON b.key = c.key
 UNION ALL
 SELECT {_columns("b")}, FALSE AS claimed, b.status AS previous_status
 FROM before b WHERE NOT EXISTS (SELECT 1 FROM claimed c WHERE c.key = b.key)
-""")
+""")  # nosec B608: SQL from code constants, values bound
 
 _BEGIN_SQLITE = Sql(f"{_UPSERT} RETURNING {_COLUMNS}")
-_SELECT_ONE = Sql(f"SELECT {_COLUMNS} FROM idempotency_records WHERE key = :key")
+_SELECT_ONE = Sql(f"SELECT {_COLUMNS} FROM idempotency_records WHERE key = :key")  # nosec B608: SQL from code constants, values bound
 
 # The owner's writes: each applies only while the caller still owns a live claim.
 _OWNER = "WHERE key = :key AND owner_token = :owner AND status = 'in_progress'"
 _HEARTBEAT = Sql(
-    f"UPDATE idempotency_records SET lease_expires_at = :expires, updated_at = :now {_OWNER}"
+    f"UPDATE idempotency_records SET lease_expires_at = :expires, updated_at = :now {_OWNER}"  # nosec B608: SQL from code constants, values bound
 )
 _CHECKPOINT = Sql(
     "UPDATE idempotency_records SET recovery_point = :point, recovery_data = :data,"
-    f" lease_expires_at = :expires, updated_at = :now {_OWNER}"
+    f" lease_expires_at = :expires, updated_at = :now {_OWNER}"  # nosec B608: SQL from code constants, values bound
 )
 _COMPLETE = Sql(
     "UPDATE idempotency_records SET status = 'completed', result = :result,"
     " lease_expires_at = NULL, error_class = NULL, error_message = NULL,"
-    f" retention_expires_at = :retain, updated_at = :now {_OWNER}"
+    f" retention_expires_at = :retain, updated_at = :now {_OWNER}"  # nosec B608: SQL from code constants, values bound
 )
 _FAIL = Sql(
     "UPDATE idempotency_records SET status = :status, error_class = :eclass,"
-    f" error_message = :emsg, lease_expires_at = NULL, updated_at = :now {_OWNER}"
+    f" error_message = :emsg, lease_expires_at = NULL, updated_at = :now {_OWNER}"  # nosec B608: SQL from code constants, values bound
 )
+_RUN_ALONE = Sql(f"UPDATE idempotency_records SET solo_fence = fence, updated_at = :now {_OWNER}")  # nosec B608: SQL from code constants, values bound
 
 # Postgres, a batch of owner writes in one statement; returns the keys still owned (written).
 _BATCH_OWNER = (
@@ -265,13 +273,13 @@ _BATCH_OWNER = (
 )
 _HEARTBEAT_MANY_PG = Sql(
     "UPDATE idempotency_records AS r SET lease_expires_at = :expires, updated_at = :now "
-    + _BATCH_OWNER.format(extra="", cols="")
+    + _BATCH_OWNER.format(extra="", cols="")  # nosec B608: SQL from code constants, values bound
 )
 _COMPLETE_MANY_PG = Sql(
     "UPDATE idempotency_records AS r SET status = 'completed', result = i.result,"
     " lease_expires_at = NULL, error_class = NULL, error_message = NULL,"
     " retention_expires_at = :retain, updated_at = :now "
-    + _BATCH_OWNER.format(extra=", CAST(:results AS text[])", cols=", result")
+    + _BATCH_OWNER.format(extra=", CAST(:results AS text[])", cols=", result")  # nosec B608: SQL from code constants, values bound
 )
 
 def payload_hash(payload: Any) -> str:
@@ -298,12 +306,13 @@ class Record:
     created_at: float
     updated_at: float
     retention_expires_at: float | None
+    crashes: int = 0
 
     @classmethod
     def from_row(cls, row: Any) -> Record:
         """From a SQLAlchemy row or a driver tuple whose first columns are ``_COLUMNS``."""
         (key, digest, status, owner, lease, fence, attempt, point, data, result, eclass, emsg,
-         created, updated, retention) = tuple(row)[:15]
+         created, updated, retention, crashes) = tuple(row)[:16]
         return cls(
             key=key,
             payload_hash=digest,
@@ -320,6 +329,7 @@ class Record:
             created_at=created,
             updated_at=updated,
             retention_expires_at=retention,
+            crashes=int(crashes or 0),
         )
 
 
@@ -329,6 +339,9 @@ class Claim:
 
     ``fence`` grows with every claim of the key; ``takeover`` says a previous owner's lease
     expired mid-work, and ``recovery_point`` / ``recovery_data`` say where it had got to.
+    ``crashes`` counts the takeovers of the key whose previous holder ran its handler alone
+    (:meth:`IdempotencyStore.run_alone`; a per-request claim always does): the workers that
+    died (or stalled past their lease) on this key, what a crash-loop bound reads.
     """
 
     key: str
@@ -340,6 +353,7 @@ class Claim:
     recovery_data: Any
     takeover: bool
     payload_hash: str
+    crashes: int = 0
 
 
 @dataclass(frozen=True)
@@ -411,12 +425,13 @@ class IdempotencyStore:
                 "owner": owner,
                 "now": now,
                 "expires": now + self.lease_seconds,
+                "solo": 1,
             }
             found: tuple[Record, bool, str | None] | None
             if self.db.is_postgres:
                 with connect(self.db) as conn:
                     row = conn.row(_BEGIN_PG, params)
-                found = None if row is None else (Record.from_row(row), bool(row[15]), row[16])
+                found = None if row is None else (Record.from_row(row), bool(row[16]), row[17])
             else:
                 with transaction(self.db) as conn:
                     found = _claim_sqlite(conn, params)
@@ -449,13 +464,13 @@ class IdempotencyStore:
             expires = now + self.lease_seconds
             if self.db.is_postgres:
                 rows = self._begin_many_pg(todo, digests, owners, now, expires)
-                found = {row[0]: (Record.from_row(row), bool(row[15]), row[16]) for row in rows}
+                found = {row[0]: (Record.from_row(row), bool(row[16]), row[17]) for row in rows}
             else:
                 found = {}
                 with transaction(self.db) as conn:
                     for key in todo:
                         params = {"key": key, "hash": digests[key], "owner": owners[key],
-                                  "now": now, "expires": expires}
+                                  "now": now, "expires": expires, "solo": None}
                         one = _claim_sqlite(conn, params)
                         if one is not None:
                             found[key] = one
@@ -505,6 +520,7 @@ class IdempotencyStore:
                 recovery_data=record.recovery_data,
                 takeover=previous == Status.IN_PROGRESS,
                 payload_hash=digest,
+                crashes=record.crashes,
             )
         if record.status is Status.COMPLETED:
             return Completed(record.key, record.result, record.fence, record.attempt)
@@ -669,16 +685,43 @@ class IdempotencyStore:
         with transaction(self.db) as driver:
             return apply(driver)
 
-    # -- operators and retention ------------------------------------------------------------
+    def run_alone(self, claim: Claim) -> None:
+        """Say that this claim's handler runs alone now (a suspect isolated from its batch):
+        if its worker dies before the key ends, the next claim counts a crash against the key.
+        A batch's claims count none until then (a group's death names no culprit).
+        :class:`LeaseLost` if the claim was taken over."""
+        self._owner_update(claim, _RUN_ALONE, {}, None)
 
-    def reset(self, key: str) -> bool:
-        """Operator action: a permanently failed key becomes retryable (used by DLQ replay)."""
+    def survived(self, claim: Claim) -> bool:
+        """Say that this claim's holder is alive after all: it learnt :class:`LeaseLost`, so it
+        stalled past its lease (a freeze, a paused VM) rather than died. The takeover that
+        counted it as a crash (:attr:`Claim.crashes`) is taken back, so only holders that never
+        came back count towards the crash-loop bound. Only for a claim that ran alone (a
+        per-request claim, or after :meth:`run_alone`); only when the key was taken over
+        (its fence moved past this claim's) and a crash is counted. Returns whether it was."""
         with self.db.statement() as conn:
             return (
                 conn.execute(
                     text(
-                        "UPDATE idempotency_records SET status = 'retryable', updated_at = :now"
-                        " WHERE key = :key AND status = 'failed'"
+                        "UPDATE idempotency_records SET crashes = crashes - 1, updated_at = :now"
+                        " WHERE key = :key AND fence > :fence AND crashes > 0"
+                    ),
+                    {"key": claim.key, "fence": claim.fence, "now": self.clock()},
+                ).rowcount
+                == 1
+            )
+
+    # -- operators and retention ------------------------------------------------------------
+
+    def reset(self, key: str) -> bool:
+        """Operator action: a permanently failed key becomes retryable (used by DLQ replay), its
+        crash count back to zero (the operator replays a crash loop once its cause is fixed)."""
+        with self.db.statement() as conn:
+            return (
+                conn.execute(
+                    text(
+                        "UPDATE idempotency_records SET status = 'retryable', crashes = 0,"
+                        " updated_at = :now WHERE key = :key AND status = 'failed'"
                     ),
                     {"key": key, "now": self.clock()},
                 ).rowcount
@@ -718,21 +761,6 @@ class IdempotencyStore:
         with connect(self.db) as conn:
             row = conn.row(_SELECT_ONE, {"key": key})
         return None if row is None else Record.from_row(row)
-
-    def completed_at(self, keys: Iterable[str]) -> dict[str, float]:
-        """``{key: when it completed}`` for those of ``keys`` that are completed."""
-        wanted = sorted(set(keys))
-        out: dict[str, float] = {}
-        statement = text(
-            "SELECT key, updated_at FROM idempotency_records"
-            " WHERE status = 'completed' AND key IN :keys"
-        ).bindparams(bindparam("keys", expanding=True))
-        with self.db.statement() as conn:
-            for start in range(0, len(wanted), 500):
-                chunk = wanted[start : start + 500]
-                for row in conn.execute(statement, {"keys": chunk}):
-                    out[str(row.key)] = float(row.updated_at)
-        return out
 
     def purge(
         self,
@@ -789,7 +817,7 @@ class IdempotencyStore:
             with self.db.statement() as conn:
                 rows = conn.execute(
                     text(
-                        f"SELECT {_COLUMNS} FROM idempotency_records WHERE key IN :keys{where}"
+                        f"SELECT {_COLUMNS} FROM idempotency_records WHERE key IN :keys{where}"  # nosec B608: SQL from code constants, values bound
                     ).bindparams(bindparam("keys", expanding=True)),
                     {"keys": list(keys[i : i + 500]), "status": str(status)},
                 ).all()
@@ -802,7 +830,7 @@ class IdempotencyStore:
         retryable or failed): what its attempts and actions still explain."""
         return (
             "EXISTS (SELECT 1 FROM idempotency_records i"
-            f" WHERE i.key = {column} AND i.status <> 'completed')"
+            f" WHERE i.key = {column} AND i.status <> 'completed')"  # nosec B608: SQL from code constants, values bound
         )
 
     # -- convenience ------------------------------------------------------------------------
@@ -921,7 +949,6 @@ class LeaseKeeper:
         self.lost: LeaseLost | None = None
         self.expires = claim.lease_expires_at
         self.beats = 0
-        self.failed_beats = 0
         self.confirmed_at = confirmed_at if confirmed_at is not None else -math.inf
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"lease:{claim.key}", daemon=True)
@@ -940,7 +967,6 @@ class LeaseKeeper:
                 self.lost = exc
                 return
             except Exception:  # noqa: BLE001 - store briefly unavailable: beat again soon
-                self.failed_beats += 1
                 if self._expired():
                     logger.warning("lease of %s ran out unrenewed; the holder must stop",
                                    self.claim.key, exc_info=True)
@@ -1014,7 +1040,6 @@ class BatchLeaseKeeper:
         self.interval = interval
         self.lost: dict[str, LeaseLost] = {}
         self.beats = 0
-        self.failed_beats = 0
         self.confirmed_at = confirmed_at if confirmed_at is not None else -math.inf
         self._claims = {claim.key: claim for claim in claims}
         self._expires = {claim.key: claim.lease_expires_at for claim in claims}
@@ -1071,7 +1096,6 @@ class BatchLeaseKeeper:
                 self._beat()
                 self.beats += 1
             except Exception:  # noqa: BLE001 - store briefly unavailable: beat again
-                self.failed_beats += 1
                 with self._lock:
                     keys = list(self._claims)
                 if all(self._expired(key) is not None for key in keys):

@@ -177,7 +177,7 @@ def lock_row(conn: Connection, table: str, key_column: str, key: Any) -> Any:
             raise ValueError(f"not a plain SQL identifier: {ident!r}")
     suffix = " FOR UPDATE" if conn.dialect.name == "postgresql" else ""
     return conn.execute(
-        text(f"SELECT * FROM {table} WHERE {key_column} = :key{suffix}"), {"key": key}
+        text(f"SELECT * FROM {table} WHERE {key_column} = :key{suffix}"), {"key": key}  # nosec B608: SQL from code constants, values bound
     ).first()
 
 

@@ -37,6 +37,9 @@ outbox = Table(
     Column("claimed_until", Float),
     Column("attempts", Integer, nullable=False),
     Column("traceparent", Text),
+    Column("failures", Integer, nullable=False, server_default="0"),
+    Column("last_error", Text),
+    Column("dead_letter_id", BigInteger),
 )
 
 inbox = Table(

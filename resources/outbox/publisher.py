@@ -16,7 +16,11 @@ delivers them:
 - It then publishes each row and marks it published (conditional on still owning the claim).
   A publisher killed after publishing and before marking leaves its claim to expire; the next
   publisher delivers the row again: at-least-once. A publish that raises stops that aggregate for
-  this batch (later events wait, so order holds) and releases its claim.
+  this batch (later events wait, so order holds), counts a failure on the row and releases its
+  claim. After ``max_failures`` failures in a row (5) the event is dead-lettered
+  (:mod:`resources.outbox.dead_letters`): no longer retried, kept whole, shown by ``sekali outbox
+  dead`` and replayable. Later events of its own aggregate wait behind it until it is replayed
+  or discarded; events of other aggregates never wait for it.
 - Consumers drop redeliveries through :class:`Inbox`: the ``inbox`` row (consumer, event id) and
   the consumer's own database change commit in one transaction, so each event's effect is applied
   once per consumer. Effects outside the database (a cache invalidation) must be idempotent.
@@ -44,6 +48,7 @@ from typing import Any, Protocol, runtime_checkable
 from sqlalchemy import bindparam, text
 from sqlalchemy.engine import Connection
 
+from resources.outbox.dead_letters import DEFAULT_MAX_FAILURES, OutboxDeadLetters
 from resources.storage.db import Database
 from resources.telemetry.tracing import SpanKind, span
 
@@ -169,6 +174,7 @@ class PublishStats:
     claimed: int = 0
     published: int = 0
     failed: int = 0
+    dead_lettered: int = 0
     deferred: int = 0
     lost_claims: int = 0
     errors: list[str] = field(default_factory=list)
@@ -177,6 +183,7 @@ class PublishStats:
         self.claimed += other.claimed
         self.published += other.published
         self.failed += other.failed
+        self.dead_lettered += other.dead_lettered
         self.deferred += other.deferred
         self.lost_claims += other.lost_claims
         self.errors += other.errors
@@ -184,13 +191,13 @@ class PublishStats:
 
 _CLAIM = """
 SELECT o.id FROM outbox o
-WHERE o.published_at IS NULL
+WHERE o.published_at IS NULL AND o.dead_letter_id IS NULL
   AND (o.claimed_until IS NULL OR o.claimed_until <= :now OR o.claimed_by = :me)
   AND NOT EXISTS (
     SELECT 1 FROM outbox b
     WHERE b.aggregate_type = o.aggregate_type AND b.aggregate_id = o.aggregate_id
       AND b.published_at IS NULL AND b.id < o.id
-      AND b.claimed_until > :now AND b.claimed_by <> :me)
+      AND (b.dead_letter_id IS NOT NULL OR (b.claimed_until > :now AND b.claimed_by <> :me)))
 ORDER BY o.id LIMIT :limit{skip}
 """
 
@@ -212,10 +219,13 @@ class OutboxPublisher:
         batch_size: int = 100,
         claim_seconds: float = 30.0,
         owner: str | None = None,
+        max_failures: int = DEFAULT_MAX_FAILURES,
         clock: Clock = time.time,
     ) -> None:
-        if claim_seconds <= 0 or batch_size <= 0:
-            raise ValueError("claim_seconds and batch_size must be positive")
+        if claim_seconds <= 0 or batch_size <= 0 or max_failures <= 0:
+            raise ValueError("claim_seconds, batch_size and max_failures must be positive")
+        self.max_failures = max_failures
+        self.dead_letters = OutboxDeadLetters(db, clock=clock)
         self.db = db
         self.publisher = publisher
         self.batch_size = batch_size
@@ -249,7 +259,7 @@ class OutboxPublisher:
                 {"me": self.owner, "until": now + self.claim_seconds, "ids": ids},
             )
             rows = conn.execute(
-                text(f"SELECT {_COLUMNS} FROM outbox WHERE id IN :ids ORDER BY id").bindparams(
+                text(f"SELECT {_COLUMNS} FROM outbox WHERE id IN :ids ORDER BY id").bindparams(  # nosec B608: SQL from code constants, values bound
                     bindparam("ids", expanding=True)
                 ),
                 {"ids": ids},
@@ -278,9 +288,19 @@ class OutboxPublisher:
                     self.publisher.publish(event)
             except Exception as exc:  # noqa: BLE001 - any target error: retry this event later
                 stats.failed += 1
-                stats.errors.append(f"{event.event_id}: {type(exc).__name__}: {exc}")
+                error = f"{type(exc).__name__}: {exc}"
+                stats.errors.append(f"{event.event_id}: {error}")
                 blocked.add(event.aggregate)
                 log.warning("publishing %s failed: %s", event.event_id, exc)
+                dead = self._failed(event, error)
+                if dead is not None:
+                    stats.dead_lettered += 1
+                    log.error(
+                        "outbox event %s (%s %s:%s) dead-lettered as %d after %d failures;"
+                        " later events of its aggregate wait: `sekali outbox dead`, then"
+                        " replay or discard it", event.event_id, event.event_type,
+                        event.aggregate_type, event.aggregate_id, dead, self.max_failures,
+                    )
                 continue
             if self._mark_published(event):
                 stats.published += 1
@@ -326,13 +346,29 @@ class OutboxPublisher:
             ).rowcount
         )
 
+    def _failed(self, event: OutboxEvent, error: str) -> int | None:
+        """Count a failed publication on the row (while still ours); at ``max_failures`` in a
+        row, dead-letter it in the same transaction. Returns the dead letter's id, if any."""
+        with self.db.transaction() as conn:
+            failures = conn.execute(
+                text(
+                    "UPDATE outbox SET failures = failures + 1, last_error = :error"
+                    " WHERE id = :id AND claimed_by = :me AND published_at IS NULL"
+                    " RETURNING failures"
+                ),
+                {"error": error[:4000], "id": event.id, "me": self.owner},
+            ).scalar()
+            if failures is None or int(failures) < self.max_failures:
+                return None
+            return self.dead_letters.record(conn, event.id)
+
     def _mark_published(self, event: OutboxEvent) -> bool:
         with self.db.statement() as conn:
             return bool(
                 conn.execute(
                     text(
                         "UPDATE outbox SET published_at = :now, claimed_by = NULL,"
-                        " claimed_until = NULL"
+                        " claimed_until = NULL, failures = 0"
                         " WHERE id = :id AND claimed_by = :me AND published_at IS NULL"
                     ),
                     {"now": self.clock(), "id": event.id, "me": self.owner},
@@ -356,8 +392,17 @@ class OutboxPublisher:
                 )
 
 
+_BEHIND_DEAD = (
+    "EXISTS (SELECT 1 FROM outbox b WHERE b.aggregate_type = outbox.aggregate_type"
+    " AND b.aggregate_id = outbox.aggregate_id AND b.published_at IS NULL AND b.id < outbox.id"
+    " AND b.dead_letter_id IS NOT NULL)"
+)
+
+
 def unpublished_older_than(db: Database, seconds: float, *, now: float | None = None) -> list[int]:
-    """Ids of rows still unpublished ``seconds`` after they were written (a stuck publisher)."""
+    """Ids of live rows still unpublished ``seconds`` after they were written (a stuck
+    publisher): neither dead-lettered nor waiting behind a dead-lettered event of their
+    aggregate (those wait for an operator, :func:`held_by_dead_letters`)."""
     cutoff = (time.time() if now is None else now) - seconds
     with db.statement() as conn:
         return [
@@ -365,8 +410,22 @@ def unpublished_older_than(db: Database, seconds: float, *, now: float | None = 
             for r in conn.execute(
                 text(
                     "SELECT id FROM outbox WHERE published_at IS NULL AND created_at <= :cutoff"
-                    " ORDER BY id"
+                    f" AND dead_letter_id IS NULL AND NOT {_BEHIND_DEAD} ORDER BY id"  # nosec B608: SQL from code constants, values bound
                 ),
                 {"cutoff": cutoff},
             )
         ]
+
+
+def held_by_dead_letters(db: Database) -> tuple[int, int]:
+    """Unpublished rows that wait for an operator's replay or discard (`sekali outbox`): how
+    many are dead-lettered, and how many later events of their aggregates wait behind them."""
+    with db.statement() as conn:
+        row = conn.execute(
+            text(
+                "SELECT COALESCE(SUM(CASE WHEN dead_letter_id IS NOT NULL THEN 1 ELSE 0 END), 0),"
+                f" COALESCE(SUM(CASE WHEN dead_letter_id IS NULL AND {_BEHIND_DEAD}"  # nosec B608: SQL from code constants
+                " THEN 1 ELSE 0 END), 0) FROM outbox WHERE published_at IS NULL"
+            )
+        ).one()
+    return int(row[0]), int(row[1])

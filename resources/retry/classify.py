@@ -31,6 +31,8 @@ function, with the exception object itself, so a failure is never classified twi
   code. These are most often bugs: retried a little, then dead-lettered so a person looks at
   them. Bad *input* must be raised as :class:`resources.errors.ValidationError` at the boundary,
   which is permanent.
+- CRASH_LOOP (a DLQ class, permanent for the retry decision): :class:`resources.errors.CrashLoop`,
+  a key whose worker died mid-run more than the crash-loop limit.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from sqlalchemy import exc as sa_exc
 
 from resources.errors import (
     AlreadyInProgress,
+    CrashLoop,
     LimitNotAcquired,
     LockNotAcquired,
     NotYetSettled,
@@ -71,6 +74,9 @@ class FailureClass(enum.StrEnum):
     TRANSIENT = "transient"
     DATA_BUG = "data_bug"
     UNKNOWN = "unknown"
+    CRASH_LOOP = "crash_loop"
+    """Permanent: the key's worker died mid-run more than the crash-loop limit allows
+    (:class:`resources.errors.CrashLoop`). Read the dead runs' logs, fix, then replay."""
 
     @classmethod
     def parse(cls, value: object) -> FailureClass:
@@ -227,6 +233,8 @@ def failure_class(exc: BaseException) -> FailureClass:
     """The class a failure is recorded with (attempts, the request, the DLQ): :func:`classify`,
     with an unknown error that is one of Python's data errors (``KeyError``, ``ValueError``,
     ...) reported as ``data_bug``."""
+    if isinstance(exc, CrashLoop):
+        return FailureClass.CRASH_LOOP
     error_class = classify(exc)
     if error_class is ErrorClass.UNKNOWN and isinstance(exc, _DATA_BUG_TYPES):
         return FailureClass.DATA_BUG

@@ -42,6 +42,7 @@ from sqlalchemy.engine import Connection, Engine, make_url
 from sqlalchemy.engine.url import URL
 
 from resources.storage.driver import errors_as_ours
+from resources.storage.files import FILE_MODE, FOLDER_MODE
 from resources.storage.settings import DatabaseTimeouts, normalize_url
 from resources.telemetry.tracing import trace_engine
 
@@ -88,7 +89,7 @@ def _make_engine(
     if parsed.get_backend_name() == "sqlite":
         database = parsed.database or ""
         if database and database != ":memory:":
-            Path(database).parent.mkdir(parents=True, exist_ok=True)
+            Path(database).parent.mkdir(mode=FOLDER_MODE, parents=True, exist_ok=True)
         engine = create_engine(
             url,
             echo=echo,
@@ -97,7 +98,7 @@ def _make_engine(
             connect_args={"timeout": 60, "check_same_thread": False},
             hide_parameters=True,
         )
-        _configure_sqlite(engine)
+        _configure_sqlite(engine, database)
         return engine
     if parsed.get_backend_name() != "postgresql":
         raise ValueError(f"DATABASE_URL: unsupported backend {parsed.get_backend_name()!r}")
@@ -285,7 +286,15 @@ def _bound_round_trips(engine: Engine, t: DatabaseTimeouts) -> None:
             disarm_dbapi(dbapi_connection)
 
 
-def _configure_sqlite(engine: Engine) -> None:
+def _configure_sqlite(engine: Engine, database: str) -> None:
+    @event.listens_for(engine, "do_connect")
+    def _private_file(*_args: Any) -> None:
+        """A database file sekali creates is 0600 (requests and dead letters hold personal
+        data); SQLite gives its -wal and -shm files the database file's mode."""
+        if database and database != ":memory:" and not database.startswith("file:"):
+            with contextlib.suppress(FileExistsError):
+                os.close(os.open(database, os.O_WRONLY | os.O_CREAT | os.O_EXCL, FILE_MODE))
+
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_connection: Any, _record: Any) -> None:
         dbapi_connection.isolation_level = None  # we issue BEGIN ourselves

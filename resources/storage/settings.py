@@ -36,6 +36,24 @@ def normalize_url(url: str) -> str:
 
 SETTLE_ENV = "SEKALI_GATEWAY_SETTLE_SECONDS"
 DEFAULT_GATEWAY_SETTLE_SECONDS = 120.0
+CRASH_LOOP_ENV = "SEKALI_CRASH_LOOP_LIMIT"
+DEFAULT_CRASH_LOOP_LIMIT = 3
+
+
+def crash_loop_limit() -> int:
+    """How many deaths of a worker mid-run one key may cause (``SEKALI_CRASH_LOOP_LIMIT``, 3):
+    a key whose count is above it is dead-lettered as ``crash_loop`` at its next claim, so a
+    crash-looping key runs its handler at most limit + 1 times."""
+    raw = os.environ.get(CRASH_LOOP_ENV)
+    if raw is None or not raw.strip():
+        return DEFAULT_CRASH_LOOP_LIMIT
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValidationError(CRASH_LOOP_ENV, "a whole number of crashes, 0 or more", raw)
+    return value
 
 
 def state_dir() -> Path:
@@ -203,6 +221,9 @@ class Settings:
     # how long after a charge whose answer never came a lookup by reference is conclusive:
     # longer than the payment provider's longest processing time
     gateway_settle_seconds: float = DEFAULT_GATEWAY_SETTLE_SECONDS
+    # where the mail provider's record of accepted messages can be searched by Message-ID (the
+    # sandbox sink's database); None: mails cannot be looked up
+    smtp_log_url: str | None = None
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -218,6 +239,7 @@ class Settings:
             smtp_port=int(os.environ.get("SEKALI_SMTP_PORT", "8025")),
             rates=rate_texts(os.environ),
             gateway_settle_seconds=_positive_seconds(SETTLE_ENV, DEFAULT_GATEWAY_SETTLE_SECONDS),
+            smtp_log_url=os.environ.get("SEKALI_SMTP_LOG_URL") or None,
         )
 
 
@@ -309,8 +331,8 @@ class RetentionSettings:
     A row still referenced by something unresolved (an open DLQ record's request and key, the
     attempts of an unfinished request, an unpublished outbox row's inbox entries) is kept
     whatever its age: retention only ever deletes what is finished. ``idempotency`` (completed
-    keys) and ``dlq`` (resolved and discarded records) must be at least
-    ``resources.dlq.MIN_RETENTION_SECONDS``; the reconciliation run refuses shorter ones.
+    keys) and ``dlq`` (resolved and discarded records, closed outbox dead letters) must be at
+    least ``resources.dlq.MIN_RETENTION_SECONDS``; the reconciliation run refuses shorter ones.
     """
 
     idempotency: float = 7 * DAY

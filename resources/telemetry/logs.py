@@ -60,10 +60,6 @@ def correlation_context(**fields: Any) -> Iterator[dict[str, Any]]:
         _context.reset(token)
 
 
-def current_context() -> dict[str, Any]:
-    return dict(_context.get())
-
-
 class JsonFormatter(logging.Formatter):
     """Formats a record as one JSON line: time, level, logger, message, correlation fields."""
 

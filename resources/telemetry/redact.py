@@ -50,6 +50,25 @@ def redact(text: str, values: Iterable[str] = ()) -> str:
     return _EMAIL.sub(EMAIL_MASK, _ROW_VALUES.sub(rf"\g<1>{ROW_MASK}", text))
 
 
+URL_PASSWORD_MASK = "***"
+
+
+def hide_url_password(url: str) -> str:
+    """``url`` with the password of its user part masked (``redis://:***@host:6379/0``,
+    ``postgresql://app:***@db/app``, ``redis+cluster://:***@h1:7000,h2:7001``), for output and
+    logs; a URL without one is returned as it is. Plain string splitting: linear, and it works
+    on the comma-separated host lists that ``urllib`` does not parse."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return url
+    authority, slash, tail = rest.partition("/")
+    credentials, at, hosts = authority.rpartition("@")
+    user, colon, password = credentials.partition(":")
+    if not at or not colon or not password:
+        return url
+    return f"{scheme}://{user}:{URL_PASSWORD_MASK}@{hosts}{slash}{tail}"
+
+
 def redact_data(value: Any, values: Iterable[str] = ()) -> Any:
     """Every string inside ``value`` (dicts, lists, tuples) redacted; other values unchanged."""
     values = tuple(values)

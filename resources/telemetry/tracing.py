@@ -1,17 +1,27 @@
 """Traces through OpenTelemetry: one trace per request, carried across processes as W3C context.
 
-Off by default, and then free: until :func:`configure_tracing` finds the standard ``OTEL_*``
-variables (``OTEL_EXPORTER_OTLP_ENDPOINT``, ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` or
-``OTEL_TRACES_EXPORTER``), :func:`span` hands out one shared no-op context manager and no
-instrumentation is installed. When on, spans go to the OTLP exporter the variables describe
-(Jaeger, Tempo, any collector), in batches from a background thread, and SQLAlchemy, Redis and
-urllib3 calls become child spans by themselves (urllib3 also sends ``traceparent`` downstream).
+sekali is a library to the application around it: its spans go to whatever ``TracerProvider``
+the application set globally (``trace.set_tracer_provider``, what the OpenTelemetry docs tell an
+application to do), through ``trace.get_tracer`` at call time; nothing else is needed. Then
+sekali's own database engines report their statements as child spans; the application's Redis
+and HTTP clients are its own business (it instruments them if it wants).
+
+Off by default, and then free: while the global provider is the API's proxy or no-op one (no
+SDK set up) and :func:`configure_tracing` found no ``OTEL_*`` variable, :func:`span` hands out
+one shared no-op context manager and no instrumentation is installed. sekali's own processes
+(``sekali dev``'s runs, the CLI, the chaos workers) call :func:`configure_tracing`: when the
+standard variables ask for it (``OTEL_EXPORTER_OTLP_ENDPOINT``,
+``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` or ``OTEL_TRACES_EXPORTER``) it sets up the SDK with the
+OTLP exporter they describe (Jaeger, Tempo, any collector), in batches from a background thread,
+and SQLAlchemy, Redis and urllib3 calls become child spans by themselves (urllib3 also sends
+``traceparent`` downstream).
 
 A trace crosses process boundaries as a ``traceparent`` string (W3C Trace Context): stored with
 the job request, set as a run tag, kept on the outbox row, sent to providers. :func:`inject` and
 :func:`extract` turn the current context into that string and back.
 
-Tests install their own provider with :func:`use_provider` (the SDK's in-memory exporter).
+:func:`use_provider` sets a provider and instruments the Redis and urllib3 clients too (tests
+use it with the SDK's in-memory exporter).
 """
 
 from __future__ import annotations
@@ -50,7 +60,35 @@ _engines: weakref.WeakSet[Any] = weakref.WeakSet()
 
 
 def tracing_enabled() -> bool:
-    return _enabled
+    """Whether spans are recorded: sekali set up a provider, or the application set one globally.
+
+    The check is cheap while off (a global read and an ``isinstance``), and once a real provider
+    is seen it is remembered: OpenTelemetry lets the global provider be set only once.
+    """
+    return not _off()
+
+
+_API = vars(trace)
+"""The API module's globals: its ``_TRACER_PROVIDER`` is what its own ProxyTracer reads.
+``get_tracer_provider()`` also looks the environment up on every call, which made the off path
+cost several microseconds a call here."""
+
+
+def _off() -> bool:
+    """True while neither sekali nor the application set a provider (the fast path)."""
+    return not _enabled and (_API.get("_TRACER_PROVIDER") is None or not _adopt_global_provider())
+
+
+def _adopt_global_provider() -> bool:
+    global _enabled
+    provider = _API.get("_TRACER_PROVIDER")
+    if provider is None or isinstance(provider, trace.NoOpTracerProvider):
+        return False
+    with _lock:
+        _enabled = True
+        for engine in list(_engines):
+            _instrument_engine(engine)
+    return True
 
 
 def _wanted(env: Mapping[str, str]) -> bool:
@@ -70,7 +108,7 @@ def configure_tracing(service_name: str = "sekali", env: Mapping[str, str] | Non
     Returns whether tracing is on. Opens no connection: the exporter sends in the background.
     """
     global _enabled
-    if _enabled or not _wanted(os.environ if env is None else env):
+    if tracing_enabled() or not _wanted(os.environ if env is None else env):
         return _enabled
     with _lock:
         if _enabled:
@@ -110,7 +148,7 @@ def _install(provider: Any) -> None:
 def trace_engine(engine: Any) -> None:
     """Make ``engine``'s statements spans: now if tracing is on, else when it is turned on."""
     _engines.add(engine)
-    if _enabled:
+    if tracing_enabled():
         _instrument_engine(engine)
 
 
@@ -155,7 +193,7 @@ def span(
     effect). Attribute names get the ``sekali.`` prefix; ``None`` values are left out. When
     tracing is off this is one shared no-op context manager.
     """
-    if not _enabled:
+    if _off():
         return _NULL
     return _span(name, parent, links, kind, attributes)
 
@@ -180,7 +218,7 @@ def _span(
 
 def set_attributes(**attributes: Any) -> None:
     """Add attributes to the current span (nothing when tracing is off)."""
-    if _enabled:
+    if not _off():
         trace.get_current_span().set_attributes(_attributes(attributes))
 
 
@@ -201,7 +239,7 @@ def _attributes(attributes: Mapping[str, Any]) -> dict[str, Any]:
 
 def inject() -> str | None:
     """The current span's context as a ``traceparent`` string, or None (tracing off, no span)."""
-    if not _enabled:
+    if _off():
         return None
     carrier: dict[str, str] = {}
     _PROPAGATOR.inject(carrier)

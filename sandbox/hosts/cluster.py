@@ -31,6 +31,7 @@ import ipaddress
 import json
 import logging
 import os
+import pwd
 import secrets
 import shutil
 import signal
@@ -44,15 +45,17 @@ from typing import Any
 from urllib.parse import quote
 
 import psycopg
+import redis
 import yaml
 
 from resources.storage.db import Database
 from resources.storage.migrations import upgrade
 from resources.storage.redis import redis_client
 from resources.storage.settings import state_dir as sekali_state_dir
+from resources.telemetry.redact import hide_url_password
 from sandbox.hosts import cgroups, network, processes
 from sandbox.hosts.network import ClusterError, Partition
-from sandbox.hosts.processes import ProcessRecord
+from sandbox.hosts.processes import ProcessRecord, Reveal
 from sandbox.hosts.services import (
     PORTS,
     PRODUCTION_INSTANCE,
@@ -69,6 +72,7 @@ from sandbox.hosts.services import (
     tcp_open,
     workspace_yaml,
 )
+from sandbox.redis_server import admin_names, rename_lines, run_admin
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +81,95 @@ LOCK_DIR = Path("/run/lock")
 """Two ``up`` runs pick their subnets under an flock of this directory (no lock file to leave)."""
 STATE_FILE = "state.json"
 POSTGRES_USER = "postgres"  # the OS user the private PostgreSQL runs as (initdb refuses root)
+SERVICE_USER = "sekali"
+"""The system user every other service of the cluster runs as (created by ``up`` if missing):
+root only builds the namespaces, links and rules."""
+FOLDER_MODE = 0o700
 REQUIRED_TOOLS = ("ip", "iptables", "unshare", "setpriv", "runuser")
+
+
+_SECRET_NAMES = ("PASSWORD", "SECRET", "TOKEN", "KEY")
+
+
+def _without_secrets(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` fit for output: URL passwords masked, values of secret-named variables hidden."""
+    return {name: "***" if any(word in name.upper() for word in _SECRET_NAMES)
+            else hide_url_password(value) for name, value in env.items()}
+
+
+def _check_trusted(path: Path, info: os.stat_result) -> None:
+    """``path`` is owned by this user and nobody else may write it."""
+    if info.st_uid != os.geteuid():
+        raise ClusterError(
+            f"{path} is owned by uid {info.st_uid}, not by this user ({os.geteuid()}): not "
+            "trusting the pids and links it names; remove it or chown it after checking it"
+        )
+    if info.st_mode & 0o022:
+        raise ClusterError(
+            f"{path} can be written by others (mode {info.st_mode & 0o777:o}): not trusting "
+            "it; chmod go-w after checking it"
+        )
+
+
+def ensure_service_user(name: str = SERVICE_USER) -> pwd.struct_passwd:
+    """The system user ``name``, created (no home, no login shell, a group of its own) if this
+    machine has none; two ``up`` runs creating it at once both get it."""
+    try:
+        return pwd.getpwnam(name)
+    except KeyError:
+        pass
+    done = network.run(["useradd", "--system", "--user-group", "--no-create-home",
+                        "--home-dir", "/nonexistent", "--shell", "/usr/sbin/nologin", name],
+                       check=False)
+    try:
+        return pwd.getpwnam(name)
+    except KeyError:
+        raise ClusterError(f"could not create the system user {name!r} the cluster's services "
+                           f"run as: {(done.stderr or done.stdout).strip()}") from None
+
+
+def _searchable(info: os.stat_result, user: pwd.struct_passwd) -> bool:
+    if info.st_uid == user.pw_uid:
+        return bool(info.st_mode & 0o100)
+    if info.st_gid == user.pw_gid:
+        return bool(info.st_mode & 0o010)
+    return bool(info.st_mode & 0o001)
+
+
+def plan_reveal(paths: Sequence[Path], user: pwd.struct_passwd, holder: Path) -> Reveal:
+    """What must be mounted for ``user`` to reach ``paths`` (the interpreter, the virtualenv,
+    the code): for each, the first folder on its way that ``user`` may not search and the name
+    under it. Raises :class:`ClusterError` when a second folder further down blocks it too."""
+    folders: dict[str, list[str]] = {}
+    for path in paths:
+        current = Path(path.anchor)
+        blocked = False
+        for name in path.parts[1:]:
+            if not _searchable(current.stat(), user):
+                if blocked:
+                    raise ClusterError(
+                        f"user {user.pw_name} cannot reach {path}: {current} is not searchable "
+                        f"by it (nor is a folder above); make {current} world-searchable or "
+                        "install Python and sekali where every user can read them")
+                names = folders.setdefault(str(current), [])
+                if name not in names:
+                    names.append(name)
+                blocked = True
+            current = current / name
+    return Reveal(folders, str(holder))
+
+
+def _own(path: Path, user: pwd.struct_passwd, *, tree: bool = False) -> None:
+    """``path`` (a folder, created if missing) owned by ``user`` and 0700; with ``tree`` all
+    that is in it too."""
+    path.mkdir(parents=True, exist_ok=True)
+    targets = [path]
+    if tree:
+        for folder, dirs, files in os.walk(path):
+            targets += [Path(folder, name) for name in dirs + files]
+    for target in targets:
+        os.lchown(target, user.pw_uid, user.pw_gid)
+    os.chmod(path, FOLDER_MODE)
 
 
 class NotRoot(ClusterError):
@@ -154,11 +246,21 @@ class Cluster:
         return self.state_dir / STATE_FILE
 
     def _read_state(self) -> dict[str, Any]:
+        """The recorded state, after checking nobody else could have written it: root acts on
+        the pids, links, namespaces and firewall rules it names, so a state file (or folder)
+        another user owns or can write would let that user make root signal or delete what
+        they choose. Refused with :class:`ClusterError` naming the path and the fix."""
         try:
-            data: dict[str, Any] = json.loads(self.state_file.read_text())
-            return data
+            fd = os.open(self.state_file, os.O_RDONLY | os.O_NOFOLLOW)
         except FileNotFoundError:
             return {}
+        except OSError as exc:  # ELOOP: a symbolic link put in its place
+            raise ClusterError(f"{self.state_file}: not a regular file ({exc.strerror})") from exc
+        with os.fdopen(fd) as fh:
+            _check_trusted(self.state_dir, os.stat(self.state_dir))
+            _check_trusted(self.state_file, os.fstat(fh.fileno()))
+            data: dict[str, Any] = json.loads(fh.read())
+            return data
 
     def _save(self) -> None:
         self.state_dir.mkdir(parents=True, exist_ok=True)
@@ -324,8 +426,13 @@ class Cluster:
                                f"{', '.join(leftovers)}; `sekali cluster down` removes them")
         deadline = time.monotonic() + timeout
         self.state_dir.mkdir(parents=True, exist_ok=True)
-        os.chmod(self.state_dir, 0o755)
+        os.chmod(self.state_dir, 0o711)  # nosec B103: user postgres traverses to its data, lists nothing
         self._check_postgres_can_reach_state()
+        user = ensure_service_user()
+        holder = self._path("mnt")
+        reveal = plan_reveal([Path(sys.executable), Path(sys.executable).resolve(),
+                              Path(sys.prefix).resolve(), Path(sys.base_prefix).resolve(), ROOT],
+                             user, holder)
         self.state = {
             "version": 1,
             "cluster_id": self.cluster_id,
@@ -333,6 +440,9 @@ class Cluster:
             "created_at": time.time(),
             "secrets": {k: secrets.token_hex(16) for k in ("postgres", "sekali", "dagster",
                                                            "redis")},
+            "redis_admin": admin_names(),
+            "service_user": user.pw_name,
+            "reveal": {"folders": dict(reveal.folders), "holder": reveal.holder},
             "worker_env": dict(worker_env or {}),
             "instance_overrides": dict(instance_overrides or {}),
             "processes": [],
@@ -343,14 +453,35 @@ class Cluster:
         }
         self._save()
         self._build_network(workers, subnet, progress)
+        self._prepare_folders(user)
         self._start_store(deadline, progress)
         self._start_provider(deadline, progress)
         self._prepare_storage(progress)
+        _own(self._path("control"), user, tree=True)
         self._start_workers(deadline, progress)
         self._start_control(deadline, progress)
         self.state["phase"] = "up"
         self._save()
         progress(f"up: Dagster UI at {self.ui_url}")
+
+    @property
+    def service_user(self) -> str:
+        return str(self.state.get("service_user", SERVICE_USER))
+
+    def _reveal(self) -> Reveal | None:
+        data = self.state.get("reveal")
+        return Reveal(data["folders"], data["holder"]) if data else None
+
+    def _prepare_folders(self, user: pwd.struct_passwd) -> None:
+        """Root keeps the state file, the logs and the mount holder; each service's folder is
+        its user's alone (0700); the folders between are searchable, not listable."""
+        for folder, mode in (("logs", 0o700), ("mnt", 0o700), ("store", 0o711), ("hosts", 0o711)):
+            self._path(folder).mkdir(parents=True, exist_ok=True)
+            os.chmod(self._path(folder), mode)  # nosec B103: 0711: the service users traverse
+        for h in self.hosts:
+            _own(self._path("hosts", h.name), user)
+        _own(self._path("provider"), user)
+        _own(self._path("store", "redis"), user)
 
     def _check_postgres_can_reach_state(self) -> None:
         probe = network.run(
@@ -430,9 +561,12 @@ class Cluster:
             extra_env=dict(extra_env or {}),
         )
         self._put_process(record)  # recorded (pid 0) before it exists: down still looks
+        env = self.env(host, record.extra_env)
+        if user == self.service_user:
+            env["HOME"] = str(self._path("hosts", host))
         processes.spawn(
             record, namespace=h.namespace, hostname=h.hostname,
-            env=self.env(host, record.extra_env), cwd=ROOT, cgroup=self._cgroup(host),
+            env=env, cwd=ROOT, cgroup=self._cgroup(host), reveal=self._reveal(),
         )
         self._put_process(record)
         return record
@@ -493,35 +627,37 @@ class Cluster:
         progress(f"store: PostgreSQL {pg_bin.parent.name} on {store.address}:{PORTS['postgres']}")
 
         redis_dir = self._path("store", "redis")
-        redis_dir.mkdir(parents=True, exist_ok=True)
         conf_path = redis_dir / "redis.conf"
         fd = os.open(conf_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as fh:
             fh.write(render("redis.conf", address=store.address, port=PORTS["redis"],
-                            password=self._secret("redis"), dir=redis_dir))
+                            password=self._secret("redis"), dir=redis_dir,
+                            rename_commands="\n".join(rename_lines(self.state["redis_admin"]))))
+        shutil.chown(conf_path, self.service_user, self.service_user)
         binary = shutil.which("redis-server")
         if binary is None:
             raise ClusterError("no redis-server binary (apt-get install redis-server)")
-        redis = self._spawn("store", "redis", [binary, str(conf_path)])
+        redis = self._spawn("store", "redis", [binary, str(conf_path)], user=self.service_user)
         self._wait("Redis on the store host", lambda: redis_ok(self.redis_url), deadline, redis)
         progress(f"store: Redis on {store.address}:{PORTS['redis']}")
 
     def _start_provider(self, deadline: float, progress: Callable[[str], None]) -> None:
         provider = self._role("provider")
         folder = self._path("provider")
-        folder.mkdir(parents=True, exist_ok=True)
         gateway = self._spawn(
             "provider", "gateway",
             [sys.executable, "-m", "sandbox.gateway", "--host", provider.address,
              "--port", str(PORTS["gateway"]), "--db-url", f"sqlite:///{folder / 'gateway.db'}"],
+            user=self.service_user,
         )
         sink = self._spawn(
             "provider", "mailsink",
             [sys.executable, "-m", "sandbox.mailsink", "--host", provider.address,
              "--port", str(PORTS["smtp"]), "--db-url", f"sqlite:///{folder / 'mailsink.db'}"],
+            user=self.service_user,
         )
         self._wait("the sandbox gateway",
-                   lambda: http_ok(f"{self.gateway_url}/_admin/faults"), deadline, gateway)
+                   lambda: http_ok(f"{self.gateway_url}/healthz"), deadline, gateway)
         self._wait("the mail sink", lambda: smtp_ok(provider.address, PORTS["smtp"]),
                    deadline, sink)
         progress(f"provider: gateway {self.gateway_url}, SMTP {provider.address}:{PORTS['smtp']}")
@@ -556,13 +692,14 @@ class Cluster:
 
     def _code_server_argv(self, worker: Host) -> list[str]:
         return [str(BIN / "dagster"), "api", "grpc", "-m", "pipelines.definitions",
-                "-h", "0.0.0.0", "-p", str(PORTS["code_server"]),
+                "-h", worker.address, "-p", str(PORTS["code_server"]),
                 "--location-name", worker.location or worker.name,
                 "--use-python-environment-entry-point"]
 
     def _start_workers(self, deadline: float, progress: Callable[[str], None]) -> None:
         started = [
-            (w, self._spawn(w.name, "code_server", self._code_server_argv(w)))
+            (w, self._spawn(w.name, "code_server", self._code_server_argv(w),
+                            user=self.service_user))
             for w in self.workers
         ]
         for worker, record in started:
@@ -575,8 +712,10 @@ class Cluster:
     def _start_control(self, deadline: float, progress: Callable[[str], None]) -> None:
         webserver = self._spawn(
             "control", "webserver",
-            [str(BIN / "dagster-webserver"), "-h", "0.0.0.0", "-p", str(PORTS["webserver"]),
+            [str(BIN / "dagster-webserver"), "-h", self._role("control").address,
+             "-p", str(PORTS["webserver"]),
              "-w", str(self.workspace_file)],
+            user=self.service_user,
         )
         self._wait("the Dagster webserver", lambda: http_ok(f"{self.ui_url}/server_info"),
                    deadline, webserver)
@@ -585,6 +724,7 @@ class Cluster:
         daemon = self._spawn(
             "control", "daemon",
             [str(BIN / "dagster-daemon"), "run", "-w", str(self.workspace_file)],
+            user=self.service_user,
         )
         self._wait("the Dagster daemon to report healthy", self._daemon_healthy, deadline, daemon)
         progress(f"control: webserver {self.ui_url}, daemon healthy")
@@ -666,7 +806,7 @@ class Cluster:
         left = self.leftovers()
         if any(left.values()):
             raise ClusterError(f"still present after down: {left}")
-        for folder in ("store", "control", "provider", "hosts"):
+        for folder in ("store", "control", "provider", "hosts", "mnt"):
             shutil.rmtree(self._path(folder), ignore_errors=True)
         self.state_file.unlink(missing_ok=True)
         self.state = {}
@@ -729,8 +869,8 @@ class Cluster:
             "ui_url": self.ui_url,
             "hosts": hosts,
             "partitions": self.state.get("partitions", []),
-            "worker_env": self.state.get("worker_env", {}),
-            "env": self.env(),
+            "worker_env": _without_secrets(self.state.get("worker_env", {})),
+            "env": _without_secrets(self.env()),
         }
 
     def _health(self) -> dict[str, dict[str, str]]:
@@ -744,7 +884,7 @@ class Cluster:
                 "redis": word(redis_ok(self.redis_url)),
             },
             "provider": {
-                "gateway": word(http_ok(f"{self.gateway_url}/_admin/faults")),
+                "gateway": word(http_ok(f"{self.gateway_url}/healthz")),
                 "smtp": word(smtp_ok(provider.address, PORTS["smtp"])),
             },
             "control": {"webserver": word(http_ok(f"{self.ui_url}/server_info"))},
@@ -780,7 +920,7 @@ class Cluster:
         """Run ``argv`` on ``host`` (its namespace and hostname) and wait; output captured.
         ``env`` is added to the host's environment."""
         h = self.host(host)
-        argv_ns = processes.namespace_argv(h.namespace, h.hostname, argv, user)
+        argv_ns = processes.namespace_argv(h.namespace, h.hostname, argv, user, self._reveal())
         with subprocess.Popen(argv_ns, env=self.env(host, env), cwd=ROOT, text=True,
                               stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE) as child:
@@ -796,19 +936,6 @@ class Cluster:
             raise network.CommandError(argv, done.returncode, done.stderr or done.stdout)
         return done
 
-    def start_process(
-        self,
-        host: str,
-        name: str,
-        argv: Sequence[str],
-        *,
-        env: Mapping[str, str] | None = None,
-        stop_signal: int = signal.SIGTERM,
-    ) -> ProcessRecord:
-        """Start a long-running process of the caller's on ``host``; it is recorded, so
-        :meth:`kill` and friends find it and :meth:`down` ends it."""
-        return self._spawn(host, name, argv, stop_signal=stop_signal, extra_env=env)
-
     def pids(self, host: str) -> list[int]:
         """Every process on ``host`` now (recorded ones, run workers, anything started there)."""
         return network.namespace_pids(self.host(host).namespace)
@@ -823,12 +950,8 @@ class Cluster:
 
     def stop(self, host: str, process: str, *, children: bool = False) -> bool:
         """Freeze a process (SIGSTOP): it holds its sockets, leases and locks but does nothing,
-        until :meth:`cont`."""
+        until it gets SIGCONT (:meth:`kill` with ``signal.SIGCONT``)."""
         return self.kill(host, process, signal.SIGSTOP, children=children)
-
-    def cont(self, host: str, process: str, *, children: bool = False) -> bool:
-        """Resume a frozen process (SIGCONT)."""
-        return self.kill(host, process, signal.SIGCONT, children=children)
 
     def start(self, host: str, process: str, *, extra_env: Mapping[str, str] | None = None,
               wait: float = 60.0) -> ProcessRecord:
@@ -855,12 +978,6 @@ class Cluster:
         record = self.process(host, process)
         processes.end([record], timeout=timeout)
         return self.start(host, process, extra_env=extra_env, wait=wait)
-
-    def kill_host(self, host: str) -> list[int]:
-        """SIGKILL every process on ``host``, as if it lost power; returns the pids."""
-        pids = self.pids(host)
-        processes.kill_pids(pids)
-        return pids
 
     def partition(self, a: str, b: str, *, one_way: bool = False, loss: float = 1.0) -> Partition:
         """Drop packets between hosts ``a`` and ``b`` (only a -> b with ``one_way``; a share
@@ -911,22 +1028,6 @@ class Cluster:
 
     # -- measurements ------------------------------------------------------------------------------
 
-    def pg_counters(self) -> dict[str, dict[str, int]]:
-        """Per database: statements executed (pg_stat_statements), commits and rollbacks."""
-        out: dict[str, dict[str, int]] = {}
-        with psycopg.connect(self.admin_conninfo(), autocommit=True) as conn:
-            for name, calls in conn.execute(
-                "SELECT d.datname, COALESCE(SUM(s.calls), 0)::bigint FROM pg_stat_statements s "
-                "JOIN pg_database d ON d.oid = s.dbid GROUP BY d.datname"
-            ).fetchall():
-                out.setdefault(name, {})["statements"] = int(calls)
-            for name, commits, rollbacks in conn.execute(
-                "SELECT datname, xact_commit, xact_rollback FROM pg_stat_database "
-                "WHERE datname IS NOT NULL"
-            ).fetchall():
-                out.setdefault(name, {}).update(commits=int(commits), rollbacks=int(rollbacks))
-        return out
-
     def redis_commands(self) -> dict[str, int]:
         """Calls per Redis command since the server started (INFO commandstats)."""
         client = redis_client(self.redis_url)
@@ -935,6 +1036,15 @@ class Cluster:
         finally:
             client.close()
         return {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in stats.items()}
+
+    def redis_admin(self, command: str, *args: str | int) -> object:
+        """``CONFIG`` or ``DEBUG`` on the store Redis, under the secret name ``up`` renamed it to
+        (its clients get "unknown command")."""
+        client = redis.Redis.from_url(self.redis_url, socket_timeout=10, socket_connect_timeout=5)
+        try:
+            return run_admin(client, self.state["redis_admin"], command, *args)
+        finally:
+            client.close()
 
     def cpu_seconds(self) -> dict[str, float]:
         """CPU seconds used on each host so far, every process counted (ended run workers
@@ -945,13 +1055,6 @@ class Cluster:
             if seconds is not None:
                 out[host] = seconds
         return out
-
-    def dagster_rows(self) -> dict[str, int]:
-        """Rows in Dagster's run and event-log tables (its storage cost per run)."""
-        with psycopg.connect(self.admin_conninfo("dagster"), autocommit=True) as conn:
-            runs = conn.execute("SELECT count(*) FROM runs").fetchone()
-            events = conn.execute("SELECT count(*) FROM event_logs").fetchone()
-        return {"runs": int(runs[0]) if runs else 0, "events": int(events[0]) if events else 0}
 
 
 def _tail(path: str, chars: int = 2000) -> str:

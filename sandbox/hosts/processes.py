@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import signal
 import subprocess
 import time
@@ -77,17 +78,47 @@ def is_alive(record: ProcessRecord) -> bool:
     return record.pid > 0 and start_time_of(record.pid) == record.start_time
 
 
+@dataclass(frozen=True)
+class Reveal:
+    """Folders a service user may not search (``/root``, 0700, holding the Python interpreter),
+    and the names under each it needs: ``folder -> names``, mounted through ``holder`` (an empty
+    folder root owns)."""
+
+    folders: Mapping[str, Sequence[str]] = field(default_factory=dict)
+    holder: str = ""
+
+    def script(self) -> str:
+        """Shell commands, run as root in the process's own mount namespace (``ip netns exec``
+        gives every process one; nothing propagates back to the machine), that cover each folder
+        with an empty 0711 tmpfs holding only the names needed, bind-mounted from the original:
+        the service reaches its interpreter and sees nothing else of the folder."""
+        steps = []
+        for folder, names in sorted(self.folders.items()):
+            f, h = shlex.quote(folder), shlex.quote(self.holder)
+            steps += [f"mount --bind {f} {h}",
+                      f"mount -t tmpfs -o mode=0711,size=64k sekali-reveal {f}"]
+            for name in names:
+                inside, kept = shlex.quote(f"{folder}/{name}"), shlex.quote(f"{self.holder}/{name}")
+                steps += [f"mkdir {inside}", f"mount --bind {kept} {inside}"]
+            steps.append(f"umount {h}")
+        return "".join(f"{step} && " for step in steps)
+
+
 def namespace_argv(
-    namespace: str, hostname: str, argv: Sequence[str], user: str | None
+    namespace: str, hostname: str, argv: Sequence[str], user: str | None,
+    reveal: Reveal | None = None,
 ) -> list[str]:
-    """The command line that runs ``argv`` in ``namespace`` under ``hostname`` (as ``user``)."""
+    """The command line that runs ``argv`` in ``namespace`` under ``hostname`` (as ``user``,
+    with ``reveal``'s folders made reachable for it first)."""
     inner = list(argv)
+    prepare = ""
     if user is not None:
         inner = ["setpriv", f"--reuid={user}", f"--regid={user}", "--init-groups", "--", *inner]
+        prepare = reveal.script() if reveal is not None else ""
     return [
         "ip", "netns", "exec", namespace,
         "unshare", "--uts", "--",
-        "sh", "-c", 'hostname "$0" && exec "$@"', hostname,
+        "sh", "-c", f'hostname "$0" && {prepare}exec "$@"', hostname,
         *inner,
     ]  # fmt: skip
 
@@ -100,13 +131,14 @@ def spawn(
     env: Mapping[str, str],
     cwd: Path,
     cgroup: Path | str | None = None,
+    reveal: Reveal | None = None,
 ) -> ProcessRecord:
     """Start ``record.argv`` in ``namespace`` (and the CPU-accounting ``cgroup``, before it can
     fork); fill in its pid and start time."""
     Path(record.log).parent.mkdir(parents=True, exist_ok=True)
     with open(record.log, "ab") as log_file:
         child = subprocess.Popen(
-            namespace_argv(namespace, hostname, record.argv, record.user),
+            namespace_argv(namespace, hostname, record.argv, record.user, reveal),
             env=dict(env),
             cwd=str(cwd),
             stdin=subprocess.DEVNULL,
