@@ -940,9 +940,11 @@ class RequestStore:
         count_attempt: bool = False,
         run_key: str | None = None,
         current: bool = False,
+        only: Sequence[RequestStatus] | None = None,
     ) -> set[int]:
         """Move every request that may go to ``target`` in one statement; returns those moved.
-        ``current``: only requests no newer version superseded."""
+        ``current``: only requests no newer version superseded. ``only``: only from these
+        statuses (of those that may go to ``target``)."""
         if not request_ids:
             return set()
         same_run = " AND run_key = :run_key" if run_key is not None else ""
@@ -966,7 +968,7 @@ class RequestStore:
             "error": error,
             "error_class": error_class,
             "ids": list(request_ids),
-            "sources": _sources(target),
+            "sources": [str(x) for x in _sources(target) if only is None or x in only],
             "run_key": run_key,
         }
         if target is not _S.COMPLETED:
@@ -1020,6 +1022,29 @@ class RequestStore:
             run_key=run_key,
         )
         return bool(moved)
+
+    def fail_unsettled(
+        self,
+        request_ids: Sequence[int],
+        *,
+        run_id: str,
+        run_key: str | None,
+        error: str,
+        taken_class: str | None,
+    ) -> int:
+        """Fail the requests a run ended without settling, launched under ``run_key``, in two
+        statements: those no step took (still ``pending`` or ``launched``: they never ran
+        there) as ``transient``, ``"{error}; no step had taken it"``; those a step took
+        (``running``) with ``taken_class`` (None: the DLQ reads the step's own failure)."""
+        untaken = self._move_many(
+            request_ids, _S.FAILED, run_id=run_id, error=f"{error}; no step had taken it"[:2000],
+            error_class="transient", run_key=run_key, only=(_S.PENDING, _S.LAUNCHED),
+        )
+        taken = self._move_many(
+            request_ids, _S.FAILED, run_id=run_id, error=error[:2000], error_class=taken_class,
+            run_key=run_key, only=(_S.RUNNING,),
+        )
+        return len(untaken) + len(taken)
 
     def requeue(self, request_id: int) -> bool:
         """A failed request goes back to pending (operator or DLQ replay); never one a newer

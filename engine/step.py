@@ -158,7 +158,7 @@ def execute_step(
     except Exception as exc:  # noqa: BLE001 - every failure goes through the one path
         result = _failed(path, exc, on_failure)
         if requests is not None and request_id is not None:
-            path.settle_request(requests, request_id, exc, run_id=at.run_id)
+            _settle(path, requests, request_id, exc, at)
         return result
     if requests is not None and request_id is not None:
         try:
@@ -166,6 +166,20 @@ def execute_step(
         except Exception as exc:  # noqa: BLE001 - the key completed, its row did not move:
             return _failed(path, exc, on_failure)  # a retry: a suppressed duplicate moves it
     return StepResult(outcome=outcome)
+
+
+def _settle(
+    path: FailurePath, requests: RequestStore, request_id: int, exc: BaseException,
+    at: StepAttempt,
+) -> None:
+    """Settle the request row from the decision already made. The row's database may be the
+    very thing that failed: the decision stands without it, the row stays ``running`` and the
+    intake moves it when the run ends (the DLQ reads the class from the step's failure)."""
+    try:
+        path.settle_request(requests, request_id, exc, run_id=at.run_id)
+    except Exception:  # noqa: BLE001 - the database is away: the decision is the step's answer
+        logger.warning("request %s: its row not settled now (%s); the decision stands",
+                       request_id, path.decide(exc).reason or "giving up", exc_info=True)
 
 
 def run_step(

@@ -8,7 +8,10 @@ and a fresh deployment drain the intake without a click; stop it in the UI to pa
    FAILURE or CANCELED marks its requests that are not completed ``failed`` (with the run id),
    where the DLQ picks them up, unless Dagster will retry the run (``dagster/will_retry``): then
    the retry moves them, and those it does not run stay ``launched`` and are relaunched. Batch
-   ops also move their requests themselves, per request.
+   ops also move their requests themselves, per request. The class says why: a request no step
+   took, or one whose run failed around it (worker killed or cut off, launch failed, canceled),
+   failed nothing of its own and is ``transient``; one whose step failed without settling it
+   keeps no class here, and the DLQ reads the step's declared class.
 2. Claim up to ``max_requests_per_tick`` requests (pending, or launched longer than
    ``relaunch_after_seconds`` ago), highest aged priority first (``claim_rank``, set at enqueue:
    ``SEKALI_INTAKE_PRIORITY_AGING`` seconds of waiting are worth one step, default 60), debounced
@@ -58,7 +61,7 @@ from engine.registry import get_job_type
 from engine.requests import JobRequest, RequestStore
 from resources.dagster_resources import SettingsResource
 from resources.errors import ValidationError
-from resources.retry import failure_class
+from resources.retry import FailureClass, failure_class
 from resources.telemetry.tracing import trace_id_of
 
 log = logging.getLogger(__name__)
@@ -230,6 +233,9 @@ def run_requests_for(
     return out, run_keys
 
 
+_STEP_FAILURE = "STEP_FAILURE"
+"""Dagster's ``dagster/failure_reason`` of a run a step failed (``RunFailureReason``)."""
+
 _TERMINAL = [
     dg.DagsterRunStatus.SUCCESS,
     dg.DagsterRunStatus.FAILURE,
@@ -295,8 +301,14 @@ def _move_requests(store: RequestStore, run: dg.DagsterRun) -> int:
         # the retry moves what it runs; a resume retry runs only the steps that were in flight,
         # so the requests no step took stay launched and are relaunched after relaunch_after
         return 0
-    error = f"run {run.run_id} ended {run.status.value}"
-    return sum(store.mark_failed(i, error, run_id=run.run_id, run_key=run_key) for i in ids)
+    reason = run.tags.get(tag.FAILURE_REASON)
+    error = f"run {run.run_id} ended {run.status.value}" + (f" ({reason})" if reason else "")
+    error += " and Dagster will not retry it"
+    # a run that failed around its requests (worker killed or cut off, launch failed, canceled)
+    # failed nothing of theirs: transient, as the DLQ classes a run with no failed step
+    step_failed = run.status == dg.DagsterRunStatus.FAILURE and reason == _STEP_FAILURE
+    return store.fail_unsettled(ids, run_id=run.run_id, run_key=run_key, error=error,
+                                taken_class=None if step_failed else str(FailureClass.TRANSIENT))
 
 
 def _timestamp(stamp: datetime) -> float:

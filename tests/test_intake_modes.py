@@ -25,8 +25,10 @@ from pipelines.definitions import intake_sensor
 from pipelines.domain.mail import message_id_for
 from pipelines.ops import send_email_job
 from pipelines.ops.batch import FAN_OUT_JOB, MICRO_BATCH_JOB, intake_fan_out, intake_micro_batch
+from resources.dagster_resources import DatabaseResource, IdempotencyResource
 from resources.storage.db import Database
 from sandbox.mailsink import MailSink
+from sandbox.redis_server import free_port
 from sensors.intake import RequestsResource
 from tests.job_workers import dagster_resources
 
@@ -254,6 +256,63 @@ def test_fan_out_mode_a_step_per_request(world: World, monkeypatch: pytest.Monke
     counts = store.counts()
     assert (counts["completed"], counts["failed"]) == (4, 1)
     assert store.get(bad.id).status is RequestStatus.FAILED  # type: ignore[union-attr]
+
+
+def test_a_fanned_step_that_cannot_read_its_request_is_retried_not_failed_raw(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Catches a fan-out step whose own reads (its request row, taking it ``running``) fail
+    while the database is away raising that error raw: the step failed at once, unclassified
+    and never retried (the jobs turn Dagster's run retry off for step failures), and the
+    request was dead-lettered as ``unknown``. The one failure path decides instead: transient,
+    retried with the policy's delay, and given up as transient when the outage outlasts it."""
+    monkeypatch.setenv("SEKALI_INTAKE_MODES", "send_email=fan_out")
+    for i in range(2):
+        world.store.enqueue("send_email", f"email:welcome:o{i}:2026-11-29", email(i),
+                            queue="light")
+    (run,), _ = world.drain()
+    gone = f"postgresql+psycopg://postgres@127.0.0.1:{free_port()}/gone"
+    result = intake_fan_out.execute_in_process(
+        run_config=run.run_config, instance=world.instance, raise_on_error=False,
+        tags={**run.tags, "dagster/run_key": run.run_key or ""},
+        resources={**world.resources, "requests": RequestsResource(database_url=gone)},
+    )
+    assert not result.success
+    retried = [e for e in result.all_events if e.event_type_value == "STEP_UP_FOR_RETRY"]
+    failed = [e for e in result.all_events if e.event_type_value == "STEP_FAILURE"]
+    assert len(failed) == 2, [e.message for e in failed]
+    assert len(retried) == 2 * 2, [e.message for e in result.all_events]  # 3 attempts each
+    for event in failed:
+        declared = event.step_failure_data.user_failure_data
+        assert declared is not None, event.step_failure_data.error
+        assert declared.metadata["error_class"].value == "transient", declared.metadata
+    assert world.mails() == []
+
+
+def test_a_request_op_whose_database_is_away_at_its_start_is_retried_not_failed_raw(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Catches a per-request op that cannot get its services (a process checks the schema at
+    its first use, and the database is away) raising that error raw: the step failed
+    unclassified and unretried, and its request was dead-lettered as ``unknown``."""
+    monkeypatch.setenv("SEKALI_INTAKE_MODE", "per_request")
+    world.store.enqueue("send_email", "email:welcome:a0:2026-11-29", email(0), queue="light")
+    (run,), _ = world.drain()
+    gone = f"postgresql+psycopg://postgres@127.0.0.1:{free_port()}/gone"
+    result = send_email_job.execute_in_process(
+        run_config=run.run_config, instance=world.instance, raise_on_error=False,
+        tags={**run.tags, "dagster/run_key": run.run_key or ""},
+        resources={**world.resources, "app_db": DatabaseResource(database_url=gone),
+                   "idempotency": IdempotencyResource(database_url=gone)},
+    )
+    assert not result.success
+    kinds = [e.event_type_value for e in result.all_events]
+    assert kinds.count("STEP_UP_FOR_RETRY") == 2 and kinds.count("STEP_FAILURE") == 1, kinds
+    (failed,) = [e for e in result.all_events if e.event_type_value == "STEP_FAILURE"]
+    declared = failed.step_failure_data.user_failure_data
+    assert declared is not None, failed.step_failure_data.error
+    assert declared.metadata["error_class"].value == "transient", declared.metadata
+    assert world.mails() == []
 
 
 def test_a_tick_that_failed_after_claiming_is_healed_with_the_same_run_keys(

@@ -129,3 +129,65 @@ def test_a_failed_run_dagster_will_retry_leaves_its_requests_to_the_retry_and_th
     now[0] += 121  # the retry ran none of them: they go again after relaunch_after
     again = without_runs_in_flight(instance, store.claim_for_launch(10, relaunch_after=120))
     assert sorted(r.key for r in again) == [f"email:w:k{i}:2026-11-29" for i in range(3)]
+
+
+def _ended_fan_out_run(
+    store: RequestStore, instance: dg.DagsterInstance, tag_: str, failure_reason: str | None
+) -> tuple[list[int], str]:
+    """Three requests claimed into one fan-out run that then ended FAILURE for good (no
+    ``dagster/will_retry``): the first completed by its step, the second taken by a step that
+    did not settle it (``running``), the third never taken (``launched``)."""
+    for i in range(3):
+        store.enqueue("send_email", f"email:w:{tag_}{i}:2026-11-29", {"i": i}, queue="light")
+    claimed = store.claim_for_launch(10, relaunch_after=120)
+    (batch,), run_keys = run_requests_for(claimed, IntakePolicy(default_mode=IntakeMode.FAN_OUT))
+    store.set_run_keys(run_keys)
+    fan_out_job = next(j for j in BATCH_JOBS if j.name == batch.job_name)
+    tags = {**batch.tags, "dagster/run_key": batch.run_key or "", "dagster/will_retry": "false"}
+    if failure_reason is not None:
+        tags["dagster/failure_reason"] = failure_reason
+    run = instance.create_run_for_job(fan_out_job, run_config=batch.run_config, tags=tags)
+    ids = [r.id for r in claimed]
+    store.mark_running(ids[0], run_id=run.run_id)
+    store.mark_completed(ids[0], run_id=run.run_id)
+    store.mark_running(ids[1], run_id=run.run_id)
+    instance.report_run_failed(run)
+    return ids, run.run_id
+
+
+@pytest.mark.parametrize("reason", [None, "RUN_WORKER_RESTART", "START_TIMEOUT"])
+def test_a_run_that_failed_around_its_requests_fails_them_transient(
+    db: Database, instance: dg.DagsterInstance, reason: str | None
+) -> None:
+    """Catches requests dead-lettered as ``unknown`` (the class of a bug) when their run died
+    for good around them: a worker killed or cut off, a launch that failed, with Dagster's run
+    retries used up. Nothing of the request failed; the run did, as the DLQ says of a run with
+    no failed step (transient: replay it). ``sekali chaos --topology hosts`` meets it when its
+    kills and partitions strike one run and its retries."""
+    store = RequestStore(db)
+    ids, run_id = _ended_fan_out_run(store, instance, "t", reason)
+    reconcile_finished_runs(instance, store, 0.0)
+    done, taken, untaken = (store.get(i) for i in ids)
+    assert done is not None and done.status is RequestStatus.COMPLETED
+    for request in (taken, untaken):
+        assert request is not None and request.status is RequestStatus.FAILED, request
+        assert request.error_class == "transient", request
+        assert run_id in (request.last_error or ""), request
+
+
+def test_a_step_failure_leaves_its_own_class_and_fails_the_untaken_transient(
+    db: Database, instance: dg.DagsterInstance
+) -> None:
+    """Catches a request no step of the run took (a resumed retry runs only the steps that were
+    in flight) failed with the class of a sibling's step failure, or none (``unknown``): it
+    never ran here. The request a failed step took keeps no class of the intake's own, so the
+    DLQ reads the step's declared class."""
+    store = RequestStore(db)
+    ids, _ = _ended_fan_out_run(store, instance, "s", "STEP_FAILURE")
+    reconcile_finished_runs(instance, store, 0.0)
+    _, taken, untaken = (store.get(i) for i in ids)
+    assert taken is not None and taken.status is RequestStatus.FAILED
+    assert taken.error_class is None, taken
+    assert untaken is not None and untaken.status is RequestStatus.FAILED
+    assert untaken.error_class == "transient", untaken
+    assert "no step had taken it" in (untaken.last_error or ""), untaken

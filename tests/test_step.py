@@ -8,24 +8,33 @@ without a retry and dead-letters a request a plain retry would have finished.
 
 from __future__ import annotations
 
+from typing import Any
+
+import pytest
+
+from engine import JobContext, JobType
 from engine.attempts import AttemptRecorder, Outcome
+from engine.registry import JOB_TYPES
+from engine.requests import RequestStore
 from engine.services import Services
-from engine.step import StepAttempt, StepResult, run_step
-from resources.errors import StoreUnavailable, ValidationError
+from engine.step import StepAttempt, StepResult, execute_step, run_step
+from resources.errors import StoreUnavailable, TransientJobError, ValidationError
 from resources.idempotency import IdempotencyStore
 from resources.retry import RetryPolicy
 from resources.storage.db import Database
+from resources.storage.migrations import upgrade
 from sandbox.redis_server import free_port
 
 
-def _step_without_a_database(amount_cents: int) -> StepResult:
-    """One charge step whose store is a Postgres address nothing listens on."""
+def _step_without_a_database(amount_cents: int, attempt: int = 0) -> StepResult:
+    """One charge step (0-based ``attempt`` of 3) whose store is a Postgres address nothing
+    listens on."""
     db = Database.from_url(f"postgresql+psycopg://postgres@127.0.0.1:{free_port()}/gone")
     services = Services(db=db, store=IdempotencyStore(db), attempts=AttemptRecorder(db),
                         retry_policy=RetryPolicy(max_attempts=3))
     try:
         return run_step(
-            services, StepAttempt(run_id="run-1", step="charge_payment_op", attempt=0),
+            services, StepAttempt(run_id="run-1", step="charge_payment_op", attempt=attempt),
             job_type="charge_payment",
             payload={"order_id": "o-1", "amount_cents": amount_cents, "currency": "EUR"},
             request_id=1,
@@ -50,3 +59,39 @@ def test_a_refused_payload_stays_permanent_while_the_database_is_away() -> None:
     assert result.error.field == "amount_cents"
     assert result.decision is not None and not result.decision.retry, result.decision
     assert result.recorded is Outcome.FAILED_PERMANENT
+
+
+def _flaky(ctx: JobContext, payload: dict[str, Any]) -> dict[str, Any]:
+    raise TransientJobError("the downstream did not answer")
+
+
+def test_a_last_attempt_that_cannot_settle_its_row_still_gives_up_classified(
+    sqlite_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Catches a step whose last attempt fails while the database goes away raising that
+    database error out of the step: settling the request row (failed, for the DLQ) needs the
+    database too, and the raw error failed the step unclassified, so the run's request was
+    dead-lettered as ``unknown`` (a bug) instead of ``transient``: a worker host cut off
+    from the store mid-step (``sekali chaos --topology hosts``)."""
+    monkeypatch.setitem(JOB_TYPES, "flaky_probe", JobType(
+        name="flaky_probe", queue="light", validate=dict, key_for=lambda p: f"flaky:{p['n']}",
+        max_runtime_seconds=60, side_effect=False, handler=_flaky, resource_id=lambda p: p['n'],
+    ))
+    db = Database.from_url(sqlite_url)
+    upgrade(db)
+    gone = Database.from_url(f"postgresql+psycopg://postgres@127.0.0.1:{free_port()}/gone")
+    services = Services(db=db, store=IdempotencyStore(db), attempts=AttemptRecorder(db),
+                        retry_policy=RetryPolicy(max_attempts=3))
+    try:
+        result = execute_step(
+            services, StepAttempt(run_id="run-1", step="flaky_probe_op", attempt=2),
+            job_type="flaky_probe", payload={"n": "1"}, key=None, request_id=1,
+            requests=RequestStore(gone),  # the row's database went away after the handler
+        )
+    finally:
+        gone.dispose()
+        db.dispose()
+    assert isinstance(result.error, TransientJobError), result
+    assert result.decision is not None and not result.decision.retry, result.decision
+    assert str(result.decision.error_class) == "transient"
+    assert result.recorded is Outcome.DEAD_LETTERED

@@ -40,7 +40,12 @@ from engine.requests import RequestStore
 from engine.runtime import BatchRequest, execute_batch
 from engine.services import Services
 from engine.validation import ValidationError, admit_request_row
-from pipelines.ops.failures import admit_step_request, run_request_step
+from pipelines.ops.failures import (
+    admit_step_request,
+    run_request_step,
+    step_services,
+    unready_signal,
+)
 from resources.dagster_resources import PlainDocs
 from resources.errors import RequestCancelled
 from sensors.intake import (
@@ -196,24 +201,33 @@ def execute_fanned_request(context: dg.OpExecutionContext, request_id: int) -> s
     """One request in its own step. A permanent failure marks it failed and fails the step;
     a transient one raises ``RetryRequested`` with our capped, jittered delay."""
 
-    store = context.resources.requests.get_store()
-    request = store.get(request_id)
+    step = f"{context.op.name}[{context.get_mapping_key()}]"
+    services = step_services(context, step)
+    try:
+        store = context.resources.requests.get_store()
+        request = store.get(request_id)  # nosec B113: the request store, not HTTP
+    except Exception as exc:  # noqa: BLE001 - the database is away: the one path decides
+        raise unready_signal(context, step, exc, services) from exc
     if request is None:
         raise dg.Failure(f"job request {request_id} does not exist", allow_retries=False)
     admit_step_request(
-        context, Services.from_context(context), job_type=request.job_type,
+        context, services, job_type=request.job_type,
         payload=request.payload, key=request.key, step=context.op.name, source="fan_out",
         request_id=request.id, correlation_id=request.correlation_id,
     )
-    if not store.mark_running(request.id, run_id=context.run_id):
+    try:
+        taken = store.mark_running(request.id, run_id=context.run_id)
+    except Exception as exc:  # noqa: BLE001 - as above: nothing has run yet
+        raise unready_signal(context, step, exc, services, request.job_type) from exc
+    if not taken:
         return "skipped"
     outcome = run_request_step(
         context,
-        Services.from_context(context),
+        services,
         job_type=request.job_type,
         payload=request.payload,
         key=request.key,
-        step=f"{context.op.name}[{context.get_mapping_key()}]",
+        step=step,
         request_id=request.id,
         requests=store,
         correlation_id=request.correlation_id or context.run_id,

@@ -22,7 +22,14 @@ from engine.privacy import mask_text
 from engine.requests import RequestStore
 from engine.runtime import RequestOutcome
 from engine.services import Services
-from engine.step import StepAttempt, StepResult, admit_step, execute_step, run_step
+from engine.step import (
+    StepAttempt,
+    StepResult,
+    admit_step,
+    execute_step,
+    failure_path,
+    run_step,
+)
 from resources.dagster_resources import dagster_signal
 from resources.errors import ValidationError
 from resources.retry import RetryDecision, RetryPolicy
@@ -219,6 +226,42 @@ def admit_step_request(
     with contextlib.suppress(Exception):  # run history only: the refusal stands regardless
         context.instance.add_run_tags(context.run_id, {tag.OUTCOME: str(tag.RunOutcome.FAILED)})
     _signalled(refused)
+
+
+def step_services(context: dg.OpExecutionContext, step: str) -> Services:
+    """The step's services. When they cannot be had (their database is away at the step's
+    start: a process checks the schema at its first use), Dagster's signal from the one
+    failure path is raised (:func:`unready_signal`), never the raw error."""
+    try:
+        return Services.from_context(context)
+    except Exception as exc:  # noqa: BLE001 - the database is away: the one path decides
+        raise unready_signal(context, step, exc) from exc
+
+
+def unready_signal(
+    context: dg.OpExecutionContext, step: str, exc: BaseException,
+    services: Services | None = None, job_type: str = "",
+) -> Exception:
+    """Dagster's signal for a step that could not get going (its services, or its request's
+    row, out of reach): nothing has run, and the one failure path decides as for any failed
+    attempt (transient: this step again after the policy's delay; given up: the DLQ, whose
+    record says transient). A raw error would fail the step unclassified and unretried (the
+    jobs turn Dagster's run retry off for step failures)."""
+    at = step_attempt(context, step)
+    if services is not None:
+        path = failure_path(services, job_type, at)
+    else:  # no services: the retry resource's policy alone (no budget: no downstream called)
+        try:
+            retry = context.resources.retry
+        except Exception:  # noqa: BLE001 - a job without the retry resource: the default
+            retry = None
+        path = FailurePath(attempt=at.attempt,
+                           policy=retry.get_policy() if retry is not None else RetryPolicy())
+    decision = path.decide(exc)
+    what = f"retrying in {decision.delay or 0:.1f} s" if decision.retry else decision.reason
+    context.log.warning(f"{step} could not start ({decision.error_class}): "
+                        f"{type(exc).__name__}: {exc}; {what}")
+    return signal(path, exc)
 
 
 def signal(path: FailurePath, exc: BaseException) -> Exception:

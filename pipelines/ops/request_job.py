@@ -42,9 +42,8 @@ from engine import tags as tag
 from engine.attempts import Outcome
 from engine.contract import JobType, PayloadField
 from engine.requests import RequestStore
-from engine.services import Services
 from engine.validation import check_request
-from pipelines.ops.failures import run_op_step, tag_cancelled
+from pipelines.ops.failures import run_op_step, step_services, tag_cancelled
 from resources.dagster_resources import PlainDocs
 from resources.errors import ValidationError
 
@@ -200,7 +199,7 @@ def request_op(jt: JobType) -> dg.OpDefinition:
         config: config_cls,  # type: ignore[valid-type]
     ) -> dict[str, Any]:
         request: RequestConfig = config
-        services = Services.from_context(context)
+        services = step_services(context, jt.op_name)
         run_id = context.run_id
         payload = payload_of(request)
         key = _key_of(jt, request, payload)
