@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import dagster as dg
 import pytest
 
-from engine.requests import RequestStatus, RequestStore
+from engine.requests import JobRequest, RequestStatus, RequestStore
 from pipelines.ops import send_email_job
 from pipelines.ops.batch import BATCH_JOBS
 from resources.storage.db import Database
@@ -110,16 +110,7 @@ def test_a_failed_run_dagster_will_retry_leaves_its_requests_to_the_retry_and_th
     ``sekali chaos --topology hosts``."""
     now = [1000.0]
     store = RequestStore(db, clock=lambda: now[0])
-    for i in range(3):
-        store.enqueue("send_email", f"email:w:k{i}:2026-11-29", {"i": i}, queue="light")
-    claimed = store.claim_for_launch(10, relaunch_after=120)
-    (batch,), run_keys = run_requests_for(claimed, IntakePolicy(default_mode=IntakeMode.FAN_OUT))
-    store.set_run_keys(run_keys)
-    fan_out_job = next(j for j in BATCH_JOBS if j.name == batch.job_name)
-    run = instance.create_run_for_job(
-        fan_out_job, run_config=batch.run_config,
-        tags={**batch.tags, "dagster/run_key": batch.run_key or "", "dagster/will_retry": "true"},
-    )
+    claimed, run = _fan_out_run(store, instance, "k", {"dagster/will_retry": "true"})
     cursor, _ = reconcile_finished_runs(instance, store, 0.0)
     instance.report_run_failed(run)
     _, moved = reconcile_finished_runs(instance, store, cursor)
@@ -131,22 +122,34 @@ def test_a_failed_run_dagster_will_retry_leaves_its_requests_to_the_retry_and_th
     assert sorted(r.key for r in again) == [f"email:w:k{i}:2026-11-29" for i in range(3)]
 
 
-def _ended_fan_out_run(
-    store: RequestStore, instance: dg.DagsterInstance, tag_: str, failure_reason: str | None
-) -> tuple[list[int], str]:
-    """Three requests claimed into one fan-out run that then ended FAILURE for good (no
-    ``dagster/will_retry``): the first completed by its step, the second taken by a step that
-    did not settle it (``running``), the third never taken (``launched``)."""
+def _fan_out_run(
+    store: RequestStore, instance: dg.DagsterInstance, tag_: str, tags: dict[str, str]
+) -> tuple[list[JobRequest], dg.DagsterRun]:
+    """Three requests claimed into one fan-out run (not started), with ``tags`` besides the
+    intake's."""
     for i in range(3):
         store.enqueue("send_email", f"email:w:{tag_}{i}:2026-11-29", {"i": i}, queue="light")
     claimed = store.claim_for_launch(10, relaunch_after=120)
     (batch,), run_keys = run_requests_for(claimed, IntakePolicy(default_mode=IntakeMode.FAN_OUT))
     store.set_run_keys(run_keys)
     fan_out_job = next(j for j in BATCH_JOBS if j.name == batch.job_name)
-    tags = {**batch.tags, "dagster/run_key": batch.run_key or "", "dagster/will_retry": "false"}
+    run = instance.create_run_for_job(
+        fan_out_job, run_config=batch.run_config,
+        tags={**batch.tags, "dagster/run_key": batch.run_key or "", **tags},
+    )
+    return claimed, run
+
+
+def _ended_fan_out_run(
+    store: RequestStore, instance: dg.DagsterInstance, tag_: str, failure_reason: str | None
+) -> tuple[list[int], str]:
+    """A fan-out run of three requests that ended FAILURE for good (no
+    ``dagster/will_retry``): the first completed by its step, the second taken by a step that
+    did not settle it (``running``), the third never taken (``launched``)."""
+    tags = {"dagster/will_retry": "false"}
     if failure_reason is not None:
         tags["dagster/failure_reason"] = failure_reason
-    run = instance.create_run_for_job(fan_out_job, run_config=batch.run_config, tags=tags)
+    claimed, run = _fan_out_run(store, instance, tag_, tags)
     ids = [r.id for r in claimed]
     store.mark_running(ids[0], run_id=run.run_id)
     store.mark_completed(ids[0], run_id=run.run_id)
