@@ -306,9 +306,9 @@ def amended_outcomes(db: Any, records: Sequence[DlqRecord]) -> dict[int, str]:
         return {}
     rows_of = RequestStore(db)
     newest = {v.previous_record_id: versions.chain(v.key)[-1] for v in made}
-    rows = {n.request_id: rows_of.get(n.request_id) for n in newest.values()
-            if n.request_id is not None}
-    states = rows_of.states([r for r in rows.values() if r is not None])
+    rows = {r.id: r for r in rows_of.get_many(
+        sorted({n.request_id for n in newest.values() if n.request_id is not None}))}
+    states = rows_of.states(list(rows.values()))
     out: dict[int, str] = {}
     for record_id, version in newest.items():
         if record_id is None:
@@ -686,6 +686,12 @@ class BulkReplay:
     @property
     def chosen(self) -> int:
         return sum(d.replay for d in self.decisions)
+
+    def refused_line(self, then: str) -> str:
+        """What a surface says of the refused records; ``then``: how to replay them anyway
+        there (a flag, a config field)."""
+        return (f"refused {self.refused}: replaying may repeat their effect; check the evidence,"
+                f" then {then}")
 
 
 def refuses(judged: Assessment, allow_repeat: Collection[int] | None) -> bool:

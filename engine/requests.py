@@ -1316,11 +1316,10 @@ class RequestStore:
         out = {str(s): 0 for s in CancelState}
         out.update({str(r.cancel_state): int(r.n) for r in rows})
         return out
+
     def waiting_by_tenant(self) -> dict[str, int]:
         """Pending requests per tenant."""
-        with self.db.statement() as conn:
-            rows = conn.execute(text(_Q["waiting_by_tenant"])).all()
-        return {str(r.tenant): int(r.n) for r in rows}
+        return {t: n for t, (n, _) in self.oldest_waiting_by_tenant().items()}
 
     def tenant_waits(self, since: float, limit: int = 20_000) -> list[tuple[str, float]]:
         """``(tenant, seconds waited)`` of the requests first claimed since ``since``, the
@@ -1448,6 +1447,18 @@ def cancel_requests(
             _close_dead_letters(store.db, request.id, by, reason)
         out.append(decision)
     return out
+
+
+def cancel_view(ref: int | str, decided: CancelDecision | KeyError) -> dict[str, Any]:
+    """One reference's row of :func:`cancel_requests` (the CLI's output, the job's table): the
+    request, its status, the cancel's state and detail, whether this call decided it; a
+    reference that names no request is ``unknown``."""
+    if isinstance(decided, CancelDecision):
+        return {"ref": ref, "id": decided.request.id, "key": decided.request.key,
+                "status": str(decided.request.status), "cancel": str(decided.state),
+                "detail": decided.detail, "new": decided.new}
+    return {"ref": ref, "id": None, "key": None, "status": None, "cancel": "unknown",
+            "detail": "no request with this id or key", "new": False}
 
 
 def _close_dead_letters(db: Database, request_id: int, by: str, reason: str | None) -> None:

@@ -49,13 +49,6 @@ FROM request_cancels
 WHERE cancel_requested_at >= :since
 GROUP BY cancel_state;
 
--- waiting_by_tenant --
--- Pending requests per tenant (the fair claim's backlog, as the operator sees it).
-SELECT tenant, COUNT(*) AS n
-FROM job_requests
-WHERE status = 'pending'
-GROUP BY tenant;
-
 -- tenant_waits --
 -- How long the requests claimed since a moment waited, with their tenant, newest first.
 SELECT tenant, claimed_at - created_at AS waited
@@ -65,7 +58,8 @@ ORDER BY claimed_at DESC
 LIMIT :limit;
 
 -- oldest_waiting_by_tenant --
--- Per tenant with pending requests: how many, and the oldest one's creation time.
+-- Per tenant with pending requests (the fair claim's backlog, as the operator sees it): how
+-- many, and the oldest one's creation time.
 SELECT tenant, COUNT(*) AS n, MIN(created_at) AS oldest
 FROM job_requests
 WHERE status = 'pending'

@@ -23,6 +23,7 @@ import subprocess
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import redis
 from redis.backoff import NoBackoff
@@ -123,13 +124,11 @@ class RedisServer:
 
     def plain(self, *, socket_timeout: float = 5) -> redis.Redis:
         """A bare redis-py client that raises the driver's own errors (no retry, bounded)."""
+        bounds: dict[str, Any] = {"password": self.password, "socket_timeout": socket_timeout,
+                                  "socket_connect_timeout": 2, "retry": Retry(NoBackoff(), 0)}
         if self.socket_path is not None:
-            return redis.Redis(unix_socket_path=str(self.socket_path), password=self.password,
-                               socket_timeout=socket_timeout, socket_connect_timeout=2,
-                               retry=Retry(NoBackoff(), 0))
-        return redis.Redis(host="127.0.0.1", port=int(self.port or 0), password=self.password,
-                           socket_timeout=socket_timeout, socket_connect_timeout=2,
-                           retry=Retry(NoBackoff(), 0))
+            return redis.Redis(unix_socket_path=str(self.socket_path), **bounds)
+        return redis.Redis(host="127.0.0.1", port=int(self.port or 0), **bounds)
 
     def admin(self, command: str, *args: str | int) -> object:
         """``command`` (``CONFIG`` or ``DEBUG``) under the secret name it was renamed to."""

@@ -1,16 +1,20 @@
 """Argument types shared by the subcommands: every id and count the CLI takes is bounded before it
 reaches a database (a 20-digit id is an OverflowError on SQLite, not an answer), and an age or a
-pace is parsed where argparse can name the flag (exit 2, one line)."""
+pace is parsed where argparse can name the flag (exit 2, one line); and what several subcommands
+derive from their arguments (the app database, the actor they record)."""
 
 from __future__ import annotations
 
 import argparse
+import getpass
 import re
 
 from engine.replay import parse_pace
 from engine.validation import INT64_MAX
 from resources.dlq import parse_age
 from resources.errors import ValidationError
+from resources.storage.db import Database, shared_database
+from resources.storage.settings import Settings
 
 _DIGITS = re.compile(r"^[0-9]{1,19}$")
 
@@ -67,3 +71,20 @@ def pace(text: str) -> float:
     if rate is None:
         raise argparse.ArgumentTypeError("expected a rate like 10/s, 600/min or 5")
     return rate
+
+
+def app_database(args: argparse.Namespace) -> Database:
+    """The app database of ``--url``, else ``DATABASE_URL``."""
+    return shared_database(args.url or Settings.from_env().database_url)
+
+
+def actor(args: argparse.Namespace | None = None) -> str:
+    """Who acts, for the audit: ``--actor`` when the subcommand has it, else ``cli:USER``
+    (``cli`` where the user has no name, as in some containers)."""
+    given = getattr(args, "actor", None)
+    if given:
+        return str(given)
+    try:
+        return f"cli:{getpass.getuser()}"
+    except Exception:  # noqa: BLE001 - no user name in some containers
+        return "cli"

@@ -36,7 +36,6 @@ Exit codes: 0 done, 1 nothing matched / nothing changed, 2 bad arguments or unkn
 from __future__ import annotations
 
 import argparse
-import getpass
 import re
 import sys
 import textwrap
@@ -46,7 +45,7 @@ from typing import Any
 from rich import box
 from rich.table import Table
 
-from cli.commands.arguments import age, count, id_list, pace, record_id
+from cli.commands.arguments import actor, age, app_database, count, id_list, pace, record_id
 from cli.commands.follow import (
     add_wait_arguments,
     exit_code,
@@ -68,6 +67,7 @@ from engine import canary as canaries
 from engine.privacy import dlq_view
 from engine.replay import (
     AmendRefused,
+    BulkReplay,
     Selection,
     amend,
     amended_outcomes,
@@ -77,8 +77,6 @@ from engine.replay import (
 from engine.requests import RequestStore
 from resources.dlq import DlqRecordNotFound, DlqStore
 from resources.errors import ValidationError
-from resources.storage.db import shared_database
-from resources.storage.settings import Settings
 from resources.telemetry.redact import redact_data
 
 UNRESOLVED = ["open", "replay_requested", "replaying"]
@@ -161,16 +159,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def _store(args: argparse.Namespace) -> Any:
-    return DlqStore(shared_database(args.url or Settings.from_env().database_url))
-
-
-def _actor(args: argparse.Namespace) -> str:
-    if args.actor:
-        return str(args.actor)
-    try:
-        return f"cli:{getpass.getuser()}"
-    except Exception:  # noqa: BLE001 - no user name in some containers
-        return "cli"
+    return DlqStore(app_database(args))
 
 
 def _selection(args: argparse.Namespace) -> Selection:
@@ -300,9 +289,7 @@ def _replay(args: argparse.Namespace) -> int:
     except (ValidationError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    missing = set(args.ids) - {d.record.id for d in result.decisions}
-    if missing:
-        print(f"error: no DLQ record {sorted(missing)}", file=sys.stderr)
+    if _missing(args, result):
         return 2
     say = sys.stderr if args.json else sys.stdout
     for d in result.decisions:
@@ -319,12 +306,7 @@ def _replay(args: argparse.Namespace) -> int:
         f"{result.chosen} of {len(result.decisions)} selected records "
         f"{'would be replayed (dry run)' if args.dry_run else 'requested for replay'}", file=say
     )
-    if result.refused:
-        print(
-            f"refused {result.refused}: replaying may repeat their effect; check the evidence,"
-            f" then replay with --allow-repeat {','.join(map(str, result.refused))}",
-            file=sys.stderr,
-        )
+    _say_refused(result)
     data: dict[str, Any] = {"decisions": [
         {"id": d.record.id, "replay": d.replay, "reason": d.reason, "key_reset": d.key_reset,
          **result.assessments[d.record.id].as_dict()}
@@ -337,9 +319,23 @@ def _replay(args: argparse.Namespace) -> int:
                                 for d in result.decisions if d.replay]) or code
 
 
+def _missing(args: argparse.Namespace, replay: BulkReplay) -> bool:
+    """Whether ``--ids`` named records the store does not hold (said on stderr)."""
+    missing = set(args.ids) - {d.record.id for d in replay.decisions}
+    if missing:
+        print(f"error: no DLQ record {sorted(missing)}", file=sys.stderr)
+    return bool(missing)
+
+
+def _say_refused(replay: BulkReplay) -> None:
+    if replay.refused:
+        then = f"replay with --allow-repeat {','.join(map(str, replay.refused))}"
+        print(replay.refused_line(then), file=sys.stderr)
+
+
 def _replay_options(args: argparse.Namespace) -> dict[str, Any]:
     """What a replay of the selection takes from the command line, canaries or not."""
-    return {"actor": _actor(args), "reason": args.reason, "dry_run": args.dry_run,
+    return {"actor": actor(args), "reason": args.reason, "dry_run": args.dry_run,
             "pace": args.pace, "client": lookup_client(), "allow_repeat": args.allow_repeat}
 
 
@@ -361,9 +357,7 @@ def _canary_replay(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     replay = result.replay
-    missing = set(args.ids) - {d.record.id for d in replay.decisions}
-    if missing:
-        print(f"error: no DLQ record {sorted(missing)}", file=sys.stderr)
+    if _missing(args, replay):
         return 2
     for d in replay.decisions:
         judged = replay.assessments.get(d.record.id)
@@ -375,12 +369,7 @@ def _canary_replay(args: argparse.Namespace) -> int:
     if result.stopped:
         print(f"stopped: {result.stopped}; not replayed: {result.held} (still open: fix the"
               " cause, then replay them)", file=sys.stderr)
-    if replay.refused:
-        print(
-            f"refused {replay.refused}: replaying may repeat their effect; check the evidence,"
-            f" then replay with --allow-repeat {','.join(map(str, replay.refused))}",
-            file=sys.stderr,
-        )
+    _say_refused(replay)
     data: dict[str, Any] = {
         "decisions": [
             {"id": d.record.id, "replay": d.replay, "reason": d.reason,
@@ -409,7 +398,7 @@ def _amend(args: argparse.Namespace) -> int:
     store = _store(args)
     try:
         done = amend(
-            store, args.ids[0], args.patch, actor=_actor(args), reason=args.reason,
+            store, args.ids[0], args.patch, actor=actor(args), reason=args.reason,
             dry_run=args.dry_run,
         )
     except (ValidationError, DlqRecordNotFound) as exc:
@@ -451,7 +440,7 @@ def _finish(args: argparse.Namespace, data: dict[str, Any], progress: list[Any],
 def _discard(args: argparse.Namespace) -> int:
     store = _store(args)
     try:
-        decisions = store.discard(args.ids, actor=_actor(args), reason=args.reason)
+        decisions = store.discard(args.ids, actor=actor(args), reason=args.reason)
     except (DlqRecordNotFound, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -18,18 +18,15 @@ done, 1 nothing changed (no id was an open dead letter), 2 bad usage (one line o
 from __future__ import annotations
 
 import argparse
-import getpass
 import textwrap
 from typing import Any
 
 from rich import box
 from rich.table import Table
 
-from cli.commands.arguments import count, record_id
+from cli.commands.arguments import actor, app_database, count, record_id
 from cli.commands.output import add_output_arguments, console, emit, payload_text, printable, when
 from resources.outbox import DeadLetterStatus, OutboxDeadLetters
-from resources.storage.db import shared_database
-from resources.storage.settings import Settings
 from resources.telemetry.redact import redact
 
 
@@ -63,11 +60,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def _store(args: argparse.Namespace) -> OutboxDeadLetters:
-    return OutboxDeadLetters(shared_database(args.url or Settings.from_env().database_url))
+    return OutboxDeadLetters(app_database(args))
 
 
-def _actor() -> str:
-    return f"cli:{getpass.getuser()}"
 
 
 def _view(data: dict[str, Any]) -> dict[str, Any]:
@@ -108,12 +103,12 @@ def _print(views: list[dict[str, Any]]) -> None:
 
 
 def _replay(args: argparse.Namespace) -> int:
-    done = _store(args).replay(args.ids, actor=_actor())
+    done = _store(args).replay(args.ids, actor=actor())
     return _report(args, "replayed", done)
 
 
 def _discard(args: argparse.Namespace) -> int:
-    done = _store(args).discard(args.ids, actor=_actor(), reason=args.reason)
+    done = _store(args).discard(args.ids, actor=actor(), reason=args.reason)
     return _report(args, "discarded", done)
 
 

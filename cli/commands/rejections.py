@@ -21,11 +21,9 @@ from typing import Any
 from rich import box
 from rich.table import Table
 
-from cli.commands.arguments import count, record_id
+from cli.commands.arguments import app_database, count, record_id
 from cli.commands.output import add_output_arguments, console, emit, printable, when
 from engine.requests import RequestStore
-from resources.storage.db import shared_database
-from resources.storage.settings import Settings
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -48,7 +46,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def _store(args: argparse.Namespace) -> RequestStore:
-    return RequestStore(shared_database(args.url or Settings.from_env().database_url))
+    return RequestStore(app_database(args))
 
 
 def _view(row: dict[str, Any]) -> dict[str, Any]:

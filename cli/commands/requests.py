@@ -29,7 +29,7 @@ from typing import Any
 from rich import box
 from rich.table import Table
 
-from cli.commands.arguments import count
+from cli.commands.arguments import app_database, count
 from cli.commands.output import (
     add_output_arguments,
     console,
@@ -41,17 +41,15 @@ from cli.commands.output import (
 from engine.attempts import AttemptRecorder
 from engine.privacy import mask_text, request_view
 from engine.requests import (
-    CancelDecision,
     JobRequest,
     RequestStatus,
     RequestStore,
     cancel_requests,
+    cancel_view,
     state_of,
 )
 from resources.dlq import DlqStore
 from resources.errors import CancelUnavailable
-from resources.storage.db import Database, shared_database
-from resources.storage.settings import Settings
 from resources.telemetry.redact import redact
 
 _ATTEMPT_FIELDS = ("started_at", "attempt", "outcome", "error_class", "error_reason", "run_id",
@@ -97,12 +95,8 @@ def request_json(request: JobRequest) -> dict[str, Any]:
             for k, v in request_view(request).items()}
 
 
-def _db(args: argparse.Namespace) -> Database:
-    return shared_database(args.url or Settings.from_env().database_url)
-
-
 def _list(args: argparse.Namespace) -> int:
-    store = RequestStore(_db(args))
+    store = RequestStore(app_database(args))
     found = store.find(status=args.status, job_type=args.job_type, limit=args.limit)
     states = store.states(found)
     views = [{**request_json(r), "state": states[r.id]} for r in found]
@@ -134,7 +128,7 @@ def _find(store: RequestStore, ref: str) -> JobRequest | None:
 
 
 def _show(args: argparse.Namespace) -> int:
-    db = _db(args)
+    db = app_database(args)
     request = _find(RequestStore(db), args.ref)
     if request is None:
         shown = args.ref if len(args.ref) <= 60 else args.ref[:60] + "..."
@@ -181,20 +175,12 @@ def _cancel(args: argparse.Namespace) -> int:
         return 2
     by = args.by or f"{getpass.getuser()}@{socket.gethostname()} (cli)"
     try:
-        decided = cancel_requests(RequestStore(_db(args)), args.refs, by=by, reason=args.reason)
+        decided = cancel_requests(RequestStore(app_database(args)), args.refs, by=by,
+                                  reason=args.reason)
     except CancelUnavailable as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    views: list[dict[str, Any]] = []
-    for ref, d in zip(args.refs, decided, strict=True):
-        if isinstance(d, CancelDecision):
-            views.append({"ref": ref, "id": d.request.id, "key": d.request.key,
-                          "status": str(d.request.status), "cancel": str(d.state),
-                          "detail": d.detail, "new": d.new})
-        else:
-            views.append({"ref": ref, "id": None, "key": None, "status": None,
-                          "cancel": "unknown", "detail": "no request with this id or key",
-                          "new": False})
+    views = [cancel_view(ref, d) for ref, d in zip(args.refs, decided, strict=True)]
 
     def human() -> None:
         for v in views:

@@ -18,12 +18,11 @@ from typing import Any
 from rich import box
 from rich.table import Table
 
+from cli.commands.arguments import app_database
 from cli.commands.output import add_output_arguments, console, emit, when
 from engine.requests import RequestStore
 from engine.tenants import TenantStore
 from resources.errors import ValidationError
-from resources.storage.db import Database, shared_database
-from resources.storage.settings import Settings
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -47,10 +46,6 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p_list.set_defaults(func=_list)
 
 
-def _db(args: argparse.Namespace) -> Database:
-    return shared_database(args.url or Settings.from_env().database_url)
-
-
 def _view(setting: Any, waiting: int = 0) -> dict[str, Any]:
     return {
         "name": setting.name,
@@ -65,7 +60,7 @@ def _view(setting: Any, waiting: int = 0) -> dict[str, Any]:
 
 def _set(args: argparse.Namespace) -> int:
     try:
-        setting = TenantStore(_db(args)).set(
+        setting = TenantStore(app_database(args)).set(
             args.name, weight=args.weight, min_share=args.min_share, max_share=args.max_share
         )
     except ValidationError as exc:
@@ -79,7 +74,7 @@ def _set(args: argparse.Namespace) -> int:
 
 
 def _list(args: argparse.Namespace) -> int:
-    db = _db(args)
+    db = app_database(args)
     waiting = RequestStore(db).waiting_by_tenant()
     known = TenantStore(db).list()
     views = [_view(s, waiting.get(s.name, 0)) for s in known]

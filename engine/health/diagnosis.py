@@ -291,10 +291,11 @@ def _validation_errors() -> frozenset[str]:
     return frozenset(names)
 
 
-def _refused_input(attempt: Mapping[str, Any]) -> bool:
-    """An attempt the validation boundary refused (bad payload or key): it ends before any
-    claim, so it has no key and no effect by design."""
-    return attempt["error_class"] in _validation_errors()
+def _refused_input(attempt: Mapping[str, Any], refusals: frozenset[str]) -> bool:
+    """An attempt the validation boundary refused (bad payload or key; ``refusals``: the
+    names of :func:`_validation_errors`): it ends before any claim, so it has no key and no
+    effect by design."""
+    return attempt["error_class"] in refusals
 
 
 _LEDGER_COLUMNS = {"key", "status", "owner_token", "lease_expires_at", "fence", "attempt"}
@@ -324,10 +325,11 @@ def check_idempotency_coverage(s: DiagnosisSetup) -> Finding:
     refused: Counter[str] = Counter()
     if "job_attempts" in tables:
         side = {n for n, jt in s.job_types.items() if getattr(jt, "side_effect", True)}
+        refusals = _validation_errors()
         for a in s.attempts():
             if a["job_type"] in side and not a["idempotency_key"]:
                 # a payload the boundary refused never got a key, a claim or an effect
-                (refused if _refused_input(a) else keyless)[a["job_type"]] += 1
+                (refused if _refused_input(a, refusals) else keyless)[a["job_type"]] += 1
         if keyless:
             problems.append(f"attempts of side-effecting job types without a key: "
                             f"{dict(keyless)}")
@@ -815,11 +817,12 @@ def check_tenant_starvation(s: DiagnosisSetup) -> Finding:
     A backlog that nobody is claiming (the intake stopped) is not starvation: no one overtook."""
     now = s.clock()
     starved = {}
-    waiting = RequestStore(s.db).oldest_waiting_by_tenant()
+    requests = RequestStore(s.db)
+    waiting = requests.oldest_waiting_by_tenant()
     for tenant, (n, oldest) in sorted(waiting.items()):
         if now - oldest < s.tenant_starved_seconds:
             continue
-        overtaken_by = RequestStore(s.db).overtaking(tenant, oldest)
+        overtaken_by = requests.overtaking(tenant, oldest)
         if overtaken_by:
             starved[tenant] = {"waiting": n, "oldest_wait_seconds": round(now - oldest, 1),
                                "overtaken_by": overtaken_by}

@@ -97,8 +97,10 @@ class Snapshot:
         return sum(n for (_, error_class), n in self.tally.items() if error_class in STUCK)
 
 
-def snapshot(store: DlqStore) -> Snapshot:
-    mark = store.change_mark()  # first: a write after it shows as a change next tick
+def snapshot(store: DlqStore, mark: int | None = None) -> Snapshot:
+    """The table's view; ``mark``: the change mark the caller read just before (read here if
+    not given), first: a write after it shows as a change next tick."""
+    mark = store.change_mark() if mark is None else mark
     return Snapshot(
         tally=store.tally(UNRESOLVED),
         oldest=store.list_records(status=UNRESOLVED, limit=MAX_ROWS, scan_ids=True),
@@ -178,14 +180,16 @@ def publish(instance: dg.DagsterInstance, store: DlqStore, *, force: bool = Fals
     count and two pages), and the events only when its digest differs from the last one."""
     key = dg.AssetKey(DEAD_LETTERS)
     last: dict[str, Any] = {}
+    mark = None
     if not force:
         latest = instance.get_latest_materialization_event(key)
         materialization = latest.asset_materialization if latest is not None else None
         if materialization is not None:
             last = {k: getattr(v, "value", None) for k, v in materialization.metadata.items()}
-        if last.get("mark") is not None and last["mark"] == store.change_mark():
+        mark = store.change_mark()
+        if last.get("mark") is not None and last["mark"] == mark:
             return False
-    view = snapshot(store)
+    view = snapshot(store, mark)
     if not force and last.get("digest") == digest(view) and last.get("mark") is not None:
         return False
     instance.report_runless_asset_event(

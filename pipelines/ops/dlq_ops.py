@@ -29,6 +29,7 @@ from engine.registry import JOB_TYPES
 from engine.replay import (
     Amendment,
     AmendRefused,
+    BulkReplay,
     Selection,
     Versions,
     amend,
@@ -325,8 +326,7 @@ def dlq_operation(context: dg.OpExecutionContext, config: DlqOperationConfig) ->
             d.record.id: (
                 ("would replay" if config.dry_run else "replay requested") if d.replay
                 else f"not replayed: {d.reason}"
-            ) + f" [{replayed.assessments[d.record.id].verdict}:"
-            f" {replayed.assessments[d.record.id].evidence}]"
+            ) + _verdict(replayed, d.record.id)
             for d in decisions
         }
     elif action == "discard" and not config.dry_run:
@@ -355,15 +355,18 @@ def dlq_operation(context: dg.OpExecutionContext, config: DlqOperationConfig) ->
         }
     )
     if refused:
-        context.log.warning(
-            f"refused {refused}: replaying may repeat their effect; check the evidence, then"
-            f" run again with allow_repeat: {refused}"
-        )
+        context.log.warning(replayed.refused_line(f"run again with allow_repeat: {refused}"))
     if action == "list":  # a listing changes nothing: say what it showed
         context.log.info(f"listed {len(records)} selected records")
     else:
         context.log.info(f"{len(changed)} of {len(records)} selected records: {verb}")
     return {"selected": ids, "changed": changed, "dry_run": config.dry_run, "refused": refused}
+
+
+def _verdict(replay: BulkReplay, record_id: int) -> str:
+    """`` [verdict: evidence]`` of a record the replay judged, else nothing."""
+    judged = replay.assessments.get(record_id)
+    return f" [{judged.verdict}: {judged.evidence}]" if judged is not None else ""
 
 
 def _replay_options(config: DlqOperationConfig) -> dict[str, Any]:
@@ -393,10 +396,7 @@ def _canary_replay(
         raise refused_input(exc) from exc
     replay = result.replay
     decision = {
-        d.record.id: result.outcomes[d.record.id] + (
-            f" [{replay.assessments[d.record.id].verdict}:"
-            f" {replay.assessments[d.record.id].evidence}]"
-            if d.record.id in replay.assessments else "")
+        d.record.id: result.outcomes[d.record.id] + _verdict(replay, d.record.id)
         for d in replay.decisions
     }
     changed = [d.record.id for d in replay.decisions if d.replay]
@@ -410,9 +410,7 @@ def _canary_replay(
     }
     if replay.refused:
         context.log.warning(
-            f"refused {replay.refused}: replaying may repeat their effect; check the evidence,"
-            f" then run again with allow_repeat: {replay.refused}"
-        )
+            replay.refused_line(f"run again with allow_repeat: {replay.refused}"))
     if result.stopped:
         raise dg.Failure(
             description=f"stopped: {result.stopped}; not replayed: {result.held} (still open:"

@@ -14,7 +14,7 @@ import dagster as dg
 import pydantic
 
 from engine import tags as tag
-from engine.requests import CancelDecision, cancel_requests
+from engine.requests import cancel_requests, cancel_view
 from pipelines.ops.failures import refused_input
 from resources.errors import CancelUnavailable, ValidationError
 
@@ -62,18 +62,12 @@ def cancel_request(context: dg.OpExecutionContext, config: CancelConfig) -> dict
     rows = []
     counts = {"cancelled": 0, "requested": 0, "refused": 0, "unknown": 0}
     for ref, d in zip(config.requests, decided, strict=True):
-        if isinstance(d, CancelDecision):
-            counts[str(d.state)] += 1
-            rows.append(dg.TableRecord({
-                "request": ref, "id": d.request.id, "key": d.request.key,
-                "status": str(d.request.status), "cancel": str(d.state), "detail": d.detail,
-            }))
-        else:
-            counts["unknown"] += 1
-            rows.append(dg.TableRecord({
-                "request": ref, "id": 0, "key": "", "status": "", "cancel": "unknown",
-                "detail": "no request with this id or key",
-            }))
+        view = cancel_view(ref, d)
+        counts[view["cancel"]] += 1
+        rows.append(dg.TableRecord({
+            "request": ref, "id": view["id"] or 0, "key": view["key"] or "",
+            "status": view["status"] or "", "cancel": view["cancel"], "detail": view["detail"],
+        }))
     summary = ", ".join(f"{n} {state}" for state, n in counts.items() if n)
     context.instance.add_run_tags(context.run_id, {tag.CANCEL: summary})
     context.add_output_metadata(

@@ -127,10 +127,11 @@ class RetentionTooShort(SekaliError):
 MIN_RETENTION_SECONDS = 72 * 3600.0
 
 SUPERSEDED = "superseded"
-MARK_WINDOW = 1000
-"""Audit ids behind the newest in which a late commit still moves :meth:`DlqStore.change_mark`."""
 """The audit action of a record closed because a new version of its request replaced it (an
 amended replay): the record is ``discarded`` and can never be replayed under the old key."""
+
+MARK_WINDOW = 1000
+"""Audit ids behind the newest in which a late commit still moves :meth:`DlqStore.change_mark`."""
 
 UNRESOLVED = (_D.OPEN, _D.REPLAY_REQUESTED, _D.REPLAYING)
 _UNRESOLVED_SQL = ", ".join(f"'{s}'" for s in UNRESOLVED)

@@ -172,14 +172,6 @@ class OutboxDeadLetters:
             ).first()
         return None if row is None else OutboxDeadLetter.from_row(row)
 
-    def count_open(self) -> int:
-        with self.db.statement() as conn:
-            return int(
-                conn.execute(
-                    text("SELECT COUNT(*) FROM outbox_dead_letters WHERE status = 'open'")
-                ).scalar_one()
-            )
-
     def expired(self, retention_seconds: float) -> Expiry:
         """Dead letters replayed or discarded more than ``retention_seconds`` ago, but for a
         replayed one whose event is still unpublished."""
