@@ -91,7 +91,7 @@ class Debounce:
         if not 0 < self.wait <= self.max_wait:
             raise ValueError(f"debounce needs 0 < wait <= max_wait, got {self.wait}, "
                              f"{self.max_wait}")
-        if not [f for _, f, _, _ in string.Formatter().parse(self.key) if f]:
+        if not field_names(self.key):
             raise ValueError(f"debounce key {self.key!r} names no payload field")
 
 
@@ -151,10 +151,15 @@ def _not_declared(payload: dict[str, Any]) -> dict[str, Any]:
     raise AssertionError("replaced in JobType.__post_init__")
 
 
+def field_names(template: str) -> tuple[str, ...]:
+    """The payload fields a format string (a key, a concurrency or fairness key) names."""
+    return tuple(f for _, f, _, _ in string.Formatter().parse(template) if f)
+
+
 def formatted(template: str) -> Callable[[dict[str, Any]], str]:
     """``key_for=formatted("points:{account_id}")``: a format string over the validated
     payload's fields, as a function (the fields it names are checked against ``payload``)."""
-    names = tuple(f for _, f, _, _ in string.Formatter().parse(template) if f)
+    names = field_names(template)
     if not names:
         raise ValueError(f"{template!r} names no payload field")
 
@@ -244,16 +249,12 @@ class JobType:
             raise ValueError(f"{self.name}: dedupe_window must be at least 1 second")
         if self.concurrency_limit < 1:
             raise ValueError(f"{self.name}: concurrency_limit must be >= 1")
-        if self.concurrency_key is not None:
-            fields = [f for _, f, _, _ in string.Formatter().parse(self.concurrency_key) if f]
-            if not fields:
-                raise ValueError(
-                    f"{self.name}: concurrency_key {self.concurrency_key!r} names no payload "
-                    "field, so every request would share one key"
-                )
-        if self.fairness_key is not None and not [
-            f for _, f, _, _ in string.Formatter().parse(self.fairness_key) if f
-        ]:
+        if self.concurrency_key is not None and not field_names(self.concurrency_key):
+            raise ValueError(
+                f"{self.name}: concurrency_key {self.concurrency_key!r} names no payload "
+                "field, so every request would share one key"
+            )
+        if self.fairness_key is not None and not field_names(self.fairness_key):
             raise ValueError(
                 f"{self.name}: fairness_key {self.fairness_key!r} names no payload field, so "
                 "every request would be one tenant"

@@ -47,7 +47,7 @@ from engine.tenants import (
     effective_shares,
     setting_from_row,
 )
-from resources.dlq import DlqStore
+from resources.dlq import UNRESOLVED, DlqStatus, DlqStore, sources_of
 from resources.errors import CancelUnavailable, IdempotencyConflict
 from resources.idempotency import payload_hash
 from resources.storage.db import Database, metadata
@@ -140,7 +140,6 @@ TRANSITIONS: dict[RequestStatus | None, frozenset[RequestStatus]] = {
     _S.CANCELLED: frozenset(),
 }
 _NOT_STARTED = (_S.PENDING, _S.LAUNCHED, _S.FAILED)
-_OPEN_LETTERS = ("open", "replay_requested")
 """Statuses a cancel ends at once: no attempt of the request is running."""
 
 
@@ -225,8 +224,10 @@ _COLUMNS = (
     " claim_rank, dedupe_window, debounce_key, debounce_wait, debounce_max_wait, coalesced_into,"
     " coalesced_count, superseded_by, amends, tenant, claimed_at"
 )
+_QUALIFIED = ", ".join(f"job_requests.{c.strip()}" for c in _COLUMNS.split(","))
+"""The columns named with their table (joins, Postgres's claim ``RETURNING``)."""
 _READ = (
-    "SELECT " + ", ".join(f"job_requests.{c.strip()}" for c in _COLUMNS.split(","))  # nosec B608
+    "SELECT " + _QUALIFIED  # nosec B608
     + ", c.cancel_state, c.cancel_reason, c.cancel_by, c.cancel_requested_at,"
     " c.cancel_decided_at, c.cancel_detail, s.source"
     " FROM job_requests LEFT JOIN request_cancels c ON c.request_id = job_requests.id"
@@ -767,9 +768,7 @@ class RequestStore:
         *, debounced: bool = False,
     ) -> list[JobRequest]:
         template = _CLAIM_PG if self.db.is_postgres else _CLAIM
-        columns = _COLUMNS
-        if self.db.is_postgres:
-            columns = ", ".join(f"job_requests.{c.strip()}" for c in _COLUMNS.split(","))
+        columns = self._returning
         sql = template.format(
             indexed="" if self.db.is_postgres else "INDEXED BY job_requests_claim",
             claimable=_CLAIMABLE.format(plain="" if debounced else " AND debounce_key IS NULL"),
@@ -841,9 +840,7 @@ class RequestStore:
 
     @property
     def _returning(self) -> str:
-        if not self.db.is_postgres:
-            return _COLUMNS
-        return ", ".join(f"job_requests.{c.strip()}" for c in _COLUMNS.split(","))
+        return _QUALIFIED if self.db.is_postgres else _COLUMNS
 
     def _claim_debounced(
         self,
@@ -1298,10 +1295,11 @@ class RequestStore:
         if failed:
             sql = text(
                 "SELECT DISTINCT request_id FROM dlq_records WHERE request_id IN :ids"
-                " AND status NOT IN ('resolved', 'discarded')"
-            ).bindparams(bindparam("ids", expanding=True))
+                " AND status IN :open"
+            ).bindparams(bindparam("ids", expanding=True), bindparam("open", expanding=True))
             with self.db.statement() as conn:
-                kept = {int(i) for i in conn.execute(sql, {"ids": failed}).scalars()}
+                kept = {int(i) for i in conn.execute(
+                    sql, {"ids": failed, "open": [str(s) for s in UNRESOLVED]}).scalars()}
         return {r.id: state_of(r, dead_lettered=r.id in kept) for r in requests}
 
     def queue_stats(self) -> list[dict[str, Any]]:
@@ -1464,7 +1462,8 @@ def cancel_view(ref: int | str, decided: CancelDecision | KeyError) -> dict[str,
 def _close_dead_letters(db: Database, request_id: int, by: str, reason: str | None) -> None:
     """A cancelled request's open dead letters are discarded, so no replay is offered."""
     dlq = DlqStore(db)
-    ids = [r.id for r in dlq.list_records(request_id=request_id, status=_OPEN_LETTERS)]
+    ids = [r.id for r in dlq.list_records(request_id=request_id,
+                                          status=sources_of(DlqStatus.DISCARDED))]
     if ids:
         why = f"request {request_id} cancelled: {reason or 'no reason'}"
         dlq.discard(ids, actor=by, reason=why)

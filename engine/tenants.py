@@ -262,7 +262,7 @@ class TenantStore:
                     " WHERE name NOT LIKE '~%' ORDER BY name"
                 )
             ).all()
-        return [_setting(r) for r in rows]
+        return [setting_from_row(r) for r in rows]
 
     @staticmethod
     def default(name: str) -> TenantSetting:
@@ -319,5 +319,3 @@ def setting_from_row(row: Any) -> TenantSetting:
         claimed=int(m.get("claimed") or 0),
     )
 
-
-_setting = setting_from_row

@@ -302,8 +302,17 @@ def dead_letter_failed_requests(
     ``instance`` knows it) is linked to its records (:func:`link_run`), and a request whose run
     Dagster will retry is left to that retry, as :func:`dead_letter_run` leaves the run."""
     out = []
+    runs: dict[str, dg.DagsterRun | None] = {}  # a batch run's requests share it: read once
+
+    def run_of(run_id: str | None) -> dg.DagsterRun | None:
+        if instance is None or not run_id:
+            return None
+        if run_id not in runs:
+            runs[run_id] = instance.get_run_by_id(run_id)
+        return runs[run_id]
+
     for r in RequestStore(store.db).failed_without_dlq_record(limit):
-        run = instance.get_run_by_id(r.run_id) if instance is not None and r.run_id else None
+        run = run_of(r.run_id)
         if run is not None and will_retry(run):
             continue
         last_error = r.last_error or "failed"
@@ -336,7 +345,7 @@ def dead_letter_failed_requests(
             if item.record.run_id and not item.record.run_id.startswith("request:"):
                 by_run.setdefault(item.record.run_id, []).append(item.record.id)
         for run_id, ids in by_run.items():
-            run = instance.get_run_by_id(run_id)
+            run = run_of(run_id)
             if run is not None:
                 link_run(instance, run, ids)
     return out

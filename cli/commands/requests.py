@@ -48,7 +48,7 @@ from engine.requests import (
     cancel_view,
     state_of,
 )
-from resources.dlq import DlqStore
+from resources.dlq import UNRESOLVED, DlqStore
 from resources.errors import CancelUnavailable
 from resources.telemetry.redact import redact
 
@@ -164,7 +164,7 @@ def _outcome(request: JobRequest, attempts: list[dict[str, Any]],
     """The request's end in one word (:func:`engine.requests.state_of`), followed by the last
     attempt's outcome."""
     status = state_of(request, dead_lettered=any(
-        d["status"] not in ("resolved", "discarded") for d in letters))
+        d["status"] in UNRESOLVED for d in letters))
     last = attempts[-1]["outcome"] if attempts else None
     return f"{status} (last attempt: {last})" if last else status
 
