@@ -50,15 +50,17 @@ from benchmarks.backends import postgres_schema, postgres_url, redis_url
 from benchmarks.spread import interleaved
 from benchmarks.suite import module_main
 from engine import tags as run_tags
+from engine.dead_letters import Subject
 from engine.failures import FailurePath
 from engine.intake import enqueue
 from engine.registry import downstreams
 from engine.requests import RequestStore
 from engine.runtime import execute_request
 from engine.services import Services
+from engine.step import run_batch
 from pipelines.definitions import defs
 from pipelines.ops import all_jobs
-from pipelines.ops.batch import BATCH_JOBS, run_batch
+from pipelines.ops.batch import BATCH_JOBS
 from pipelines.profile import DownstreamResource
 from resources.dagster_resources import (
     CacheResource,
@@ -158,7 +160,8 @@ def per_key_loop(store: Any, ids: list[int], services: Any, run_id: str) -> int:
                 request_id=request.id, decide=path.outcome,
             )
         except Exception as exc:  # noqa: BLE001 - as the step did: recorded, the loop goes on
-            path.settle_request(store, request.id, exc, run_id=run_id)
+            path.settle(store, Subject(request.job_type, request.payload, request.key,
+                                       request.id), exc, run_id=run_id, step="floor")
             continue
         store.mark_completed(request.id, run_id=run_id)
         done += 1

@@ -56,8 +56,9 @@ from benchmarks.plotting import RESULTS
 
 SUITES = ["idempotency", "locks", "stampede", "retry_storm", "intake", "chaos", "observability",
           "outbox", "flow", "intake_flow", "tracing", "peers", "cluster", "retention", "upgrade",
-          "fairness", "dlq_sensor"]
-ON_REQUEST = {"cluster": "it builds network namespaces as root and takes about 10 minutes"}
+          "fairness", "dlq_sensor", "overload"]
+ON_REQUEST = {"cluster": "it builds network namespaces as root and takes about 10 minutes",
+              "overload": "it drains two bursts of 50,000 requests through sekali dev"}
 """Suites left out of a run unless named with ``--only``, and why."""
 DEFAULT_SUITES = [name for name in SUITES if name not in ON_REQUEST]
 RESULTS_DIR = RESULTS
@@ -108,6 +109,19 @@ HEADLINE: dict[str, tuple[str, float | None, str]] = {
     "upgrade_longest_exclusive_hold_s": (
         "<=", 1.0, "Postgres upgrade from the previous release, 2 M requests: longest ACCESS "
         "EXCLUSIVE hold on job_requests, s"
+    ),
+    "overload_dead_letters": (
+        "<=", 0.0, "a burst of 50,000 under a minute of failed launches and a killed worker: "
+        "requests dead-lettered"
+    ),
+    "overload_drain_ratio": (
+        ">=", None, "that burst's drain rate over the same burst with no fault"
+    ),
+    "overload_oldest_waiting_s": (
+        "<=", None, "that burst: the oldest request's wait, s"
+    ),
+    "overload_peak_rss_mb": (
+        "<=", None, "that burst: the largest process's peak resident memory, MB"
     ),
 }
 """Headline figure -> (comparison, target, what it is). Suites report them under "headline".

@@ -14,6 +14,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
+from cli.commands import CommandRefused
 from resources.telemetry.redact import RedactingFilter
 
 # name -> (module with ``register(subparsers) -> None``, one line of help)
@@ -28,10 +29,13 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "rejections": ("cli.commands.rejections", "see the requests the intake refused"),
     "outbox": ("cli.commands.outbox", "dead outbox events: show, replay, discard"),
     "tenants": ("cli.commands.tenants", "fair share across tenants: weights, min, max"),
+    "webhooks": ("cli.commands.webhooks", "webhook endpoints: signing secrets, plain http"),
     "doctor": ("cli.commands.doctor", "run the production diagnosis checklist"),
     "metrics": ("cli.commands.metrics", "show metrics or serve them to Prometheus"),
     "chaos": ("cli.commands.chaos", "break the platform on purpose and check the invariants"),
     "cluster": ("cli.commands.cluster", "sekali on several hosts: cluster up, down, status"),
+    "ui-proxy": ("cli.commands.ui_proxy", "basic authentication in front of the Dagster UI"),
+    "model": ("cli.commands.model", "check the SPIN model of the ledger protocol"),
 }
 
 
@@ -54,9 +58,21 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     for name, (module, help_text) in COMMANDS.items():
         if name in named:
             importlib.import_module(module).register(sub)
+            _name_subcommands(sub.choices[name])
         else:
             sub.add_parser(name, help=help_text)
     return parser
+
+
+def _name_subcommands(parser: argparse.ArgumentParser) -> None:
+    """A missing subcommand is named by its choices (``{list,show,cancel}``), not by the
+    attribute it is stored under (``requests_command``)."""
+    for action in parser._actions:  # noqa: SLF001 - argparse keeps its subparsers there
+        if isinstance(action, argparse._SubParsersAction):  # noqa: SLF001
+            if action.metavar is None:
+                action.metavar = "{" + ",".join(action.choices) + "}"
+            for child in action.choices.values():
+                _name_subcommands(child)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -70,6 +86,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             handler.addFilter(RedactingFilter())
     try:
         return int(args.func(args) or 0)
+    except CommandRefused as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
 

@@ -40,7 +40,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 from typing import Any
@@ -98,6 +98,7 @@ job_attempts = Table(
     Column("correlation_id", Text),
     Column("request_id", BigInteger),
     Column("traceparent", Text),
+    Column("send_bounds", Text),
 )
 
 job_attempt_rollups = Table(
@@ -265,27 +266,34 @@ class Attempt:
     correlation_id: str | None = None
     request_id: int | None = None
     traceparent: str | None = None
+    send_bounds: list[tuple[float, float]] = field(default_factory=list)
+    """Each lease confirmation before a downstream call: ``(asked, bound)`` on this process's
+    wall clock, ``bound`` the send bound it granted (:meth:`JobContext.confirm_lease`). The
+    evidence that every effect left under a confirmed lease (``sekali chaos``)."""
     stored: bool = field(default=False, repr=False)
     personal: tuple[str, ...] = field(default=(), repr=False)  # values masked in errors and logs
     rolled: dict[RollupKey, int] = field(default_factory=dict, repr=False, compare=False)
+
+    def add_send_bound(self, asked: float, bound: float) -> None:
+        """Note a lease confirmation (wall clock): see :attr:`send_bounds`."""
+        self.send_bounds.append((round(asked, 6), round(bound, 6)))
 
     def add_duration(self, name: str, seconds: float) -> None:
         """Accumulate a critical step's duration (``lock``, ``gateway``, ``commit`` ...)."""
         self.durations[name] = round(self.durations.get(name, 0.0) + seconds, 6)
 
     def row(self) -> dict[str, Any]:
-        values = asdict(self)
-        values.pop("stored")
-        values.pop("personal")
-        values.pop("rolled")
+        values = {k: getattr(self, k) for k in _FIELDS}  # no deep copy: every value is written
         values["durations"] = json.dumps(self.durations, sort_keys=True)
+        values["send_bounds"] = json.dumps(self.send_bounds) if self.send_bounds else None
         values["takeover"] = int(self.takeover)
         values["outcome"] = str(self.outcome)
-        return {k: values[k] for k in _FIELDS}
+        return values
 
     def log_fields(self) -> dict[str, Any]:
         values = self.row()
         values["durations"] = self.durations
+        values["send_bounds"] = self.send_bounds
         return values
 
     def contribution(self) -> dict[RollupKey, int]:

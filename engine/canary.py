@@ -183,6 +183,7 @@ def _replay_rest(store: DlqStore, out: CanaryReplay, allow_repeat: Collection[in
     out.replay.decisions += rest.decisions
     out.replay.assessments.update(rest.assessments)
     out.replay.refused += rest.refused
+    out.replay.unregistered += rest.unregistered
     for d in rest.decisions:
         out.outcomes[d.record.id] = REQUESTED if d.replay else _not_replayed(rest, d,
                                                                             dry_run=False)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +47,9 @@ class JobContext:
     slot: Slot | None = None
     """The concurrency slot of this payload's key that the caller already holds (a micro-batch
     holds its keys' slots around its effects): :meth:`concurrency_slot` then uses it."""
+    cancels: CancelWatch | None = None
+    """The cancels of the batch this request runs in, read for all of them at once
+    (:class:`CancelWatch`); None: each cancel point asks the store."""
     _lock_wait: float = field(default=0.0, repr=False)
     _sent: bool = field(default=False, repr=False)
     _done: list[str] = field(default_factory=list, repr=False)
@@ -103,18 +106,21 @@ class JobContext:
         adds margin. Half the lease, not all of it, because skew, the store's own processing
         time and the bound check itself all eat into it. What is left: a pause between the
         client's bound check and its socket write (a few instructions), documented in
-        ``docs/design.md``.
+        ``docs/design.md``. Each bound granted is written down on the attempt
+        (``Attempt.send_bounds``), the evidence ``sekali chaos`` checks every arrival against.
         """
         self.check_lease()
         self.cancel_point("before a downstream call")
         self._sent = True
-        asked = time.monotonic()
+        asked, asked_wall = time.monotonic(), time.time()
         if self.keeper is not None:
             self.keeper.confirm()
         else:
             self.services.store.heartbeat(self.claim)
         lease = self.services.store.lease_seconds
-        return asked + lease / 2 - lease / 10
+        bound = asked + lease / 2 - lease / 10
+        self.attempt.add_send_bound(asked_wall, asked_wall + (bound - asked))
+        return bound
 
     @contextlib.contextmanager
     def timed(self, name: str) -> Iterator[None]:
@@ -206,7 +212,10 @@ class JobContext:
         """
         if self._sent or self.claim.recovery_point is not None:
             return
-        state = RequestStore(self.services.db).cancel_asked(self.claim.key, conn=conn)
+        if conn is None and self.cancels is not None:
+            state = self.cancels.state(self.claim.key)
+        else:
+            state = RequestStore(self.services.db).cancel_asked(self.claim.key, conn=conn)
         if state in (CancelState.REQUESTED, CancelState.CANCELLED):
             raise RequestCancelled(self.claim.key, where, done=tuple(self._done))
 
@@ -214,6 +223,33 @@ class JobContext:
         """Mark the key completed in the same transaction as the final effect."""
         self.services.store.complete(self.claim, result, conn=conn)
         self.completed = True
+
+
+class CancelWatch:
+    """The cancels asked for a batch's requests, read in one statement and reused for
+    ``max_age`` seconds by every cancel point of the batch outside a transaction (two
+    statements per request before).
+
+    Reading a cancel up to ``max_age`` late is the same as the cancel arriving that much later,
+    which the protocol already allows: the request stops at a later cancel point, or completes
+    and the statement that completes it refuses the cancel (``_REFUSE_ON_COMPLETION``). So a
+    request is still either completed with its cancel refused, or made no effect after it."""
+
+    def __init__(self, store: RequestStore, keys: Sequence[str], *, max_age: float = 0.5,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.store = store
+        self.keys = list(keys)
+        self.max_age = max_age
+        self.clock = clock
+        self._read_at: float | None = None
+        self._states: dict[str, CancelState] = {}
+
+    def state(self, key: str) -> CancelState | None:
+        now = self.clock()
+        if self._read_at is None or now - self._read_at > self.max_age:
+            self._states = self.store.cancels_asked(self.keys)
+            self._read_at = now
+        return self._states.get(key)
 
 
 @contextlib.contextmanager

@@ -18,7 +18,7 @@ import functools
 import os
 import signal
 import string
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -27,14 +27,18 @@ from sqlalchemy.engine import Connection
 
 from engine import payloads
 from engine.downstreams import Downstream
+from engine.downstreams import Effect as Effect  # re-exported: the lookup hook's value
 from engine.payloads import PayloadField as PayloadField  # re-exported: the contract names it
 from engine.tenants import DEFAULT_TENANT, check_tenant
 from resources.errors import FencedWriteRejected, ValidationError, shown
 from resources.storage.db import Database
 from resources.storage.retention import Expiry
 
+DELIVERIES = ("resident", "per_request", "fan_out", "micro_batch")
+"""The ways a job type's requests may reach its handler (:class:`engine.delivery.Delivery`)."""
 CRASH_ENV = "SEKALI_CRASH_AT"
 STOP_ENV = "SEKALI_STOP_AT"
+LOOKUP_FIRST_ENV = "SEKALI_LOOKUP_FIRST"
 
 
 def crash_point(name: str) -> None:
@@ -54,15 +58,6 @@ BatchHandler = Callable[[Sequence[tuple[Any, Any]]], list[Any]]
 """Runs the handler for several claimed requests at once (``(ctx, payload)`` pairs); returns,
 in order, each one's result or the exception it failed with (returned, not raised: one failure
 never stops the others)."""
-
-
-@dataclass(frozen=True)
-class Effect:
-    """One effect a downstream holds for an intent: its id there and, when known, when."""
-
-    reference: str
-    at: float | None = None
-    detail: Mapping[str, Any] = field(default_factory=dict)
 
 
 Lookup = Callable[[Callable[[str], Any], str, Any], Sequence[Effect]]
@@ -203,10 +198,16 @@ class JobType:
     """Platform services beyond the ledger the handler uses: ``cache``. (No lock: the claim and
     its fence are the mutual exclusion; a concurrency limit is ``concurrency_key``.)"""
     description: str = ""
+    delivery: str | None = None
+    """How its requests reach the handler (:mod:`engine.delivery`): None for the platform's
+    default (resident workers: a job starts within milliseconds); ``per_request`` when each of
+    its requests must be a Dagster run of its own, a person's to watch; ``micro_batch`` or
+    ``fan_out`` for a run per batch."""
     # At most ``concurrency_limit`` side effects at once per key, across every worker: a format
-    # string over the validated payload (``"account:{account_id}"``); None for no limit. The
+    # string over the validated payload (``"account:{account_id}"``), or a function of it (a
+    # key the payload does not spell, such as the host a URL names); None for no limit. The
     # handler holds the slot around its side effect with ``ctx.concurrency_slot(JOB_TYPE)``.
-    concurrency_key: str | None = None
+    concurrency_key: str | Callable[[dict[str, Any]], str] | None = None
     concurrency_limit: int = 1
     fairness_key: str | None = None
     """The tenant a request belongs to, for fair share at intake (:mod:`engine.tenants`): a
@@ -243,13 +244,36 @@ class JobType:
     the outcome of a send is unknown. A job type with a side effect at a downstream should
     declare it (:meth:`missing_lookup` says when one does not)."""
 
+    lookup_first: bool | None = None
+    """Whether the handler looks its effect up before its first send too, not only on a retry
+    or a takeover: the guard against a completed key rolled back (a database failover to an
+    asynchronous standby, a restore from backup) and its effect made again. None: on when the
+    type has a side effect at a downstream that does not dedupe by idempotency key
+    (``Downstream.dedupes``). ``SEKALI_LOOKUP_FIRST`` overrides it per job type
+    (``charge_payment=1,send_email=0``). Costs one lookup per first send (docs/job-types.md);
+    read it with :meth:`looks_up_first`."""
+
+    def looks_up_first(self) -> bool:
+        """This type's :attr:`lookup_first`, after ``SEKALI_LOOKUP_FIRST`` (read at each call,
+        so an operator's change reaches the next request)."""
+        for item in os.environ.get(LOOKUP_FIRST_ENV, "").split(","):
+            name, _, value = item.strip().partition("=")
+            if name == self.name and value.strip() in ("0", "1"):
+                return value.strip() == "1"
+        if self.lookup_first is not None:
+            return self.lookup_first
+        return self.side_effect and any(not d.dedupes for d in self.clients)
+
     def __post_init__(self) -> None:
         self._derive_from_payload()
         if self.dedupe_window is not None and self.dedupe_window < 1:
             raise ValueError(f"{self.name}: dedupe_window must be at least 1 second")
+        if self.delivery is not None and self.delivery not in DELIVERIES:
+            raise ValueError(f"{self.name}: delivery {self.delivery!r} unknown (known: "
+                             f"{', '.join(DELIVERIES)})")
         if self.concurrency_limit < 1:
             raise ValueError(f"{self.name}: concurrency_limit must be >= 1")
-        if self.concurrency_key is not None and not field_names(self.concurrency_key):
+        if isinstance(self.concurrency_key, str) and not field_names(self.concurrency_key):
             raise ValueError(
                 f"{self.name}: concurrency_key {self.concurrency_key!r} names no payload "
                 "field, so every request would share one key"
@@ -383,6 +407,8 @@ class JobType:
         """The concurrency key of a validated payload, or None when the type has no limit."""
         if self.concurrency_key is None:
             return None
+        if callable(self.concurrency_key):
+            return self.concurrency_key(payload)
         return self.concurrency_key.format_map(payload)
 
 

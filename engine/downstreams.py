@@ -14,18 +14,20 @@ about a downstream follows from its one declaration:
 - its retry-budget bucket: its name. A job type's retries for a failure of this downstream
   draw on the one budget every worker shares;
 - optionally its sandbox stand-in (:class:`Sandbox`), which ``sekali dev`` starts on the
-  address the settings name.
+  address the settings name, and which may say how to read its own record of the effects it
+  received (``Sandbox.record``): the ground truth ``sekali chaos`` counts by.
 """
 
 from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from resources.egress import ALLOW_ENV, allow_list
 from resources.flow import RateLimits
 from resources.storage.settings import Settings
 
@@ -49,6 +51,22 @@ class Stoppable(Protocol):
 
 
 @dataclass(frozen=True)
+class Effect:
+    """One effect a downstream holds for an intent: its id there and, when known, when (for a
+    stand-in's own record: when it arrived, by the stand-in's wall clock)."""
+
+    reference: str
+    at: float | None = None
+    detail: Mapping[str, Any] = field(default_factory=dict)
+
+
+Record = Callable[[Any, str, Any], Sequence[Effect]]
+"""``record(stand_in, key, payload) -> effects``: every effect the running stand-in (what
+``Sandbox.start`` returned) received for the intent with idempotency key ``key`` (``payload``
+validated), read from its own storage, duplicates included, each with its arrival time."""
+
+
+@dataclass(frozen=True)
 class Sandbox:
     """How ``sekali dev`` starts a stand-in of the downstream on this machine.
 
@@ -63,6 +81,11 @@ class Sandbox:
     environment: Callable[[Path], Mapping[str, str]] = lambda state: {}
     """The settings (environment variables) a client needs beside the address to use the
     stand-in started under ``state``: where its records can be read, for a lookup hook."""
+    record: Record | None = None
+    """How to count what the stand-in received (see :data:`Record`), never through the client
+    or the job type's lookup: ``sekali chaos --job-type`` judges "at most one effect", "none
+    lost" and the send bound by it, and calibrates the lookup against it. Without one, a chaos
+    verdict counts through the lookup and says the counts are unverified."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +100,15 @@ class Downstream:
     description: str = ""
     calls: tuple[str, ...] = ()
     sandbox: Sandbox | None = None
+    dedupes: bool = False
+    """The service honours the idempotency key sent with an effect: a repeated send of one
+    intent makes no second effect (a payment provider's ``Idempotency-Key``). SMTP does not.
+    A job type's first send looks up first by default when one of its downstreams does not
+    (``JobType.lookup_first``)."""
+    destinations_from_payloads: bool = False
+    """The client calls addresses that payloads name (a customer's webhook URL): lookups
+    through it run only on workers, under their egress rules, never from an operator's CLI
+    (:func:`engine.replay.lookup_client`)."""
 
     def __post_init__(self) -> None:
         if not _NAME.match(self.name):
@@ -127,6 +159,15 @@ class Paced:
         return call
 
 
+def sandbox_egress(boxes: Iterable[Sandbox], settings: Settings,
+                   environ: Mapping[str, str]) -> dict[str, str]:
+    """``SEKALI_EGRESS_ALLOW`` for processes that call the stand-ins ``boxes`` started under
+    ``settings``: what ``environ`` allows, plus each stand-in's address (the egress rules
+    refuse loopback otherwise, :mod:`resources.egress`)."""
+    addresses = [f"{host}:{port}" for host, port, _ in (b.address(settings) for b in boxes)]
+    return {ALLOW_ENV: allow_list(addresses, environ)}
+
+
 def paced(downstream: Downstream, client: Any, rates: RateLimits) -> Any:
     """``client`` at ``downstream``'s shared rate, or ``client`` itself when no rate is set."""
     if rates.limiter(downstream.name) is None:
@@ -134,4 +175,5 @@ def paced(downstream: Downstream, client: Any, rates: RateLimits) -> Any:
     return Paced(client, downstream, rates)
 
 
-__all__ = ["ClientOptions", "Downstream", "Paced", "Sandbox", "Stoppable", "paced"]
+__all__ = ["ClientOptions", "Downstream", "Effect", "Paced", "Record", "Sandbox", "Stoppable",
+           "paced", "sandbox_egress"]

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.attempts import Outcome
+from engine.dead_letters import DeadLetter, Subject, dead_letter_now, error_text
 from engine.requests import RequestStore
 from resources.errors import RequestCancelled
 from resources.retry import (
@@ -36,17 +37,22 @@ from resources.retry import (
     classify,
     failure_class,
 )
-from resources.telemetry.redact import redact
 
 log = logging.getLogger(__name__)
 
 NO_RETRY_HERE = "retried by the DLQ, not within this step"
 
+__all__ = ["NO_RETRY_HERE", "FailurePath", "Settled", "error_text"]
 
-def error_text(exc: BaseException) -> str:
-    """How a failure is written into ``job_requests.last_error`` and batch summaries, e-mail
-    addresses masked."""
-    return redact(f"{type(exc).__name__} ({failure_class(exc)}): {exc}")
+
+@dataclass(frozen=True)
+class Settled:
+    """What settling a failed request did: its dead letter (given up), or when it is
+    claimable again (given back for a retry later), or neither (the step retries it itself, it
+    was cancelled, or its row could not be written now)."""
+
+    dead_letter: DeadLetter | None = None
+    retry_at: float | None = None
 
 
 @dataclass
@@ -112,14 +118,45 @@ class FailurePath:
             return Outcome.FAILED_PERMANENT
         return Outcome.DEAD_LETTERED
 
-    def settle_request(
-        self, requests: RequestStore, request_id: int, exc: BaseException, *, run_id: str | None
-    ) -> None:
-        """Move the request to ``failed`` (for the DLQ) unless a retry of this step follows; a
-        cancelled one (it stopped at a cancel point) to ``cancelled``, saying what was done."""
+    def settle(
+        self,
+        requests: RequestStore,
+        subject: Subject,
+        exc: BaseException,
+        *,
+        run_id: str,
+        step: str,
+        owner: str | None = None,
+        requeue: bool = False,
+    ) -> Settled:
+        """Settle the request from the decision: a cancelled one (it stopped at a cancel point)
+        ``cancelled``, saying what was done; given up: ``failed`` with its DLQ record, in one
+        transaction (:func:`engine.dead_letters.dead_letter`); a retry: nothing here (the step
+        runs again), or with ``requeue`` back to ``pending``, claimable after the delay.
+        ``owner``: a resident worker's run, which moves only what it still holds."""
         if isinstance(exc, RequestCancelled):
-            requests.mark_cancelled(request_id, exc.detail, run_id=run_id)
-        elif not self.decide(exc).retry:
-            requests.mark_failed(
-                request_id, error_text(exc), error_class=str(failure_class(exc)), run_id=run_id
-            )
+            if subject.request_id is not None:
+                requests.mark_cancelled(subject.request_id, exc.detail, run_id=run_id)
+            return Settled()
+        decision = self.decide(exc)
+        if decision.retry:
+            if not requeue or subject.request_id is None or owner is None:
+                return Settled()
+            at = self.clock() + (decision.delay or 0.0)
+            requests.retry_later(subject.request_id, owner=owner, at=at, error=error_text(exc),
+                                 error_class=str(failure_class(exc)))
+            return Settled(retry_at=at)
+        return Settled(dead_letter=dead_letter_now(
+            subject, exc, requests, run_id=run_id, step=step, owner=owner))
+
+    def settle_request(
+        self, requests: RequestStore, request_id: int, exc: BaseException, *, run_id: str,
+        step: str = "",
+    ) -> Settled:
+        """:meth:`settle` for a request known by its row id (its row is read for the dead
+        letter's subject)."""
+        row = requests.get(request_id)  # nosec B113: the request store, not HTTP
+        subject = (Subject(row.job_type, row.payload, row.key, row.id, row.correlation_id,
+                           row.traceparent)
+                   if row is not None else Subject("", None, request_id=request_id))
+        return self.settle(requests, subject, exc, run_id=run_id, step=step)

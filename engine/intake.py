@@ -40,16 +40,28 @@ import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from sqlalchemy import event
 from sqlalchemy.engine import Connection
 
+from engine.delivery import Delivery, DeliveryPolicy
 from engine.requests import DEFAULT_PRIORITY_AGING, Debounced, EnqueueResult, RequestStore
 from engine.validation import admit
+from engine.worker import notify_workers
 from resources.storage.db import Database, shared_database
 from resources.storage.migrations import ensure_schema
 from resources.storage.settings import Settings
 from resources.telemetry.tracing import configure_tracing, inject, set_attributes, span
 
 log = logging.getLogger(__name__)
+
+def _wake_after_commit(conn: Connection | None, queue: str) -> None:
+    """Wake an idle resident worker of ``queue``: now, or when the caller's transaction commits
+    (a worker woken earlier would not see the request yet)."""
+    if conn is not None and conn.in_transaction():
+        event.listen(conn, "commit", lambda _conn: notify_workers(queue), once=True)
+    else:
+        notify_workers(queue)
+
 
 def priority_aging(env: Mapping[str, str] | None = None) -> float:
     """Seconds of waiting worth one priority step: ``SEKALI_INTAKE_PRIORITY_AGING`` (default 60).
@@ -144,6 +156,8 @@ def _enqueue(
         aging=priority_aging(),
         tenant=admitted.tenant,
     )
+    if result.created and DeliveryPolicy.from_env().of(spec) is Delivery.RESIDENT:
+        _wake_after_commit(conn, admitted.job_type.queue)
     log.info(
         "enqueued %s key=%s request=%s created=%s",
         job_type,

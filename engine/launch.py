@@ -1,9 +1,13 @@
 """How a request becomes a run of its job type's per-request job: the run config every way in
-builds (the intake sensor, a DLQ replay, reconciliation handing a stuck claim to the DLQ).
+builds.
 
-The shape is the per-request op's config, ``{"ops": {"<job type>_op": {"config": {payload,
-key, request_id, correlation_id}}}}`` (the typed config class itself is the Dagster adapter's:
-``pipelines.ops.request_job``). Plain data, no Dagster.
+The shape is the per-request op's config, ``{"ops": {"<job type>_op": {"config": ...}}}`` (the
+typed config class itself is the Dagster adapter's: ``pipelines.ops.request_job``). A stored
+request's run (the intake sensor, a DLQ replay) names its ``request_id`` only
+(:func:`stored_request_run_config`): the op reads the payload from ``job_requests``, so no
+payload value reaches Dagster's run storage. A payload in the config
+(:func:`request_run_config`) is what a person launching a run by hand gives. Plain data, no
+Dagster.
 """
 
 from __future__ import annotations
@@ -18,6 +22,11 @@ from resources.errors import ValidationError
 def op_run_config(job_type: str, config: dict[str, Any]) -> dict[str, Any]:
     """``config`` as the run config of ``job_type``'s per-request op, unchecked."""
     return {"ops": {op_name_of(job_type): {"config": config}}}
+
+
+def stored_request_run_config(job_type: str, request_id: int) -> dict[str, Any]:
+    """Run config of ``job_type``'s per-request job serving the stored request ``request_id``."""
+    return op_run_config(job_type, {"request_id": int(request_id)})
 
 
 def request_run_config(

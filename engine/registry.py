@@ -25,7 +25,7 @@ from types import ModuleType
 
 from engine.contract import JobType
 from engine.downstreams import Downstream
-from resources.errors import PermanentJobError, ValidationError
+from resources.errors import PermanentJobError, ValidationError, shown
 
 BUILT_IN_PACKAGE = "pipelines.jobs"
 MODULES_ENV = "SEKALI_JOB_MODULES"
@@ -77,6 +77,13 @@ def job_modules(environ: MutableMapping[str, str] | None = None) -> list[str]:
 
 def discover(environ: MutableMapping[str, str] | None = None) -> dict[str, JobType]:
     """Import every job module and collect its job types, by name (see the module)."""
+    return _discover(environ)[0]
+
+
+def _discover(
+    environ: MutableMapping[str, str] | None = None,
+) -> tuple[dict[str, JobType], dict[str, str]]:
+    """The job types by name, and the module that declared each."""
     env = os.environ if environ is None else environ
     named = {name.strip() for name in env.get(MODULES_ENV, "").split(",") if name.strip()}
     owners: dict[str, str] = {}
@@ -102,7 +109,7 @@ def discover(environ: MutableMapping[str, str] | None = None) -> dict[str, JobTy
                     "outcome cannot be asked there; declare lookup= (docs/job-types.md)",
                     jt.name, name, ", ".join(d.name for d in jt.clients),
                 )
-    return dict(sorted(found.items()))
+    return dict(sorted(found.items())), owners
 
 
 class JobTypes(MutableMapping[str, JobType]):
@@ -112,14 +119,26 @@ class JobTypes(MutableMapping[str, JobType]):
 
     def __init__(self) -> None:
         self._types: dict[str, JobType] | None = None
+        self._owners: dict[str, str] = {}
 
     def _all(self) -> dict[str, JobType]:
         if self._types is None:
-            self._types = discover()
+            self._types, self._owners = _discover()
         return self._types
 
     def reload(self) -> None:
         self._types = None
+        self._owners = {}
+
+    def modules(self) -> list[str]:
+        """The modules the job types were declared in, in discovery order (built-in first)."""
+        self._all()
+        return list(dict.fromkeys(self._owners.values()))
+
+    def module_of(self, name: str) -> str | None:
+        """The module that declared job type ``name`` (None for one swapped in by hand)."""
+        self._all()
+        return self._owners.get(name)
 
     def __getitem__(self, name: str) -> JobType:
         return self._all()[name]
@@ -143,6 +162,41 @@ class JobTypes(MutableMapping[str, JobType]):
 JOB_TYPES = JobTypes()
 
 
+class UnknownJobType(PermanentJobError):
+    """A person named a job type this process does not know: usually one of their own whose
+    module is not named in ``SEKALI_JOB_MODULES`` in this process's environment (the shell of
+    a ``sekali`` command, as in ``sekali dev``'s). The message names the variable, its value
+    here and the modules this process loaded. An operator's mistake, not a refused input: the
+    CLI exits 2 and keeps no rejection row."""
+
+    def __init__(self, name: object) -> None:
+        super().__init__(
+            f"unknown job type {shown(name)}: this process knows {', '.join(JOB_TYPES)} "
+            f"({_where_from()}); a job type of your own is found when its module is named in "
+            f"{MODULES_ENV} (comma-separated import paths, e.g. myjobs.loyalty) here as in "
+            "`sekali dev`"
+        )
+        self.name = name
+
+
+def _where_from() -> str:
+    """Where this process looked for job types, for a person: the modules and the variable."""
+    built_in = [m for m in JOB_TYPES.modules() if m.startswith(BUILT_IN_PACKAGE + ".")]
+    others = [m for m in JOB_TYPES.modules() if m not in built_in]
+    named = os.environ.get(MODULES_ENV, "").strip()
+    return (f"loaded from {BUILT_IN_PACKAGE} ({len(built_in)} modules)"
+            + (f" and {', '.join(others)}" if others else "")
+            + (f"; {MODULES_ENV}={named}" if named else f"; {MODULES_ENV} is not set"))
+
+
+def require_job_type(name: object) -> JobType:
+    """The job type called ``name``, or :class:`UnknownJobType` saying where this process
+    looked (for surfaces where a person typed the name: the CLI)."""
+    if isinstance(name, str) and name in JOB_TYPES:
+        return JOB_TYPES[name]
+    raise UnknownJobType(name)
+
+
 def get_job_type(name: str) -> JobType:
     """The job type called ``name``; unknown names are a :class:`ValidationError` on ``job_type``.
     """
@@ -150,7 +204,8 @@ def get_job_type(name: str) -> JobType:
         return JOB_TYPES[name]
     except (KeyError, TypeError):
         raise ValidationError(
-            "job_type", f"unknown job type (known: {', '.join(sorted(JOB_TYPES))})", name
+            "job_type", f"unknown job type (known: {', '.join(sorted(JOB_TYPES))}; "
+            f"{_where_from()})", name
         ) from None
 
 
@@ -193,10 +248,12 @@ __all__ = [
     "JobModuleError",
     "JobType",
     "JobTypes",
+    "UnknownJobType",
     "declared",
     "discover",
     "downstream",
     "downstreams",
     "get_job_type",
     "key_owner",
+    "require_job_type",
 ]

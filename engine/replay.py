@@ -41,14 +41,21 @@ many were requested, leaving the rest undecided (the canary replay, :mod:`engine
 (:func:`assess`): ``completed`` (its key completed in the ledger: a replay returns the stored
 result and repeats nothing), ``effect_found`` (the job type's declared lookup finds the effect at
 the downstream), ``unknown`` (no lookup, no client, or the downstream cannot answer) or ``safe``
-(no effect anywhere). A real replay refuses ``effect_found`` and ``unknown`` records not named in
-``allow_repeat`` (audited ``replay_skipped``); the others still replay. ``sekali dlq replay``
-always guards; a caller passing no ``allow_repeat`` gets the verdicts without the guard.
+(no effect anywhere), or ``fails_again`` instead of ``safe`` when the replay is certain to fail
+the same way (its last failure was permanent and a replay runs the same payload: a flag, not a
+guard; the other verdicts carry the same flag). A real replay refuses ``effect_found`` and
+``unknown`` records not named in ``allow_repeat`` (audited ``replay_skipped``); the others
+still replay. ``sekali dlq replay`` always guards; a caller passing no ``allow_repeat`` gets the
+verdicts without the guard. A record whose job type this process has not registered (its
+module not named in ``SEKALI_JOB_MODULES`` here) is never replayed or offered from here, dry
+run or not: nothing here can judge or run it (``BulkReplay.unregistered``; no audit line, as
+nothing about the record was decided).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
@@ -60,7 +67,7 @@ from sqlalchemy import BigInteger, Column, Float, Integer, Table, Text, text
 
 from engine.contract import Effect, crash_point
 from engine.downstreams import ClientOptions
-from engine.registry import JOB_TYPES, downstreams
+from engine.registry import JOB_TYPES, MODULES_ENV, downstreams
 from engine.requests import RequestStatus, RequestStore
 from engine.validation import admit
 from resources.dlq import DlqRecord, DlqStatus, DlqStore, ReplayDecision
@@ -397,10 +404,7 @@ def amend(
             )
         )
     if record.job_type not in JOB_TYPES:
-        raise AmendRefused(
-            f"DLQ record {record_id} is a {record.job_type!r} failure, not a per-request job"
-            f" type ({', '.join(sorted(JOB_TYPES))}); only those can be amended"
-        )
+        raise AmendRefused(f"DLQ record {record_id}: {unregistered(record)}")
     request = requests.get(record.request_id) if record.request_id is not None else None  # nosec B113: the request store, not HTTP
     key = record.idempotency_key or (request.key if request else None)
     if not key:
@@ -573,6 +577,9 @@ class Verdict(StrEnum):
     EFFECT_FOUND = "effect_found"
     UNKNOWN = "unknown"
     SAFE = "safe"
+    FAILS_AGAIN = "fails_again"
+    """No effect to repeat, and certain to fail again the same way: its last failure was
+    permanent and a replay runs the same payload (fix the cause, or amend the payload)."""
 
 
 GUARDED = frozenset({Verdict.EFFECT_FOUND, Verdict.UNKNOWN})
@@ -587,19 +594,26 @@ class Assessment:
     verdict: Verdict
     evidence: str
     effects: tuple[Effect, ...] = ()
+    fails_again: bool = False
+    """The replay would fail again the same way (:func:`fails_again`), whatever the verdict
+    on its effect says."""
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "verdict": str(self.verdict),
             "evidence": self.evidence,
             "effects": [e.reference for e in self.effects],
+            "fails_again": self.fails_again,
         }
 
 
-def lookup_client(settings: Settings | None = None) -> Callable[[str], Any]:
+def lookup_client(settings: Settings | None = None, *, on_worker: bool = True
+                  ) -> Callable[[str], Any]:
     """``client(name)`` for the declared downstreams, each built on first use from
     ``settings`` (``Settings.from_env()`` by default) with its declared timeouts. Lookups only
-    read, so they take no token of the downstream's send rate."""
+    read, so they take no token of the downstream's send rate. ``on_worker`` False (the
+    operator's CLI): a downstream whose destinations come from payloads is refused
+    (``LookupError``, so the verdict is ``unknown``): its lookups run on workers only."""
     built: dict[str, Any] = {}
 
     def client(name: str) -> Any:
@@ -607,10 +621,29 @@ def lookup_client(settings: Settings | None = None) -> Callable[[str], Any]:
             known = downstreams()
             if name not in known:
                 raise LookupError(f"no downstream {name!r} is declared")
+            if not on_worker and known[name].destinations_from_payloads:
+                raise LookupError(
+                    f"{name} calls addresses that payloads name: its lookups run on workers "
+                    "only (the dlq_operations job), never from this command")
             built[name] = known[name].build(settings or Settings.from_env(), ClientOptions())
         return built[name]
 
     return client
+
+
+def fails_again(record: DlqRecord) -> str | None:
+    """Why replaying ``record`` as it stands is certain to fail the same way, or None: its
+    last failure was permanent (a refusal no retry can change: bad input, a business rule)
+    and a replay runs the very payload that failed. An amended replay (a new payload) or a
+    fix of the cause is what helps."""
+    if record.error_class != "permanent":
+        return None
+    error = " ".join((record.last_error or "").split())
+    if record.error_type and not error.startswith(record.error_type):
+        error = f"{record.error_type}: {error}" if error else record.error_type
+    error = error if len(error) <= 160 else error[:157] + "..."
+    return (f"it fails again: its last failure was permanent ({error}) and a replay runs the"
+            " same payload; fix the cause first, or amend the payload (--patch)")
 
 
 def assess(
@@ -622,25 +655,30 @@ def assess(
 ) -> Assessment:
     """The verdict for replaying ``record``: the ledger first (a completed key repeats
     nothing), then the job type's declared lookup at its downstream. Whatever cannot be asked
-    or does not answer is ``unknown``, never ``safe``."""
+    or does not answer is ``unknown``, never ``safe``; a replay certain to fail again
+    (:func:`fails_again`) is never ``safe`` either (``fails_again``), and any other verdict
+    says so too."""
+    again = fails_again(record)
 
     def verdict(v: Verdict, evidence: str, effects: Sequence[Effect] = ()) -> Assessment:
-        return Assessment(record.id, v, evidence, tuple(effects))
+        if again is None:
+            return Assessment(record.id, v, evidence, tuple(effects))
+        if v is Verdict.SAFE:
+            return Assessment(record.id, Verdict.FAILS_AGAIN, f"{evidence}; but {again}",
+                              tuple(effects), True)
+        return Assessment(record.id, v, f"{evidence}; and {again}", tuple(effects), True)
 
     key = record.idempotency_key
     found = ledger.records([key]).get(key) if key else None
     if found is not None and found.status == "completed":
-        return verdict(
-            Verdict.COMPLETED,
+        return Assessment(
+            record.id, Verdict.COMPLETED,
             f"key {key} completed in the ledger: a replay returns its stored result and"
             " repeats nothing",
         )
     jt = JOB_TYPES.get(record.job_type)
     if jt is None:
-        return verdict(
-            Verdict.UNKNOWN,
-            f"{record.job_type!r} is not a per-request job type: nothing can ask its downstream",
-        )
+        return verdict(Verdict.UNKNOWN, unregistered(record))
     if not (jt.side_effect and jt.clients):
         return verdict(
             Verdict.SAFE,
@@ -671,6 +709,13 @@ def assess(
     return verdict(Verdict.SAFE, f"{jt.downstream} holds no effect for {key}")
 
 
+def unregistered(record: DlqRecord) -> str:
+    """Why this process cannot replay ``record``: its job type is not registered here."""
+    return (f"job type {record.job_type!r} is not registered in this process: name its module"
+            f" in {MODULES_ENV} here as the code location does (this process: "
+            f"{os.environ.get(MODULES_ENV, '').strip() or 'not set'})")
+
+
 @dataclass
 class BulkReplay:
     """The decision and verdict per selected record, in order; ``refused``: the ids a guard
@@ -680,12 +725,20 @@ class BulkReplay:
     dry_run: bool = False
     assessments: dict[int, Assessment] = field(default_factory=dict)
     refused: list[int] = field(default_factory=list)
+    unregistered: list[int] = field(default_factory=list)
+    """The ids whose job type this process does not know: never replayed from here."""
     rest: list[DlqRecord] = field(default_factory=list)
     """The selected records left undecided once ``stop_after`` replays were requested."""
 
     @property
     def chosen(self) -> int:
         return sum(d.replay for d in self.decisions)
+
+    @property
+    def fails_again(self) -> list[int]:
+        """The ids (replayed or not) whose replay would fail again the same way."""
+        return [d.record.id for d in self.decisions
+                if d.record.id in self.assessments and self.assessments[d.record.id].fails_again]
 
     def refused_line(self, then: str) -> str:
         """What a surface says of the refused records; ``then``: how to replay them anyway
@@ -757,6 +810,10 @@ def bulk_replay(
             break
         judged = assess(record, ledger=ledger, requests=requests, client=client)
         out.assessments[record.id] = judged
+        if record.job_type not in JOB_TYPES:  # nothing here can run or judge it: not offered
+            out.decisions.append(ReplayDecision(record, False, unregistered(record)))
+            out.unregistered.append(record.id)
+            continue
         if dry_run:
             out.decisions += store.request_replay([record.id], actor=actor, dry_run=True)
             continue

@@ -51,7 +51,7 @@ from resources.dlq import UNRESOLVED, DlqStatus, DlqStore, sources_of
 from resources.errors import CancelUnavailable, IdempotencyConflict
 from resources.idempotency import payload_hash
 from resources.storage.db import Database, metadata
-from resources.storage.json_text import canonical, digest, storable
+from resources.storage.json_text import canonical, digest, masked_digest, storable
 from resources.storage.migrations import ReaderFloor
 from resources.storage.queries import load_queries
 from resources.storage.retention import Expiry
@@ -71,6 +71,7 @@ class RequestStatus(StrEnum):
     ==========================  ==================================================  ===========
     (absent)                    enqueue                                             pending
     pending                     the intake sensor emits its RunRequest              launched
+    pending                     a resident worker claims it (its run, an attempt)   running
     launched                    still launched after ``relaunch_after``: re-emit    launched
     pending/launched/running/   its op starts (or a step / run retry restarts it)   running
     failed
@@ -78,6 +79,9 @@ class RequestStatus(StrEnum):
     failed
     pending/launched/running    permanent error, retries exhausted, run failed      failed
     failed                      requeue (operator or DLQ replay)                    pending
+    running                     its worker retries it later (``available_at``), or  pending
+                                its worker's run ended holding it
+    launched                    its run ended before any step took it               pending
     pending                     debounced: another request of its group ran         coalesced
     pending/launched/failed     cancelled (:meth:`RequestStore.cancel`)             cancelled
     running                     its op stopped at a cancel point after a cancel     cancelled
@@ -132,8 +136,10 @@ TRANSITIONS: dict[RequestStatus | None, frozenset[RequestStatus]] = {
     _S.PENDING: frozenset(
         {_S.LAUNCHED, _S.RUNNING, _S.COMPLETED, _S.FAILED, _S.COALESCED, _S.CANCELLED}
     ),
-    _S.LAUNCHED: frozenset({_S.LAUNCHED, _S.RUNNING, _S.COMPLETED, _S.FAILED, _S.CANCELLED}),
-    _S.RUNNING: frozenset({_S.RUNNING, _S.COMPLETED, _S.FAILED, _S.CANCELLED}),
+    _S.LAUNCHED: frozenset(
+        {_S.PENDING, _S.LAUNCHED, _S.RUNNING, _S.COMPLETED, _S.FAILED, _S.CANCELLED}
+    ),
+    _S.RUNNING: frozenset({_S.PENDING, _S.RUNNING, _S.COMPLETED, _S.FAILED, _S.CANCELLED}),
     _S.FAILED: frozenset({_S.PENDING, _S.RUNNING, _S.COMPLETED, _S.CANCELLED}),
     _S.COMPLETED: frozenset(),
     _S.COALESCED: frozenset(),
@@ -178,6 +184,7 @@ job_requests = Table(
     Column("amends", Text),
     Column("tenant", Text, nullable=False),
     Column("claimed_at", Float),
+    Column("available_at", Float),
 )
 
 request_cancels = Table(
@@ -222,7 +229,7 @@ _COLUMNS = (
     "id, job_type, key, payload, payload_hash, status, queue, correlation_id, run_key, run_id,"
     " created_at, updated_at, attempts, last_error, error_class, traceparent, priority,"
     " claim_rank, dedupe_window, debounce_key, debounce_wait, debounce_max_wait, coalesced_into,"
-    " coalesced_count, superseded_by, amends, tenant, claimed_at"
+    " coalesced_count, superseded_by, amends, tenant, claimed_at, available_at"
 )
 _QUALIFIED = ", ".join(f"job_requests.{c.strip()}" for c in _COLUMNS.split(","))
 """The columns named with their table (joins, Postgres's claim ``RETURNING``)."""
@@ -289,6 +296,10 @@ class JobRequest:
     tenants by weight."""
     claimed_at: float | None = None
     """When the intake first claimed it (its wait ends there)."""
+    available_at: float | None = None
+    """A pending request is not claimed before this (None: at once): its worker gave it back
+    for a retry after the policy's delay, or took it back from a dead worker whose lease on
+    its key ran until then."""
     dedupe: str = field(init=False)
     """The dedupe window as people read it, ``until_finished`` or e.g. ``86400s``: a field, so
     every generic view of the record (``sekali requests show``) prints it."""
@@ -336,6 +347,7 @@ class JobRequest:
             source=m.get("source"),
             tenant=m.get("tenant") or DEFAULT_TENANT,
             claimed_at=m.get("claimed_at"),
+            available_at=m.get("available_at"),
         )
 
 
@@ -419,8 +431,10 @@ ON CONFLICT (key) DO NOTHING
 RETURNING {_COLUMNS}
 """  # nosec B608: SQL from code constants, values bound
 
+_READY = "(available_at IS NULL OR available_at <= :now)"
+"""A pending request that may be claimed now (not given back for a retry later)."""
 _CLAIMABLE = (
-    "status IN ('pending', 'launched') AND ((status = 'pending'{plain})"
+    "status IN ('pending', 'launched') AND ((status = 'pending'{plain} AND " + _READY + ")"
     " OR (status = 'launched' AND updated_at <= :cutoff))"
 )
 """Pending requests outside a debounce group (those leave through :meth:`_claim_debounced`;
@@ -432,7 +446,7 @@ page, instead of sorting the backlog."""
 _DUE_GROUPS = """
 SELECT debounce_key, COUNT(*) AS n
 FROM job_requests {indexed}
-WHERE status = 'pending' AND debounce_key IS NOT NULL {types}
+WHERE status = 'pending' AND debounce_key IS NOT NULL AND {ready} {types}
 GROUP BY debounce_key
 HAVING MAX(created_at) <= :now - MIN(debounce_wait)
     OR MIN(created_at) <= :now - MIN(debounce_max_wait)
@@ -444,8 +458,7 @@ LIMIT :limit
 # are still claimable when they are updated. ``indexed`` names the claim index: without
 # statistics the planner would OR two other indexes and sort the whole backlog.
 _CLAIM = """
-UPDATE job_requests SET status = 'launched', updated_at = :now,
-    claimed_at = COALESCE(claimed_at, :now)
+UPDATE job_requests SET {set}
 WHERE id IN (
     SELECT id FROM job_requests {indexed}
     WHERE {claimable} {types}
@@ -462,8 +475,7 @@ WITH picked AS MATERIALIZED (
     WHERE {claimable} {types}
     ORDER BY {order} LIMIT :limit FOR UPDATE SKIP LOCKED
 )
-UPDATE job_requests SET status = 'launched', updated_at = :now,
-    claimed_at = COALESCE(claimed_at, :now)
+UPDATE job_requests SET {set}
 FROM picked
 WHERE job_requests.id = picked.id
 RETURNING {columns}
@@ -497,7 +509,9 @@ WHERE a.name IS NOT NULL
 """Each tenant with requests waiting (a skip scan: one index probe per tenant, however long its
 backlog), its claimable requests counted up to the page, and its settings and pass (NULL: never
 seen). The count is two ranges of ``job_requests_tenant_waiting`` (pending; launched and due
-again), so it never reads the table nor walks the tenant's requests already claimed; the
+again), so it never reads the table nor walks the tenant's requests already claimed (a pending
+request given back for a retry later is counted before its ``available_at``: the page then
+comes back that much short, rather than the count reading the table); the
 ``ORDER BY`` of the index keeps Postgres off a sequential scan that statistics of a large
 backlog would otherwise make look cheap under the ``LIMIT``. The launched range is read from its
 cutoff down, so the requests in flight (after the cutoff) are never stepped over, however many
@@ -509,19 +523,25 @@ _FAIR_BRANCH_PG = """SELECT id FROM (SELECT id FROM job_requests
     WHERE tenant = :t{i} AND {claimable} {types} ORDER BY claim_rank, id LIMIT :n{i}
     FOR UPDATE SKIP LOCKED) p{i}"""
 _FAIR_CLAIM = """
-UPDATE job_requests SET status = 'launched', updated_at = :now,
-    claimed_at = COALESCE(claimed_at, :now)
+UPDATE job_requests SET {set}
 WHERE id IN ({branches})
 RETURNING {columns}
 """
 _FAIR_CLAIM_PG = """
 WITH picked AS MATERIALIZED ({branches})
-UPDATE job_requests SET status = 'launched', updated_at = :now,
-    claimed_at = COALESCE(claimed_at, :now)
+UPDATE job_requests SET {set}
 FROM picked
 WHERE job_requests.id = picked.id
 RETURNING {columns}
 """
+
+_TO_LAUNCHED = "status = 'launched', updated_at = :now, claimed_at = COALESCE(claimed_at, :now)"
+_TO_RUNNING = (
+    "status = 'running', updated_at = :now, claimed_at = COALESCE(claimed_at, :now),"
+    " run_id = :owner, attempts = attempts + 1, available_at = NULL"
+)
+"""What a claim writes: ``launched`` for the intake sensor (a run is launched next), or
+``running`` for a resident worker (its run, ``owner``, takes it now: an attempt)."""
 
 
 _REFUSE_ON_COMPLETION = text(
@@ -544,6 +564,25 @@ class CancelDecision:
     detail: str
     new: bool
     """False when the request had been decided before (cancel is idempotent)."""
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """How long a request waits before it is claimed again after its run ended before any step
+    took it (a launch that failed, a run that died starting): half the time since it was first
+    claimed, at least ``base`` and at most ``cap`` seconds. A launcher that keeps failing
+    spaces its relaunches out more and more, with no count to keep; one that failed once costs
+    ``base``."""
+
+    base: float = 5.0
+    cap: float = 300.0
+
+    def seconds(self, request: JobRequest) -> float:
+        since = request.claimed_at if request.claimed_at is not None else request.created_at
+        return min(self.cap, max(self.base, (request.updated_at - since) / 2))
+
+
+UNTAKEN_BACKOFF = Backoff()
 
 
 class RequestStore:
@@ -626,14 +665,17 @@ class RequestStore:
         *,
         queue: str,
         source: str,
-        run_id: str,
+        run_id: str | None,
         correlation_id: str | None = None,
+        status: RequestStatus = RequestStatus.RUNNING,
     ) -> JobRequest | None:
-        """The request record of a run nobody enqueued (launched by hand from the Launchpad):
-        written ``running`` (never ``pending``: the intake must not launch it a second time)
-        with its ``source`` and run. The same key and payload enqueued before is that request
-        (the run then takes it through :meth:`mark_running`); None when the key is stored with
-        another payload or type (the ledger refuses the run's conflicting payload itself)."""
+        """The request record of a run nobody enqueued (launched by hand from the Launchpad, or
+        a replay of a dead letter that had none): written ``running`` under its run (or
+        ``failed``, for a run about to be launched: never ``pending``, which the intake and the
+        workers would take a second time) with its ``source``. The same key and payload stored
+        before is that request (the run then takes it through :meth:`mark_running`); None when
+        the key is stored with another payload or type (the ledger refuses the run's
+        conflicting payload itself)."""
         now = self.clock()
         given = payload_hash(payload)
         params: dict[str, Any] = {
@@ -641,7 +683,7 @@ class RequestStore:
             "hash": given, "queue": queue, "cid": correlation_id,
             "traceparent": None, "now": now, "priority": 0, "rank": now, "dedupe_window": None,
             "debounce_key": None, "debounce_wait": None, "debounce_max_wait": None,
-            "amends": None, "status": "running", "run_id": run_id, "tenant": DEFAULT_TENANT,
+            "amends": None, "status": str(status), "run_id": run_id, "tenant": DEFAULT_TENANT,
         }
         try:
             with self.db.transaction() as conn:
@@ -683,11 +725,13 @@ class RequestStore:
     ) -> int:
         """Keep one refused request; returns the rejection id.
 
-        Whatever was sent, the row is small and storable on both databases: the first
-        ``excerpt_bytes`` of the payload's text (NUL and lone surrogates escaped) with the size
-        and sha256 of the whole, and the job type, key, field and error bounded the same way.
+        Whatever was sent, the row is small and storable on both databases, and holds no value
+        of the payload: its shape (keys and the kind of each value, ``{"to": "<str 15>"}``:
+        :func:`resources.storage.json_text.masked_digest`) within ``excerpt_bytes``, with the
+        size and sha256 of the whole (to match it against what the producer sent), and the job
+        type, key, field and error bounded the same way.
         """
-        described = digest(payload, excerpt_bytes)
+        described = masked_digest(payload, excerpt_bytes)
         params = {
             "job_type": _bounded(job_type, excerpt_bytes) or "",
             "key": _bounded(key, excerpt_bytes),
@@ -734,13 +778,46 @@ class RequestStore:
         release may still read requests), debounced requests are claimed one by one like the
         others, as the previous release claims them.
         """
+        return self._claim(limit, relaunch_after=relaunch_after, job_types=job_types,
+                           merge=merge, to=_TO_LAUNCHED, owner=None)
+
+    def claim_for_worker(
+        self,
+        limit: int,
+        *,
+        owner: str,
+        job_types: Iterable[str],
+        relaunch_after: float = 120.0,
+        merge: Merge | None = None,
+    ) -> list[JobRequest]:
+        """A resident worker's claim: as :meth:`claim_for_launch` (claim order, fair share,
+        debounce groups, requests due again), but the requests go straight to ``running`` under
+        ``owner`` (the worker's run id), each counting an attempt, in the same statement: no
+        run is launched for them, the worker runs them next. Only requests available now
+        (``available_at``) are claimed. Every later move of the request by this worker names
+        ``owner``, so a worker that lost the request (its run was declared dead and the request
+        given to another) moves nothing."""
+        return self._claim(limit, relaunch_after=relaunch_after, job_types=job_types,
+                           merge=merge, to=_TO_RUNNING, owner=owner)
+
+    def _claim(
+        self,
+        limit: int,
+        *,
+        relaunch_after: float,
+        job_types: Iterable[str] | None,
+        merge: Merge | None,
+        to: str,
+        owner: str | None,
+    ) -> list[JobRequest]:
         if limit <= 0:
             return []
         now = self.clock()
         types = sorted(job_types) if job_types is not None else None
         if types is not None and not types:
             return []
-        params: dict[str, Any] = {"now": now, "cutoff": now - relaunch_after, "limit": limit}
+        params: dict[str, Any] = {"now": now, "cutoff": now - relaunch_after, "limit": limit,
+                                  "owner": owner, "set": to}
         coalesce = self.writable(_S.COALESCED)
         with self.db.transaction() as conn:
             virtual = TenantStore.lock_clock(conn, now) if self.fair else 0.0
@@ -775,6 +852,7 @@ class RequestStore:
             order="claim_rank, id",
             types="AND job_type IN :types" if types is not None else "",
             columns=columns,
+            set=params["set"],
         )
         rows = conn.execute(self._typed(sql, types), {**params, "types": types}).all()
         return [JobRequest.from_row(r) for r in rows]
@@ -822,7 +900,8 @@ class RequestStore:
                 branches.append(branch.format(i=i, **fill))
                 bind[f"t{i}"], bind[f"n{i}"] = tenant, quota
             template = _FAIR_CLAIM_PG if self.db.is_postgres else _FAIR_CLAIM
-            sql = template.format(branches=" UNION ALL ".join(branches), columns=self._returning)
+            sql = template.format(branches=" UNION ALL ".join(branches), columns=self._returning,
+                                  set=params["set"])
             rows = conn.execute(self._typed(sql, types), bind).all()
             picked = [JobRequest.from_row(r) for r in rows]
         queues: dict[str, Iterator[JobRequest]] = {}
@@ -852,6 +931,7 @@ class RequestStore:
         due = conn.execute(
             self._typed(
                 _DUE_GROUPS.format(
+                    ready=_READY,
                     types="AND job_type IN :types" if types is not None else "",
                     indexed="" if self.db.is_postgres else "INDEXED BY job_requests_debounce",
                 ),
@@ -867,9 +947,10 @@ class RequestStore:
             rows = conn.execute(
                 text(
                     f"SELECT {_COLUMNS} FROM job_requests WHERE debounce_key = :k"
-                    f" AND status = 'pending' ORDER BY created_at, id{lock}"  # nosec B608: SQL from code constants, values bound
+                    f" AND status = 'pending' AND {_READY}"
+                    f" ORDER BY created_at, id{lock}"  # nosec B608: SQL from code constants, values bound
                 ),
-                {"k": group},
+                {"k": group, "now": params["now"]},
             ).all()
             members = [JobRequest.from_row(r) for r in rows]
             if not members:
@@ -880,13 +961,12 @@ class RequestStore:
                 payload = merge(winner.job_type, [m.payload for m in members])
             row = conn.execute(
                 text(
-                    "UPDATE job_requests SET status = 'launched', updated_at = :now,"
-                    " claimed_at = COALESCE(claimed_at, :now), payload = :payload,"
+                    f"UPDATE job_requests SET {params['set']}, payload = :payload,"
                     " payload_hash = :hash,"
                     " coalesced_count = coalesced_count + :n"
                     f" WHERE id = :id AND status = 'pending' RETURNING {_COLUMNS}"  # nosec B608: SQL from code constants, values bound
                 ),
-                {"now": params["now"], "payload": canonical(payload),
+                {"now": params["now"], "owner": params["owner"], "payload": canonical(payload),
                  "hash": payload_hash(payload), "n": len(rest), "id": winner.id},
             ).first()
             if row is None:
@@ -938,22 +1018,32 @@ class RequestStore:
         run_key: str | None = None,
         current: bool = False,
         only: Sequence[RequestStatus] | None = None,
+        owner: str | None = None,
+        available_at: float | None = None,
+        conn: Connection | None = None,
     ) -> set[int]:
         """Move every request that may go to ``target`` in one statement; returns those moved.
         ``current``: only requests no newer version superseded. ``only``: only from these
-        statuses (of those that may go to ``target``)."""
+        statuses (of those that may go to ``target``). ``owner``: only requests its worker
+        still holds (``run_id``: :meth:`claim_for_worker`). ``available_at``: a request moved
+        back to ``pending`` waits until then. ``conn``: in the caller's transaction."""
         if not request_ids:
             return set()
         same_run = " AND run_key = :run_key" if run_key is not None else ""
         if current:
             same_run += " AND superseded_by IS NULL"
+        if owner is not None:
+            same_run += " AND run_id = :owner"
         sql = text(
             "UPDATE job_requests SET status = :target, updated_at = :now,"
             " run_id = COALESCE(:run_id, run_id),"
             " last_error = CASE WHEN :target = 'failed' THEN :error"
-            "   WHEN :target = 'completed' THEN NULL ELSE last_error END,"
+            "   WHEN :target = 'completed' THEN NULL ELSE COALESCE(:error, last_error) END,"
             " error_class = CASE WHEN :target = 'failed' THEN :error_class"
-            "   WHEN :target = 'completed' THEN NULL ELSE error_class END,"
+            "   WHEN :target = 'completed' THEN NULL"
+            "   ELSE COALESCE(:error_class, error_class) END,"
+            " available_at = CASE WHEN :target = 'pending' THEN :available_at"
+            "   ELSE available_at END,"
             f" attempts = attempts + {1 if count_attempt else 0}"
             f" WHERE id IN :ids AND status IN :sources{same_run}"
             " RETURNING id"  # nosec B608: SQL from code constants, values bound
@@ -967,15 +1057,26 @@ class RequestStore:
             "ids": list(request_ids),
             "sources": [str(x) for x in _sources(target) if only is None or x in only],
             "run_key": run_key,
+            "owner": owner,
+            "available_at": available_at,
         }
+        if conn is not None:
+            return self._moved(conn, sql, params, target)
         if target is not _S.COMPLETED:
-            with self.db.statement() as conn:
-                return {int(i) for i in conn.execute(sql, params).scalars()}
-        with self.db.transaction() as conn:
-            moved = {int(i) for i in conn.execute(sql, params).scalars()}
-            if moved:  # a cancel asked while it ran, not honoured at a cancel point: refused
-                conn.execute(_REFUSE_ON_COMPLETION, {"ids": sorted(moved), "now": params["now"]})
-            return moved
+            with self.db.statement() as own:
+                return {int(i) for i in own.execute(sql, params).scalars()}
+        with self.db.transaction() as own:
+            return self._moved(own, sql, params, target)
+
+    @staticmethod
+    def _moved(
+        conn: Connection, sql: Any, params: dict[str, Any], target: RequestStatus
+    ) -> set[int]:
+        moved = {int(i) for i in conn.execute(sql, params).scalars()}
+        if moved and target is _S.COMPLETED:
+            # a cancel asked while it ran, not honoured at a cancel point: refused
+            conn.execute(_REFUSE_ON_COMPLETION, {"ids": sorted(moved), "now": params["now"]})
+        return moved
 
     def mark_running(self, request_id: int, *, run_id: str | None = None) -> bool:
         """The op took the request (counts an attempt). False if it is already completed."""
@@ -994,10 +1095,11 @@ class RequestStore:
         return bool(self._move_many([request_id], _S.COMPLETED, run_id=run_id, run_key=run_key))
 
     def mark_completed_many(
-        self, request_ids: Sequence[int], *, run_id: str | None = None
+        self, request_ids: Sequence[int], *, run_id: str | None = None, owner: str | None = None
     ) -> set[int]:
-        """:meth:`mark_completed` for a batch in one statement; returns the ids moved."""
-        return self._move_many(request_ids, _S.COMPLETED, run_id=run_id)
+        """:meth:`mark_completed` for a batch in one statement; returns the ids moved.
+        ``owner``: only those its worker still holds."""
+        return self._move_many(request_ids, _S.COMPLETED, run_id=run_id, owner=owner)
 
     def mark_failed(
         self,
@@ -1007,9 +1109,12 @@ class RequestStore:
         error_class: str | None = None,
         run_id: str | None = None,
         run_key: str | None = None,
+        owner: str | None = None,
+        conn: Connection | None = None,
     ) -> bool:
-        """Record a failure with the class the failure path decided; the DLQ picks failed
-        requests up with ``last_error`` and ``error_class``."""
+        """Record a failure with the class the failure path decided (with its DLQ record in
+        ``conn``'s transaction: :func:`engine.failures.dead_letter`). ``owner``: only if its
+        worker still holds it."""
         moved = self._move_many(
             [request_id],
             _S.FAILED,
@@ -1017,10 +1122,60 @@ class RequestStore:
             error=error[:2000],
             error_class=error_class,
             run_key=run_key,
+            owner=owner,
+            conn=conn,
         )
         return bool(moved)
 
-    def fail_unsettled(
+    def retry_later(
+        self, request_id: int, *, owner: str, at: float, error: str, error_class: str
+    ) -> bool:
+        """A resident worker gives a request back for its retry: ``pending`` again, claimed
+        no earlier than ``at`` (the policy's delay), with the error that made it retry. Only
+        while ``owner`` still holds it."""
+        return bool(self._move_many(
+            [request_id], _S.PENDING, owner=owner, available_at=at, error=error[:2000],
+            error_class=error_class, only=(_S.RUNNING,),
+        ))
+
+    def holders(self) -> list[str]:
+        """The runs that hold requests now (``running`` or ``launched`` under their run id):
+        what a supervisor checks against the runs still alive."""
+        with self.db.statement() as conn:
+            rows = conn.execute(text(
+                "SELECT DISTINCT run_id FROM job_requests"
+                " WHERE status IN ('running', 'launched') AND run_id IS NOT NULL"
+            )).all()
+        return sorted(str(r[0]) for r in rows)
+
+    def take_back(self, owners: Sequence[str], available: Callable[[str], float | None]
+                  ) -> list[JobRequest]:
+        """The requests the runs ``owners`` held when they ended (a worker killed, cut off,
+        or ended by Dagster) go back to ``pending``: ``running`` ones (a step had taken them:
+        the worker may have died mid-handler) become available when ``available(key)`` says
+        (the ledger's lease on the key: a takeover before it would find the key held), and
+        ``launched`` ones at once. Returns the requests moved, as they were."""
+        if not owners:
+            return []
+        sql = text(
+            f"SELECT {_COLUMNS} FROM job_requests WHERE run_id IN :owners"  # nosec B608: SQL from code constants, values bound
+            " AND status IN ('running', 'launched')"
+        ).bindparams(bindparam("owners", expanding=True))
+        with self.db.statement() as conn:
+            held = [JobRequest.from_row(r) for r in conn.execute(sql, {"owners": list(owners)})]
+        moved = []
+        now = self.clock()
+        for request in held:
+            at = available(request.key) if request.status is _S.RUNNING else None
+            if self._move_many(
+                [request.id], _S.PENDING, owner=request.run_id,
+                available_at=at if at is not None and at > now else None,
+                only=(_S.RUNNING, _S.LAUNCHED),
+            ):
+                moved.append(request)
+        return moved
+
+    def settle_unsettled(
         self,
         request_ids: Sequence[int],
         *,
@@ -1028,25 +1183,34 @@ class RequestStore:
         run_key: str | None,
         error: str,
         taken_class: str | None,
-    ) -> int:
-        """Fail the requests a run ended without settling, launched under ``run_key``, in two
-        statements: those no step took (still ``pending`` or ``launched``: they never ran
-        there) as ``transient``, ``"{error}; no step had taken it"``; those a step took
-        (``running``) with ``taken_class`` (None: the DLQ reads the step's own failure)."""
-        untaken = self._move_many(
-            request_ids, _S.FAILED, run_id=run_id, error=f"{error}; no step had taken it"[:2000],
-            error_class="transient", run_key=run_key, only=(_S.PENDING, _S.LAUNCHED),
-        )
+        backoff: Callable[[JobRequest], float] = lambda r: UNTAKEN_BACKOFF.seconds(r),
+    ) -> tuple[int, int]:
+        """Settle the requests a run ended without settling, launched under ``run_key``:
+        those no step took (still ``pending`` or ``launched``: they never ran, whatever
+        Dagster did with the run) go back to ``pending``, claimable after ``backoff(request)``
+        seconds, ``"{error}; no step had taken it"`` kept as their last error; those a step took
+        (``running``) fail with ``taken_class`` (None: the DLQ reads the step's own failure).
+        Returns (how many went back, how many failed)."""
+        now = self.clock()
+        back = 0
+        for request in self.get_many(request_ids):
+            if request.status not in (_S.PENDING, _S.LAUNCHED):
+                continue
+            back += len(self._move_many(
+                [request.id], _S.PENDING, run_key=run_key, only=(_S.PENDING, _S.LAUNCHED),
+                available_at=now + backoff(request),
+                error=f"{error}; no step had taken it: back in the queue"[:2000],
+            ))
         taken = self._move_many(
             request_ids, _S.FAILED, run_id=run_id, error=error[:2000], error_class=taken_class,
             run_key=run_key, only=(_S.RUNNING,),
         )
-        return len(untaken) + len(taken)
+        return back, len(taken)
 
     def requeue(self, request_id: int) -> bool:
         """A failed request goes back to pending (operator or DLQ replay); never one a newer
         version superseded (:meth:`supersede`)."""
-        return bool(self._move_many([request_id], _S.PENDING, current=True))
+        return bool(self._move_many([request_id], _S.PENDING, current=True, only=(_S.FAILED,)))
 
     def supersede(self, request_id: int, by_key: str, *, conn: Connection) -> bool:
         """Close a failed request for good: a newer version (``by_key``) carries its intent.
@@ -1197,6 +1361,18 @@ class RequestStore:
             with self.db.statement() as own:
                 value = own.execute(sql, {"key": key}).scalar()
         return CancelState(value) if value else None
+
+    def cancels_asked(self, keys: Sequence[str]) -> dict[str, CancelState]:
+        """The cancel state of each request stored under one of ``keys`` that has one (one
+        statement for a batch's keys)."""
+        if not keys:
+            return {}
+        sql = text(
+            "SELECT r.key, c.cancel_state FROM job_requests r"
+            " JOIN request_cancels c ON c.request_id = r.id WHERE r.key IN :keys"
+        ).bindparams(bindparam("keys", expanding=True))
+        with self.db.statement() as conn:
+            return {str(k): CancelState(v) for k, v in conn.execute(sql, {"keys": list(keys)})}
 
     # -- reading ---------------------------------------------------------------------------------
 
@@ -1452,9 +1628,11 @@ def cancel_view(ref: int | str, decided: CancelDecision | KeyError) -> dict[str,
     request, its status, the cancel's state and detail, whether this call decided it; a
     reference that names no request is ``unknown``."""
     if isinstance(decided, CancelDecision):
+        state = str(decided.state)
+        detail = decided.detail.removeprefix(f"{state}: ")  # shown after the state already
         return {"ref": ref, "id": decided.request.id, "key": decided.request.key,
-                "status": str(decided.request.status), "cancel": str(decided.state),
-                "detail": decided.detail, "new": decided.new}
+                "status": str(decided.request.status), "cancel": state,
+                "detail": detail, "new": decided.new}
     return {"ref": ref, "id": None, "key": None, "status": None, "cancel": "unknown",
             "detail": "no request with this id or key", "new": False}
 

@@ -33,11 +33,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.attempts import Attempt, Outcome
-from engine.context import JobContext, batch_slots
+from engine.context import CancelWatch, JobContext, batch_slots
 from engine.contract import JobType
 from engine.failures import FailurePath
 from engine.privacy import personal_values
 from engine.registry import get_job_type
+from engine.requests import RequestStore
 from engine.services import Services
 from resources.errors import AlreadyInProgress, CrashLoop, LeaseLost, StoredFailure
 from resources.idempotency import Claim, Completed
@@ -171,6 +172,8 @@ class BatchRequest:
     request_id: int | None = None
     decide: Decide | None = None
     traceparent: str | None = None
+    attempt: int | None = None
+    """This request's own 0-based attempt (a resident worker's claim); None: the batch's."""
 
 
 @dataclass
@@ -221,7 +224,7 @@ def execute_batch(
                 requests[i],
                 services.attempts.new(
                     jt.name,
-                    attempt=attempt,
+                    attempt=_attempt_of(requests[i], attempt),
                     run_id=run_id,
                     step=step or jt.op_name,
                     correlation_id=requests[i].correlation_id,
@@ -251,6 +254,10 @@ def execute_batch(
             _run_batch(jt, now, out, services)
             items = later
     return out
+
+
+def _attempt_of(request: BatchRequest, batch_attempt: int) -> int:
+    return batch_attempt if request.attempt is None else request.attempt
 
 
 def check_crash_loop(services: Services, claim: Claim, record: Attempt) -> None:
@@ -298,13 +305,14 @@ def _run_batch(jt: JobType, items: list[_Item], out: list[Any], services: Servic
     services.attempts.start_many([item.record for item in claimed])
     claims = [item.claim for item in claimed if item.claim is not None]
     results: list[Any] = [None] * len(claimed)
+    cancels = CancelWatch(RequestStore(services.db), [item.key for item in claimed])
     with services.store.keep_alive_many(claims, confirmed_at=asked) as keeper:
         for item in claimed:
             assert item.claim is not None
             item.ctx = JobContext(
                 services=services, claim=item.claim, attempt=item.record, payload=item.clean,
                 correlation_id=item.request.correlation_id,
-                keeper=keeper.keeper_for(item.claim),
+                keeper=keeper.keeper_for(item.claim), cancels=cancels,
             )
         fresh, suspects = _triage(services, claimed, results)
         _round(jt, services, claimed, fresh, results)

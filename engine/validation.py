@@ -34,6 +34,7 @@ from typing import Any
 from sqlalchemy.engine import Connection
 
 from engine.contract import JobType
+from engine.privacy import mask_text
 from engine.registry import get_job_type
 from engine.requests import JobRequest, RequestStore, windowed_key
 from engine.tenants import DEFAULT_TENANT
@@ -121,7 +122,8 @@ def admit(
                 job_type,
                 payload,
                 field=exc.field,
-                error=str(exc),
+                error=mask_text(str(exc), job_type if isinstance(job_type, str) else None,
+                                payload),
                 key=key,
                 source=source,
                 excerpt_bytes=limits.excerpt_bytes,

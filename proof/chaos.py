@@ -64,15 +64,25 @@ from pipelines.domain.inventory import Inventory
 from pipelines.domain.payments import GATEWAY, HttpPaymentGateway
 from pipelines.instance import prepare_dagster_home
 from proof import chaos_outbox
+from proof.chaos_truth import (
+    RECORD,
+    Calibration,
+    GroundTruth,
+    calibrate,
+    check_send_bounds,
+    unverified_note,
+)
 from proof.chaos_typed import TYPED_FAULTS, Sandboxes, effect_counter, job_types_of, typed_payloads
 from proof.chaos_worker import CONFIG_ENV, CRASH_POINTS, STOP_POINTS, WorkerConfig
 from resources.dlq import DlqStatus, DlqStore, FailureClass, FailureInfo, dedupe_key_for
+from resources.egress import ALLOW_ENV, allow_list
 from resources.errors import EvictingRedis, SekaliError, ValidationError
 from resources.idempotency import IdempotencyStore
 from resources.retry import BUDGET_UNAVAILABLE
 from resources.storage.db import Database
 from resources.storage.migrations import upgrade
 from resources.storage.redis import memory_policies, redis_client, require_no_eviction
+from resources.storage.replication import ACCEPT_ENV
 from resources.storage.settings import RedisTimeouts
 from sandbox.gateway import GatewayServer
 from sandbox.mailsink import MailSink
@@ -85,12 +95,12 @@ logger = logging.getLogger(__name__)
 FAULTS = ("kill", "stop", "redis-restart", "drop-response", "poison", "pg-restart",
           "redis-freeze", "redis-rollback", "redis-failover", "slow-provider", "drip-provider",
           "clock-skew", "retention-travel", "budget-redis-down", "crash-loop",
-          "poison-outbox", "evicting-redis")
+          "poison-outbox", "evicting-redis", "pg-failover")
 DEFAULT_FAULTS = ("kill", "stop", "redis-restart", "drop-response", "poison")
 # Faults that run one at a time on the coordinator's background thread, at planned dispatches.
 BACKGROUND_FAULTS = ("redis-restart", "pg-restart", "redis-freeze", "redis-rollback",
                      "redis-failover", "slow-provider", "drip-provider", "budget-redis-down",
-                     "evicting-redis")
+                     "evicting-redis", "pg-failover")
 DEFAULT_PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/sekali_test"
 EMAIL_DATE = "2026-11-29"
 
@@ -112,7 +122,12 @@ def parse_faults(spec: str, *, backend: str, database_url: str | None,
     notes: list[str] = []
     if "all" not in names:
         return tuple(names), notes
-    out = [f for f in (TYPED_FAULTS if typed else FAULTS) if f != "pg-restart"]
+    out = [f for f in (TYPED_FAULTS if typed else FAULTS) if f not in ("pg-restart",
+                                                                       "pg-failover")]
+    if not typed:
+        notes.append("pg-failover left out: name it (a private primary and an asynchronous "
+                     "replica, --backend postgres; it shows duplicates wherever a first send "
+                     "does not look its effect up first)")
     given = database_url or os.environ.get("DATABASE_URL")
     if backend != "postgres":
         notes.append("pg-restart left out: it needs --backend postgres")
@@ -148,6 +163,7 @@ class ChaosConfig:
     redis_freezes: int = 1
     redis_rollbacks: int = 1
     redis_failovers: int = 1
+    pg_failovers: int = 1  # pg-failover: the private primary killed, its lagging replica promoted
     provider_windows: int = 1  # per provider fault (slow-provider, drip-provider)
     budget_outages: int = 1  # budget-redis-down: the retry budget's own Redis killed, then back
     evicting_windows: int = 1  # evicting-redis: maxmemory-policy allkeys-lru, then back
@@ -165,7 +181,13 @@ class ChaosConfig:
     retry_cap: float = 1.5
     progress: bool = False
     keep_state: bool = False
-    job_types: tuple[str, ...] = ()  # --job-type: these job types, judged through their lookup
+    job_types: tuple[str, ...] = ()  # --job-type: these job types, judged at their stand-ins
+    # --job-type: the lookup's calibration before the fault run (proof/chaos_truth.py): this
+    # many sends per key (0: none, and the verdict says the lookup is uncalibrated) for this
+    # many keys of its own; require_record refuses a job type counted through its lookup
+    calibration_runs: int = 3
+    calibration_keys: int = 3
+    require_record: bool = False
     dagster: bool = False  # --dagster: each delivery a real run of the per-request Dagster job
 
     def validate(self) -> None:
@@ -190,6 +212,11 @@ class ChaosConfig:
             if self.naive:
                 raise ChaosConfigError("--naive runs the built-in mix only (its effects are "
                                        "written per job type); leave out --job-type")
+        if "pg-failover" in self.faults and (self.backend != "postgres" or self.database_url
+                                             or os.environ.get("DATABASE_URL")):
+            raise ChaosConfigError(
+                "pg-failover needs --backend postgres and no --database-url/DATABASE_URL: it "
+                "fails over a private primary to a replica this run starts itself")
         if "pg-restart" in self.faults:
             if self.backend != "postgres":
                 raise ChaosConfigError("pg-restart needs --backend postgres (a private cluster)")
@@ -206,6 +233,9 @@ class ChaosConfig:
             raise ChaosConfigError("--requests, --workers and --redelivery must be >= 1")
         if self.lease_seconds <= 0 or self.timeout <= 0:
             raise ChaosConfigError("--lease and --timeout must be positive")
+        if self.calibration_runs < 0 or self.calibration_keys < 1:
+            raise ChaosConfigError("--calibration-runs must be >= 0 and the calibration keys "
+                                   ">= 1")
 
     @property
     def skew(self) -> float:
@@ -356,6 +386,12 @@ class ChaosWorld:
         self.schema: str | None = None
         self.base_pg_url: str | None = None
         self.pg: PostgresServer | None = None  # the private cluster, with pg-restart only
+        self.pg_replica: PostgresServer | None = None  # pg-failover: the lagging standby
+        self.pg_proxy: TcpProxy | None = None  # pg-failover: where workers reach Postgres
+        self.pg_link: TcpProxy | None = None  # pg-failover: the replica's replication link
+        self.pg_retired: list[PostgresServer] = []
+        self.pg_failovers = 0
+        self._accepted: str | None = None
         self.pg_start_times: list[Any] = []  # pg_postmaster_start_time() after start, restarts
         self.database_url = ""
         self.redis: Any = None  # the current Redis primary
@@ -389,8 +425,10 @@ class ChaosWorld:
         if cfg.backend == "postgres":
             self.base_pg_url = (cfg.database_url or os.environ.get("DATABASE_URL")
                                 or os.environ.get("SEKALI_TEST_PG_URL") or DEFAULT_PG_URL)
-            if "pg-restart" in cfg.faults:  # validate() refused an explicit database
-                self.base_pg_url = self._start_private_cluster()
+            if "pg-restart" in cfg.faults or "pg-failover" in cfg.faults:
+                self.base_pg_url = self._start_private_cluster()  # validate() refused a URL
+            if "pg-failover" in cfg.faults:
+                self.base_pg_url = self._start_pg_replica()
             self.schema = "chaos_" + uuid.uuid4().hex[:12]
             engine = create_engine(self.base_pg_url, isolation_level="AUTOCOMMIT")
             with engine.connect() as conn:
@@ -427,6 +465,7 @@ class ChaosWorld:
             drop_after_charge_rate=cfg.drop_rate if "drop-response" in cfg.faults else 0.0,
             seed=cfg.seed,
         ).start()
+        os.environ[ALLOW_ENV] = allow_list([self.gateway.url])  # the workers' and ours
         self.sink = MailSink(f"sqlite:///{(self.state / 'mailsink.db').resolve()}").start()
 
     @property
@@ -549,6 +588,48 @@ class ChaosWorld:
         time.sleep(faults.get("charge_delay_ms", 0.0) / 1000)
         return len(self.gateway.charges()) - before
 
+    def _start_pg_replica(self) -> str:
+        """pg-failover: a streaming replica of the private cluster, and a TCP proxy every
+        client reaches the primary through (so a failover moves them all); the workers accept
+        the asynchronous replication they are run on (``SEKALI_ACCEPT_ASYNC_REPLICATION``)."""
+        assert self.pg is not None
+        self.pg_link = TcpProxy(self.pg.port).start()
+        try:
+            self.pg_replica = self.pg.replica(prefix="sekali-chaos-pg-replica-",
+                                              through=self.pg_link.port)
+        except PostgresUnavailable as exc:
+            raise ChaosConfigError(f"pg-failover needs a streaming replica: {exc}") from exc
+        self.pg_proxy = TcpProxy(self.pg.port).start()
+        self._accepted = os.environ.get(ACCEPT_ENV)
+        os.environ[ACCEPT_ENV] = "1"
+        return self.pg.url().replace(f":{self.pg.port}/", f":{self.pg_proxy.port}/")
+
+    def failover_postgres(self, lag: float) -> None:
+        """The replica's replication link cut (it receives nothing more), ``lag`` seconds of the
+        run writing to the primary alone (commits that return at once: asynchronous
+        replication), the primary SIGKILLed, the replica promoted, the proxy pointed at it
+        (open connections closed). Completed keys of those seconds are gone from the database;
+        their effects at the gateway and the mail sink stay. From here the gateway ignores
+        idempotency keys (a provider without key support), so only a first send that looks up
+        first can find them.
+        """
+        assert self.pg is not None and self.pg_replica is not None and self.pg_proxy is not None
+        assert self.pg_link is not None
+        deadline = time.monotonic() + 30
+        while self.pg.lag_bytes() is None and time.monotonic() < deadline:  # not streaming yet
+            time.sleep(0.1)
+        if self.gateway is not None:
+            self.gateway.set_faults(honour_idempotency_key=False)
+        old, new = self.pg, self.pg_replica
+        self.pg_link.stop()
+        time.sleep(lag)
+        old.kill()
+        new.promote()
+        self.pg, self.pg_replica = new, None
+        self.pg_proxy.retarget(new.port)
+        self.pg_retired.append(old)
+        self.pg_failovers += 1
+
     def _start_private_cluster(self) -> str:
         try:
             self.pg = PostgresServer(prefix="sekali-chaos-pg-").start()
@@ -594,6 +675,18 @@ class ChaosWorld:
     def close(self) -> None:
         if self.proxy is not None:
             self.proxy.stop()
+        for link in (self.pg_proxy, self.pg_link):
+            if link is not None:
+                link.stop()
+        for cluster in (self.pg_replica, *self.pg_retired):
+            if cluster is not None:
+                with contextlib.suppress(Exception):
+                    cluster.stop()
+        if self.pg_proxy is not None:
+            if self._accepted is None:
+                os.environ.pop(ACCEPT_ENV, None)
+            else:
+                os.environ[ACCEPT_ENV] = self._accepted
         if self.sandboxes is not None:
             self.sandboxes.stop()
         for part in (self.sink, self.gateway, self.redis, self.replica, self.budget_redis,
@@ -798,7 +891,7 @@ class Coordinator:
                   "redis-freeze": cfg.redis_freezes, "redis-rollback": cfg.redis_rollbacks,
                   "redis-failover": cfg.redis_failovers, "slow-provider": cfg.provider_windows,
                   "drip-provider": cfg.provider_windows,
-                  "budget-redis-down": cfg.budget_outages,
+                  "budget-redis-down": cfg.budget_outages, "pg-failover": cfg.pg_failovers,
                   "evicting-redis": cfg.evicting_windows}
         # each background fault at evenly spread points, the faults interleaved so that one
         # waiting for another (they run one at a time) still strikes well inside the run
@@ -825,6 +918,7 @@ class Coordinator:
         self.travelled: dict[str, Any] = {}  # the ledger just before the purge "days later"
         self.pending_kills: list[str] = []
         self.evicted: list[int] = []  # evicting-redis: requests refused, replayed once restored
+        self.failovers_handled = 0  # pg-failover: failovers whose rolled-back work went again
         self.armed: dict[str, tuple[str, str]] = {}  # tok -> (crash | stop, point)
         self.stopped_toks: set[str] = set()
         self.stop_log: list[dict[str, Any]] = []
@@ -844,6 +938,8 @@ class Coordinator:
     def _dispatch(self, now: float) -> None:
         if self.evicted and not self.world.evicting:
             self._replay_evicted()
+        if self.world.pg_failovers > self.failovers_handled:
+            self._redeliver_rolled_back()
         for w in self.workers.values():
             # a crash-looping request runs alone in its process, as a run does in its own
             # (its deaths must not count against neighbours on the process's other threads)
@@ -965,6 +1061,8 @@ class Coordinator:
             return lambda: world.rollback_redis(cfg.lease_seconds)
         if name == "redis-failover":  # the replica lags by one lease
             return lambda: world.failover_redis(cfg.lease_seconds)
+        if name == "pg-failover":  # the replica misses 1.5 leases of commits
+            return lambda: world.failover_postgres(1.5 * cfg.lease_seconds)
         faults: dict[str, Any] = (
             {"charge_delay_ms": cfg.charge_delay * 1000, "honour_idempotency_key": False}
             if name == "slow-provider" else {"drip_ms": 200.0})
@@ -1377,6 +1475,29 @@ class Coordinator:
             self.fresh.append(d.id)
             self.stats["travel_replayed"] += 1
 
+    def _redeliver_rolled_back(self) -> None:
+        """pg-failover: the broker's own record of what it acknowledged lives in the database
+        that failed over (as ``job_requests`` does for the intake), so a request settled in the
+        lost seconds is pending again: every settled request whose key the promoted database
+        does not hold completed, nor an open dead letter for, is delivered again."""
+        self.failovers_handled = self.world.pg_failovers
+        settled = {d.request for d in self.deliveries if d.settled is not None}
+        pending = {d.request for d in self.deliveries if d.settled is None}
+        with self.probe.connect() as conn:
+            dead = {int(r[0]) for r in conn.execute(text(
+                "SELECT request_id FROM dlq_records WHERE status = 'open'"
+                " AND request_id IS NOT NULL"))}
+        for rid in sorted(settled - pending):
+            req = self.requests[rid]
+            if req.row_id in dead or self._key_state(rid)[1] == "completed":
+                continue
+            self.done_requests.discard(rid)
+            req.faults.add("pg-failover")
+            d = Delivery(len(self.deliveries), rid)
+            self.deliveries.append(d)
+            self.fresh.append(d.id)
+            self.stats["pg-failover_redelivered"] += 1
+
     def _replay_evicted(self) -> None:
         """evicting-redis: the policy is ``noeviction`` again; the operator replays what the
         refusal dead-lettered (``sekali dlq replay``: the key reset, the record replaying)."""
@@ -1418,7 +1539,8 @@ class Coordinator:
     def _quiet(self) -> bool:
         """No worker still stopped or working on an old delivery, no restart under way: their
         late writes must happen inside the run, where the checker sees them."""
-        return not self._running and not self.evicted and all(
+        return not self._running and not self.evicted and (
+            self.world.pg_failovers == self.failovers_handled) and all(
             w.state != "stopped" and not w.inflight for w in self.workers.values()
         )
 
@@ -1466,6 +1588,11 @@ class ChaosReport:
     state_dir: str | None = None  # kept only with keep_state (worker logs, databases)
     # every dead-lettered request that was not poison: id, job type, class, reason, faults
     dead_letters: list[dict[str, Any]] = field(default_factory=list)
+    # --job-type: per job type, how its effects were counted ("record": the stand-in's own;
+    # "lookup": through its lookup hook), each lookup's calibration, and what is unverified
+    counting: dict[str, str] = field(default_factory=dict)
+    calibration: list[dict[str, Any]] = field(default_factory=list)
+    unverified: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -1542,17 +1669,31 @@ def gather_evidence(
 
 def check(world: ChaosWorld, coordinator: Coordinator) -> tuple[list[RequestVerdict], list[str]]:
     """Judge the run from the stores and the sandbox's records. Returns verdicts, violations.
-    A ``--job-type`` run counts effects through each job type's lookup hook only."""
+    A ``--job-type`` run counts each job type's effects by its stand-ins' own records where
+    they declare one, else through its lookup hook, and checks every recorded arrival against
+    the send bounds of its key's holders (:mod:`proof.chaos_truth`)."""
     retries: Counter[int] = Counter()
     for d in coordinator.deliveries:
         retries[d.request] += d.retries
     if world.sandboxes is not None:
-        count = effect_counter(job_types_of(world.config.job_types, ChaosConfigError),
-                               world.sandboxes.clients())
+        truth = GroundTruth(world.sandboxes)
+        by_lookup = effect_counter(job_types_of(world.config.job_types, ChaosConfigError),
+                                   world.sandboxes.clients())
+
+        def count(job_type: str, payload: dict[str, Any]) -> int:
+            recorded = truth.effects(job_type, payload)
+            return by_lookup(job_type, payload) if recorded is None else len(recorded)
+
         evidence = gather_evidence(world.db, [], [], purged_records=coordinator.travelled)
-        return judge(coordinator.requests, evidence, naive=False, retries=retries,
-                     stats=coordinator.stats, count=count,
-                     crash_loop_limit=world.config.crash_loop_limit)
+        verdicts, violations = judge(
+            coordinator.requests, evidence, naive=False, retries=retries,
+            stats=coordinator.stats, count=count,
+            crash_loop_limit=world.config.crash_loop_limit)
+        late, bound_stats = check_send_bounds(
+            coordinator.requests, truth, world.db, lease=world.config.lease_seconds,
+            skew=world.config.skew)
+        coordinator.stats.update(bound_stats)
+        return verdicts, violations + late
     evidence = gather_evidence(world.db, world.gateway.charges(), world.sink.messages(),
                                purged_records=coordinator.travelled)
     return judge(coordinator.requests, evidence, naive=world.config.naive, retries=retries,
@@ -1791,6 +1932,18 @@ def run_chaos(config: ChaosConfig) -> ChaosReport:
     requests = build_workload(config)
     with ChaosWorld(config) as world:
         world.seed_stock(requests)
+        counting, calibrations, unverified = _ground_truth(config, world)
+        problems = [c.problem for c in calibrations if c.problem]
+        if problems:  # nothing to judge with: the lookup the run would lean on is wrong
+            cfg = asdict(config)
+            cfg["faults"] = list(config.faults)
+            return ChaosReport(
+                config=cfg, finished=False, seconds=round(time.monotonic() - started, 1),
+                deliveries=0, stats={"calibration_failed": len(problems)}, rows=[],
+                violations=[*problems, "the fault run did not start: the lookup failed its "
+                                       "calibration"],
+                late_reports=[], counting=counting,
+                calibration=[c.to_dict() for c in calibrations], unverified=unverified)
         coordinator = Coordinator(config, world, requests)
         bar = ProgressBar() if config.progress else None
         finished = coordinator.run(progress=bar)
@@ -1859,4 +2012,36 @@ def run_chaos(config: ChaosConfig) -> ChaosReport:
                  "reason": v.dlq_reason, "faults": v.faults, "effects": v.effects}
                 for v in verdicts if v.dead_lettered and not v.poison
             ],
+            counting=counting,
+            calibration=[c.to_dict() for c in calibrations],
+            unverified=unverified,
         )
+
+
+def _ground_truth(config: ChaosConfig, world: ChaosWorld
+                  ) -> tuple[dict[str, str], list[Calibration], list[str]]:
+    """A ``--job-type`` run's counting per job type, its lookups' calibration (before any
+    fault) and what stays unverified; nothing for the built-in mix, which counts at its own
+    sandbox's records."""
+    if world.sandboxes is None:
+        return {}, [], []
+    truth = GroundTruth(world.sandboxes)
+    counting: dict[str, str] = {}
+    calibrations: list[Calibration] = []
+    unverified: list[str] = []
+    for jt in job_types_of(config.job_types, ChaosConfigError):
+        counting[jt.name] = truth.counted_by(jt)
+        if counting[jt.name] != RECORD:
+            if config.require_record:
+                raise ChaosConfigError(unverified_note(jt) + "; --require-record refuses it")
+            unverified.append(unverified_note(jt))
+        if config.calibration_runs == 0:
+            unverified.append(f"{jt.name}: its lookup was not calibrated (--calibration-runs 0)")
+            continue
+        done = calibrate(jt, world.sandboxes, world.state, runs=config.calibration_runs,
+                         keys=config.calibration_keys, offset=config.requests + 1000,
+                         lease=config.lease_seconds, settle=config.settle_seconds)
+        calibrations.append(done)
+        if done.note:
+            unverified.append(done.note)
+    return counting, calibrations, unverified

@@ -11,8 +11,9 @@ What the harness needs of a job type it knows nothing about comes from the decla
   the settings the stand-in's records need (``Sandbox.environment``);
 - the fault points: around every call of a declared client except the ones the job type's
   lookup hook reads with (:class:`proof.chaos_worker.HookedClient`);
-- the verdict: effects counted at the downstream through the job type's ``lookup`` hook,
-  nothing else.
+- the verdict: effects counted at the downstream by the stand-in's own record where it declares
+  one (``Sandbox.record``), else through the job type's ``lookup`` hook, said to be unverified;
+  the lookup calibrated first and the send bound checked (:mod:`proof.chaos_truth`).
 
 A job type that cannot be judged this way is refused before anything starts, with what to
 declare: an unknown name, a side effect with no lookup hook, a downstream with no sandbox.
@@ -31,6 +32,7 @@ from urllib.parse import urlsplit, urlunsplit
 from engine.contract import JobType
 from engine.downstreams import ClientOptions, Downstream, Stoppable
 from engine.registry import JOB_TYPES, get_job_type
+from resources.egress import ALLOW_ENV, allow_list
 from resources.errors import ValidationError
 from resources.storage.settings import Settings
 from sandbox.redis_server import free_port
@@ -193,18 +195,22 @@ class Sandboxes:
         self.state = state
         self.env: dict[str, str] = {}
         self.running: list[Stoppable] = []
+        self.stand_ins: dict[str, Stoppable] = {}  # by downstream: what its record reads
 
     def start(self) -> Sandboxes:
         for d in downstreams_of(self.job_types):
             box = d.sandbox
             assert box is not None  # job_types_of refused a downstream without one
             host, _, setting = box.address(Settings.from_env())
-            value = moved(setting, self.env.get(setting) or os.environ.get(setting), host,
-                          free_port())
+            port = free_port()
+            value = moved(setting, self.env.get(setting) or os.environ.get(setting), host, port)
             self.env[setting] = value
             self.env.update(box.environment(self.state))
+            allowed = self.env.get(ALLOW_ENV, os.environ.get(ALLOW_ENV, ""))
+            self.env[ALLOW_ENV] = allow_list([f"{host}:{port}"], {ALLOW_ENV: allowed})
             with environment(self.env):
-                self.running.append(box.start(Settings.from_env(), self.state))
+                self.stand_ins[d.name] = box.start(Settings.from_env(), self.state)
+            self.running.append(self.stand_ins[d.name])
         return self
 
     def settings(self) -> Settings:

@@ -39,6 +39,7 @@ from engine.services import Services
 from pipelines.domain.payments import HttpPaymentGateway
 from proof.retry_storm import Scenario, simulate
 from resources.cache import StampedeCache
+from resources.egress import ALLOW_ENV, allow_list
 from resources.errors import SekaliError
 from resources.storage.migrations import upgrade
 from resources.storage.redis import redis_client
@@ -136,6 +137,7 @@ def duplicate_delivery(url: str, state: Path, orders: int = 30, copies: int = 3,
                        progress: Progress = _quiet) -> list[list[Any]]:
     gateway = GatewayServer(f"sqlite:///{state / 'gateway.db'}", honour_idempotency_key=False)
     gateway.start()
+    os.environ[ALLOW_ENV] = allow_list([gateway.url])  # the stand-in on loopback
     try:
         settings = Settings(
             database_url=f"sqlite:///{state / 'app.db'}", redis_url=url,

@@ -99,6 +99,17 @@ class AlreadyInProgress(TransientJobError):
         self.lease_expires_at = lease_expires_at
 
 
+class RunEndedAroundRequest(TransientJobError):
+    """The run that held this request ended (its worker killed or cut off, its launch failed,
+    it was canceled) before any step decided on the request: nothing of the request itself
+    failed. Replay it (its key keeps any effect that already happened from happening twice)."""
+
+    def __init__(self, run_id: str, how: str) -> None:
+        super().__init__(f"run {run_id} {how} before any step decided on this request; "
+                         "nothing of the request failed: replay it")
+        self.run_id = run_id
+
+
 class NotYetSettled(TransientJobError):
     """An earlier attempt's effect has an unknown outcome (its call went out, no answer came
     back), and the downstream may still be processing it: looking it up now could miss it.
@@ -290,6 +301,27 @@ class EvictingRedis(SekaliError):
         self.policy = policy
         self.maxmemory = maxmemory
         self.keeps = keeps
+
+
+class AsyncReplication(SekaliError):
+    """The Postgres primary replicates asynchronously (or does not flush its commits): a
+    failover to a lagging standby rolls back keys completed in its lag while their effects
+    (a charge, a mail) stay, and the requests run again. Refused at a process's first use of
+    the database. Make a standby synchronous (``synchronous_standby_names`` and
+    ``synchronous_commit = on``), or accept the risk with ``SEKALI_ACCEPT_ASYNC_REPLICATION=1``
+    and keep the job types' first send looking up first (docs/chaos.md, ``pg-failover``)."""
+
+    permanent = True
+
+    def __init__(self, found: str) -> None:
+        super().__init__(
+            f"the database may lose completed keys in a failover: {found}. Make a standby "
+            "synchronous (synchronous_standby_names naming it, synchronous_commit=on), or set "
+            "SEKALI_ACCEPT_ASYNC_REPLICATION=1 to accept it (every job type with a side effect "
+            "should then look its effect up before the first send); see docs/chaos.md, "
+            "pg-failover"
+        )
+        self.found = found
 
 
 class CacheLoadTimeout(TransientJobError):

@@ -19,34 +19,58 @@ urllib3 underneath, pooled and thread-safe, its own retries off (the retry polic
   is left is a pause between the last check and its ``sendall`` (a few instructions), or a
   kernel that holds written bytes and sends them later.
 
+Where a call may go is decided first (:mod:`resources.egress`): the URL's host is resolved
+within the deadline, every address checked against the rules and the allow-list, and the
+connection is pinned to the checked address (no second resolution), or made through
+``SEKALI_EGRESS_PROXY``. Redirects are never followed: a 3xx is an answer like any other.
+
 Failures are two classes, by whether the request can have been received:
 
-- :class:`HttpUnreachable`: no connection (refused, connect timeout): nothing was sent;
+- :class:`HttpUnreachable`: no byte of the request was written: no connection (refused,
+  connect timeout), a TLS handshake that failed (a wrong certificate, a plain-text server),
+  a name that did not resolve in time;
 - :class:`HttpNoAnswer`: the request went out and no whole answer came (a read timeout, a reset,
   the deadline while reading): the server may have acted on it (``maybe_received``).
+
+No error carries an answer's body: :meth:`HttpAnswer.described` gives its status, size and
+hash, which is what callers put in errors (an internal service's answer must not be readable
+back through an error, a DLQ record or a log line).
 """
 
 from __future__ import annotations
 
 import email.utils
+import hashlib
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 import urllib3
 from urllib3.connection import HTTPConnection, HTTPSConnection
 from urllib3.connectionpool import HTTPConnectionPool, HTTPSConnectionPool
+from urllib3.util import connection as urllib3_connection
 
+from resources.egress import (
+    Destination,
+    EgressPolicy,
+    EgressRefused,
+    EgressUnresolved,
+    shown_url,
+)
 from resources.errors import SendDeadlinePassed, TransientJobError
 
 DEFAULT_MAX_BODY = 64 * 1024
+_MAX_POOLS = 128
 
 
 class HttpUnreachable(TransientJobError):
-    """No connection to the server: nothing was sent. Retry with backoff; if it lasts, check
-    the address and that the server is up."""
+    """No byte of the request was written (no connection, a failed TLS handshake, a name that
+    did not resolve): nothing was sent. Retry with backoff; if it lasts, check the address,
+    its certificate and that the server is up."""
 
 
 class HttpNoAnswer(TransientJobError):
@@ -68,6 +92,13 @@ class HttpAnswer:
 
     def header(self, name: str) -> str | None:
         return self.headers.get(name.lower())
+
+    def described(self) -> str:
+        """The answer as an error may name it: status, size and the body's hash, never the
+        body (``410, 1234 bytes, sha256 9f86d081884c7d65``)."""
+        more = "+" if self.truncated else ""
+        digest = hashlib.sha256(self.body).hexdigest()[:16]
+        return f"{self.status}, {len(self.body)}{more} bytes, sha256 {digest}"
 
 
 def retry_after(value: str | None, now: float) -> float | None:
@@ -92,29 +123,55 @@ def retry_after(value: str | None, now: float) -> float | None:
 
 
 class _SendBound(threading.local):
-    """The send bound of the call this thread is making (a connection serves one call at a
-    time, on the calling thread)."""
+    """The call this thread is making (a connection serves one call at a time, on the calling
+    thread): its send bound, and whether a byte of it was written yet."""
 
     at: float | None = None
     what: str = ""
+    wrote: bool = False
 
 
 _SEND_BOUND = _SendBound()
 
 
 class _BoundedSend:
-    """A connection that checks this thread's send bound right before each write."""
+    """A connection that checks this thread's send bound right before each write, notes that
+    the request started going out, and connects to its pinned (checked) address."""
+
+    pinned: str | None = None
 
     def send(self, data: Any) -> None:
+        if getattr(self, "sock", None) is None:
+            self.connect()  # type: ignore[attr-defined]  # a failure here wrote nothing
         at = _SEND_BOUND.at
         if at is not None:
-            if getattr(self, "sock", None) is None:
-                self.connect()  # type: ignore[attr-defined]
             late_by = time.monotonic() - at
             if late_by >= 0:
                 self.close()  # type: ignore[attr-defined]
                 raise SendDeadlinePassed(_SEND_BOUND.what, late_by)
+        _SEND_BOUND.wrote = True
         super().send(data)  # type: ignore[misc]
+
+    def _new_conn(self) -> Any:
+        """urllib3's own connect, to the checked address instead of a fresh lookup of the
+        host name (which could answer something else: DNS rebinding). The host name stays the
+        connection's ``host``: the ``Host`` header, TLS's SNI and its certificate check."""
+        if self.pinned is None:
+            return super()._new_conn()  # type: ignore[misc]
+        try:
+            return urllib3_connection.create_connection(
+                (self.pinned, self.port),  # type: ignore[attr-defined]
+                self.timeout,  # type: ignore[attr-defined]
+                source_address=self.source_address,  # type: ignore[attr-defined]
+                socket_options=self.socket_options,  # type: ignore[attr-defined]
+            )
+        except TimeoutError as exc:
+            raise urllib3.exceptions.ConnectTimeoutError(
+                self, f"connection to {self.pinned} timed out") from exc
+        except OSError as exc:
+            raise urllib3.exceptions.NewConnectionError(
+                self, f"failed to connect to {self.pinned}: {exc}",  # type: ignore[arg-type]
+            ) from exc
 
 
 class _BoundedHTTPConnection(_BoundedSend, HTTPConnection):
@@ -125,11 +182,22 @@ class _BoundedHTTPSConnection(_BoundedSend, HTTPSConnection):
     pass
 
 
-class _BoundedHTTPPool(HTTPConnectionPool):
+class _Pinned:
+    """A pool whose new connections go to one checked address."""
+
+    pinned: str | None = None
+
+    def _new_conn(self) -> Any:
+        conn = super()._new_conn()  # type: ignore[misc]
+        conn.pinned = self.pinned
+        return conn
+
+
+class _BoundedHTTPPool(_Pinned, HTTPConnectionPool):
     ConnectionCls = _BoundedHTTPConnection
 
 
-class _BoundedHTTPSPool(HTTPSConnectionPool):
+class _BoundedHTTPSPool(_Pinned, HTTPSConnectionPool):
     ConnectionCls = _BoundedHTTPSConnection
 
 
@@ -138,8 +206,9 @@ class _DeadlinePassed(Exception):  # noqa: N818 - internal signal, mapped to Htt
 
 
 class BoundedHttp:
-    """The client (see the module). One per process is enough: it pools connections per host.
-    """
+    """The client (see the module). One per process is enough: it pools connections per
+    checked destination. ``policy``: where calls may go (``EgressPolicy.from_env()``, read when
+    the client is built)."""
 
     def __init__(
         self,
@@ -148,6 +217,7 @@ class BoundedHttp:
         deadline: float = 15.0,
         max_body: int = DEFAULT_MAX_BODY,
         pool_maxsize: int = 16,
+        policy: EgressPolicy | None = None,
     ) -> None:
         if timeout <= 0 or deadline <= 0:
             raise ValueError("timeout and deadline must be positive seconds")
@@ -156,12 +226,41 @@ class BoundedHttp:
         self.timeout = min(timeout, deadline)
         self.deadline = deadline
         self.max_body = max_body
-        self._http = urllib3.PoolManager(
-            maxsize=pool_maxsize, block=False, retries=False,
-            timeout=urllib3.Timeout(connect=self.timeout, read=self.timeout, total=deadline),
-        )
-        self._http.pool_classes_by_scheme = {"http": _BoundedHTTPPool,
-                                             "https": _BoundedHTTPSPool}
+        self.policy = policy if policy is not None else EgressPolicy.from_env()
+        self._pool_maxsize = pool_maxsize
+        self._pools: OrderedDict[tuple[str, str, int, str], HTTPConnectionPool] = OrderedDict()
+        self._pools_lock = threading.Lock()
+        self._proxy: urllib3.ProxyManager | None = None
+        if self.policy.proxy is not None:
+            self._proxy = urllib3.ProxyManager(
+                self.policy.proxy, maxsize=pool_maxsize, block=False, retries=False,
+                timeout=urllib3.Timeout(connect=self.timeout, read=self.timeout,
+                                        total=deadline),
+            )
+            self._proxy.pool_classes_by_scheme = {"http": _BoundedHTTPPool,
+                                                  "https": _BoundedHTTPSPool}
+
+    def _pool(self, where: Destination) -> HTTPConnectionPool:
+        """The pool of one checked destination (at most ``_MAX_POOLS`` kept, oldest closed)."""
+        assert where.address is not None
+        key = (where.scheme, where.host, where.port, where.address)
+        with self._pools_lock:
+            pool = self._pools.get(key)
+            if pool is None:
+                cls = _BoundedHTTPSPool if where.scheme == "https" else _BoundedHTTPPool
+                pool = cls(where.host, where.port, maxsize=self._pool_maxsize, block=False,
+                           retries=False)
+                pool.pinned = where.address
+                self._pools[key] = pool
+                while len(self._pools) > _MAX_POOLS:
+                    self._pools.popitem(last=False)[1].close()
+            self._pools.move_to_end(key)
+            return pool
+
+    def destination(self, url: str) -> Destination:
+        """Where ``url`` would go, checked (:class:`EgressRefused` when it may not), resolving
+        within the client's connect timeout."""
+        return self.policy.check(url, self.timeout)
 
     def request(
         self,
@@ -171,30 +270,35 @@ class BoundedHttp:
         body: bytes | None = None,
         headers: Mapping[str, str] | None = None,
         send_by: float | None = None,
+        require_tls: bool = False,
     ) -> HttpAnswer:
         """One call, bounded as the module says; any status is an answer (the caller maps it).
-        """
+        :class:`resources.egress.EgressRefused` (permanent) when the destination may not be
+        called; ``require_tls``: plain http only to a destination the allow-list names."""
+        shown = shown_url(url)
         ends_at = time.monotonic() + self.deadline
-        connect = self.timeout
+        try:
+            where = self.policy.check(url, min(self.timeout, self.deadline),
+                                      require_tls=require_tls)
+        except EgressUnresolved as exc:
+            raise HttpUnreachable(f"no connection to {shown}: {exc}") from exc
+        connect = min(self.timeout, max(0.001, ends_at - time.monotonic()))
         if send_by is not None:
             left = send_by - time.monotonic()
             if left <= 0:
-                raise SendDeadlinePassed(f"{method} {_shown(url)}", -left)
+                raise SendDeadlinePassed(f"{method} {shown}", -left)
             connect = min(connect, left)
-        timeout = urllib3.Timeout(connect=connect, read=self.timeout, total=self.deadline)
-        _SEND_BOUND.at, _SEND_BOUND.what = send_by, f"{method} {_shown(url)}"
+        total = max(0.001, ends_at - time.monotonic())
+        timeout = urllib3.Timeout(connect=connect, read=self.timeout, total=total)
+        _SEND_BOUND.at, _SEND_BOUND.what, _SEND_BOUND.wrote = send_by, f"{method} {shown}", False
         try:
-            response = self._http.request(
-                method, url, body=body, headers=dict(headers or {}), preload_content=False,
-                timeout=timeout, redirect=False,
-            )
-        except (urllib3.exceptions.NewConnectionError,
-                urllib3.exceptions.ConnectTimeoutError) as exc:
-            raise HttpUnreachable(f"no connection to {_shown(url)}: {type(exc).__name__}"
-                                  ) from exc
+            response = self._open(where, method, url, body, headers, timeout)
         except urllib3.exceptions.HTTPError as exc:
+            if not _SEND_BOUND.wrote:
+                raise HttpUnreachable(f"no connection to {shown}: {type(exc).__name__}"
+                                      ) from exc
             raise HttpNoAnswer(
-                f"{method} {_shown(url)} was sent and got no answer: {type(exc).__name__}"
+                f"{method} {shown} was sent and got no answer: {type(exc).__name__}"
             ) from exc
         finally:
             _SEND_BOUND.at = None
@@ -203,7 +307,7 @@ class BoundedHttp:
         except (urllib3.exceptions.HTTPError, OSError, _DeadlinePassed) as exc:
             response.close()
             raise HttpNoAnswer(
-                f"{method} {_shown(url)} answered {response.status} but its body did not come "
+                f"{method} {shown} answered {response.status} but its body did not come "
                 f"within the {self.deadline:g}s deadline: {type(exc).__name__}"
             ) from exc
         if truncated:
@@ -212,6 +316,18 @@ class BoundedHttp:
             response.release_conn()
         names = {name.lower(): value for name, value in response.headers.items()}
         return HttpAnswer(response.status, names, data, truncated)
+
+    def _open(self, where: Destination, method: str, url: str, body: bytes | None,
+              headers: Mapping[str, str] | None, timeout: urllib3.Timeout
+              ) -> urllib3.BaseHTTPResponse:
+        common: dict[str, Any] = {"body": body, "headers": dict(headers or {}),
+                                  "preload_content": False, "timeout": timeout,
+                                  "redirect": False, "retries": False}
+        if self._proxy is not None:
+            return self._proxy.urlopen(method, url, **common)
+        parts = urlsplit(url)
+        target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        return self._pool(where).urlopen(method, target, assert_same_host=False, **common)
 
     def _read(self, response: urllib3.BaseHTTPResponse, ends_at: float) -> tuple[bytes, bool]:
         sock = getattr(response.connection, "sock", None)
@@ -232,17 +348,19 @@ class BoundedHttp:
                 return b"".join(chunks)[: self.max_body], True
 
     def close(self) -> None:
-        self._http.clear()
-
-
-def _shown(url: str) -> str:
-    """A URL as errors name it: scheme, host and path; the query (tokens) left out."""
-    return url.split("?", 1)[0][:200]
+        with self._pools_lock:
+            pools, self._pools = list(self._pools.values()), OrderedDict()
+        for pool in pools:
+            pool.close()
+        if self._proxy is not None:
+            self._proxy.clear()
 
 
 __all__ = [
     "DEFAULT_MAX_BODY",
     "BoundedHttp",
+    "EgressPolicy",
+    "EgressRefused",
     "HttpAnswer",
     "HttpNoAnswer",
     "HttpUnreachable",

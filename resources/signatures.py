@@ -12,6 +12,15 @@ The secret is written ``whsec_<base64>`` (the bytes are the base64 decoding); a 
 the prefix is taken as its UTF-8 bytes. A receiver refuses a timestamp further than
 ``tolerance`` seconds from its clock (a captured message cannot be replayed later) and compares
 signatures in constant time. The secret is never part of an error or a log line.
+
+Several secrets sign at once during a rotation (:func:`signed_headers` takes a list): the
+header carries one ``v1,`` signature per secret, and a receiver holding any one of them accepts.
+
+A *lookup* (sekali's own question to an endpoint, "did you act on message X?", a GET with no
+body) is signed as a different message type: with :func:`lookup_key` of each secret (an HMAC of
+the secret, never the secret itself) over the request's target (``/path?query``), so a
+lookup's headers replayed as a delivery (an empty POST) never verify, and a delivery's headers
+never pass as a lookup.
 """
 
 from __future__ import annotations
@@ -20,7 +29,7 @@ import base64
 import binascii
 import hashlib
 import hmac
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from resources.errors import PermanentJobError
 
@@ -69,23 +78,50 @@ def signature(key: bytes, msg_id: str, timestamp: int, body: bytes) -> str:
     return "v1," + base64.b64encode(mac).decode()
 
 
-def signed_headers(key: bytes, msg_id: str, body: bytes, now: float) -> dict[str, str]:
-    """The three headers of ``body`` sent as message ``msg_id`` at ``now``."""
+def lookup_key(key: bytes) -> bytes:
+    """The key a lookup is signed with, derived from a secret: never the secret itself, so no
+    lookup signature is a delivery signature."""
+    return hmac.new(key, b"sekali-lookup-v1", hashlib.sha256).digest()
+
+
+def _keys(key: bytes | Sequence[bytes]) -> list[bytes]:
+    return [key] if isinstance(key, bytes) else list(key)
+
+
+def signed_headers(key: bytes | Sequence[bytes], msg_id: str, body: bytes, now: float
+                   ) -> dict[str, str]:
+    """The three headers of ``body`` sent as message ``msg_id`` at ``now``, signed with each
+    of the keys (one ``v1,`` signature each, space-separated)."""
+    keys = _keys(key)
+    if not keys:
+        raise SigningKeyInvalid("no signing secret to sign with")
     timestamp = int(now)
     return {
         ID_HEADER: msg_id,
         TIMESTAMP_HEADER: str(timestamp),
-        SIGNATURE_HEADER: signature(key, msg_id, timestamp, body),
+        SIGNATURE_HEADER: " ".join(signature(k, msg_id, timestamp, body) for k in keys),
     }
 
 
+def lookup_headers(key: bytes | Sequence[bytes], msg_id: str, target: str, now: float
+                   ) -> dict[str, str]:
+    """The headers of a lookup of message ``msg_id`` at ``target`` (``/path?query``)."""
+    return signed_headers([lookup_key(k) for k in _keys(key)], msg_id, target.encode(), now)
+
+
+def verify_lookup(key: bytes | Sequence[bytes], headers: Mapping[str, str], target: str,
+                  now: float, tolerance: float = DEFAULT_TOLERANCE) -> str:
+    """:func:`verify` for a lookup of ``target``: the message id it asks about."""
+    return verify([lookup_key(k) for k in _keys(key)], headers, target.encode(), now, tolerance)
+
+
 def verify(
-    key: bytes, headers: Mapping[str, str], body: bytes, now: float,
+    key: bytes | Sequence[bytes], headers: Mapping[str, str], body: bytes, now: float,
     tolerance: float = DEFAULT_TOLERANCE,
 ) -> str:
-    """The message id when ``headers`` sign ``body`` with ``key`` within ``tolerance`` seconds of
-    ``now``; :class:`SignatureInvalid` saying which check failed otherwise. Header names are
-    matched without regard to case."""
+    """The message id when ``headers`` sign ``body`` with ``key`` (or any one of several keys)
+    within ``tolerance`` seconds of ``now``; :class:`SignatureInvalid` saying which check
+    failed otherwise. Header names are matched without regard to case."""
     lower = {name.lower(): value for name, value in headers.items()}
     msg_id = lower.get(ID_HEADER)
     raw_ts = lower.get(TIMESTAMP_HEADER)
@@ -102,9 +138,9 @@ def verify(
             f"{TIMESTAMP_HEADER}: {timestamp} is {now - timestamp:+.0f}s from now, outside the "
             f"{tolerance:g}s tolerance (a replay, or clocks apart)"
         )
-    expected = signature(key, msg_id, timestamp, body).encode()
+    expected = [signature(k, msg_id, timestamp, body).encode() for k in _keys(key)]
     for candidate in given.split()[:16]:
-        if hmac.compare_digest(candidate.encode(), expected):
+        if any(hmac.compare_digest(candidate.encode(), e) for e in expected):
             return msg_id
     raise SignatureInvalid(f"{SIGNATURE_HEADER}: no v1 signature matches the body")
 
@@ -114,6 +150,9 @@ __all__ = [
     "SigningKeyInvalid",
     "secret_bytes",
     "signature",
+    "lookup_headers",
+    "lookup_key",
     "signed_headers",
     "verify",
+    "verify_lookup",
 ]

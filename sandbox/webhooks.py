@@ -10,8 +10,15 @@ Any path is an endpoint (``/hooks/ep-1``); its records are kept in memory, per p
   ``webhook-id`` is processed (an *effect*), a repeat is answered 200 and only counted; with
   ``dedupe`` off (a receiver that ignores keys) every delivery is an effect.
 - ``GET /healthz``: 200 when serving.
-- ``GET <path>?webhook_id=ID``, signed the same way over an empty body: the lookup the sender
-  asks before resending ``{"webhook_id", "deliveries": n, "effects": [{"reference", "at"}]}``.
+- ``GET <path>?webhook_id=ID``, signed as a lookup (:func:`resources.signatures.verify_lookup`:
+  its own key, over ``<path>?<query>``, so a lookup's headers replayed as a POST are refused
+  with 401): the lookup the sender asks before resending ``{"webhook_id", "deliveries": n,
+  "effects": [{"reference", "at"}]}``.
+
+Secrets: one key for every endpoint (``bytes``), or ``keys(endpoint_id)`` giving each
+endpoint's active secrets (``sekali dev`` passes the store's,
+:meth:`resources.webhook_secrets.WebhookSecrets.signing_keys`): the endpoint id is the path's
+last segment, percent-decoded (``/hooks/ep-1`` is ``ep-1``).
 - ``GET /_admin/deliveries``, ``GET|POST /_admin/faults``, ``POST /_admin/reset``, each with
   ``Authorization: Bearer <admin_token>`` (generated unless given; 401 without it).
 
@@ -33,11 +40,13 @@ import secrets
 import threading
 import time
 import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import parse_qs, unquote, urlsplit
 
-from resources.signatures import SignatureInvalid, verify
+from resources.errors import SekaliError
+from resources.signatures import SignatureInvalid, verify, verify_lookup
 from sandbox.http_server import FaultSet, JsonHandler, RequestRefused, ServedOnThread
 
 log = logging.getLogger(__name__)
@@ -67,11 +76,13 @@ class _Message:
 
 class WebhookReceiver(ServedOnThread):
     """The receiver in-process: ``start()`` serves on a background thread, ``stop()`` ends it.
-    ``key`` is the signing secret's bytes (:func:`resources.signatures.secret_bytes`)."""
+    ``key`` is the signing secret's bytes (:func:`resources.signatures.secret_bytes`), the same
+    for every endpoint, or ``keys(endpoint_id)`` (see the module)."""
 
     thread_name = "sandbox-webhooks"
 
-    def __init__(self, key: bytes, *, host: str = "127.0.0.1", port: int = 0,
+    def __init__(self, key: bytes | Callable[[str], Sequence[bytes]], *,
+                 host: str = "127.0.0.1", port: int = 0,
                  tolerance: float = 300.0, admin_token: str | None = None,
                  **faults: Any) -> None:
         self.key = key
@@ -126,6 +137,15 @@ class WebhookReceiver(ServedOnThread):
                 ],
             }
 
+    def keys_for(self, path: str) -> list[bytes]:
+        """The secrets of the endpoint at ``path`` (none for an id the store refuses)."""
+        if isinstance(self.key, bytes):
+            return [self.key]
+        try:
+            return list(self.key(unquote(path.rstrip("/").rsplit("/", 1)[-1])))
+        except SekaliError:
+            return []
+
     def reset(self) -> None:
         with self._lock:
             self._messages.clear()
@@ -134,7 +154,7 @@ class WebhookReceiver(ServedOnThread):
     def receive(self, path: str, headers: dict[str, str], body: bytes) -> tuple[int, Any, float]:
         """Handle one POST: ``(status, answer, seconds to wait before answering)``."""
         try:
-            msg_id = verify(self.key, headers, body, time.time(), self.tolerance)
+            msg_id = verify(self.keys_for(path), headers, body, time.time(), self.tolerance)
         except SignatureInvalid as exc:
             with self._lock:
                 self.rejected += 1
@@ -158,10 +178,15 @@ class WebhookReceiver(ServedOnThread):
                                         "at": time.time()})
         return 200, {"ok": True, "duplicate": not act}, faults.answer_delay_ms / 1000
 
-    def lookup(self, path: str, webhook_id: str, headers: dict[str, str]) -> tuple[int, Any]:
+    def lookup(self, path: str, target: str, webhook_id: str, headers: dict[str, str]
+               ) -> tuple[int, Any]:
+        """Answer a lookup of ``webhook_id`` at ``path``, signed over ``target``."""
         try:
-            signed = verify(self.key, headers, b"", time.time(), self.tolerance)
+            signed = verify_lookup(self.keys_for(path), headers, target, time.time(),
+                                   self.tolerance)
         except SignatureInvalid as exc:
+            with self._lock:
+                self.rejected += 1
             return 401, {"error": str(exc)}
         if signed != webhook_id:
             return 401, {"error": "webhook-id header does not match the id asked for"}
@@ -189,7 +214,8 @@ class _Handler(JsonHandler):
                 if not webhook_id:
                     self.send_json(400, {"error": "webhook_id: query parameter required"})
                     return
-                self.send_json(*receiver.lookup(url.path, webhook_id, headers))
+                target = url.path + (f"?{url.query}" if url.query else "")
+                self.send_json(*receiver.lookup(url.path, target, webhook_id, headers))
             else:
                 status, answer, delay = receiver.receive(url.path, headers, body)
                 if delay > 0:

@@ -29,6 +29,7 @@ change mark, then, only if it moved, a grouped count and the oldest rows
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -38,26 +39,26 @@ from datetime import UTC, datetime
 from typing import Any
 
 import dagster as dg
-from dagster import DagsterEventType, DagsterRunStatus, RunsFilter
+from dagster import DagsterRunStatus, RunsFilter
 
 from engine import tags as tag
-from engine.launch import request_run_config
-from engine.privacy import mask_failure
-from engine.registry import JOB_TYPES, get_job_type
-from engine.requests import RequestStore
+from engine.dead_letters import Subject, announce, dead_letter_now
+from engine.launch import stored_request_run_config
+from engine.registry import JOB_TYPES
+from engine.requests import JobRequest, RequestStatus, RequestStore
 from engine.upkeep.retention import resolve_completed_page
 from engine.validation import ValidationError, admit
 from resources.dagster_resources import DlqResource
 from resources.dlq import (
     DlqRecord,
+    DlqRecordNotFound,
     DlqStatus,
     DlqStore,
     FailureClass,
     FailureInfo,
     RecordedFailure,
-    dedupe_key_for,
-    top_frame,
 )
+from resources.errors import RunEndedAroundRequest
 from resources.idempotency import IdempotencyStore
 from resources.telemetry.tracing import trace_id_of
 
@@ -66,12 +67,15 @@ log = logging.getLogger(__name__)
 _WRAPPERS = {"DagsterExecutionStepExecutionError", "Failure", "DagsterUserCodeExecutionError"}
 
 
-# -- reading a failed run ----------------------------------------------------------------------
+# -- a failed run --------------------------------------------------------------------------
 
 
 def is_job_run(run: dg.DagsterRun) -> bool:
     """Runs of sekali job types and intake batches (they carry ``sekali/`` tags and are not
-    DLQ operations); asset runs (reconciliation, warming, metrics) are not dead-lettered."""
+    DLQ operations); asset runs (reconciliation, warming, metrics) are not dead-lettered, nor
+    are resident worker runs (their supervisor gives back what a dead one held)."""
+    if tag.WORKER in run.tags:
+        return False
     if any(tag in run.tags for tag in (tag.KEY, tag.REQUEST_ID, tag.DLQ_ID, tag.JOB_TYPE)):
         return True
     return run.job_name.startswith("intake_") or run.job_name in _job_type_names()
@@ -85,209 +89,91 @@ def will_retry(run: dg.DagsterRun) -> bool:
     return run.tags.get(tag.WILL_RETRY, "").lower() == "true"
 
 
-def _request_config(run_config: dict[str, Any]) -> dict[str, Any]:
-    """The op config of a per-request run (``payload``, ``key``, ``request_id``), or {}."""
-    for op_config in (run_config.get("ops") or {}).values():
-        config = (op_config or {}).get("config") or {}
-        if isinstance(config, dict) and "payload" in config:
-            return config
-    return {}
+def _replay_of(run: dg.DagsterRun) -> int | None:
+    if tag.DLQ_REPLAY in run.tags and tag.DLQ_ID in run.tags:
+        with contextlib.suppress(ValueError):
+            return int(run.tags[tag.DLQ_ID])
+    return None
 
 
-def _derived_key(job_type: str, payload: Any) -> str | None:
-    """The key the job type derives from its payload (runs launched without a key tag)."""
+def _ended_around(run: dg.DagsterRun, requests: RequestStore) -> list[JobRequest]:
+    """The requests a run launched by hand or by a replay (not by the intake, whose sensor
+    moves its own) held when it ended, undecided: still ``running`` under this run."""
+    if tag.INTAKE in run.tags or tag.REQUEST_ID not in run.tags:
+        return []
     try:
-        jt = get_job_type(job_type)
-        return str(jt.key_for(jt.validate(dict(payload))))
-    except Exception:  # noqa: BLE001 - bad payload or unknown type: no key to derive
-        return None
-
-
-def _payload_of(run_config: dict[str, Any]) -> Any:
-    payload = _request_config(run_config).get("payload")
-    if isinstance(payload, str):
-        try:
-            return json.loads(payload)
-        except ValueError:
-            return payload
-    return payload
-
-
-def _error_fields(event: Any) -> dict[str, Any]:
-    """Type, message, frame, trace and declared class of a STEP_FAILURE event's error."""
-    data = event.dagster_event.step_failure_data
-    err = data.error
-    declared: dict[str, str] = {}
-    if data.user_failure_data is not None:
-        for name, value in (data.user_failure_data.metadata or {}).items():
-            declared[name] = str(getattr(value, "value", value))
-    inner = err
-    while inner.cause is not None and inner.cls_name in _WRAPPERS:
-        inner = inner.cause
-    message = inner.message.strip()
-    prefix = f"{inner.cls_name}: "
-    if message.startswith(prefix):
-        message = message[len(prefix) :]
-    else:
-        message = message.split(": ", 1)[-1] if message.startswith("dagster.") else message
-    error_type = declared.get("error_type") or inner.cls_name or "Error"
-    return {
-        "error_type": error_type,
-        "message": message,
-        "frame": top_frame(inner.stack),
-        "trace": err.to_string(),
-        "error_class": FailureClass.parse(declared.get("error_class")),
-        "step": event.dagster_event.step_key or "",
-        "failed_at": event.timestamp,
-    }
-
-
-def _run_failure_fields(instance: dg.DagsterInstance, run: dg.DagsterRun) -> dict[str, Any]:
-    """When no step failed (worker killed, max runtime, canceled): the run's own failure."""
-    if run.status == DagsterRunStatus.CANCELED:
-        canceled = instance.all_logs(run.run_id, of_type=DagsterEventType.RUN_CANCELED)
-        message = (canceled[-1].message if canceled else "") or "run canceled"
-        return {
-            "error_type": "RunCanceled",
-            "message": message,
-            "frame": "",
-            "trace": message,
-            "error_class": FailureClass.TRANSIENT,
-            "step": "",
-            "failed_at": canceled[-1].timestamp if canceled else None,
-        }
-    events = instance.all_logs(run.run_id, of_type=DagsterEventType.RUN_FAILURE)
-    message = events[-1].message if events else "run failed"
-    reason = run.tags.get(tag.FAILURE_REASON, "RUN_FAILURE")
-    return {
-        "error_type": f"RunFailure.{reason}",
-        "message": message or reason,
-        "frame": "",
-        "trace": message or "",
-        "error_class": FailureClass.TRANSIENT,
-        "step": "",
-        "failed_at": events[-1].timestamp if events else None,
-    }
-
-
-def failures_of_run(
-    instance: dg.DagsterInstance, run: dg.DagsterRun, store: DlqStore
-) -> list[FailureInfo]:
-    """One :class:`FailureInfo` per failed request of ``run``."""
-    requests = RequestStore(store.db)
-    steps = instance.all_logs(run.run_id, of_type=DagsterEventType.STEP_FAILURE)
-    error = _error_fields(steps[-1]) if steps else _run_failure_fields(instance, run)
-    tags = {k: v for k, v in run.tags.items() if not k.startswith(tag.DAGSTER_PREFIX)}
-    run_config = dict(run.run_config or {})
-    replay = tag.DLQ_ID in run.tags and tag.DLQ_REPLAY in run.tags  # not a dead-lettered run
-    dlq_id = int(run.tags[tag.DLQ_ID]) if replay else None
-    config = _request_config(run_config)
-    request_id = int(run.tags[tag.REQUEST_ID]) if tag.REQUEST_ID in run.tags else None
-    if request_id is None and config.get("request_id") is not None:
-        request_id = int(config["request_id"])
-    payload = _payload_of(run_config)
-    key = run.tags.get(tag.KEY) or config.get("key")
-    if key is None and isinstance(payload, dict):
-        key = _derived_key(run.job_name, payload)
-    common = {
-        "job_type": run.job_name,
-        "run_id": run.run_id,
-        "run_config": run_config,
-        "tags": tags,
-        "dlq_id": dlq_id,
-        **error,
-    }
-    batch_run = run.job_name not in JOB_TYPES  # a fan-out or micro-batch run: per request
-    if (request_id is None and key is None) or batch_run:
-        batch = requests.failed_in_run(run.run_id)
-        if batch:
-            return [
-                FailureInfo(
-                    **{
-                        **common,
-                        "job_type": r.job_type,
-                        "run_config": {},
-                        "tags": {},
-                        "message": r.last_error or error["message"],
-                        "error_class": FailureClass.parse(r.error_class or error["error_class"]),
-                    },
-                    dedupe_key=f"request:{r.id}",
-                    idempotency_key=r.key,
-                    request_id=r.id,
-                    payload=r.payload,
-                    correlation_id=r.correlation_id,
-                    trace_id=trace_id_of(r.traceparent),
-                )
-                for r in batch
-            ]
-    only = requests.get(request_id) if batch_run and request_id is not None else None  # nosec B113: the request store, not HTTP
-    if only is not None:  # a batch of one that failed before its request was marked
-        common = {**common, "job_type": only.job_type, "run_config": {}, "tags": {}}
-        payload = only.payload
-    return [
-        FailureInfo(
-            **common,
-            dedupe_key=dedupe_key_for(
-                run.job_name,
-                request_id=request_id,
-                idempotency_key=key,
-                run_id=run.run_id,
-                step=error["step"],
-            ),
-            idempotency_key=key,
-            request_id=request_id,
-            payload=payload,
-            correlation_id=tag.run_correlation_id(
-                config.get("correlation_id"), run.tags, run.run_id
-            ),
-            trace_id=run.tags.get(tag.TRACE_ID),
-        )
-    ]
+        held = requests.get(int(run.tags[tag.REQUEST_ID]))  # nosec B113: a row, not HTTP
+    except ValueError:
+        return []
+    if held is None or held.status is not RequestStatus.RUNNING or held.run_id != run.run_id:
+        return []
+    return [held]
 
 
 def dead_letter_run(
     instance: dg.DagsterInstance, run: dg.DagsterRun, store: DlqStore, *, actor: str
 ) -> list[RecordedFailure]:
-    """Record every failed request of ``run`` (idempotent). Skips runs that will be retried."""
+    """What only Dagster knows about a failed run: link it to the records its steps wrote where
+    they decided (:mod:`engine.dead_letters`), and dead-letter, ``transient``, a request the
+    run held when it ended around it (its worker killed or cut off, canceled) with no decision
+    (:class:`RunEndedAroundRequest`). Idempotent; skips runs Dagster will retry (the retry
+    decides) and resident worker runs (their supervisor gives back what they held)."""
     if will_retry(run) or not is_job_run(run):
         return []
-    recorded = [
-        store.record_failure(mask_failure(info), actor=actor)
-        for info in failures_of_run(instance, run, store)
-    ]
-    link_run(instance, run, [item.record.id for item in recorded])
-    for item in recorded:
-        if item.new_failure:
-            log.warning(  # the console's line for the failure: what, and the command next
-                "%s key=%s (%s, %s) dead-lettered as %d: sekali dlq show %d",
-                item.record.job_type,
-                item.record.idempotency_key,
-                item.record.error_class,
-                item.record.error_type,
-                item.record.id,
-                item.record.id,
-                extra={
-                    "sekali": {
-                        "dlq_id": item.record.id,
-                        "run_id": run.run_id,
-                        "correlation_id": item.record.correlation_id,
-                    }
-                },
-            )
-    return recorded
+    requests = RequestStore(store.db)
+    how = f"ended {run.status.value}"
+    if run.tags.get(tag.FAILURE_REASON):
+        how += f" ({run.tags[tag.FAILURE_REASON]})"
+    replayed = _replay_of(run)
+    held = _ended_around(run, requests)
+    for request in held:
+        announce(dead_letter_now(
+            Subject(request.job_type, request.payload, request.key, request.id,
+                    request.correlation_id, request.traceparent, replay_of=replayed),
+            RunEndedAroundRequest(run.run_id, how), requests, run_id=run.run_id, step="",
+            owner=run.run_id, actor=actor,
+        ))
+    if replayed is not None and not held and replayed not in {
+            r.id for r in store.records_of_run(run.run_id)}:
+        _replay_ended(store, requests, replayed, run, how, actor)
+    records = store.records_of_run(run.run_id)
+    link_run(instance, run, [r.id for r in records])
+    return [RecordedFailure(r, False, False) for r in records]
+
+
+def _replay_ended(
+    store: DlqStore, requests: RequestStore, record_id: int, run: dg.DagsterRun, how: str,
+    actor: str,
+) -> None:
+    """A replay run that ended with no decision on its request (canceled before its op ran,
+    its worker killed): its record is reopened with the failure counted, never left
+    ``replaying``."""
+    try:
+        record = store.get(record_id)
+    except DlqRecordNotFound:
+        return
+    announce(dead_letter_now(
+        Subject(record.job_type, record.payload, record.idempotency_key, record.request_id,
+                record.correlation_id, replay_of=record.id),
+        RunEndedAroundRequest(run.run_id, how), requests, run_id=run.run_id, step="",
+        actor=actor,
+    ))
 
 
 def link_run(instance: dg.DagsterInstance, run: dg.DagsterRun, record_ids: Sequence[int]) -> None:
     """Point a dead-lettered run at its DLQ record(s): ``sekali/dlq_id`` (comma-separated for a
-    batch run) and, on a per-request run, ``sekali/outcome=dead_lettered`` (the op may have said
-    ``failed``, or died before saying anything). The record names the run (``run_id``), so the
-    link goes both ways. Written only when it changes: the sweep sees runs more than once."""
+    batch run) and, on a per-request run that died before saying how it ended,
+    ``sekali/outcome=dead_lettered`` (an op's own ``failed`` or ``dead_lettered`` stands). The
+    record names the run (``run_id``), so the link goes both ways. Written only when it
+    changes: the sweep sees runs more than once."""
     if not record_ids:
         return
     wanted = {tag.DLQ_ID: ",".join(str(i) for i in sorted(set(record_ids)))}
     if tag.DLQ_REPLAY in run.tags:  # a replay run names the record it serves already
         wanted = {}
-    if tag.KEY in run.tags or run.job_name in JOB_TYPES:
+    said = run.tags.get(tag.OUTCOME)
+    if (tag.KEY in run.tags or run.job_name in JOB_TYPES) and said in (
+            None, str(tag.RunOutcome.RETRIED)):  # it died before saying how it ended
         wanted[tag.OUTCOME] = str(tag.RunOutcome.DEAD_LETTERED)
     changed = {k: v for k, v in wanted.items() if run.tags.get(k) != v}
     if changed:
@@ -466,41 +352,46 @@ class ReplayNotBuildable(ValueError):
     config the job rejects). The replay sensor reopens such a record and says why."""
 
 
-def replay_run_config(record: DlqRecord) -> dict[str, Any]:
-    """The per-request job's config in its current typed form: from the original run config
-    when it names the request (also a free-form ``payload`` map stored before the typed config),
-    else (batch failures and the sweep store ``{}``) from the record itself. The original key,
-    request id and correlation id are kept."""
-    original = _request_config(record.run_config)
-    payload = _payload_of(record.run_config) if original else record.payload
-    if not isinstance(payload, dict):
+def replay_run_config(record: DlqRecord, requests: RequestStore) -> dict[str, Any]:
+    """The per-request job's config serving the record's request: its id only (the op reads
+    the payload from ``job_requests``, kept while the record is unresolved; no payload value
+    goes into Dagster's run storage). A record whose request has no row (refused at a run
+    launched by hand before it became one) gets one first, from the payload the record keeps,
+    written ``failed`` so only this replay takes it."""
+    if record.request_id is not None and requests.get(record.request_id) is not None:  # nosec B113: a row, not HTTP
+        return stored_request_run_config(record.job_type, record.request_id)
+    jt = JOB_TYPES.get(record.job_type)
+    if not isinstance(record.payload, dict) or jt is None:
         raise ReplayNotBuildable(
-            f"DLQ record {record.id} ({record.job_type}) has neither a per-request run config"
-            " nor a payload to build one from; fix and re-enqueue the request, or discard it"
+            f"DLQ record {record.id} ({record.job_type}) has no request and no payload a run"
+            " of a known job type can take; fix and re-enqueue the request, or discard it"
         )
-    request_id = original.get("request_id", record.request_id)
     try:
-        return request_run_config(
-            record.job_type,
-            payload,
-            key=original.get("key") or record.idempotency_key,
-            request_id=None if request_id is None else int(request_id),
-            correlation_id=original.get("correlation_id") or record.correlation_id,
-        )
+        clean = jt.validate(dict(record.payload))
+        key = record.idempotency_key or jt.key_for(clean)
     except ValidationError as exc:
         raise ReplayNotBuildable(
             f"DLQ record {record.id} ({record.job_type}): its payload is not valid ({exc});"
             " fix and re-enqueue the request, or discard it"
         ) from exc
+    row = requests.record_run(jt.name, key, clean, queue=jt.queue, source="dlq_replay",
+                              run_id=None, status=RequestStatus.FAILED,
+                              correlation_id=record.correlation_id)
+    if row is None:
+        raise ReplayNotBuildable(
+            f"DLQ record {record.id}: its key {key} is stored with another payload; replay the"
+            " request stored under it, or discard this record")
+    return stored_request_run_config(record.job_type, row.id)
 
 
 def replay_run_request(
-    record: DlqRecord, jobs: Mapping[str, dg.JobDefinition] | None = None
+    record: DlqRecord, requests: RequestStore,
+    jobs: Mapping[str, dg.JobDefinition] | None = None,
 ) -> dg.RunRequest:
     """The run of a replay: the original job, config and tags, a new deterministic run key.
     With ``jobs`` (the sensor's targets by name) the job must be one of them and the config
     must be valid for it, else :class:`ReplayNotBuildable`."""
-    run_config = replay_run_config(record)
+    run_config = replay_run_config(record, requests)
     if jobs is not None:
         job = jobs.get(record.job_type)
         if job is None:
@@ -532,22 +423,16 @@ def replay_run_request(
 
 def admit_replay(record: DlqRecord, requests: RequestStore) -> None:
     """The request a replay would run, through the validation boundary (way in ``dlq_replay``):
-    the job type, payload, key and ids of its run config (or of the record). A refusal keeps one
-    rejection row and raises :class:`ValidationError`."""
-    op_config = _request_config(record.run_config) or {
-        "payload": record.payload,
-        "key": record.idempotency_key,
-        "request_id": record.request_id,
-        "correlation_id": record.correlation_id,
-    }
+    the job type, payload, key and ids the record keeps. A refusal keeps one rejection row and
+    raises :class:`ValidationError`."""
     admit(
         requests,
         record.job_type,
-        op_config.get("payload"),
-        op_config.get("key") or record.idempotency_key,
+        record.payload,
+        record.idempotency_key,
         source="dlq_replay",
-        request_id=op_config.get("request_id"),
-        correlation_id=op_config.get("correlation_id"),
+        request_id=record.request_id,
+        correlation_id=record.correlation_id,
     )
 
 
@@ -561,7 +446,7 @@ def _replay_or_refuse(
     try:
         if record.job_type in JOB_TYPES:  # the request of a per-request job: the boundary first
             admit_replay(record, RequestStore(store.db))
-        run_request = replay_run_request(record, jobs)
+        run_request = replay_run_request(record, RequestStore(store.db), jobs)
     except ReplayNotBuildable as exc:
         log.warning("replay of DLQ record %d refused: %s", record.id, exc)
         store.refuse_replay(record.id, actor="dlq_replay_sensor", detail=str(exc)[:2000])

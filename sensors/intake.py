@@ -49,19 +49,19 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from enum import StrEnum
 from typing import Any
 
 import dagster as dg
 
 from engine import tags as tag
-from engine.failures import error_text
-from engine.launch import request_run_config
+from engine.dead_letters import Subject, announce, dead_letter_now
+from engine.delivery import Delivery, DeliveryPolicy
+from engine.launch import stored_request_run_config
 from engine.registry import get_job_type
 from engine.requests import JobRequest, RequestStore
 from resources.dagster_resources import SettingsResource
 from resources.errors import ValidationError
-from resources.retry import FailureClass, failure_class
+from resources.retry import FailureClass
 from resources.telemetry.tracing import trace_id_of
 
 log = logging.getLogger(__name__)
@@ -83,53 +83,51 @@ class RequestsResource(SettingsResource):
         return self._get()  # type: ignore[no-any-return]
 
 
-class IntakeMode(StrEnum):
-    PER_REQUEST = "per_request"
-    FAN_OUT = "fan_out"
-    MICRO_BATCH = "micro_batch"
+IntakeMode = Delivery
+"""How a request is delivered (:class:`engine.delivery.Delivery`): this sensor launches runs for
+``per_request``, ``fan_out`` and ``micro_batch``; ``resident`` requests are the workers'."""
 
 
 @dataclass(frozen=True)
 class IntakePolicy:
-    """How the sensor drains the intake; built from the environment at tick time."""
+    """How the sensor drains the intake; built from the environment at tick time. Which job
+    types it launches runs for is :class:`DeliveryPolicy`'s decision (``default_mode`` for the
+    job types that declare none, ``modes`` per job type); the rest are resident workers'."""
 
-    default_mode: IntakeMode = IntakeMode.PER_REQUEST
+    default_mode: IntakeMode = IntakeMode.RESIDENT
     modes: dict[str, IntakeMode] = field(default_factory=dict)
     batch_size: int = 50
     max_requests_per_tick: int = 200
     relaunch_after_seconds: float = 120.0
+    max_queued_runs: int = 100
+
+    @property
+    def delivery(self) -> DeliveryPolicy:
+        return DeliveryPolicy(default=self.default_mode, per_type=self.modes)
 
     def mode_for(self, job_type: str) -> IntakeMode:
-        return self.modes.get(job_type, self.default_mode)
+        return self.delivery.of(job_type)
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> IntakePolicy:
         env = dict(os.environ) if env is None else env
-        modes: dict[str, IntakeMode] = {}
-        for item in env.get("SEKALI_INTAKE_MODES", "").split(","):
-            if not item.strip():
-                continue
-            job_type, _, mode = item.partition("=")
-            modes[job_type.strip()] = IntakeMode(mode.strip())
+        delivery = DeliveryPolicy.from_env(env)
         return cls(
-            default_mode=IntakeMode(env.get("SEKALI_INTAKE_MODE", "per_request")),
-            modes=modes,
+            default_mode=delivery.default,
+            modes=dict(delivery.per_type),
             batch_size=int(env.get("SEKALI_INTAKE_BATCH_SIZE", "50")),
             max_requests_per_tick=int(env.get("SEKALI_INTAKE_MAX_PER_TICK", "200")),
             relaunch_after_seconds=float(env.get("SEKALI_INTAKE_RELAUNCH_AFTER", "120")),
+            max_queued_runs=int(env.get("SEKALI_INTAKE_MAX_QUEUED", "100")),
         )
 
 
 def per_request_run_config(request: JobRequest) -> dict[str, Any]:
-    """Run config of a per-request job: ``{"ops": {"<job type>_op": {"config": ...}}}``, in
-    the job type's typed form. :class:`ValidationError` if the stored payload is not valid."""
-    return request_run_config(
-        request.job_type,
-        request.payload,
-        key=request.key,
-        request_id=request.id,
-        correlation_id=request.correlation_id or None,
-    )
+    """Run config of a per-request job serving a stored request: its id only (the op reads the
+    payload from ``job_requests``; no payload value goes into Dagster's run storage).
+    :class:`ValidationError` if the stored payload is not valid (no run can serve it)."""
+    get_job_type(request.job_type).validate(dict(request.payload))
+    return stored_request_run_config(request.job_type, request.id)
 
 
 def merge_debounced(job_type: str, payloads: list[dict[str, Any]]) -> dict[str, Any]:
@@ -194,7 +192,7 @@ def run_requests_for(
     batches: dict[tuple[IntakeMode, str], list[JobRequest]] = {}
     for request in requests:
         mode = policy.mode_for(request.job_type)
-        if mode is IntakeMode.PER_REQUEST:
+        if mode in (IntakeMode.PER_REQUEST, IntakeMode.RESIDENT):  # resident: asked by hand
             run_key = f"intake:{request.key}"
             try:
                 run_config = per_request_run_config(request)
@@ -249,6 +247,17 @@ conditional), and a run whose end committed a little after a newer one is still 
 _PAGE_OVERLAP_SECONDS = 0.001
 
 
+@dataclass(frozen=True)
+class Reconciled:
+    """What a reconcile did: the new cursor, the requests it moved, and how many of those went
+    back to the queue because their run ended before any step took them (a launch that failed,
+    a run that died starting: what the launch throttle reads)."""
+
+    cursor: float
+    moved: int = 0
+    returned: int = 0
+
+
 def reconcile_finished_runs(
     instance: dg.DagsterInstance,
     store: RequestStore,
@@ -257,15 +266,27 @@ def reconcile_finished_runs(
     limit: int = 200,
     max_pages: int = 25,
 ) -> tuple[float, int]:
-    """Move requests of intake runs that ended after ``after`` (a timestamp); returns the new
-    cursor timestamp and how many requests moved.
+    """:func:`reconcile_runs` as (cursor, requests moved)."""
+    done = reconcile_runs(instance, store, after, limit=limit, max_pages=max_pages)
+    return done.cursor, done.moved
+
+
+def reconcile_runs(
+    instance: dg.DagsterInstance,
+    store: RequestStore,
+    after: float,
+    *,
+    limit: int = 200,
+    max_pages: int = 25,
+) -> Reconciled:
+    """Move requests of intake runs that ended after ``after`` (a timestamp).
 
     Runs are read in update-timestamp order, ``limit`` a page, paging on while pages are full
     (up to ``max_pages``; the cursor keeps the rest for the next tick). Reading by run id and
     moving the cursor to the newest end seen would skip runs created earlier that ended later
     than a page's newest: their requests would never reach completed or failed (invariant 2).
     """
-    moved = 0
+    moved = returned = 0
     newest = after
     lower = max(0.0, after - RECONCILE_OVERLAP_SECONDS)
     for _ in range(max_pages):
@@ -281,34 +302,39 @@ def reconcile_finished_runs(
         )
         for record in records:
             newest = max(newest, _timestamp(record.update_timestamp))
-            moved += _move_requests(store, record.dagster_run)
+            done = _move_requests(store, record.dagster_run)
+            moved, returned = moved + done.moved, returned + done.returned
         if len(records) < limit:
             break
         # A full page: read on from just before its newest end (ties there are read again,
         # harmlessly); the wide overlap is for the next tick. Always move forward.
         lower = max(newest - _PAGE_OVERLAP_SECONDS, lower + _PAGE_OVERLAP_SECONDS)
-    return newest, moved
+    return Reconciled(newest, moved, returned)
 
 
-def _move_requests(store: RequestStore, run: dg.DagsterRun) -> int:
+def _move_requests(store: RequestStore, run: dg.DagsterRun) -> Reconciled:
     ids = [int(i) for i in run.tags.get(tag.REQUEST_IDS, "").split(",") if i]
     run_key = run.tags.get(tag.RUN_KEY)  # only requests launched under this run's key
     if run.status == dg.DagsterRunStatus.SUCCESS:
         if run.tags.get(tag.INTAKE) != IntakeMode.PER_REQUEST:
-            return 0
-        return sum(store.mark_completed(i, run_id=run.run_id, run_key=run_key) for i in ids)
+            return Reconciled(0)
+        return Reconciled(0, sum(store.mark_completed(i, run_id=run.run_id, run_key=run_key)
+                                 for i in ids))
     if run.tags.get(tag.WILL_RETRY, "").lower() == "true":
         # the retry moves what it runs; a resume retry runs only the steps that were in flight,
         # so the requests no step took stay launched and are relaunched after relaunch_after
-        return 0
+        return Reconciled(0)
     reason = run.tags.get(tag.FAILURE_REASON)
     error = f"run {run.run_id} ended {run.status.value}" + (f" ({reason})" if reason else "")
     error += " and Dagster will not retry it"
     # a run that failed around its requests (worker killed or cut off, launch failed, canceled)
-    # failed nothing of theirs: transient, as the DLQ classes a run with no failed step
+    # failed nothing of theirs: those no step took go back to the queue; those a step took fail
+    # transient, as the DLQ classes a run with no failed step
     step_failed = run.status == dg.DagsterRunStatus.FAILURE and reason == _STEP_FAILURE
-    return store.fail_unsettled(ids, run_id=run.run_id, run_key=run_key, error=error,
-                                taken_class=None if step_failed else str(FailureClass.TRANSIENT))
+    back, failed = store.settle_unsettled(
+        ids, run_id=run.run_id, run_key=run_key, error=error,
+        taken_class=None if step_failed else str(FailureClass.TRANSIENT))
+    return Reconciled(0, back + failed, back)
 
 
 def _timestamp(stamp: datetime) -> float:
@@ -350,30 +376,66 @@ def without_runs_in_flight(
     return kept
 
 
+@dataclass(frozen=True)
+class LaunchThrottle:
+    """How many requests a tick may launch, from what the launcher absorbs: additive increase,
+    multiplicative decrease. Requests that came back from runs that ended before any step took
+    them (a launch that failed: a code server overloaded or down) halve the allowance; while
+    ``max_queued`` intake runs wait in Dagster's run queue nothing more is launched; otherwise
+    the allowance grows back by a tenth of ``most`` a tick. So an overloaded launcher is given
+    less and less instead of the same 200 runs a tick failing over and over (their retries used
+    up), and a recovered one is refilled gradually."""
+
+    most: int
+    max_queued: int = 100
+
+    def next(self, allowed: int | None, returned: int, queued: int) -> tuple[int, int, str]:
+        """(the allowance to keep, what this tick launches, why it is less than ``most``)."""
+        allowed = self.most if allowed is None else allowed
+        if returned:
+            allowed //= 2
+            return allowed, allowed, (f"{returned} request(s) came back from runs that never "
+                                      f"started: launching at most {allowed} a tick")
+        if queued >= self.max_queued:
+            return allowed, 0, f"{queued} intake runs wait in Dagster's queue: launching none"
+        grown = min(self.most, allowed + max(1, self.most // 10))
+        return grown, grown, "" if grown >= self.most else f"resuming: {grown} a tick"
+
+
 def evaluate_intake(
     context: dg.SensorEvaluationContext, store: RequestStore, policy: IntakePolicy
 ) -> dg.SensorResult:
     """One tick (see the module docstring); usable from tests with ``build_sensor_context``."""
     cursor = json.loads(context.cursor) if context.cursor else {}
-    runs_after, moved = reconcile_finished_runs(
-        context.instance, store, float(cursor.get("runs_after", 0.0))
-    )
+    done = reconcile_runs(context.instance, store, float(cursor.get("runs_after", 0.0)))
+    throttle = LaunchThrottle(policy.max_requests_per_tick, policy.max_queued_runs)
+    queued = context.instance.get_runs_count(dg.RunsFilter(
+        statuses=[dg.DagsterRunStatus.QUEUED], tags={tag.INTAKE: [str(m) for m in IntakeMode]}))
+    allowed, now, why = throttle.next(cursor.get("allowed"), done.returned, queued)
+    if why:
+        log.warning("intake: %s", why)
     claimed = store.claim_for_launch(
-        policy.max_requests_per_tick,
+        now,
         relaunch_after=policy.relaunch_after_seconds,
+        job_types=policy.delivery.launched(),
         merge=merge_debounced,
     )
     claimed = without_runs_in_flight(context.instance, claimed)
     refused: dict[int, ValidationError] = {}
     run_requests, run_keys = run_requests_for(claimed, policy, refused)
     store.set_run_keys(run_keys)
-    for request_id, exc in refused.items():
-        log.warning("intake: request %d cannot make a valid run: %s", request_id, exc)
-        store.mark_failed(request_id, error_text(exc), error_class=str(failure_class(exc)))
-    new_cursor = json.dumps({"runs_after": runs_after})
+    by_id = {r.id: r for r in claimed}
+    for request_id, exc in refused.items():  # dead-lettered where the intake decides it
+        request = by_id[request_id]
+        announce(dead_letter_now(
+            Subject(request.job_type, request.payload, request.key, request.id,
+                    request.correlation_id, request.traceparent),
+            exc, store, run_id=f"intake:{request.key}", step="intake_sensor", actor="intake"))
+    new_cursor = json.dumps({"runs_after": done.cursor, "allowed": allowed})
     if not run_requests:
         return dg.SensorResult(
-            skip_reason=f"no pending job requests (reconciled {moved})", cursor=new_cursor
+            skip_reason=f"no pending job requests launched (reconciled {done.moved}"
+            + (f"; {why}" if why else "") + ")", cursor=new_cursor
         )
     log.info("intake: %d requests -> %d runs", len(claimed), len(run_requests))
     return dg.SensorResult(run_requests=run_requests, cursor=new_cursor)

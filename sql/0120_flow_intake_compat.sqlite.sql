@@ -11,12 +11,12 @@
 -- Where 0110 is still pending it is not run: this file does its work, with one rebuild instead
 -- of two. The runner keeps the AUTOINCREMENT counter across the rebuild; the last two
 -- statements heal a counter 0110 lowered, from the request ids other tables still hold.
--- The rebuilt table also has 0150's tenant and claimed_at (with their defaults) and the indexes
--- of 0151 and 0164, so that running this file again after them leaves the schema as it was; a
--- database that applied it before they existed gets them from 0150/0151/0164 (same columns,
--- same order).
+-- The rebuilt table also has 0150's tenant and claimed_at (with their defaults), 0170's
+-- available_at and the indexes of 0151, 0164 and 0171, so that running this file again after
+-- them leaves the schema as it was; a database that applied it before they existed gets them
+-- from 0150/0151/0164/0170/0171 (same columns, same order).
 -- sekali: replaces 0110_flow_intake
--- sekali: accepts 0513497f0966faca e6de2938b6c3666b
+-- sekali: accepts 0513497f0966faca e6de2938b6c3666b 5c3eb8ba6c010290
 ALTER TABLE job_requests ADD COLUMN IF NOT EXISTS priority INTEGER NOT NULL DEFAULT 0;
 ALTER TABLE job_requests ADD COLUMN IF NOT EXISTS claim_rank DOUBLE PRECISION;
 ALTER TABLE job_requests ADD COLUMN IF NOT EXISTS dedupe_window DOUBLE PRECISION;
@@ -56,7 +56,8 @@ CREATE TABLE job_requests_0120 (
     coalesced_count   INTEGER NOT NULL DEFAULT 0,
     amends            TEXT,
     tenant            TEXT NOT NULL DEFAULT 'default',
-    claimed_at        DOUBLE PRECISION
+    claimed_at        DOUBLE PRECISION,
+    available_at      DOUBLE PRECISION
 );
 INSERT INTO job_requests_0120 (id, job_type, key, payload, payload_hash, status, queue,
     correlation_id, run_key, run_id, created_at, updated_at, attempts, last_error, error_class,
@@ -83,6 +84,8 @@ CREATE INDEX IF NOT EXISTS job_requests_claimed_at ON job_requests (claimed_at)
 CREATE INDEX IF NOT EXISTS job_requests_tenant_waiting
     ON job_requests (tenant, status, updated_at, debounce_key)
     WHERE status IN ('pending', 'launched');
+CREATE INDEX IF NOT EXISTS job_requests_held ON job_requests (run_id)
+    WHERE status IN ('running', 'launched');
 CREATE TRIGGER IF NOT EXISTS job_requests_claim_rank AFTER INSERT ON job_requests
     FOR EACH ROW WHEN NEW.claim_rank IS NULL
 BEGIN

@@ -23,8 +23,8 @@ def intake_worker(spec: dict[str, Any]) -> dict[str, int]:
     from engine.requests import RequestStore
     from engine.runtime import execute_request
     from engine.services import Services
+    from engine.step import run_batch
     from pipelines.domain.mail import SmtpMailer
-    from pipelines.ops.batch import run_batch
     from resources.idempotency import IdempotencyStore
     from resources.storage.db import Database
 

@@ -37,6 +37,10 @@ from sandbox.redis_cluster import LocalRedisCluster
 from sandbox.redis_server import RedisServer, free_port
 
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+os.environ.setdefault("SEKALI_EGRESS_ALLOW", "127.0.0.0/8,::1")
+"""The tests' stand-ins (gateway, webhook receiver) listen on loopback ports: allowed explicitly,
+as ``sekali dev`` allows its own (:mod:`resources.egress`). Tests of the egress rules build
+their own policy without it."""
 PG_URL = os.environ.get(
     "SEKALI_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/sekali_test"
 )

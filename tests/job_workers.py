@@ -181,8 +181,8 @@ def batch_worker(spec: dict[str, Any]) -> dict[str, Any]:
     from engine.attempts import AttemptRecorder
     from engine.requests import RequestStore
     from engine.services import Services
+    from engine.step import run_batch
     from pipelines.domain.mail import SmtpMailer
-    from pipelines.ops.batch import run_batch
     from resources.idempotency import IdempotencyStore
     from resources.storage.db import Database
 

@@ -90,9 +90,12 @@ def _run(services: Services, requests: RequestStore, key: str) -> Any:
 
 
 def _dead_letter(store: DlqStore, key: str) -> DlqRecord:
-    for recorded in dead_letter_failed_requests(store):
-        if recorded.record.idempotency_key == key:
-            return recorded.record
+    """The record of ``key``: written where its failure was decided, or by the sweep for a
+    request failed by hand."""
+    dead_letter_failed_requests(store)
+    for record in store.list_records():
+        if record.idempotency_key == key:
+            return record
     raise AssertionError(f"no DLQ record for {key}")
 
 

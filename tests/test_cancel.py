@@ -22,8 +22,8 @@ from engine.registry import JOB_TYPES
 from engine.requests import CancelState, RequestStatus, RequestStore, cancel_requests
 from engine.runtime import execute_request
 from engine.services import Services
+from engine.step import run_batch
 from pipelines.domain.mail import SmtpMailer, message_id_for
-from pipelines.ops.batch import run_batch
 from resources.dlq import DlqStatus, DlqStore, FailureClass, FailureInfo
 from resources.errors import RequestCancelled, StoredFailure
 from resources.idempotency import IdempotencyStore

@@ -196,3 +196,27 @@ def test_the_guides_example_under_every_fault(tmp_path: Path, backend: str) -> N
     assert report.raw["config"]["job_types"] == [JOB_TYPE]
     assert report.stats["kills"] >= 1 and report.stats["clean_effects"] >= 1
     assert report.stats["stops"] >= 1, report.stats
+
+
+@pytest.mark.timeout(300)
+def test_run_under_faults_takes_a_job_type_by_name_from_a_module_the_test_imported(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The guides' CI example passes the job type's name, not its ``JobType``: a test process
+    that imported the module (and has no ``SEKALI_JOB_MODULES``) must still get a run of it,
+    the module added to the child's ``SEKALI_JOB_MODULES``. Catches the module reaching the
+    child only for a ``JobType`` object (the child then refuses: unknown job type)."""
+    import importlib
+
+    from engine.testing import run_under_faults
+    from tests.guide_example import JOB_TYPE, ROOT, install_example
+
+    module = install_example(tmp_path / "site", package="namedjobs")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.delenv("SEKALI_JOB_MODULES", raising=False)
+    importlib.import_module(module)
+    report = run_under_faults(JOB_TYPE, faults="kill", requests=6, workers=1, timeout=120,
+                              env={"PYTHONPATH": f"{tmp_path / 'site'}:{ROOT}"})
+    assert report.ok, report.violations[:20]
+    assert report.raw["config"]["job_types"] == [JOB_TYPE]
+    assert report.stats["clean_effects"] >= 1

@@ -64,7 +64,8 @@ def until(what: str, probe: Callable[[], T | None], proc: subprocess.Popen[str])
 
 @pytest.fixture
 def world(db: Database, db_url: str, tmp_path: Path, redis_url: str, namespace: str,
-          redis_client: Any) -> Iterator[dict[str, Any]]:
+          redis_client: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, Any]]:
+    monkeypatch.setenv("SEKALI_INTAKE_MODE", "per_request")  # a run of its own, followed
     sink = MailSink(f"sqlite:///{tmp_path / 'sink.db'}").start()
     resources = dagster_resources(db_url=db_url, redis_url=redis_url, namespace=namespace,
                                   smtp_port=sink.port)

@@ -157,7 +157,8 @@ def test_dlq_replay_and_discard_json(env: dict[str, str], tmp_path: Path) -> Non
     assert json.loads(dry.stdout) == {"decisions": [
         {"id": 1, "replay": True, "reason": "would replay (dry run)", "key_reset": False,
          "verdict": "unknown", "evidence": "the record names no idempotency key to look up",
-         "effects": []}], "refused": []}
+         "effects": [], "fails_again": False}], "refused": [], "unregistered": [],
+        "fails_again": []}
     out = tmp_path / "discard.json"
     gone = sekali(env, "dlq", "discard", "1", "--reason", "test", "--json", "--out", str(out))
     assert gone.returncode == 0, gone.stderr

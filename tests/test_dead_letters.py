@@ -16,6 +16,7 @@ import dagster as dg
 import pytest
 
 from engine import tags as tag
+from engine.requests import RequestStore
 from pipelines.assets.dead_letters import CHECK_NAME, DEAD_LETTERS
 from pipelines.ops import charge_payment_job
 from pipelines.ops.dlq_ops import dlq_operations
@@ -123,16 +124,28 @@ def test_a_record_is_resolved_when_its_key_completes_elsewhere(
 def test_a_run_that_died_before_tagging_its_outcome_is_tagged_dead_lettered(
     db: Database, instance: dg.DagsterInstance
 ) -> None:
-    """Catches: a run killed mid-step showing no outcome in the runs list."""
+    """Catches: a run killed mid-step showing no outcome in the runs list, and its request
+    (taken ``running`` by the op, no decision made) left in no state a person can act on."""
     run = instance.create_run_for_job(
         job_def=charge_payment_job, tags={tag.KEY: "payment:o-9", tag.JOB_TYPE: "charge_payment"}
     )
+    held = RequestStore(db).record_run(  # what the op writes first, as a Launchpad run's does
+        "charge_payment", "payment:o-9", {"order_id": "o-9", "amount_cents": 5, "currency": "EUR"},
+        queue="heavy", source="launchpad", run_id=run.run_id,
+    )
+    assert held is not None
+    instance.add_run_tags(run.run_id, {tag.REQUEST_ID: str(held.id)})
     instance.report_run_failed(run, "worker killed")
     failed = instance.get_run_by_id(run.run_id)
     assert failed is not None
-    dead_letter_run(instance, failed, DlqStore(db), actor="test")
+    (recorded,) = dead_letter_run(instance, failed, DlqStore(db), actor="test")
     tagged = instance.get_run_by_id(run.run_id)
     assert tagged is not None and tagged.tags[tag.OUTCOME] == "dead_lettered"
+    assert tagged.tags[tag.DLQ_ID] == str(recorded.record.id)
+    assert recorded.record.request_id == held.id and recorded.record.error_class == "transient"
+    assert recorded.record.error_type == "RunEndedAroundRequest"
+    after = RequestStore(db).get(held.id)
+    assert after is not None and after.status == "failed"
 
 
 def _ops(url: str, **config: Any) -> dg.ExecuteInProcessResult:

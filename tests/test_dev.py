@@ -236,6 +236,48 @@ def test_busy_port_exits_2_naming_the_holder(dev: DevInstance, tmp_path: Path) -
     assert not (tmp_path / "other" / "app.db").exists()  # nothing was started
 
 
+WORKER_RUNS = textwrap.dedent("""
+    import json
+    import dagster as dg
+    with dg.DagsterInstance.get() as instance:
+        print(json.dumps([
+            {"id": r.run_id, "status": r.status.value, "slot": r.tags.get("sekali/worker")}
+            for r in instance.get_runs(dg.RunsFilter(job_name="sekali_worker"))]))
+""")
+
+
+def worker_runs(dev: DevInstance) -> list[dict[str, str]]:
+    """The resident worker runs of the dev instance (read from its Dagster home)."""
+    out = subprocess.run([sys.executable, "-c", WORKER_RUNS], env=dev.env, capture_output=True,
+                         text=True, timeout=120, check=True)
+    return list(json.loads(out.stdout.strip().splitlines()[-1]))
+
+
+def test_the_supervisor_keeps_one_worker_per_slot_and_a_worker_serves_a_request(
+    dev: DevInstance,
+) -> None:
+    """Catches a supervisor that launches a worker run every tick (runs pile up in Dagster's
+    queue: it once counted no run of its location as alive), a slot left empty, and requests
+    that wait for a run of their own: through the real daemon and launcher, the three slots of
+    this two-core machine hold one worker run each, and a request enqueued is executed by one
+    of them."""
+    deadline = time.monotonic() + 300
+    while sum(r["status"] == "STARTED" for r in worker_runs(dev)) < 3:
+        assert time.monotonic() < deadline, worker_runs(dev)
+        time.sleep(2)
+    time.sleep(20)  # four supervisor ticks more
+    runs = worker_runs(dev)
+    assert sorted(r["slot"] for r in runs) == ["heavy/0", "light/0", "light/1"], runs
+    payload = json.dumps({"template": "welcome", "user_id": "w-dev", "date": "2026-12-06",
+                          "to": "w-dev@example.com"})
+    done = subprocess.run([SEKALI, "enqueue", "send_email", "--payload", payload, "--wait",
+                           "--timeout", "60", "--json"], env=dev.env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    request = json.loads(done.stdout)
+    assert request["status"] == "completed" and request["run_id"] in {r["id"] for r in runs}
+
+
 def test_sigterm_stops_the_whole_tree_within_the_bound(dev: DevInstance) -> None:
     """Catches children outliving ``sekali dev`` (started in the background, signalled by pid):
     webserver, daemon, code server and embedded Redis must all be gone, their ports free."""

@@ -52,10 +52,11 @@ def test_correlation_id_follows_request_to_run_to_attempt_to_gateway(
         for request in (given, generated):
             config = per_request_run_config(request)["ops"]["charge_payment_op"]["config"]
             tags = _tags(IntakeMode.PER_REQUEST, [request])
-            assert config["correlation_id"] == tags[tag.CORRELATION_ID] == request.correlation_id
+            assert config == {"request_id": request.id}  # the op reads the row
+            assert tags[tag.CORRELATION_ID] == request.correlation_id
             outcome = execute_request(
-                "charge_payment", config["payload"], services=services, key=config["key"],
-                request_id=config["request_id"], correlation_id=config["correlation_id"],
+                "charge_payment", request.payload, services=services, key=request.key,
+                request_id=request.id, correlation_id=request.correlation_id,
             )
             assert outcome.status == "completed"
         with db.statement() as conn:

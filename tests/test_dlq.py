@@ -294,25 +294,27 @@ def test_runs_dagster_will_retry_are_not_dead_lettered(
     instance: dg.DagsterInstance, setup: dict[str, Any]
 ) -> None:
     """Catches: a record (and a replay) for a run the run-retry daemon is about to retry,
-    which would run the request twice at once."""
+    which would run the request twice at once: its worker died around the request (no step
+    decided on it), and the retry decides."""
     s = setup
-    result = JOBS["reserve_inventory"].execute_in_process(
-        run_config={
-            "ops": {
-                "reserve_inventory_op": {
-                    "config": {
-                        "payload": {"cart_id": "cart-r", "items": [{"sku": "none", "quantity": 1}]}
-                    }
-                }
-            }
-        },
-        tags={"dagster/will_retry": "true"},
-        resources=s["resources"],
-        instance=instance,
-        raise_on_error=False,
+    requests = RequestStore(s["db"])
+    payload = {"cart_id": "cart-r", "items": [{"sku": "none", "quantity": 1}]}
+    run = instance.create_run_for_job(
+        job_def=JOBS["reserve_inventory"], tags={"dagster/will_retry": "true"},
+        run_config={"ops": {"reserve_inventory_op": {"config": {"payload": payload}}}},
     )
-    assert not result.success
-    assert instance.get_run_by_id(result.run_id).tags["dagster/will_retry"] == "true"
-    run_failure_tick(instance, result.run_id, s["dlq"])
+    held = requests.record_run("reserve_inventory", "inventory-reserve:cart-r", payload,
+                               queue="light", source="launchpad", run_id=run.run_id)
+    assert held is not None
+    instance.add_run_tags(run.run_id, {"sekali/request_id": str(held.id)})
+    instance.report_run_failed(run, "worker killed")
+    run_failure_tick(instance, run.run_id, s["dlq"])
     sweep(instance, s["store"], None)
     assert s["store"].list_records() == []
+    after = requests.get(held.id)
+    assert after is not None and after.status == "running"  # the retry takes it
+    # The same run without a retry coming: its request is dead-lettered, transient.
+    instance.add_run_tags(run.run_id, {"dagster/will_retry": "false"})
+    sweep(instance, s["store"], None)
+    (record,) = s["store"].list_records()
+    assert record.request_id == held.id and record.error_class == FailureClass.TRANSIENT

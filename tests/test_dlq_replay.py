@@ -141,11 +141,10 @@ def test_replay_of_500_records_respects_the_rate_bound(db: Database, db_url: str
                 error_type="SMTPServerDisconnected",
                 message="gone",
                 run_id=f"r{i}",
-                request_id=i,
+                request_id=i + 1,
                 idempotency_key=f"email:welcome:u{i}:2026-11-29",
-                run_config={"ops": {"send_email_op": {"config": {"payload": {
-                    "template": "welcome", "user_id": f"u{i}", "date": "2026-11-29",
-                    "to": f"u{i}@a.example"}}}}},
+                payload={"template": "welcome", "user_id": f"u{i}", "date": "2026-11-29",
+                         "to": f"u{i}@a.example"},
             )
         )
     ids = [r.id for r in store.list_records()]

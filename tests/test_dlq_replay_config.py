@@ -80,9 +80,10 @@ def test_a_micro_batch_failure_replays_as_a_valid_per_request_run_once(
     assert rr.job_name == "reserve_inventory"
     config = dg.validate_run_config(reserve_inventory_job, rr.run_config)
     op_config = config["ops"]["reserve_inventory_op"]["config"]
-    assert op_config["payload"] == payload
-    assert (op_config["key"], op_config["request_id"]) == (key, request.id)
-    assert op_config["correlation_id"] == "corr-mb"
+    assert op_config["payload"] is None and op_config["request_id"] == request.id  # no value
+    stored = requests.get(request.id)  # the op reads the request it serves from its row
+    assert stored is not None and (stored.payload, stored.key) == (payload, key)
+    assert stored.correlation_id == "corr-mb"
     result = reserve_inventory_job.execute_in_process(
         run_config=rr.run_config, tags=rr.tags, resources=resources, instance=instance
     )
@@ -165,6 +166,7 @@ def test_a_canceled_replay_run_reopens_its_record_with_its_count_increased(
             run_id="r-first",
             request_id=5,
             idempotency_key="email:welcome:u5:2026-11-29",
+            payload=payload,
             run_config=run_config,
         )
     )
@@ -184,7 +186,7 @@ def test_a_canceled_replay_run_reopens_its_record_with_its_count_increased(
     after = store.get(record_id)
     assert after.status is DlqStatus.OPEN
     assert (after.failure_count, after.replay_count) == (2, 1)
-    assert after.error_type == "RunCanceled"
+    assert after.error_type == "RunEndedAroundRequest" and "ended CANCELED" in after.last_error
     assert store.audit(record_id)[-1]["action"] == "replay_failed"
     # It can be replayed again, under a new run key.
     assert store.request_replay([record_id], actor="test")[0].replay

@@ -19,7 +19,7 @@ from sqlalchemy import text
 from engine.upkeep.reconciliation import Reconciler
 from pipelines import ops
 from pipelines.domain.inventory import Inventory, ReservationsNotHeld
-from resources.dlq import DlqStore, FailureClass, FailureInfo
+from resources.dlq import DlqStore, FailureClass
 from resources.idempotency import IdempotencyStore, Status
 from resources.storage.db import Database
 from tests.job_workers import dagster_resources
@@ -161,12 +161,9 @@ def test_run_after_a_given_up_fulfilment_was_compensated_is_refused(
     the request was given up (its DLQ record discarded) and the late run is refused."""
     _fail_after_reserve(db, db_url, redis_url, namespace, instance)
     dlq = DlqStore(db)
-    recorded = dlq.record_failure(FailureInfo(
-        job_type="fulfill_order", dedupe_key=f"key:fulfill_order:{KEY}", error_type="DBAPIError",
-        message="db blip", run_id="r-1", error_class=FailureClass.TRANSIENT,
-        idempotency_key=KEY, payload=PAYLOAD,
-    ))
-    dlq.discard([recorded.record.id], actor="test", reason="customer cancelled")
+    (record,) = dlq.list_records()  # the failure path wrote it where it gave the request up
+    assert record.idempotency_key == KEY and record.error_class == FailureClass.TRANSIENT
+    dlq.discard([record.id], actor="test", reason="customer cancelled")
     _reconcile(db)
     assert Inventory(db).stock("apple") == (10, 0)
     assert [r.status for r in Inventory(db).reservations(CART)] == ["released"]

@@ -33,12 +33,13 @@ from sqlalchemy import text
 from cli.commands import enqueue as enqueue_command
 from engine.attempts import AttemptRecorder
 from engine.intake import enqueue
+from engine.registry import JOB_TYPES
 from engine.requests import JobRequest, RequestStatus, RequestStore
 from engine.services import Services
+from engine.step import run_batch
 from engine.validation import admit_request_row
 from pipelines import ops
 from pipelines.domain.inventory import Inventory
-from pipelines.ops.batch import run_batch
 from pipelines.ops.failures import admit_run_config
 from resources.dagster_resources import DlqResource
 from resources.dlq import DlqRecord, DlqStatus, DlqStore, FailureClass, FailureInfo
@@ -165,7 +166,7 @@ def test_ten_megabytes_are_refused_and_kept_as_a_bounded_excerpt_with_size_and_h
     text_payload = json.dumps(huge)
     row = _refused(db, lambda: enqueue("send_email", text_payload, db=db), "payload")
     assert row["payload_size"] == len(text_payload.encode())
-    assert row["payload"] == text_payload[: LIMITS.excerpt_bytes]
+    assert json.loads(row["payload"])["context"] == {"body": f"<str {10 * MB}>"}  # no value
     with db.statement() as conn:
         stored = conn.execute(
             text("SELECT SUM(LENGTH(payload) + LENGTH(COALESCE(key, ''))) FROM job_rejections")
@@ -500,7 +501,9 @@ class Entry:
             return False
         return True
 
-    def cli(self, job_type: Any, payload: Any, key: Any, **_: Any) -> bool:
+    def cli(self, job_type: Any, payload: Any, key: Any, **_: Any) -> bool | None:
+        """True accepted, False refused (one rejection row), None an unknown job type: the
+        CLI refuses it as an operator's mistake and keeps no row (the other ways in keep one)."""
         text_payload = payload if isinstance(payload, str) else _as_json_text(payload, False)
         if text_payload.startswith("@") or text_payload == "-":  # sent as a file's content
             self.payload_file.write_bytes(text_payload.encode("utf-8", "surrogatepass"))
@@ -514,6 +517,9 @@ class Entry:
             code = enqueue_command._enqueue(args)
         assert code in (0, 2), err.getvalue()
         assert len(err.getvalue().splitlines()) == (code == 2), err.getvalue()
+        if str(job_type) not in JOB_TYPES:  # an operator's mistake: refused, nothing kept
+            assert code == 2 and "SEKALI_JOB_MODULES" in err.getvalue(), err.getvalue()
+            return None
         return code == 0
 
     def run_config(self, job_type: Any, payload: Any, key: Any, request_id: Any,
@@ -571,8 +577,8 @@ def test_generated_hostile_input_is_accepted_or_refused_with_one_bounded_row(
     """Catches: any input that makes a way in raise something other than ValidationError,
     leave no rejection row (or two), or keep a row that is not small and storable."""
     entry = Entry(db, db_url, tmp_path / "payload.json")
-    call: Callable[..., bool] = getattr(entry, way_in)
-    outcomes = {"accepted": 0, "refused": 0}
+    call: Callable[..., bool | None] = getattr(entry, way_in)
+    outcomes = {"accepted": 0, "refused": 0, "operator": 0}
     seen = [_last_rejection_id(db)]  # the highest rejection id so far: one query per example
 
     @PROFILE
@@ -588,6 +594,10 @@ def test_generated_hostile_input_is_accepted_or_refused_with_one_bounded_row(
                 text("SELECT * FROM job_rejections WHERE id > :last ORDER BY id"),
                 {"last": seen[0]})]
         seen[0] = max([seen[0], *(r["id"] for r in new)])
+        if accepted is None:
+            assert new == []
+            outcomes["operator"] += 1
+            return
         if accepted:
             assert new == []
             outcomes["accepted"] += 1

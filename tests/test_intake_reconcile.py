@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 
@@ -9,13 +10,16 @@ import dagster as dg
 import pytest
 
 from engine.requests import JobRequest, RequestStatus, RequestStore
-from pipelines.ops import send_email_job
+from pipelines.ops import all_jobs, send_email_job
 from pipelines.ops.batch import BATCH_JOBS
 from resources.storage.db import Database
 from sensors.intake import (
     IntakeMode,
     IntakePolicy,
+    LaunchThrottle,
+    evaluate_intake,
     reconcile_finished_runs,
+    reconcile_runs,
     run_requests_for,
     without_runs_in_flight,
 )
@@ -34,8 +38,8 @@ def test_runs_ending_out_of_creation_order_beyond_one_page_all_move_their_reques
 ) -> None:
     """Catches a reconcile that reads ended runs by run id, a page at a time, but moves its
     cursor to the newest end seen: when more runs ended between ticks than a page holds, a
-    run created later that ended earlier was never read, and its request (CANCELED: the only
-    way to failed and the DLQ) stayed launched forever."""
+    run created later that ended earlier was never read, and its request (its run CANCELED
+    before it started: back to the queue) stayed launched forever."""
     store = RequestStore(db)
     for i in range(5):
         payload = {
@@ -65,7 +69,7 @@ def test_runs_ending_out_of_creation_order_beyond_one_page_all_move_their_reques
     _, moved = reconcile_finished_runs(instance, store, cursor, limit=2)
     assert moved == 5
     statuses = {r.id: store.get(r.id).status for r in claimed}  # type: ignore[union-attr]
-    assert set(statuses.values()) == {RequestStatus.FAILED}, statuses
+    assert set(statuses.values()) == {RequestStatus.PENDING}, statuses
 
 
 def test_a_relaunch_skips_requests_whose_batch_run_has_not_ended(
@@ -159,38 +163,89 @@ def _ended_fan_out_run(
 
 
 @pytest.mark.parametrize("reason", [None, "RUN_WORKER_RESTART", "START_TIMEOUT"])
-def test_a_run_that_failed_around_its_requests_fails_them_transient(
+def test_a_run_that_failed_around_its_requests_returns_the_untaken_and_fails_the_taken(
     db: Database, instance: dg.DagsterInstance, reason: str | None
 ) -> None:
-    """Catches requests dead-lettered as ``unknown`` (the class of a bug) when their run died
-    for good around them: a worker killed or cut off, a launch that failed, with Dagster's run
-    retries used up. Nothing of the request failed; the run did, as the DLQ says of a run with
-    no failed step (transient: replay it). ``sekali chaos --topology hosts`` meets it when its
-    kills and partitions strike one run and its retries."""
-    store = RequestStore(db)
+    """Catches requests dead-lettered when their run died for good around them (a worker
+    killed or cut off, a launch that failed, Dagster's run retries used up): one no step took
+    never ran, whatever Dagster did with the run, and goes back to the queue after a backoff
+    (a 50,000 burst whose launches failed once dead-lettered every one of them); one a step
+    took fails ``transient`` (nothing of it failed; the run did: replay it), never ``unknown``
+    (the class of a bug)."""
+    now = [5000.0]
+    store = RequestStore(db, clock=lambda: now[0])
     ids, run_id = _ended_fan_out_run(store, instance, "t", reason)
-    reconcile_finished_runs(instance, store, 0.0)
-    done, taken, untaken = (store.get(i) for i in ids)
-    assert done is not None and done.status is RequestStatus.COMPLETED
-    for request in (taken, untaken):
-        assert request is not None and request.status is RequestStatus.FAILED, request
-        assert request.error_class == "transient", request
-        assert run_id in (request.last_error or ""), request
+    done = reconcile_runs(instance, store, 0.0)
+    assert done.returned == 1
+    finished, taken, untaken = (store.get(i) for i in ids)
+    assert finished is not None and finished.status is RequestStatus.COMPLETED
+    assert taken is not None and taken.status is RequestStatus.FAILED, taken
+    assert taken.error_class == "transient" and run_id in (taken.last_error or ""), taken
+    assert untaken is not None and untaken.status is RequestStatus.PENDING, untaken
+    assert untaken.available_at is not None and untaken.available_at >= now[0] + 5
+    assert "no step had taken it" in (untaken.last_error or ""), untaken
+    assert store.claim_for_launch(10) == []  # not before its backoff
+    now[0] = untaken.available_at
+    assert [r.id for r in store.claim_for_launch(10)] == [untaken.id]
 
 
-def test_a_step_failure_leaves_its_own_class_and_fails_the_untaken_transient(
+def test_a_step_failure_leaves_its_own_class_and_returns_the_untaken(
     db: Database, instance: dg.DagsterInstance
 ) -> None:
     """Catches a request no step of the run took (a resumed retry runs only the steps that were
-    in flight) failed with the class of a sibling's step failure, or none (``unknown``): it
-    never ran here. The request a failed step took keeps no class of the intake's own, so the
-    DLQ reads the step's declared class."""
+    in flight) failed with the class of a sibling's step failure, or at all: it never ran here.
+    The request a failed step took keeps no class of the intake's own (its step's decision
+    wrote its dead letter)."""
     store = RequestStore(db)
     ids, _ = _ended_fan_out_run(store, instance, "s", "STEP_FAILURE")
     reconcile_finished_runs(instance, store, 0.0)
     _, taken, untaken = (store.get(i) for i in ids)
     assert taken is not None and taken.status is RequestStatus.FAILED
     assert taken.error_class is None, taken
-    assert untaken is not None and untaken.status is RequestStatus.FAILED
-    assert untaken.error_class == "transient", untaken
-    assert "no step had taken it" in (untaken.last_error or ""), untaken
+    assert untaken is not None and untaken.status is RequestStatus.PENDING, untaken
+
+
+def test_the_launch_allowance_halves_on_failed_launches_holds_on_a_deep_queue_and_grows_back(
+) -> None:
+    """Catches an intake that launches its full page every tick while the launcher fails them
+    (each failed launch spent a retry of its run, then the requests were dead-lettered), or
+    that stays throttled after the launcher recovered."""
+    throttle = LaunchThrottle(most=200, max_queued=50)
+    allowed, now, why = throttle.next(None, returned=120, queued=0)
+    assert (allowed, now) == (100, 100) and "came back" in why
+    allowed, now, _ = throttle.next(allowed, returned=80, queued=0)
+    assert (allowed, now) == (50, 50)
+    allowed, now, why = throttle.next(allowed, returned=0, queued=60)
+    assert (allowed, now) == (50, 0) and "queue" in why
+    steps = []
+    while now < 200:
+        allowed, now, _ = throttle.next(allowed, returned=0, queued=0)
+        steps.append(now)
+    assert steps == [70, 90, 110, 130, 150, 170, 190, 200]
+
+
+def test_a_tick_after_failed_launches_launches_fewer(
+    db: Database, instance: dg.DagsterInstance
+) -> None:
+    """The tick itself: requests that came back from runs that never started make the next
+    claim smaller (its allowance kept in the cursor), and it says why."""
+    store = RequestStore(db)
+    for i in range(30):
+        payload = {"template": "welcome", "user_id": f"b{i}", "date": "2026-11-29",
+                   "to": f"b{i}@x.test"}
+        store.enqueue("send_email", f"email:welcome:b{i}:2026-11-29", payload, queue="light")
+    policy = IntakePolicy(default_mode=IntakeMode.PER_REQUEST, max_requests_per_tick=8)
+    first = evaluate_intake(dg.build_sensor_context(instance=instance), store, policy)
+    runs = first.run_requests or []
+    assert len(runs) == 8
+    for rr in runs:  # the launcher failed every one before it started
+        job = next(j for j in all_jobs if j.name == rr.job_name)
+        run = instance.create_run_for_job(
+            job, run_config=rr.run_config,
+            tags={**rr.tags, "dagster/run_key": rr.run_key or "", "dagster/will_retry": "false"})
+        instance.report_run_failed(run, "launch failed: DEADLINE_EXCEEDED")
+    second = evaluate_intake(dg.build_sensor_context(instance=instance, cursor=first.cursor),
+                             store, policy)
+    assert len(second.run_requests or []) == 4
+    assert json.loads(second.cursor or "{}")["allowed"] == 4
+    assert store.counts()[RequestStatus.FAILED] == 0  # none dead-lettered

@@ -163,3 +163,40 @@ def test_the_guide_examples_client_sends_nothing_past_its_send_bound(
         assert len(client.credits("k-live")) == 1
     finally:
         server.stop()
+
+
+def test_the_guide_examples_stand_in_says_nothing_when_a_client_hangs_up(tmp_path: Path) -> None:
+    """A worker killed while its credit is answered (``sekali chaos`` kills them) hangs up on
+    the stand-in: the credit is recorded, and the stand-in prints no ``BrokenPipeError`` /
+    ``ConnectionResetError`` traceback into the run's output. Runs the stand-in in a child
+    process and reads its stderr, as the chaos harness's output would show it."""
+    module = install_example(tmp_path / "site", package="hangupjobs")
+    child = (
+        "import socket, struct, sys, time\n"
+        "from pathlib import Path\n"
+        f"from {module} import LedgerServer, LedgerClient\n"
+        "server = LedgerServer(Path(sys.argv[1])).start()\n"
+        "host, port = server.server.server_address[:2]\n"
+        "body = b'{\"account_id\": \"a\", \"points\": 1, \"key\": \"k-gone\"}'\n"
+        "for _ in range(8):\n"
+        "    s = socket.create_connection((host, port), timeout=5)\n"
+        "    s.sendall(b'POST /credits HTTP/1.1\\r\\nHost: x\\r\\nContent-Type: application/json'\n"
+        "              b'\\r\\nContent-Length: %d\\r\\n\\r\\n%s' % (len(body), body))\n"
+        "    s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack('ii', 1, 0))\n"
+        "    s.close()  # a reset: the worker died before the answer came\n"
+        "deadline = time.monotonic() + 10\n"
+        "client = LedgerClient(server.url)\n"
+        "while len(client.credits('k-gone')) < 8 and time.monotonic() < deadline:\n"
+        "    time.sleep(0.05)\n"
+        "time.sleep(0.5)  # the handlers' answers meet the resets\n"
+        "print(len(client.credits('k-gone')))\n"
+        "server.stop()\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", child, str(tmp_path / "ledger.db")],
+        env={**os.environ, "PYTHONPATH": f"{tmp_path / 'site'}:{ROOT}"},
+        capture_output=True, text=True, timeout=60,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "8"  # every credit that went out is on the ledger
+    assert "Traceback" not in done.stderr and "Error" not in done.stderr, done.stderr[-2000:]

@@ -28,11 +28,11 @@ from sqlalchemy import event, text
 from engine.attempts import AttemptRecorder
 from engine.requests import RequestStatus, RequestStore
 from engine.services import Services
+from engine.step import run_batch
 from pipelines.domain.inventory import Inventory
 from pipelines.domain.mail import SmtpMailer, message_id_for
 from pipelines.jobs import inventory as inventory_job
 from pipelines.jobs.email import validate
-from pipelines.ops.batch import run_batch
 from resources.flow import ConcurrencyLimits
 from resources.idempotency import Claim, Completed, IdempotencyStore, Status
 from resources.storage.db import Database

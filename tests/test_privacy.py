@@ -16,11 +16,18 @@ import pytest
 from sqlalchemy import text
 
 from cli.main import main as cli
+from engine import JobContext, JobType
+from engine.attempts import AttemptRecorder
 from engine.privacy import dlq_view
+from engine.registry import JOB_TYPES
 from engine.requests import RequestStore
+from engine.services import Services
+from engine.step import StepAttempt, StepRequest, run_steps
 from pipelines.ops import all_jobs
 from resources.dagster_resources import DlqResource
 from resources.dlq import DlqStore
+from resources.idempotency import IdempotencyStore
+from resources.retry import RetryPolicy
 from resources.storage.db import Database
 from resources.storage.migrations import upgrade
 from resources.telemetry.logs import configure_json_logging
@@ -102,33 +109,32 @@ def test_logs_attempts_and_dlq_views_of_a_run_carry_no_email_address(
 
 
 def test_an_sqlalchemy_error_in_a_dlq_trace_holds_no_bound_payload(
-    db: Database, db_url: str
+    db: Database, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Catches: engines that print bound parameters in their errors, which Dagster carries into
-    the run's failure and the DLQ into its trace: the whole payload, personal data included."""
+    """Catches: engines that print bound parameters in their errors, which the failure path
+    carries into the request's dead letter (its message and trace): the whole payload,
+    personal data included."""
     secret = "payload-value-4417"
 
-    @dg.op
-    def write_op() -> None:
-        with Database.from_url(db_url).statement() as conn:  # field is NOT NULL
+    def write(ctx: JobContext, payload: dict[str, Any]) -> None:
+        with ctx.services.db.statement() as conn:  # field is NOT NULL
             conn.execute(
                 text("INSERT INTO job_rejections (job_type, payload, field, error, created_at)"
                      " VALUES ('send_email', :payload, NULL, 'e', 0)"),
-                {"payload": secret},
+                {"payload": payload["value"]},
             )
 
-    @dg.job(name="send_email")
-    def job() -> None:
-        write_op()
-
-    instance = dg.DagsterInstance.ephemeral()
-    result = job.execute_in_process(
-        instance=instance, raise_on_error=False, tags={"sekali/key": "email:x:u9:2026-11-01"}
-    )
-    assert not result.success
-    store = DlqStore(db)
-    dead_letter_run(instance, instance.get_run_by_id(result.run_id), store, actor="test")
-    (record,) = store.list_records()
+    monkeypatch.setitem(JOB_TYPES, "write_probe", JobType(
+        name="write_probe", queue="light", validate=dict, key_for=lambda p: f"w:{p['value']}",
+        max_runtime_seconds=60, side_effect=False, handler=write, resource_id=lambda p: "w",
+    ))
+    request = RequestStore(db).enqueue("write_probe", "w:1", {"value": secret}, queue="light")
+    services = Services(db=db, store=IdempotencyStore(db), attempts=AttemptRecorder(db),
+                        retry_policy=RetryPolicy(max_attempts=1))
+    result = run_steps(services, StepAttempt("run-1", "write_probe_op"),
+                       [StepRequest.of(request.request)])[0]
+    assert result.dead_letter is not None
+    (record,) = DlqStore(db).list_records()
     assert "INSERT INTO job_rejections" in (record.trace or "")  # the statement, for debugging
     assert secret not in (record.trace or "") and secret not in (record.last_error or "")
 

@@ -20,7 +20,7 @@ from resources.dlq import DlqStatus, DlqStore, FailureInfo
 from resources.idempotency import IdempotencyStore
 from resources.storage.db import Database
 from sandbox.gateway import GatewayServer
-from sensors.intake import IntakePolicy, evaluate_intake
+from sensors.intake import IntakeMode, IntakePolicy, evaluate_intake
 from tests.job_workers import dagster_resources, replay_sensor
 
 pytestmark = pytest.mark.dagster
@@ -98,8 +98,10 @@ def test_a_run_config_stored_in_the_old_free_form_shape_still_replays(
             instance=instance, resources={"dlq": DlqResource(database_url=db_url)}
         )
         (rr,) = sensor.evaluate_tick(context).run_requests or []
-        payload = rr.run_config["ops"]["charge_payment_op"]["config"]["payload"]
-        assert payload == clean
+        config = rr.run_config["ops"]["charge_payment_op"]["config"]
+        assert set(config) == {"request_id"}  # no payload value in the run's config
+        row = RequestStore(db).get(config["request_id"])  # the replay made it a request first
+        assert row is not None and row.payload == clean and row.key == key
         result = charge_payment_job.execute_in_process(
             run_config=rr.run_config, tags=rr.tags, instance=instance,
             resources=dagster_resources(
@@ -133,7 +135,8 @@ def test_the_intake_fails_a_request_that_cannot_make_a_valid_run_and_launches_th
         queue="heavy",
     ).request
     context = dg.build_sensor_context(instance=dg.DagsterInstance.ephemeral())
-    result = evaluate_intake(context, requests, IntakePolicy())
+    result = evaluate_intake(context, requests,
+                             IntakePolicy(default_mode=IntakeMode.PER_REQUEST))
     (rr,) = result.run_requests or []
     assert rr.run_key == "intake:payment:o-good"
     dg.validate_run_config(charge_payment_job, rr.run_config)

@@ -232,7 +232,7 @@ def workload(db: Database, clock: Clock, mail_sink: MailSink) -> dict[str, Any]:
     }
     with pytest.raises(ValidationError):
         enqueue("send_email", {"template": "nope"}, db=db)
-    records = {r.record.request_id: r.record.id for r in dead_letter_failed_requests(dlq)}
+    records = {r.request_id: r.id for r in dlq.list_records()}  # written at each decision
     dlq.discard([records[ids["given_up"]]], actor="test", reason="the address is wrong")
     report_loader(db, "orders_by_status", "2026-11-01")()
     with db.transaction() as conn:

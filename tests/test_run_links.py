@@ -58,15 +58,16 @@ def test_a_dead_lettered_run_names_its_record_and_the_record_its_run(
     run = instance.get_run_by_id(refused.run_id)
     assert run is not None
     (recorded,) = dead_letter_run(instance, run, store, actor="test")
-    _, created, _ = sweep(instance, store, None)  # the sweep finds the other run
-    assert created == 1
+    _, created, _ = sweep(instance, store, None)  # the sweep links the other run
+    assert created == 0  # both records were written where their failures were decided
 
     by_run = {r.run_id: r for r in store.list_records()}
+    outcomes = {refused.run_id: tag.RunOutcome.FAILED, down.run_id: tag.RunOutcome.DEAD_LETTERED}
     for result in (refused, down):
         tagged = instance.get_run_by_id(result.run_id)
         assert tagged is not None
         record = by_run[result.run_id]
-        assert tagged.tags[tag.OUTCOME] == str(tag.RunOutcome.DEAD_LETTERED)
+        assert tagged.tags[tag.OUTCOME] == str(outcomes[result.run_id])  # refused / gave up
         assert tagged.tags[tag.DLQ_ID] == str(record.id)
     assert by_run[refused.run_id].id == recorded.record.id
     filtered = instance.get_runs(

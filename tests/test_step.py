@@ -17,7 +17,7 @@ from engine.attempts import AttemptRecorder, Outcome
 from engine.registry import JOB_TYPES
 from engine.requests import RequestStore
 from engine.services import Services
-from engine.step import StepAttempt, StepResult, execute_step, run_step
+from engine.step import StepAttempt, StepResult, run_step
 from resources.errors import StoreUnavailable, TransientJobError, ValidationError
 from resources.idempotency import IdempotencyStore
 from resources.retry import RetryPolicy
@@ -62,6 +62,9 @@ def test_a_refused_payload_stays_permanent_while_the_database_is_away() -> None:
 
 
 def _flaky(ctx: JobContext, payload: dict[str, Any]) -> dict[str, Any]:
+    with ctx.services.db.transaction() as conn:  # the request rows' store breaks mid-step
+        conn.exec_driver_sql("DROP TABLE request_cancels")
+        conn.exec_driver_sql("DROP TABLE job_requests")
     raise TransientJobError("the downstream did not answer")
 
 
@@ -79,19 +82,18 @@ def test_a_last_attempt_that_cannot_settle_its_row_still_gives_up_classified(
     ))
     db = Database.from_url(sqlite_url)
     upgrade(db)
-    gone = Database.from_url(f"postgresql+psycopg://postgres@127.0.0.1:{free_port()}/gone")
+    request = RequestStore(db).enqueue("flaky_probe", "flaky:1", {"n": "1"}, queue="light")
     services = Services(db=db, store=IdempotencyStore(db), attempts=AttemptRecorder(db),
                         retry_policy=RetryPolicy(max_attempts=3))
     try:
-        result = execute_step(
+        result = run_step(
             services, StepAttempt(run_id="run-1", step="flaky_probe_op", attempt=2),
-            job_type="flaky_probe", payload={"n": "1"}, key=None, request_id=1,
-            requests=RequestStore(gone),  # the row's database went away after the handler
+            job_type="flaky_probe", payload={"n": "1"}, key=None, request_id=request.id,
         )
     finally:
-        gone.dispose()
         db.dispose()
     assert isinstance(result.error, TransientJobError), result
     assert result.decision is not None and not result.decision.retry, result.decision
     assert str(result.decision.error_class) == "transient"
     assert result.recorded is Outcome.DEAD_LETTERED
+    assert result.dead_letter is None  # its row and record could not be written: not raised

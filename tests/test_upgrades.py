@@ -2,7 +2,8 @@
 release's processes running: ``tests/test_rolling_upgrade.py``).
 
 Databases start where a real one would: at the previous release (its own ``sql/``, from the
-pinned archive in ``tests/releases``), or at the state the development line reached before
+pinned archive in ``tests/releases``), at the release before 0110 (``sql/`` through 0095: the
+start of 0110's expand and contract), or at the state the development line reached before
 0110 had a successor (0110 applied, its ``claim_rank NOT NULL`` in force).
 """
 
@@ -46,6 +47,12 @@ from tests.releases import extract, manifest
 
 def previous_release_sql(tmp_path: Path) -> Path:
     return extract(tmp_path).root / "sql"
+
+
+def before_flow_intake(tmp_path: Path) -> Path:
+    """sql/ as the release before 0110 shipped it (newest 0095_retention, unchanged since):
+    the start of the tests of 0110's expand and contract, whatever release is pinned now."""
+    return sql_through("0095", tmp_path / "sql-0095")
 
 
 def before_the_successor(tmp_path: Path) -> Path:
@@ -93,7 +100,7 @@ def test_no_id_is_reused_after_a_purge_and_the_upgrade(fresh: Database, tmp_path
     then the upgrade, then new rows. Catches: a SQLite table rebuild resetting the
     AUTOINCREMENT counter to MAX(id), so a new request took the id that old attempts and dead
     letters still name."""
-    upgrade(fresh, previous_release_sql(tmp_path))
+    upgrade(fresh, before_flow_intake(tmp_path))
     ids = [old_insert(fresh, f"old:{i}") for i in range(5)]
     with fresh.transaction() as conn:
         for request_id in ids[-2:]:
@@ -114,7 +121,7 @@ def test_a_counter_lowered_before_is_healed_from_the_ids_still_held(
     """A database that ran 0110 (its SQLite rebuild lowered the counter after a purge) gets it
     back from the request ids dead letters and attempts still hold. Catches: a new request
     taking the id of a purged one an open dead letter points at."""
-    upgrade(fresh, previous_release_sql(tmp_path))
+    upgrade(fresh, before_flow_intake(tmp_path))
     ids = [old_insert(fresh, f"old:{i}") for i in range(5)]
     with fresh.transaction() as conn:
         _dead_letter(conn, ids[-1])
@@ -263,7 +270,7 @@ def test_coalesced_is_written_only_after_the_contract_step(fresh: Database, tmp_
     name for ``coalesced``): debounced requests are claimed one by one, as that release claims
     them; after ``sekali db contract`` they coalesce. Catches: a new status written while an
     old reader may meet it (``ValueError: 'coalesced' is not a valid RequestStatus``)."""
-    upgrade(fresh, previous_release_sql(tmp_path))
+    upgrade(fresh, before_flow_intake(tmp_path))
     upgrade(fresh)
     t0 = time.time()
     first = _debounced(fresh, "a", t0)
@@ -288,7 +295,7 @@ def test_a_contracting_file_waits_for_the_contract_step(fresh: Database, tmp_pat
         "-- sekali: requires 0115_request_amends\n"
         "CREATE TABLE IF NOT EXISTS contract_probe (id INTEGER);\n"
     )
-    upgrade(fresh, previous_release_sql(tmp_path))
+    upgrade(fresh, before_flow_intake(tmp_path))
     with pytest.raises(ContractPending, match="sekali db contract"):
         upgrade(fresh, directory)
     assert "0115_request_amends" in applied(fresh) and "9990_contract_probe" not in applied(fresh)
@@ -346,7 +353,7 @@ def test_status_and_dry_run_show_the_pending_work(
 ) -> None:
     """``db status`` lists applied and pending migrations; ``db upgrade --dry-run`` prints each
     statement with the locks it takes and applies nothing; ``db contract`` raises the floor."""
-    upgrade(fresh, previous_release_sql(tmp_path))
+    upgrade(fresh, before_flow_intake(tmp_path))
 
     def run(*args: str) -> Any:
         code = sekali(["db", *args, "--url", db_url])
@@ -355,7 +362,7 @@ def test_status_and_dry_run_show_the_pending_work(
         return __import__("json").loads(out) if "--json" in args else out
 
     found = run("status", "--json")
-    newest = manifest()["migrations"][-1]  # type: ignore[index]
+    newest = "0095_retention"
     assert found["applied"][-1]["name"] == newest and found["readers_know"] == newest
     pending = {p["name"]: p["replaced_by"] for p in found["pending"]}
     successor = "0121_flow_intake_online" if fresh.is_postgres else "0120_flow_intake_compat"
@@ -460,7 +467,7 @@ def test_an_online_statement_gives_way_to_writers(
     through. Catches: one upgrade transaction waiting (or holding) its locks for as long as
     it takes, with intake and enqueue stopped behind it."""
     db = Database.from_url(postgres_url)
-    upgrade(db, previous_release_sql(tmp_path))
+    upgrade(db, before_flow_intake(tmp_path))
     old_insert(db, "old:0")
     settings = MigrationSettings(lock_timeout=0.2, lock_retries=300)
     blocker = db.engine.connect()

@@ -54,6 +54,7 @@ from resources.signatures import (
 from resources.storage.db import Database
 from resources.storage.migrations import upgrade
 from resources.storage.settings import Settings
+from resources.webhook_secrets import derived_secret
 from sandbox.webhooks import WebhookReceiver
 from tests.job_workers import dagster_resources
 
@@ -63,10 +64,23 @@ KEY = secret_bytes(SECRET)
 JOB = "deliver_webhook"
 
 
+def endpoint_keys(endpoint_id: str) -> list[bytes]:
+    """Each endpoint's default secret, derived from ``SECRET`` as the platform derives it."""
+    return [secret_bytes(derived_secret(KEY, endpoint_id))]
+
+
+@pytest.fixture(autouse=True)
+def signing_key_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Workers built from settings (the Dagster runs) sign with ``SECRET``, from the
+    environment (never resource config)."""
+    monkeypatch.setenv("SEKALI_WEBHOOKS_SIGNING_KEY", SECRET)
+
+
 @pytest.fixture
 def receiver() -> Iterator[WebhookReceiver]:
-    """The sandbox receiver on a free port, ignoring ``webhook-id`` (no dedupe)."""
-    with WebhookReceiver(KEY, dedupe=False) as server:
+    """The sandbox receiver on a free port, ignoring ``webhook-id`` (no dedupe), verifying
+    each endpoint's own secret."""
+    with WebhookReceiver(endpoint_keys, dedupe=False) as server:
         yield server
 
 
@@ -77,7 +91,8 @@ def payload(receiver: WebhookReceiver, event: str = "evt-1", endpoint: str = "ep
 
 
 def client(key: bytes = KEY, timeout: float = 2.0, deadline: float = 4.0) -> WebhookClient:
-    return WebhookClient(BoundedHttp(timeout=timeout, deadline=deadline), lambda: key)
+    return WebhookClient(BoundedHttp(timeout=timeout, deadline=deadline),
+                         lambda ep: [secret_bytes(derived_secret(key, ep))])
 
 
 def services_for(db_url: str, redis_url: str, namespace: str, *, settle: float = 1.0,
@@ -189,7 +204,7 @@ def test_an_endpoint_without_a_url_is_reached_through_the_declared_address(
 ) -> None:
     """No ``url`` in the payload: the message goes to ``<SEKALI_WEBHOOKS_URL>/hooks/<id>`` (the
     client's base address), and the lookup asks there too."""
-    webhooks = WebhookClient(BoundedHttp(timeout=2.0, deadline=4.0), lambda: KEY,
+    webhooks = WebhookClient(BoundedHttp(timeout=2.0, deadline=4.0), endpoint_keys,
                              base_url=receiver.url)
     services = services_for(db_url, redis_url, namespace, webhooks=webhooks)
     p = {k: v for k, v in payload(receiver, "evt-base", "ep-base").items() if k != "url"}
@@ -240,16 +255,17 @@ def test_bad_input_names_the_field_and_sends_nothing(
 
 def test_a_4xx_is_permanent_and_a_real_run_dead_letters_it(
     db: Database, db_url: str, redis_url: str, namespace: str, redis_client: Any,
-    receiver: WebhookReceiver,
+    receiver: WebhookReceiver, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A real Dagster run of the per-request job against an endpoint that answers 410: the step
     is not retried (one attempt, failed_permanent), the run fails and the run-failure sensor
     keeps it in the DLQ as permanent, with the key left failed (replayable after a fix)."""
+    monkeypatch.setenv("DATABASE_URL", db_url)  # the secrets' store, as the run finds it
     receiver.set_faults(status=410)
     resources = {
         **dagster_resources(db_url=db_url, redis_url=redis_url, namespace=namespace),
         "webhooks": DownstreamResource(downstream="webhooks", timeout=2.0,
-                                       extra={"signing_key": SECRET}, settle_seconds=1.0),
+                                       settle_seconds=1.0),
     }
     with dg.DagsterInstance.ephemeral() as instance:
         result = ops.deliver_webhook_job.execute_in_process(
@@ -425,17 +441,18 @@ def test_concurrent_workers_in_several_processes_deliver_each_event_once(
 @pytest.mark.dagster
 def test_a_real_dagster_run_delivers_and_its_retry_after_a_5xx_delivers_once(
     sqlite_url: str, redis_url: str, namespace: str, redis_client: Any,
-    receiver: WebhookReceiver,
+    receiver: WebhookReceiver, monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The per-request job on a real instance: the endpoint fails once with 500, Dagster's step
     retry (the op's policy) sends again, and the run succeeds with one delivery."""
+    monkeypatch.setenv("DATABASE_URL", sqlite_url)  # the secrets' store, as the run finds it
     db = Database.from_url(sqlite_url)
     upgrade(db)
     receiver.set_faults(status=500, fail_times=1)
     resources = {
         **dagster_resources(db_url=sqlite_url, redis_url=redis_url, namespace=namespace),
         "webhooks": DownstreamResource(downstream="webhooks", timeout=2.0,
-                                       extra={"signing_key": SECRET}, settle_seconds=1.0),
+                                       settle_seconds=1.0),
     }
     p = payload(receiver, "evt-run")
     with dg.DagsterInstance.ephemeral() as instance:

@@ -8,13 +8,26 @@ from __future__ import annotations
 import argparse
 import getpass
 import re
+import sys
+from pathlib import Path
 
+from sqlalchemy.engine import make_url
+
+from cli.commands import CommandRefused
 from engine.replay import parse_pace
 from engine.validation import INT64_MAX
 from resources.dlq import parse_age
 from resources.errors import ValidationError
 from resources.storage.db import Database, shared_database
-from resources.storage.settings import Settings
+from resources.storage.migrations import (
+    NoSchema,
+    SchemaBehind,
+    SchemaTooNew,
+    applied,
+    ensure_schema,
+)
+from resources.storage.settings import Settings, normalize_url
+from resources.telemetry.redact import hide_url_password
 
 _DIGITS = re.compile(r"^[0-9]{1,19}$")
 
@@ -73,9 +86,49 @@ def pace(text: str) -> float:
     return rate
 
 
+def warn_secret_option(flag: str, value: str | None, variable: str) -> None:
+    """One line on stderr when an option's value holds a password (a URL's user part): argv is
+    readable by every local user (``/proc/<pid>/cmdline``) and kept in shell history."""
+    if value and hide_url_password(value) != value:
+        print(f"warning: {flag} carries a password, visible to every user of this machine in "
+              f"the process list and kept in your shell history; set {variable} instead",
+              file=sys.stderr)
+
+
 def app_database(args: argparse.Namespace) -> Database:
-    """The app database of ``--url``, else ``DATABASE_URL``."""
-    return shared_database(args.url or Settings.from_env().database_url)
+    """The app database of ``--url`` (warning when it holds a password), else
+    ``DATABASE_URL`` (:func:`existing_database`)."""
+    warn_secret_option("--url", args.url, "DATABASE_URL")
+    return existing_database(args.url or Settings.from_env().database_url)
+
+
+def existing_database(url: str) -> Database:
+    """The app database at ``url`` once it holds sekali's schema (:func:`created_database`),
+    and one this release can use (:func:`~resources.storage.migrations.ensure_schema`, as at
+    any process's first use): a schema it cannot use yet is refused naming the fix (``sekali db
+    upgrade``)."""
+    db, _ = created_database(url)
+    try:
+        ensure_schema(db)
+    except (SchemaBehind, SchemaTooNew) as exc:
+        raise CommandRefused(str(exc)) from None
+    return db
+
+
+def created_database(url: str) -> tuple[Database, str]:
+    """The app database at ``url`` and where it is, for a person; a database never created (a
+    fresh state folder) is :class:`CommandRefused` naming the command that creates it, and
+    nothing is created on the way (not even the SQLite file)."""
+    url = normalize_url(url)
+    parsed = make_url(url)
+    sqlite_file = parsed.database if parsed.get_backend_name() == "sqlite" else None
+    where = sqlite_file or hide_url_password(url)
+    if sqlite_file and sqlite_file != ":memory:" and not Path(sqlite_file).exists():
+        raise CommandRefused(str(NoSchema(where)))
+    db = shared_database(url)
+    if not applied(db):
+        raise CommandRefused(str(NoSchema(where)))
+    return db, where
 
 
 def actor(args: argparse.Namespace | None = None) -> str:

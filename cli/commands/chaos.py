@@ -44,7 +44,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--job-type", dest="job_type", default=None, metavar="NAME[,NAME...]",
                    help="run these registered job types (built-in or from SEKALI_JOB_MODULES) "
                         "instead of the built-in mix: payloads from each one's example, effects "
-                        "counted through its lookup hook at its sandbox stand-in")
+                        "counted at its sandbox stand-in by the stand-in's own record (else "
+                        "through its lookup hook: unverified), the lookup calibrated first")
+    p.add_argument("--calibration-runs", dest="calibration_runs", type=int, default=3,
+                   help="with --job-type: sends per calibration key that the lookup must all "
+                        "report before the fault run (default 3; 0: no calibration, said so)")
+    p.add_argument("--require-record", dest="require_record", action="store_true",
+                   help="with --job-type: refuse a job type whose stand-in declares no record "
+                        "of its own (its effects could only be counted through its lookup)")
     p.add_argument("--dagster", action="store_true",
                    help="with --job-type: each delivery is a real run of the job type's "
                         "per-request Dagster job on a real instance (Dagster's retries and the "
@@ -81,26 +88,16 @@ def _report(args: argparse.Namespace, report: dict[str, Any], say: Any) -> int:
     return code
 
 
-def _run(args: argparse.Namespace) -> int:
-    if args.topology == "hosts" and args.job_type is not None:
-        print("sekali chaos: --job-type runs with --topology local only", file=sys.stderr)
-        return 2
-    if args.topology == "hosts":
-        return _run_hosts(args)
-    if not args.verbose:  # the sandbox servers log every charge and mail
-        for name in ("mail.log", "sandbox.gateway", "sandbox.mailsink", "resources"):
-            logging.getLogger(name).setLevel(logging.WARNING)
-
+def config_from_args(args: argparse.Namespace) -> tuple[ChaosConfig, list[str]]:
+    """The one-host run the arguments ask for, and the notes on faults left out; nothing runs.
+    Raises :class:`ChaosConfigError` for options that cannot make a run (the run checks the
+    rest, :meth:`ChaosConfig.validate`)."""
     job_types = tuple(n.strip() for n in (args.job_type or "").split(",") if n.strip())
     if args.job_type is not None and not job_types:
-        print("sekali chaos: --job-type: name at least one job type", file=sys.stderr)
-        return 2
+        raise ChaosConfigError("--job-type: name at least one job type")
     faults, notes = parse_faults(args.faults, backend=args.backend,
                                  database_url=args.database_url, typed=bool(job_types))
-    out = sys.stderr if args.json else sys.stdout
-    for note in notes:
-        print(f"sekali chaos: {note}", file=sys.stderr)
-    config = ChaosConfig(
+    return ChaosConfig(
         requests=300 if args.requests is None else args.requests,
         workers=args.workers,
         redelivery=args.redelivery,
@@ -117,7 +114,30 @@ def _run(args: argparse.Namespace) -> int:
         keep_state=args.keep_state,
         job_types=job_types,
         dagster=args.dagster,
-    )
+        calibration_runs=args.calibration_runs,
+        require_record=args.require_record,
+    ), notes
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.topology == "hosts" and args.job_type is not None:
+        print("sekali chaos: --job-type runs with --topology local only", file=sys.stderr)
+        return 2
+    if args.topology == "hosts":
+        return _run_hosts(args)
+    if not args.verbose:  # the sandbox servers log every charge and mail
+        for name in ("mail.log", "sandbox.gateway", "sandbox.mailsink", "resources"):
+            logging.getLogger(name).setLevel(logging.WARNING)
+
+    try:
+        config, notes = config_from_args(args)
+    except ChaosConfigError as exc:
+        print(f"sekali chaos: {exc}", file=sys.stderr)
+        return 2
+    job_types = config.job_types
+    out = sys.stderr if args.json else sys.stdout
+    for note in notes:
+        print(f"sekali chaos: {note}", file=sys.stderr)
     try:
         report = run_chaos(config)
     except ChaosConfigError as exc:
@@ -129,7 +149,7 @@ def _run(args: argparse.Namespace) -> int:
     print(f"sekali chaos: {mode}, {config.requests} requests x {config.redelivery} deliveries, "
           f"{config.workers} workers, backend {config.backend}, faults {','.join(config.faults)}",
           file=out)
-    print(format_table(report.rows), file=out)
+    print(format_table(report.rows) if report.rows else "(no fault run)", file=out)
     s = report.stats
     def struck(name: str, stat: str) -> str:
         planned = s.get(f"{name}_scheduled")
@@ -146,6 +166,21 @@ def _run(args: argparse.Namespace) -> int:
         "redis-restart", "pg-restart")]
     if newer:
         print("struck: " + ", ".join(f"{f} {struck(f, f)}" for f in newer), file=out)
+    if report.counting:
+        ways = {"record": "the stand-in's own record", "lookup": "its lookup"}
+        print("counted: " + ", ".join(f"{name} by {ways[how]}"
+                                      for name, how in report.counting.items())
+            + (f"; send bounds checked on {s.get('send_bound_checked', 0)} arrivals"
+               f" ({s.get('send_bound_unjudged', 0)} unjudged: their holder died unrecorded)"
+               if "record" in report.counting.values() else ""), file=out)
+    for cal in report.calibration:
+        seen = ", ".join(f"{k['reported']}/{k['made'] if k['made'] is not None else '?'}"
+                         for k in cal["keys"])
+        print(f"calibration of {cal['job_type']}'s lookup (reported/recorded per key, "
+              f"{cal['keys'][0]['runs'] if cal['keys'] else 0} sends each): {seen}"
+              + (" FAILED" if cal["problem"] else ""), file=out)
+    for line in report.unverified:
+        print(f"UNVERIFIED: {line}", file=out)
     if report.state_dir:
         print(f"state kept in {report.state_dir} (worker logs, databases)", file=out)
     code = _report(args, report.to_dict(), lambda m: print(m, file=out))

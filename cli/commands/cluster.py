@@ -19,11 +19,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
 from cli.commands.output import add_output_arguments, emit
+from resources.telemetry.redact import hide_url_password
 from sandbox.hosts import Cluster, ClusterError, NotRoot, default_state_dir, require_root
 
 
@@ -41,9 +43,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     up = actions.add_parser("up", help="build the hosts and start everything")
     common(up)
     up.add_argument("--workers", type=int, default=2, help="worker hosts (default 2)")
-    up.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+    up.add_argument("--env", action="append", default=[], metavar="KEY[=VALUE]",
                     help="extra environment for the worker hosts' code servers and runs, e.g. "
-                         "SEKALI_INTAKE_MODE=micro_batch (repeatable)")
+                         "SEKALI_INTAKE_MODE=micro_batch; KEY alone passes this command's "
+                         "own value (for secrets: never type them here) (repeatable)")
     up.add_argument("--subnet", default=None,
                     help="a free /24 for the hosts (default: the first free one in 10.77.0.0/16)")
     up.add_argument("--timeout", type=float, default=300.0,
@@ -89,12 +92,27 @@ def _root_or_exit() -> int | None:
     return None
 
 
+_SECRET_WORDS = ("PASSWORD", "SECRET", "TOKEN", "KEY")
+
+
 def _parse_env(items: list[str]) -> dict[str, str]:
+    """``KEY=VALUE`` items; ``KEY`` alone takes the value from this command's environment
+    (so a secret need not be typed on the command line). A secret typed as ``KEY=VALUE`` (a
+    secret-named variable, or a URL with a password) is accepted with a warning naming the
+    safer form."""
     env = {}
     for item in items:
         key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ValueError(f"--env: expected KEY=VALUE, got {item!r}")
+        if not key:
+            raise ValueError(f"--env: expected KEY=VALUE or KEY, got {item!r}")
+        if not sep:
+            if key not in os.environ:
+                raise ValueError(f"--env {key}: not set in this command's environment")
+            value = os.environ[key]
+        elif any(w in key.upper() for w in _SECRET_WORDS) or hide_url_password(value) != value:
+            print(f"warning: --env {key}=... puts a secret on the command line, visible in the "
+                  f"process list and your shell history; export {key} and pass --env {key}",
+                  file=sys.stderr)
         env[key] = value
     return env
 
@@ -208,4 +226,6 @@ def _print_status_lines(status: dict[str, Any]) -> None:
     for part in status["partitions"]:
         arrow = "->" if part["one_way"] else "<->"
         print(f"  partition {part['a']} {arrow} {part['b']} loss {part['loss']}")
-    print(f"Dagster UI: {status['ui_url']}")
+    print(f"Dagster UI: {status['ui_url']} (login required: user operator, its password in "
+          f"{status['state_dir']}/state.json, secrets.ui); read-only for viewers: "
+          f"{status.get('ui_readonly_url', '-')}")

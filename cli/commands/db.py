@@ -10,6 +10,8 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from cli.commands import CommandRefused
+from cli.commands.arguments import created_database
 from cli.commands.output import add_output_arguments, console, emit, when
 from engine.attempts import ROLLUPS_MIGRATION, AttemptRecorder
 from resources.errors import SekaliError
@@ -59,6 +61,8 @@ def _reported(command: Callable[[argparse.Namespace], int]
     def run(args: argparse.Namespace) -> int:
         try:
             return command(args)
+        except CommandRefused:
+            raise  # one line and exit 2, from main
         except SekaliError as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
@@ -145,6 +149,7 @@ def _status(args: argparse.Namespace) -> int:
 
 @_reported
 def _contract(args: argparse.Namespace) -> int:
+    created_database(args.url or Settings.from_env().database_url)  # else: exit 2, one line
     with _opened(args.url) as db:
         newest = contract(db)
     print(f"every process is now taken to know {newest}: values older releases cannot read "

@@ -45,7 +45,7 @@ import redis
 from cli.commands.log_filter import pump
 from cli.commands.preflight import DevPreflightError, InstanceLock, check_ports
 from cli.commands.supervisor import Supervisor
-from engine.downstreams import Sandbox, Stoppable
+from engine.downstreams import Sandbox, Stoppable, sandbox_egress
 from engine.registry import downstreams
 from pipelines.domain.inventory import Inventory
 from pipelines.instance import prepare_dagster_home
@@ -201,6 +201,7 @@ def _serve(args: argparse.Namespace, settings: Settings, verbose: bool) -> int:
         setup(settings, verbose=verbose, sandbox=not args.no_sandbox)
         if not args.no_sandbox and not stop.event.is_set():
             sandbox = _start_sandbox(settings)
+            env.update(sandbox_egress(_sandboxes(), settings, env))
         if not stop.event.is_set():
             _start_dagster(supervisor, args, env, verbose=verbose)
             status = _supervise(supervisor, stop, args)

@@ -3,7 +3,9 @@
 - ``list [--status S] [--job-type T] [--class C] [--fingerprint F] [--older-than 2h]
   [--newer-than 1d] [--json]``: unresolved records by default (open, replay_requested,
   replaying); ``--status all`` for every record.
-- ``show ID [--json]``: one record with its error, trace, failed runs and audit trail.
+- ``show ID [--trace] [--json]``: one record: its failure in one line (class, error type and
+  message), its fields, failed runs and audit trail; the stack trace only for class
+  ``unknown`` (a bug) or with ``--trace`` (``--json`` always carries it).
 - ``replay [ID ...] [filters] [--limit N] [--pace 10/s] [--dry-run]``: ask for a replay of the
   selected open records (at most N, oldest first, at most the pace); the ``dlq_replay_sensor``
   launches them at its rate bound. Each selected record's idempotency key is reset from failed
@@ -36,7 +38,6 @@ Exit codes: 0 done, 1 nothing matched / nothing changed, 2 bad arguments or unkn
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 import textwrap
 import time
@@ -65,6 +66,7 @@ from cli.commands.output import (
 )
 from engine import canary as canaries
 from engine.privacy import dlq_view
+from engine.registry import MODULES_ENV
 from engine.replay import (
     AmendRefused,
     BulkReplay,
@@ -75,7 +77,7 @@ from engine.replay import (
     lookup_client,
 )
 from engine.requests import RequestStore
-from resources.dlq import DlqRecordNotFound, DlqStore
+from resources.dlq import DlqRecordNotFound, DlqStore, failure_line
 from resources.errors import ValidationError
 from resources.telemetry.redact import redact_data
 
@@ -112,6 +114,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
     p_show = dlq_sub.add_parser("show", help="one dead letter in full")
     p_show.add_argument("id", type=record_id)
+    p_show.add_argument(
+        "--trace", action="store_true", help="print the stack trace of a classified failure too"
+        " (always printed for class unknown; --json always carries it)",
+    )
     add_output_arguments(p_show)
     common(p_show)
     p_show.set_defaults(func=_show)
@@ -176,18 +182,9 @@ def _selection(args: argparse.Namespace) -> Selection:
 
 
 def error_text(record: Any, view: dict[str, Any]) -> str:
-    """The record's error once: its message, prefixed by the error type only when the message
-    does not already start with it."""
-    message = " ".join((view["last_error"] or "").split())
-    kind = str(record.error_type or "")
-    if not kind:
-        return message
-    qualified = re.match(rf"[\w.]*\.{re.escape(kind)}:", message)
-    if qualified:  # ``pkg.module.UnknownSku: ...`` reads as ``UnknownSku: ...``
-        return kind + message[qualified.end() - 1:]
-    if message.startswith(f"{kind}:"):
-        return message
-    return f"{kind}: {message}"
+    """The record's error once, in one line (:func:`resources.dlq.failure_line`), from the
+    masked view's message."""
+    return failure_line(record.error_type, view["last_error"])
 
 
 def _list(args: argparse.Namespace) -> int:
@@ -195,7 +192,7 @@ def _list(args: argparse.Namespace) -> int:
     try:
         records = _selection(args).records(_store(args), statuses)
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(printable(f"error: {exc}"), file=sys.stderr)
         return 2
     outcomes = amended_outcomes(_store(args).db, records)
     views = [{**dlq_view(r, summary=True), **_outcome(outcomes, r.id)} for r in records]
@@ -212,15 +209,39 @@ def _list(args: argparse.Namespace) -> int:
         table.add_column("error", ratio=1, min_width=30)  # wraps between words, never cut
         for r in records:
             table.add_row(
-                str(r.id), "superseded" if r.id in outcomes else str(r.status), r.job_type,
-                r.error_class, r.fingerprint,
+                str(r.id), "superseded" if r.id in outcomes else str(r.status),
+                printable(r.job_type), printable(r.error_class), printable(r.fingerprint),
                 str(r.failure_count), str(r.replay_count), when(r.last_failed_at),
                 printable(outcomes.get(r.id) or textwrap.shorten(
                     error_text(r, dlq_view(r, summary=True)), 300, placeholder=" ...")),
             )
         console().print(table)
+        missing = _missing_ids([r.id for r in records])
+        if missing:
+            print(f"ids not listed ({missing}): {ID_GAPS}")
 
     return emit(args, views, human)
+
+
+ID_GAPS = (
+    "records resolved or discarded (`--status all` lists them) or purged after their retention;"
+    " an id is also spent by a failure two processes recorded at once, as database sequences do"
+)
+"""Why the ids ``dlq list`` shows have gaps (said under the table when they do)."""
+
+
+def _missing_ids(ids: list[int], most: int = 8) -> str:
+    """The ids below the highest one shown that are not shown, as ranges (``1, 4-6``; at most
+    ``most`` ranges, then how many more)."""
+    runs: list[str] = []
+    previous = 0
+    for n in sorted(set(ids)):
+        if n > previous + 1:
+            runs.append(str(previous + 1) if n == previous + 2 else f"{previous + 1}-{n - 1}")
+        previous = n
+    if len(runs) > most:
+        runs = [*runs[:most], f"{len(runs) - most} more ranges"]
+    return ", ".join(runs)
 
 
 def _outcome(outcomes: dict[int, str], record_id: int) -> dict[str, str]:
@@ -233,7 +254,7 @@ def _show(args: argparse.Namespace) -> int:
     try:
         record = store.get(args.id)
     except DlqRecordNotFound as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(printable(f"error: {exc}"), file=sys.stderr)
         return 2
     data = {
         **dlq_view(record),  # personal fields and e-mail addresses masked
@@ -247,11 +268,13 @@ def _show(args: argparse.Namespace) -> int:
 
     def human() -> None:
         out = console()
+        out.print(printable(f"dead letter {record.id} ({record.status}): {record.error_class}:"
+                            f" {error_text(record, data)}"))
         grid = Table.grid(padding=(0, 2))
         grid.add_column(justify="right", style="bold")
         grid.add_column(overflow="fold")
         for name, value in data.items():
-            if name in ("trace", "audit"):
+            if name in ("trace", "audit", "last_error"):
                 continue
             if name.endswith("_at") and isinstance(value, (int, float)):
                 value = when(value)
@@ -269,8 +292,12 @@ def _show(args: argparse.Namespace) -> int:
                 f"  {when(entry['at'])}  {entry['actor']}: {entry['action']} "
                 f"{moved}{entry['detail'] or ''}"
             ))
-        out.print("trace:")
-        out.print(printable(data["trace"] or "(none)"))
+        if args.trace or record.error_class == "unknown":
+            out.print("trace:")
+            out.print(printable(data["trace"] or "(none)"))
+        elif data["trace"]:
+            out.print(f"trace: not shown for a classified failure (sekali dlq show {record.id}"
+                      " --trace)")
 
     return emit(args, data, human)
 
@@ -287,21 +314,22 @@ def _replay(args: argparse.Namespace) -> int:
     try:
         result = bulk_replay(store, _selection(args), **_replay_options(args))
     except (ValidationError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(printable(f"error: {exc}"), file=sys.stderr)
         return 2
     if _missing(args, result):
         return 2
     say = sys.stderr if args.json else sys.stdout
     for d in result.decisions:
-        verb = ("would replay" if args.dry_run else "replay requested") if d.replay else "skipped"
+        verb = (("would replay" if d.replay else "would not replay") if args.dry_run
+                else ("replay requested" if d.replay else "skipped"))
         reset = " (key reset)" if d.key_reset else ""
         judged = result.assessments[d.record.id]
-        print(
+        print(printable(
             f"{d.record.id:>5}  {verb}: {d.record.job_type} key={d.record.idempotency_key} "
-            f"{'' if d.replay else d.reason}{reset}", file=say
+            f"{'' if d.replay else d.reason}{reset}"), file=say
         )
-        if d.replay or args.dry_run:
-            print(f"       {judged.verdict}: {judged.evidence}", file=say)
+        if (d.replay or args.dry_run) and d.record.id not in result.unregistered:
+            print(printable(f"       {judged.verdict}: {judged.evidence}"), file=say)
     print(
         f"{result.chosen} of {len(result.decisions)} selected records "
         f"{'would be replayed (dry run)' if args.dry_run else 'requested for replay'}", file=say
@@ -310,8 +338,10 @@ def _replay(args: argparse.Namespace) -> int:
     data: dict[str, Any] = {"decisions": [
         {"id": d.record.id, "replay": d.replay, "reason": d.reason, "key_reset": d.key_reset,
          **result.assessments[d.record.id].as_dict()}
-        for d in result.decisions], "refused": result.refused}
+        for d in result.decisions], "refused": result.refused,
+        "unregistered": result.unregistered, "fails_again": result.fails_again}
     code = 1 if result.refused or not result.chosen else 0
+    code = 2 if result.unregistered else code
     if not (args.wait and result.chosen and not args.dry_run):
         return _finish(args, data, [], code)
     requests = RequestStore(store.db)
@@ -328,15 +358,26 @@ def _missing(args: argparse.Namespace, replay: BulkReplay) -> bool:
 
 
 def _say_refused(replay: BulkReplay) -> None:
+    """One line each on stderr: the records refused by the guard, the ones whose job type
+    this process does not know (exit 2), the ones certain to fail again."""
     if replay.refused:
         then = f"replay with --allow-repeat {','.join(map(str, replay.refused))}"
         print(replay.refused_line(then), file=sys.stderr)
+    if replay.unregistered:
+        print(f"error: not replayed {replay.unregistered}: their job types are not registered in"
+              f" this process; set {MODULES_ENV} as the code location has it (`sekali dev`'s"
+              f" shell), then replay again", file=sys.stderr)
+    if replay.fails_again:
+        print(f"warning: {replay.fails_again} will fail again the same way: their last failure"
+              " was permanent and a replay runs the same payload; fix the cause first, or amend"
+              " the payload (--patch)", file=sys.stderr)
 
 
 def _replay_options(args: argparse.Namespace) -> dict[str, Any]:
     """What a replay of the selection takes from the command line, canaries or not."""
     return {"actor": actor(args), "reason": args.reason, "dry_run": args.dry_run,
-            "pace": args.pace, "client": lookup_client(), "allow_repeat": args.allow_repeat}
+            "pace": args.pace, "client": lookup_client(on_worker=False),
+            "allow_repeat": args.allow_repeat}
 
 
 def _canary_replay(args: argparse.Namespace) -> int:
@@ -354,17 +395,18 @@ def _canary_replay(args: argparse.Namespace) -> int:
             on_change=lambda now: progress.print(f"{when(time.time())}  {now.line()}"),
         )
     except (ValidationError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(printable(f"error: {exc}"), file=sys.stderr)
         return 2
     replay = result.replay
     if _missing(args, replay):
         return 2
     for d in replay.decisions:
         judged = replay.assessments.get(d.record.id)
-        print(f"{d.record.id:>5}  {result.outcomes[d.record.id]}: {d.record.job_type}"
-              f" key={d.record.idempotency_key}", file=say)
-        if judged is not None and (d.replay or args.dry_run):
-            print(f"       {judged.verdict}: {judged.evidence}", file=say)
+        print(printable(f"{d.record.id:>5}  {result.outcomes[d.record.id]}: "
+                        f"{d.record.job_type} key={d.record.idempotency_key}"), file=say)
+        if (judged is not None and (d.replay or args.dry_run)
+                and d.record.id not in replay.unregistered):
+            print(printable(f"       {judged.verdict}: {judged.evidence}"), file=say)
     print(f"canaries: {result.canaries}", file=say)
     if result.stopped:
         print(f"stopped: {result.stopped}; not replayed: {result.held} (still open: fix the"
@@ -378,9 +420,12 @@ def _canary_replay(args: argparse.Namespace) -> int:
                 if d.record.id in replay.assessments else {})}
             for d in replay.decisions],
         "refused": replay.refused,
+        "unregistered": replay.unregistered,
+        "fails_again": replay.fails_again,
         "canary": result.as_dict(),
     }
     code = 1 if result.stopped or replay.refused or not replay.chosen else 0
+    code = 2 if replay.unregistered else code
     rest = [d.record.id for d in replay.decisions
             if d.replay and d.record.id not in result.canaries]
     if not (args.wait and rest and not args.dry_run):
@@ -402,16 +447,16 @@ def _amend(args: argparse.Namespace) -> int:
             dry_run=args.dry_run,
         )
     except (ValidationError, DlqRecordNotFound) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(printable(f"error: {exc}"), file=sys.stderr)
         return 2
     except AmendRefused as exc:
-        print(f"refused: {exc}", file=sys.stderr)
+        print(printable(f"refused: {exc}"), file=sys.stderr)
         return 1
     changes = ", ".join(f"{d['path']}: {d['from']!r} -> {d['to']!r}" for d in done.diff)
-    print(
+    print(printable(
         f"{'would make' if done.dry_run else 'made'} {done.key} (version {done.version}"
         f"{'' if done.request_id is None else f', request {done.request_id}'}) from record"
-        f" {done.record_id}, superseding {done.previous_key}: {changes}",
+        f" {done.record_id}, superseding {done.previous_key}: {changes}"),
         file=sys.stderr if args.json else sys.stdout,
     )
     data: dict[str, Any] = {
@@ -442,11 +487,11 @@ def _discard(args: argparse.Namespace) -> int:
     try:
         decisions = store.discard(args.ids, actor=actor(args), reason=args.reason)
     except (DlqRecordNotFound, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(printable(f"error: {exc}"), file=sys.stderr)
         return 2
     say = sys.stderr if args.json else sys.stdout
     for d in decisions:
-        print(f"{d.record.id:>5}  {'discarded' if d.replay else 'skipped: ' + d.reason}",
+        print(printable(f"{d.record.id:>5}  {'discarded' if d.replay else 'skipped: ' + d.reason}"),
               file=say)
     code = 0 if any(d.replay for d in decisions) else 1
     if args.json or args.out:

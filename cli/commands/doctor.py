@@ -1,9 +1,10 @@
 """``sekali doctor [--json] [--out PATH] [--check NAME ...]``: the production diagnosis checklist.
 
-Prints one row per checklist item with its verdict, what it found and the fix to make; ``--json``
-prints the same as a JSON list (only JSON on stdout), ``--out PATH`` writes it to a file. Exit
-status: 1 when a check of ERROR severity fails (a broken invariant), 0 otherwise (warnings
-included). Configuration defaults to what the code location uses
+Prints one row per checklist item with its verdict, what it found and, for a check that failed,
+the fix to make; ``--json`` prints the same as a JSON list (only JSON on stdout), ``--out PATH``
+writes it to a file. Exit status: 1 when a check of ERROR severity fails (a broken invariant),
+0 otherwise (warnings included), 2 when the app database has not been created yet (one line
+naming ``sekali db upgrade``). Configuration defaults to what the code location uses
 (``pipelines.profile.resource_defs()`` and the environment); flags override it. In dev, the
 payment downstream's charges are read from ``sekali dev``'s sandbox gateway ledger.
 """
@@ -17,6 +18,7 @@ import textwrap
 from dataclasses import replace
 from typing import Any
 
+from cli.commands.arguments import existing_database
 from cli.commands.dev import dev_gateway_ledger_url
 from cli.commands.output import add_output_arguments, emit
 from engine.health.diagnosis import has_errors
@@ -30,7 +32,7 @@ CHECK_NAMES = (
     "real_duplicates", "lease_vs_duration", "idempotency_coverage", "lock_ttl",
     "retry_synchronisation", "cache_expiry_clusters", "ack_timing", "dlq",
     "unique_constraints", "correlation", "retention_backlog", "retention_agreement",
-    "redis_eviction", "tenant_starvation", "outbox_dead_letters",
+    "redis_eviction", "tenant_starvation", "outbox_dead_letters", "replication",
 )
 
 
@@ -48,10 +50,12 @@ def add_source_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--window-hours", type=float, help="how far back the checks look")
 
 
-def observability_from_args(args: argparse.Namespace) -> Any:
+def observability_from_args(args: argparse.Namespace, *, created: bool = True) -> Any:
     """The checks' and metrics' sources: flags, then the code location's resources, then the
     environment; the payment ledger defaults to ``sekali dev``'s sandbox gateway's (said on
-    stderr) when that gateway is the downstream configured."""
+    stderr) when that gateway is the downstream configured. ``created``: the app database must
+    exist already (:func:`~cli.commands.arguments.existing_database`); an exporter started
+    before it (``metrics serve``) passes False and reports its sources missing meanwhile."""
     settings = Settings.from_env()
     res = resource_defs()
     idem, locks, cache, obs = (res["idempotency"], res["locks"], res["cache"],
@@ -62,8 +66,9 @@ def observability_from_args(args: argparse.Namespace) -> Any:
         if ledger_url:
             print(f"counting the charges of sekali dev's sandbox gateway ({ledger_url}); "
                   "--gateway-ledger-url to choose another", file=sys.stderr)
+    url = args.url or res["app_db"].database_url or settings.database_url
     return build_observability(
-        shared_database(args.url or res["app_db"].database_url or settings.database_url),
+        existing_database(url) if created else shared_database(url),
         lease_seconds=args.lease_seconds or idem.lease_seconds,
         lock_backend=locks.backend,
         lock_ttl_seconds=args.lock_ttl or locks.ttl_seconds,
@@ -87,11 +92,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def render_table(findings: list[Any], width: int = 100) -> str:
-    """One row per check (title and verdict), its finding and its fix wrapped beneath."""
+    """One row per check (title and verdict), its finding wrapped beneath, and for a check that
+    failed its fix (a check that passed has nothing to fix; ``--json`` keeps every field)."""
     lines = [f"{'CHECK':<58} VERDICT", "-" * width]
     for f in findings:
         lines.append(f"{f.title:<58} {f.verdict}")
-        for label, body in (("found", f.found), ("fix", f.fix)):
+        shown = (("found", f.found),) if f.passed else (("found", f.found), ("fix", f.fix))
+        for label, body in shown:
             wrapped = textwrap.wrap(body, width - 11) or [""]
             lines.append(f"    {label + ':':<6} {wrapped[0]}")
             lines.extend(f"           {line}" for line in wrapped[1:])

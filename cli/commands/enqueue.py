@@ -13,8 +13,9 @@ request (the intake sensor of ``sekali dev`` or a Dagster daemon).
 Exit codes: 0 accepted (new or duplicate; with ``--wait``: completed), 1 the store failed (retry
 later), or with ``--wait`` the request failed, was dead-lettered or had not ended by
 ``--timeout``; 2 bad input or usage (one line on stderr, ``field: what is wrong``; the request is
-kept in ``job_rejections``, see ``sekali rejections``), 3 key conflict (same key, another
-payload).
+kept in ``job_rejections``, see ``sekali rejections``), or a job type this process does not
+know (one line naming ``SEKALI_JOB_MODULES`` and the modules loaded; an operator's mistake, so
+nothing is kept); 3 key conflict (same key, another payload).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from cli.commands.follow import add_wait_arguments, exit_code, follow, request_p
 from cli.commands.output import add_output_arguments, emit
 from cli.commands.requests import request_json
 from engine.intake import enqueue
+from engine.registry import JobModuleError, UnknownJobType, require_job_type
 from engine.requests import RequestStore
 from engine.validation import admit
 from resources.dlq import DlqStore
@@ -35,9 +37,20 @@ from resources.errors import IdempotencyConflict, SekaliError, ValidationError
 from resources.storage.db import shared_database
 from resources.storage.settings import Settings
 
+EXIT_STATUSES = """exit status:
+  0  accepted: a new request, or a duplicate of one (same key, same payload)
+  1  the store failed (retry later); with --wait: the request did not complete
+  2  bad usage or input (one line naming the field; the input is kept: sekali rejections),
+     or a job type this process does not know (see SEKALI_JOB_MODULES; nothing is kept)
+  3  conflict: the key is taken by a request with another payload (not a duplicate; choose
+     another key, or send the same payload)"""
+
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    parser = sub.add_parser("enqueue", help="write a job request for the intake sensor")
+    parser = sub.add_parser(
+        "enqueue", help="write a job request for the intake sensor", epilog=EXIT_STATUSES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("job_type", help="charge_payment, send_email, reserve_inventory, ...")
     parser.add_argument(
         "--payload", required=True, help="the payload: JSON text, @FILE, or - for stdin"
@@ -70,6 +83,11 @@ def _enqueue(args: argparse.Namespace) -> int:
         payload = read_payload(args.payload)
     except OSError as exc:
         print(f"error: --payload {args.payload}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    try:
+        require_job_type(args.job_type)  # a name this process does not know: no rejection row
+    except (UnknownJobType, JobModuleError) as exc:
+        print(f"error: {_one_line(exc)}", file=sys.stderr)
         return 2
     db = shared_database(args.url) if args.url else None
     if not getattr(args, "verbose", False):

@@ -122,7 +122,7 @@ def _show(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    obs = observability_from_args(args)
+    obs = observability_from_args(args, created=False)
     server = MetricsServer(obs.collector, host=args.host, port=args.port,
                            min_interval=args.min_interval,
                            lease_seconds=obs.setup.lease_seconds)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -65,9 +66,22 @@ def payload_text(value: Any, *, indent: int | None = None) -> str:
     return printable(json.dumps(value, indent=indent, ensure_ascii=False, default=str))
 
 
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e"
+                      "\u2066-\u2069]")
+
+
+def _escaped(found: re.Match[str]) -> str:
+    code = ord(found.group())
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
 def printable(text: str) -> str:
-    """``text`` with what a terminal cannot encode (a lone surrogate kept from hostile input)
-    shown as its escape (``\\ud800``)."""
+    """``text`` safe for a terminal: control characters (ESC and every C0/C1 character but
+    newline and tab, line separators, bidirectional overrides) shown as escapes (``\\x1b``),
+    so stored text (an endpoint's answer, a payload) cannot move the cursor, recolour, retitle
+    or hide itself; and what a terminal cannot encode (a lone surrogate kept from hostile
+    input) shown as its escape (``\\ud800``)."""
+    text = _CONTROL.sub(_escaped, text)
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 

@@ -72,7 +72,8 @@ def _print_list(views: list[dict[str, Any]]) -> None:
     table.add_column("error", ratio=1)
     for v in views:
         table.add_row(
-            str(v["id"]), v["created_at"], v["source"] or "", v["job_type"], v["field"],
+            str(v["id"]), v["created_at"], printable(v["source"] or ""),
+            printable(v["job_type"]), printable(v["field"]),
             "" if v["payload_size"] is None else str(v["payload_size"]),
             printable(textwrap.shorten(v["error"], 200, placeholder=" ...")),
         )

@@ -1,11 +1,14 @@
-"""``sekali requests list | show``: the job requests producers sent, and what became of them.
+"""``sekali requests list | show | cancel``: the job requests producers sent, and what became
+of them.
 
-- ``list [--status S] [--job-type T] [--limit N] [--json] [--out PATH]``: newest first (50 by
-  default): what happened (``state``: the status, or ``dead_lettered`` / ``superseded`` for a
-  failed request), job type, key, attempts, last change, run id, last error. Runs launched
-  from the Launchpad have their record too (``source: launchpad``).
+- ``list [--status S] [--job-type T] [--limit N] [--json] [--out PATH]`` (also ``sekali
+  requests`` alone): newest first (50 by default): what happened (``state``: the status, or
+  ``dead_lettered`` / ``superseded`` for a failed request), job type, key, attempts, last
+  change, run id, last error. Runs launched from the Launchpad have their record too
+  (``source: launchpad``).
 - ``show ID|KEY [--json] [--out PATH]``: one request with every field its record has (payload
-  as JSON, personal fields masked), its attempts (time, outcome, error, run), the Dagster runs
+  as JSON, personal fields masked), its attempts (time, number from 1 as the request's
+  ``attempts`` counts them, outcome, error, run), the Dagster runs
   that served it, its outcome, the cancel (who, why, when, what it did), and the dead letters
   that keep it.
 - ``cancel ID|KEY... --reason TEXT [--by WHO] [--json]``: cancel requests
@@ -57,8 +60,11 @@ _ATTEMPT_FIELDS = ("started_at", "attempt", "outcome", "error_class", "error_rea
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    parser = sub.add_parser("requests", help="job requests and what became of them")
-    actions = parser.add_subparsers(dest="requests_command", required=True)
+    parser = sub.add_parser("requests", help="job requests and what became of them; without a"
+                            " subcommand, the newest 50 (as `requests list`)")
+    actions = parser.add_subparsers(dest="requests_command")
+    parser.set_defaults(func=_list, status=None, job_type=None, limit=50, url=None, json=False,
+                        out=None)
 
     p_list = actions.add_parser("list", help="requests, newest first")
     p_list.add_argument("--status", action="append", choices=[str(s) for s in RequestStatus],
@@ -111,7 +117,7 @@ def _list(args: argparse.Namespace) -> int:
                              overflow="fold")
         table.add_column("last error", ratio=1, overflow="ellipsis")
         for v in views:
-            table.add_row(str(v["id"]), v["state"], v["job_type"], printable(v["key"]),
+            table.add_row(str(v["id"]), v["state"], printable(v["job_type"]), printable(v["key"]),
                           str(v["attempts"]), v["updated_at"], v["run_id"] or "",
                           printable(" ".join((v["last_error"] or "").split())))
         console().print(table)
@@ -135,10 +141,12 @@ def _show(args: argparse.Namespace) -> int:
         print(f"error: no request with id or key {shown!r}; see `sekali requests list`",
               file=sys.stderr)
         return 2
-    attempts = [
+    attempts: list[dict[str, Any]] = [
         {k: (when(a[k]) if k == "started_at" else a[k]) for k in _ATTEMPT_FIELDS}
         for a in AttemptRecorder(db).for_key(request.key)
     ]
+    for a in attempts:
+        a["attempt"] = int(a["attempt"]) + 1  # stored from 0 (Dagster's retry number)
     for a in attempts:
         if a["error_reason"]:
             a["error_reason"] = mask_text(a["error_reason"], request.job_type, request.payload)
@@ -207,7 +215,7 @@ def _print_show(data: dict[str, Any]) -> None:
         if name == "payload" or isinstance(value, (dict, list)):
             value = payload_text(value)
         grid.add_row(name, "" if value is None else printable(str(value)))
-    grid.add_row("outcome", data["outcome"])
+    grid.add_row("outcome", printable(data["outcome"]))
     grid.add_row("runs", ", ".join(data["runs"]) or "(none yet)")
     out.print(grid)
     if data["attempts"]:
@@ -217,7 +225,8 @@ def _print_show(data: dict[str, Any]) -> None:
         table.add_column("error", ratio=1, overflow="fold")
         for a in data["attempts"]:
             seconds = a["duration_seconds"]
-            table.add_row(a["started_at"], str(a["attempt"]), a["outcome"], a["error_class"] or "",
+            table.add_row(a["started_at"], str(a["attempt"]), a["outcome"],
+                          printable(a["error_class"] or ""),
                           a["run_id"] or "", "" if seconds is None else f"{seconds:.3f}",
                           printable(a["error_reason"] or ""))
         out.print(table)

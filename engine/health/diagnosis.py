@@ -40,6 +40,7 @@ from resources.idempotency import IdempotencyStore, Status
 from resources.outbox.publisher import held_by_dead_letters
 from resources.storage.db import Database
 from resources.storage.redis import RedisClient, memory_policies
+from resources.storage.replication import ACCEPT_ENV, accepted, read_replication
 from resources.storage.settings import RetentionSettings
 
 log = logging.getLogger(__name__)
@@ -353,7 +354,8 @@ def check_idempotency_coverage(s: DiagnosisSetup) -> Finding:
            " effect, as designed)." if refused else ".")
         + (f" Without a lookup (an unknown outcome cannot be asked at the downstream): "
            f"{blind}." if blind else ""),
-        "Declare lookup= on the job types named, if any (docs/job-types.md).",
+        f"Declare lookup= on {', '.join(blind)} (docs/job-types.md, \"The lookup hook\")."
+        if blind else "Nothing to change.",
         job_types_without_lookup=blind, **evidence,
     )
 
@@ -955,6 +957,47 @@ def check_redis_eviction(s: DiagnosisSetup) -> Finding:
     )
 
 
+def check_replication(s: DiagnosisSetup) -> Finding:
+    """A key completes in the business transaction; its effect (a charge, a mail) is outside.
+    A failover to a standby that had not received the commit rolls the completion back while
+    the effect stays, and the request runs again: the primary's replication mode decides
+    whether that can happen (:mod:`resources.storage.replication`)."""
+    if not s.db.is_postgres:
+        return _finding("replication", ERROR, True, "SQLite: no replica, nothing to fail over.",
+                        "Nothing to change.")
+    with s.db.statement() as conn:
+        found = read_replication(conn)
+    careless = sorted(name for name, jt in s.job_types.items()
+                      if getattr(jt, "side_effect", False) and getattr(jt, "clients", ())
+                      and not jt.looks_up_first())
+    evidence = {"mode": found.mode, "synchronous_commit": found.synchronous_commit,
+                "synchronous_standby_names": found.synchronous_standby_names,
+                "standbys": found.standbys, "managed": found.managed,
+                "first_send_without_lookup": careless}
+    if not found.rolls_back and found.mode != "standby":
+        return _finding("replication", ERROR, True,
+                        f"A completed key cannot be rolled back by a failover: {found.describe()}.",
+                        "Nothing to change." if found.mode == "durable" else
+                        "If your platform fails over to a replica, make sure it is a "
+                        "synchronous one (or set synchronous_standby_names here).", **evidence)
+    guard = (f" Job types whose first send does not look its effect up first: "
+             f"{', '.join(careless)}: each would repeat its effect after such a rollback."
+             if careless else " Every job type with a side effect looks it up before its "
+             "first send, so a rolled-back key finds its effect instead of repeating it.")
+    fix = ("Make a standby synchronous: synchronous_standby_names = 'FIRST 1 (standby)' and "
+           "synchronous_commit = on (a commit then waits for it: measure the latency); or keep "
+           "SEKALI_ACCEPT_ASYNC_REPLICATION=1 and turn lookup-first on for the job types named "
+           "(JobType.lookup_first, SEKALI_LOOKUP_FIRST); see docs/chaos.md, pg-failover.")
+    if found.mode == "standby":
+        fix = "Point DATABASE_URL at the primary."
+    severity = (WARN if (accepted() or not found.refused) and found.mode != "standby"
+                else ERROR)
+    return _finding("replication", severity, False,
+                    f"A completed key CAN be rolled back: {found.describe()}.{guard}"
+                    + (f" Accepted by {ACCEPT_ENV}=1." if found.refused and accepted() else ""),
+                    fix, **evidence)
+
+
 TITLES = {
     "real_duplicates": "1. Real duplicate effect or only a duplicate log line",
     "lease_vs_duration": "2. Lease against p99 duration per job type",
@@ -969,6 +1012,7 @@ TITLES = {
     "retention_backlog": "11. Table sizes against their retention",
     "retention_agreement": "12. Ledger retention outlives open DLQ records",
     "redis_eviction": "13. Redis never evicts locks, slots and buckets",
+    "replication": "16. A database failover cannot roll a completed key back",
     "tenant_starvation": "14. No tenant starved by the fair share",
     "outbox_dead_letters": "15. No outbox event waiting for an operator",
 }
@@ -991,6 +1035,7 @@ CHECKS: tuple[Check, ...] = tuple(
         ("redis_eviction", check_redis_eviction),
         ("tenant_starvation", check_tenant_starvation),
         ("outbox_dead_letters", check_outbox_dead_letters),
+        ("replication", check_replication),
     )
 )
 """The checklist in order. Severity on failure: ERROR for broken invariants, WARN otherwise."""
@@ -1000,7 +1045,7 @@ DEFAULT_SEVERITY = {
     "lock_ttl": ERROR, "retry_synchronisation": WARN, "cache_expiry_clusters": WARN,
     "ack_timing": ERROR, "dlq": WARN, "unique_constraints": ERROR, "correlation": WARN,
     "retention_backlog": WARN, "retention_agreement": ERROR, "redis_eviction": ERROR,
-    "tenant_starvation": WARN, "outbox_dead_letters": WARN,
+    "tenant_starvation": WARN, "outbox_dead_letters": WARN, "replication": ERROR,
 }
 
 

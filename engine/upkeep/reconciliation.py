@@ -40,7 +40,6 @@ from sqlalchemy.engine import Connection
 from engine import tags as tag
 from engine.attempts import AttemptRecorder
 from engine.contract import JobType
-from engine.launch import op_run_config
 from engine.registry import JOB_TYPES, key_owner
 from engine.requests import RequestStore
 from engine.upkeep.retention import expiries, purge_expired, resolve_completed_dead_letters
@@ -279,10 +278,6 @@ class Reconciler:
         )
         payload = request.payload if request else None
         request_id = int(request.id) if request else None
-        config: dict[str, Any] = {"payload": payload, "key": key}
-        if request_id is not None:
-            config["request_id"] = request_id
-        run_config = op_run_config(job_type, config) if payload else {}
         recorded = self.dlq.record_failure(
             FailureInfo(
                 job_type=job_type,
@@ -297,7 +292,6 @@ class Reconciler:
                 idempotency_key=key,
                 request_id=request_id,
                 payload=payload,
-                run_config=run_config,
                 tags={
                     tag.KEY: key,
                     **({tag.REQUEST_ID: str(request_id)} if request_id is not None else {}),
@@ -306,7 +300,7 @@ class Reconciler:
             ),
             actor="reconciliation",
         )
-        if job_type in side_effect_free() and run_config:
+        if job_type in side_effect_free() and payload:
             self.dlq.request_replay(
                 [recorded.record.id],
                 actor="reconciliation",

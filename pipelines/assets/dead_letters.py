@@ -25,7 +25,7 @@ from typing import Any
 import dagster as dg
 
 from resources.dagster_resources import DlqResource
-from resources.dlq import DlqRecord, DlqStore
+from resources.dlq import DlqRecord, DlqStore, failure_line
 
 DEAD_LETTERS = "dead_letters"
 CHECK_NAME = "no_permanent_dead_letters"
@@ -58,13 +58,9 @@ def age_text(seconds: float) -> str:
 
 
 def reason_text(record: DlqRecord, limit: int = 120) -> str:
-    """The error type and message (without the type repeated in it), cut at a word boundary."""
-    message = record.last_error or ""
-    head, sep, rest = message.partition(": ")
-    if sep and head.rsplit(".", 1)[-1] == record.error_type:
-        message = rest
-    text = f"{record.error_type}: {message}".strip().rstrip(":")
-    text = " ".join(text.split())
+    """The failure in one line (:func:`resources.dlq.failure_line`: the type once, no stack
+    trace), cut at a word boundary."""
+    text = failure_line(record.error_type, record.last_error)
     if len(text) <= limit:
         return text
     cut = text[:limit].rsplit(" ", 1)[0]

@@ -43,7 +43,7 @@ from email.utils import formatdate
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from engine import ClientOptions, Downstream, Sandbox
+from engine import ClientOptions, Downstream, Effect, Sandbox
 from resources.errors import (
     PermanentJobError,
     SendDeadlinePassed,
@@ -140,6 +140,7 @@ class _Cutter:
         self._armed: tuple[float, smtplib.SMTP, threading.Event] | None = None
         self._closed = False
         self._thread: threading.Thread | None = None
+        self._until: float | None = None  # when the thread wakes next (None: when notified)
 
     def arm(self, seconds: float, smtp: smtplib.SMTP, cut: threading.Event) -> None:
         with self._cond:
@@ -148,8 +149,10 @@ class _Cutter:
                     target=self._run, name="smtp-deadline", daemon=True
                 )
                 self._thread.start()
-            self._armed = (time.monotonic() + seconds, smtp, cut)
-            self._cond.notify()
+            at = time.monotonic() + seconds
+            self._armed = (at, smtp, cut)
+            if self._until is None or at < self._until:  # else it wakes in time on its own
+                self._cond.notify()
 
     def disarm(self) -> None:
         with self._cond:
@@ -165,11 +168,13 @@ class _Cutter:
         with self._cond:
             while not self._closed:
                 if self._armed is None:
+                    self._until = None
                     self._cond.wait()
                     continue
                 at, smtp, cut = self._armed
                 left = at - time.monotonic()
                 if left > 0:
+                    self._until = at
                     self._cond.wait(left)
                     continue
                 self._armed = None
@@ -408,6 +413,14 @@ def _start_sandbox(settings: Settings, state: Path) -> MailSink:
     ).start()
 
 
+def _recorded_mails(sink: MailSink, key: str, payload: Any) -> list[Effect]:
+    """Every message the sandbox sink accepted under the intent's Message-ID, resends of the
+    same Message-ID included, with the time it accepted each."""
+    message_id = message_id_for(key)
+    return [Effect(message_id, float(m["received_at"]), {"id": m["id"]})
+            for m in sink.messages(message_id)]
+
+
 SMTP = Downstream(
     name="smtp",
     build=_client,
@@ -415,7 +428,8 @@ SMTP = Downstream(
     calls=("send", "find_messages"),
     sandbox=Sandbox("sandbox mail sink", _address, _start_sandbox,
                     environment=lambda state: {"SEKALI_SMTP_LOG_URL":
-                                               f"sqlite:///{state / 'mailsink.db'}"}),
+                                               f"sqlite:///{state / 'mailsink.db'}"},
+                    record=_recorded_mails),
 )
 """The mail downstream: ``ctx.client("smtp")`` is a :class:`Mailer`; ``SEKALI_RATE_SMTP``
 paces its sends; its retry budget is ``smtp``."""

@@ -21,6 +21,7 @@ Error mapping (one place):
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import time
@@ -29,7 +30,7 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 from urllib.parse import urlencode, urlsplit
 
-from engine import ClientOptions, Downstream, Sandbox
+from engine import ClientOptions, Downstream, Effect, Sandbox
 from engine.health.diagnosis import EffectLedger
 from resources.errors import PermanentJobError, TransientJobError
 from resources.headers import http_header_value
@@ -292,12 +293,25 @@ def _start_sandbox(settings: Settings, state: Path) -> GatewayServer:
     return server
 
 
+def reference_for(key: str) -> str:
+    """The gateway reference of an intent: the same for every attempt of one key."""
+    return "ord-" + hashlib.sha256(key.encode()).hexdigest()[:24]
+
+
+def _recorded_charges(server: GatewayServer, key: str, payload: Any) -> list[Effect]:
+    """The sandbox gateway's own rows for the intent's reference, each a charge it took, with
+    the time it committed it (its ``created_at``)."""
+    return [Effect(str(c["charge_id"]), float(c["created_at"]), {"reference": c["reference"]})
+            for c in server.ledger.by_reference(reference_for(key))]
+
+
 GATEWAY = Downstream(
     name="payment_gateway",
     build=_client,
     description="The payment provider (SEKALI_GATEWAY_URL): charges, and lookups by reference.",
     calls=("charge", "find_charges"),
-    sandbox=Sandbox("sandbox gateway", _address, _start_sandbox),
+    sandbox=Sandbox("sandbox gateway", _address, _start_sandbox, record=_recorded_charges),
+    dedupes=True,
 )
 """The payment downstream: ``ctx.client("payment_gateway")`` is a :class:`PaymentGateway`;
 ``SEKALI_RATE_PAYMENT_GATEWAY`` paces its calls; its retry budget is ``payment_gateway``."""

@@ -14,6 +14,7 @@ import datetime
 import logging
 import re
 import string
+import threading
 import typing
 from collections.abc import Callable, Mapping, Sequence
 from typing import Annotated, Any, Literal
@@ -167,7 +168,8 @@ def _send(ctx: JobContext, p: EmailRequest, mailer: Mailer) -> dict[str, Any]:
     subject, body = render(p)
     message_id = message_id_for(ctx.key)
     ctx.attempt.status_before = "not_sent"
-    if (ctx.claim.takeover or ctx.claim.attempt > 1) and _accepted_before(ctx, p):
+    again = ctx.claim.takeover or ctx.claim.attempt > 1
+    if (again or JOB_TYPE.looks_up_first()) and _accepted_before(ctx, p, again=again):
         ctx.attempt.status_before = ctx.attempt.status_after = "sent"
         return {"message_id": message_id, "to": p.to}
     ctx.crash_point("before_send")
@@ -189,17 +191,24 @@ def _send(ctx: JobContext, p: EmailRequest, mailer: Mailer) -> dict[str, Any]:
     return {"message_id": message_id, "to": p.to}
 
 
-def _accepted_before(ctx: JobContext, p: EmailRequest) -> bool:
+def _accepted_before(ctx: JobContext, p: EmailRequest, *, again: bool) -> bool:
     """Any claim after the first may follow a send: the last holder handed this mail over and
     died before recording it (a batch worker killed after the SMTP accept), or its attempt saw
-    no answer (the reply lost after the server accepted: a transient failure, retried). Ask the
+    no answer (the reply lost after the server accepted: a transient failure, retried). So may
+    a first claim, when a database failover rolled back the key a sent mail had completed:
+    SMTP dedupes nothing, so the job type looks up first (``lookup_first``, on by default). Ask the
     provider's record by Message-ID before sending again. A provider whose record cannot be read
     gets the mail again, under the same Message-ID (receivers deduplicate it)."""
     try:
         return bool(lookup_mails(ctx.client, ctx.key, p))
     except Exception as exc:  # noqa: BLE001 - no record to ask: send, as without a lookup
-        log.warning("no Message-ID lookup for %s before resending: %s", ctx.key, exc)
+        if again or not _NO_RECORD_TOLD.is_set():  # a first send: said once per process
+            _NO_RECORD_TOLD.set()
+            log.warning("no Message-ID lookup for %s before sending: %s", ctx.key, exc)
         return False
+
+
+_NO_RECORD_TOLD = threading.Event()
 
 
 def lookup_mails(client: Callable[[str], Any], key: str, payload: Any) -> list[Effect]:

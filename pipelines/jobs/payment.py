@@ -64,7 +64,6 @@ from __future__ import annotations
 
 import datetime
 import functools
-import hashlib
 import logging
 import time
 from collections.abc import Callable
@@ -97,6 +96,7 @@ from pipelines.domain.payments import (
     GatewayUnavailable,
     PaymentGateway,
 )
+from pipelines.domain.payments import reference_for as reference_for  # the job type's, too
 from resources.errors import (
     NotYetSettled,
     PermanentJobError,
@@ -151,11 +151,6 @@ class PaymentNotSettled(NotYetSettled):
 
 def _iso(seconds: float) -> str:
     return datetime.datetime.fromtimestamp(seconds, datetime.UTC).isoformat(timespec="milliseconds")
-
-
-def reference_for(key: str) -> str:
-    """The gateway reference of an intent: the same for every attempt of one key."""
-    return "ord-" + hashlib.sha256(key.encode()).hexdigest()[:24]
 
 
 def _currency(payload: dict[str, Any], field_name: str) -> str:
@@ -388,7 +383,7 @@ def charge_payment(ctx: JobContext, p: ChargeRequest) -> dict[str, Any]:
                 ctx.attempt.status_after = CHARGE_UNKNOWN
                 raise PaymentNotSettled(order_id, sent_at, settles_at, time.time())
             charge = _lookup(ctx, gateway, order_id, reference)
-        elif ctx.claim.attempt > 1 or ctx.claim.takeover:
+        elif ctx.claim.attempt > 1 or ctx.claim.takeover or JOB_TYPE.looks_up_first():
             charge = _lookup(ctx, gateway, order_id, reference)
         if charge is None:
             charge = _send_charge(ctx, gateway, p, reference)

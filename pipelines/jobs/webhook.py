@@ -20,16 +20,27 @@ one intent is the same message, which receivers dedupe on. sekali does not rely 
 
 Failure classes: 2xx delivered; 408 and 429 transient (``Retry-After`` honoured); any other
 4xx, and a 3xx (redirects are not followed), permanent: the request goes to the DLQ, never
-retried; 5xx, no connection and timeouts transient.
+retried; 5xx, no connection and timeouts transient; a destination the egress rules refuse
+(:mod:`resources.egress`: loopback, private, link-local, ... addresses, ports other than 80 and
+443, plain http) permanent, naming the rule, with nothing sent. No error holds an answer's body:
+its status, size and hash only.
 
-An event without a ``url`` goes to ``<SEKALI_WEBHOOKS_URL>/hooks/<endpoint_id>``: the declared
-address (the sandbox receiver, or a relay in front of the customers' endpoints).
+Each endpoint signs with its own secrets (:mod:`resources.webhook_secrets`: derived from the
+deployment's key until rotated; several sign during a rotation's overlap), so a customer's
+secret verifies nothing sent to another customer. The lookup is signed as its own message type
+(:func:`resources.signatures.lookup_headers`).
 
-Settings: ``SEKALI_WEBHOOKS_SIGNING_KEY`` (``whsec_<base64>``; never logged). Unset, a key is
-made once under the state folder (``webhooks/signing.key``) and shared by every process using
-that folder and by ``sekali dev``'s receiver: fine on one machine, wrong for several hosts, so
-production sets the variable. ``SEKALI_WEBHOOKS_URL`` (default ``http://127.0.0.1:8766``) is
-the declared address, where ``sekali dev`` runs the sandbox receiver (:mod:`sandbox.webhooks`).
+An event without a ``url`` goes to ``<SEKALI_WEBHOOKS_URL>/hooks/<endpoint_id>`` (the id
+percent-encoded, and limited to a safe alphabet anyway): the declared address (the sandbox
+receiver, or a relay in front of the customers' endpoints).
+
+Settings: ``SEKALI_WEBHOOKS_SIGNING_KEY`` (``whsec_<base64>``; never logged), or
+``SEKALI_WEBHOOKS_SIGNING_KEY_FILE`` (a file only its owner may read). Unset, a key is made
+once under the state folder (``webhooks/signing.key``, 0600, refused when another user owns it
+or may read it) and shared by every process using that folder and by ``sekali dev``'s
+receiver: fine on one machine, wrong for several hosts, so production sets one of the
+variables. ``SEKALI_WEBHOOKS_URL`` (default ``http://127.0.0.1:8766``) is the declared address,
+where ``sekali dev`` runs the sandbox receiver (:mod:`sandbox.webhooks`).
 
 States (attempt status before/after): ``not_sent -> delivered``; ``not_sent ->
 maybe_delivered`` (no answer) ``-> delivered`` (found, or sent again after the window).
@@ -46,10 +57,10 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any
-from urllib.parse import urlencode, urlsplit, urlunsplit
+from urllib.parse import quote, urlencode, urlsplit, urlunsplit
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -74,15 +85,29 @@ from resources.errors import (
     shown,
 )
 from resources.headers import refuse_control
-from resources.http import BoundedHttp, HttpAnswer, HttpNoAnswer, HttpUnreachable, retry_after
-from resources.signatures import SECRET_PREFIX, secret_bytes, signed_headers
-from resources.storage.files import private_folder, write_private
+from resources.http import BoundedHttp, HttpNoAnswer, HttpUnreachable, retry_after
+from resources.signatures import (
+    SECRET_PREFIX,
+    SigningKeyInvalid,
+    lookup_headers,
+    secret_bytes,
+    signed_headers,
+)
+from resources.storage.db import shared_database
+from resources.storage.files import (
+    SecretFileUnsafe,
+    private_folder,
+    read_secret_file,
+    write_private,
+)
 from resources.storage.settings import Settings, state_dir
+from resources.webhook_secrets import WebhookSecrets, check_endpoint_id
 from sandbox.webhooks import WebhookReceiver
 
 log = logging.getLogger(__name__)
 
 SIGNING_KEY_ENV = "SEKALI_WEBHOOKS_SIGNING_KEY"
+SIGNING_KEY_FILE_ENV = "SEKALI_WEBHOOKS_SIGNING_KEY_FILE"
 URL_ENV = "SEKALI_WEBHOOKS_URL"
 DEFAULT_URL = "http://127.0.0.1:8766"
 MAX_URL = 2048
@@ -99,7 +124,7 @@ class WebhookRejected(PermanentJobError):
     same message again cannot help. Fix the endpoint or its URL, then replay from the DLQ."""
 
     def __init__(self, status: int, detail: str) -> None:
-        super().__init__(f"webhook endpoint answered {status}: {detail}")
+        super().__init__(f"webhook endpoint answered {detail}")
         self.status = status
 
 
@@ -160,11 +185,19 @@ _made_lock = threading.Lock()
 
 
 def signing_key(environ: Mapping[str, str] | None = None) -> bytes:
-    """``SEKALI_WEBHOOKS_SIGNING_KEY``'s bytes or, unset, the state folder's own key."""
+    """``SEKALI_WEBHOOKS_SIGNING_KEY``'s bytes, or those of the file
+    ``SEKALI_WEBHOOKS_SIGNING_KEY_FILE`` names (refused when others may read it) or, neither
+    set, the state folder's own key."""
     env = os.environ if environ is None else environ
     written = env.get(SIGNING_KEY_ENV, "").strip()
     if written:
         return secret_bytes(written, setting=SIGNING_KEY_ENV)
+    named = env.get(SIGNING_KEY_FILE_ENV, "").strip()
+    if named:
+        try:
+            return secret_bytes(read_secret_file(Path(named)), setting=SIGNING_KEY_FILE_ENV)
+        except (OSError, SecretFileUnsafe) as exc:
+            raise SigningKeyInvalid(f"{SIGNING_KEY_FILE_ENV}: {exc}") from None
     return signing_key_in(state_dir() / "webhooks")
 
 
@@ -179,7 +212,8 @@ def signing_key_in(folder: Path) -> bytes:
 def folder_key(folder: Path) -> str:
     """The secret kept in ``folder/signing.key``, made once (0600, in a 0700 folder; written to a
     temporary file, then linked into place: two processes making it at once both end up reading
-    the one that won)."""
+    the one that won). An existing file is refused (:class:`SigningKeyInvalid`) unless this user
+    owns it and nobody else may read or write it."""
     path = folder / "signing.key"
     if not path.exists():
         private_folder(folder)
@@ -192,7 +226,10 @@ def folder_key(folder: Path) -> str:
                 os.link(tmp, path)
         finally:
             os.unlink(tmp)
-    return path.read_text().strip()
+    try:
+        return read_secret_file(path)
+    except SecretFileUnsafe as exc:
+        raise SigningKeyInvalid(f"the state folder's signing key: {exc}") from None
 
 
 # -- the client ------------------------------------------------------------------------------
@@ -201,34 +238,42 @@ def folder_key(folder: Path) -> str:
 class WebhookClient:
     """Signed POSTs to endpoints, and the signed lookup of a message at one (see the module).
 
-    The key is read on first use (``key``), so a missing or bad one fails the delivery that
-    needs it, naming the setting, not every job's start-up."""
+    ``keys(endpoint_id)`` gives the endpoint's active secrets' bytes (one signature each),
+    read per message, so a missing or bad key fails the delivery that needs it, naming the
+    setting, not every job's start-up, and a rotation applies to the next message.
+    ``http_allowed(endpoint_id)``: whether that endpoint may be plain ``http`` (otherwise only
+    destinations the egress allow-list names may)."""
 
-    def __init__(self, http: BoundedHttp, key: Callable[[], bytes],
-                 clock: Callable[[], float] = time.time, base_url: str = DEFAULT_URL) -> None:
+    def __init__(self, http: BoundedHttp, keys: Callable[[str], Sequence[bytes]],
+                 clock: Callable[[], float] = time.time, base_url: str = DEFAULT_URL,
+                 http_allowed: Callable[[str], bool] = lambda endpoint_id: False) -> None:
         self.http = http
-        self._key = key
+        self._keys = keys
         self.clock = clock
         self.base_url = base_url.rstrip("/")
+        self._http_allowed = http_allowed
 
     def endpoint_url(self, p: Any) -> str:
-        """The payload's ``url``, or else ``<base_url>/hooks/<endpoint_id>``: an endpoint
-        reached through the declared address (the sandbox receiver, or a relay in front of the
-        customers' endpoints)."""
+        """The payload's ``url``, or else ``<base_url>/hooks/<endpoint_id>`` (the id
+        percent-encoded: it cannot leave its path segment): an endpoint reached through the
+        declared address (the sandbox receiver, or a relay in front of the customers'
+        endpoints)."""
         p = _plain(p)
-        return str(p.get("url") or f"{self.base_url}/hooks/{p['endpoint_id']}")
+        return str(p.get("url") or f"{self.base_url}/hooks/{quote(p['endpoint_id'], safe='')}")
 
-    def _signed(self, webhook_id: str, body: bytes) -> dict[str, str]:
-        return {"Content-Type": "application/json", "User-Agent": "sekali-webhooks",
-                **signed_headers(self._key(), webhook_id, body, self.clock())}
+    def _headers(self, signed: dict[str, str]) -> dict[str, str]:
+        return {"Content-Type": "application/json", "User-Agent": "sekali-webhooks", **signed}
 
-    def deliver(self, url: str, webhook_id: str, body: bytes, *,
+    def deliver(self, url: str, webhook_id: str, body: bytes, *, endpoint_id: str,
                 send_by: float | None = None) -> int:
-        """POST the message; its 2xx status, or :class:`WebhookRejected` /
-        :class:`WebhookUnavailable` as the module says."""
+        """POST the message, signed with ``endpoint_id``'s secrets; its 2xx status, or
+        :class:`WebhookRejected` / :class:`WebhookUnavailable` as the module says
+        (:class:`resources.egress.EgressRefused` when the destination may not be called)."""
+        headers = self._headers(signed_headers(self._keys(endpoint_id), webhook_id, body,
+                                               self.clock()))
         try:
-            answer = self.http.request("POST", url, body=body,
-                                       headers=self._signed(webhook_id, body), send_by=send_by)
+            answer = self.http.request("POST", url, body=body, headers=headers, send_by=send_by,
+                                       require_tls=not self._http_allowed(endpoint_id))
         except HttpUnreachable as exc:
             raise WebhookUnavailable(str(exc)) from exc
         except HttpNoAnswer as exc:
@@ -238,65 +283,74 @@ class WebhookClient:
             return status
         if status >= 500 or status in (408, 429):
             raise WebhookUnavailable(
-                f"webhook endpoint answered {status}", status=status,
+                f"webhook endpoint answered {answer.described()}", status=status,
                 retry_after=retry_after(answer.header("Retry-After"), self.clock()),
                 maybe_delivered=status in _MAYBE_STATUSES,
             )
-        raise WebhookRejected(status, _detail(answer))
+        raise WebhookRejected(status, answer.described())
 
-    def deliveries(self, url: str, webhook_id: str) -> list[Effect]:
+    def deliveries(self, url: str, webhook_id: str, *, endpoint_id: str) -> list[Effect]:
         """What the endpoint acted on for ``webhook_id``; :class:`LookupUnsupported` when it
         cannot be asked, :class:`WebhookUnavailable` when it does not answer now."""
         parts = urlsplit(url)
         query = "&".join(q for q in (parts.query, urlencode({"webhook_id": webhook_id})) if q)
         lookup_url = urlunsplit((parts.scheme, parts.netloc, parts.path, query, ""))
+        target = (parts.path or "/") + "?" + query
+        headers = self._headers(lookup_headers(self._keys(endpoint_id), webhook_id, target,
+                                               self.clock()))
         try:
-            answer = self.http.request("GET", lookup_url, headers=self._signed(webhook_id, b""))
+            answer = self.http.request("GET", lookup_url, headers=headers,
+                                       require_tls=not self._http_allowed(endpoint_id))
         except (HttpUnreachable, HttpNoAnswer) as exc:
             raise WebhookUnavailable(f"lookup: {exc}") from exc
         if answer.status in _NO_LOOKUP:
             raise LookupUnsupported(f"the endpoint answered {answer.status} to the lookup")
         if answer.status != 200 or answer.truncated:
-            raise WebhookUnavailable(f"lookup answered {answer.status}", status=answer.status)
+            raise WebhookUnavailable(f"lookup answered {answer.described()}",
+                                     status=answer.status)
         try:
             effects = json.loads(answer.body)["effects"]
             return [Effect(str(e["reference"]), float(e["at"]) if e.get("at") else None)
                     for e in effects]
         except (ValueError, KeyError, TypeError) as exc:
-            raise WebhookUnavailable(f"lookup answer is not the expected JSON: {exc!r}") from exc
+            raise WebhookUnavailable(
+                f"lookup answer is not the expected JSON ({type(exc).__name__})") from exc
 
     def close(self) -> None:
         self.http.close()
 
 
-def _detail(answer: HttpAnswer) -> str:
-    return answer.body[:300].decode(errors="replace")
-
-
 def lookup(client: Callable[[str], Any], key: str, payload: Any) -> list[Effect]:
     """The deliveries the endpoint acted on for intent ``key`` (the job type's lookup hook)."""
     webhooks: WebhookClient = client(WEBHOOKS.name)
-    return webhooks.deliveries(webhooks.endpoint_url(payload), webhook_id_for(key))
+    return webhooks.deliveries(webhooks.endpoint_url(payload), webhook_id_for(key),
+                               endpoint_id=_plain(payload)["endpoint_id"])
 
 
 # -- the downstream declaration --------------------------------------------------------------
 
 
 def _client(settings: Settings, options: ClientOptions) -> WebhookClient:
-    """Reads its settings when built (the key's bytes on first use, so a bad key fails the
-    delivery that needs it, not the build)."""
-    written = str(options.extra.get("signing_key") or os.environ.get(SIGNING_KEY_ENV, ""))
-    env = {SIGNING_KEY_ENV: written}
+    """Reads its settings when built; the secrets on each message (a bad or unsafe key fails
+    the delivery that needs it, not the build). A signing key given as resource config would
+    be kept in Dagster's run storage: refused, naming the variables to use instead."""
+    if "signing_key" in options.extra:
+        raise SigningKeyInvalid(
+            f"extra.signing_key: a secret in resource config is stored with every run; set "
+            f"{SIGNING_KEY_ENV} or {SIGNING_KEY_FILE_ENV} in the worker's environment")
+    env = {name: os.environ.get(name, "") for name in (SIGNING_KEY_ENV, SIGNING_KEY_FILE_ENV)}
     folder = state_dir() / "webhooks"
 
     def key() -> bytes:
-        if env.get(SIGNING_KEY_ENV, "").strip():
+        if any(v.strip() for v in env.values()):
             return signing_key(env)
         return signing_key_in(folder)
 
+    secrets = WebhookSecrets(shared_database(settings.database_url), key)
     http = BoundedHttp(timeout=options.timeout or 5.0, deadline=options.deadline or 15.0,
                        max_body=int(options.extra.get("max_body", 16 * 1024)))
-    return WebhookClient(http, key, base_url=options.address or _base_url())
+    return WebhookClient(http, secrets.signing_keys, base_url=options.address or _base_url(),
+                         http_allowed=secrets.http_allowed)
 
 
 def _base_url() -> str:
@@ -311,7 +365,8 @@ def _address(settings: Settings) -> tuple[str, int, str]:
 def _start_sandbox(settings: Settings, state: Path) -> WebhookReceiver:
     """The receiver of ``sekali dev``; its admin token is left, 0600, in the state folder."""
     host, port, _ = _address(settings)
-    receiver = WebhookReceiver(signing_key(), host=host, port=port).start()
+    secrets = WebhookSecrets(shared_database(settings.database_url), signing_key)
+    receiver = WebhookReceiver(secrets.signing_keys, host=host, port=port).start()
     write_private(state / "webhooks-admin-token", receiver.admin_token + "\n")
     return receiver
 
@@ -319,7 +374,7 @@ def _start_sandbox(settings: Settings, state: Path) -> WebhookReceiver:
 def _sandbox_environment(state: Path) -> dict[str, str]:
     """What processes signing for a receiver started under ``state`` need: its key, unless the
     environment already names one."""
-    if os.environ.get(SIGNING_KEY_ENV, "").strip():
+    if any(os.environ.get(n, "").strip() for n in (SIGNING_KEY_ENV, SIGNING_KEY_FILE_ENV)):
         return {}
     return {SIGNING_KEY_ENV: folder_key(state / "webhooks")}
 
@@ -329,7 +384,11 @@ WEBHOOKS = Downstream(
     build=_client,
     description="Customers' webhook endpoints: signed POSTs, and the signed lookup of one.",
     calls=("deliver", "deliveries"),
-    sandbox=Sandbox("sandbox webhook receiver", _address, _start_sandbox, _sandbox_environment),
+    destinations_from_payloads=True,
+    sandbox=Sandbox("sandbox webhook receiver", _address, _start_sandbox, _sandbox_environment,
+                    record=lambda receiver, key, payload: [
+                        Effect(str(e["reference"]), float(e["at"]))
+                        for e in receiver.effects(webhook_id_for(key))]),
 )
 
 
@@ -358,6 +417,22 @@ def _url(payload: dict[str, Any], field_name: str) -> str:
     return value
 
 
+def _endpoint_id(payload: dict[str, Any], field_name: str) -> str:
+    return check_endpoint_id(require_str(payload, field_name), field_name)
+
+
+def destination_key(payload: dict[str, Any]) -> str:
+    """The concurrency key of a delivery: where it goes (the URL's scheme, host and port, or
+    the relay's address and the endpoint's path on it), not the caller-chosen endpoint id, so
+    many endpoint ids naming one host share its cap."""
+    url = str(payload.get("url") or "")
+    if not url:
+        return f"relay:{payload['endpoint_id']}"
+    parts = urlsplit(url)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    return f"destination:{parts.scheme}://{(parts.hostname or '').rstrip('.')}:{port}"
+
+
 def _data(payload: dict[str, Any], field_name: str) -> dict[str, Any]:
     data = payload.get(field_name)
     if data is None:
@@ -382,8 +457,8 @@ class WebhookEvent(BaseModel):
          "event_type": "order.paid", "data": {"order_id": "o-example-1"}},
     ]})
 
-    endpoint_id: Annotated[str, Check(require_str), Field(
-        description="The customer's endpoint; part of the key.")]
+    endpoint_id: Annotated[str, Check(_endpoint_id), Field(
+        description="The customer's endpoint; part of the key (letters, digits, . _ ~ -).")]
     url: Annotated[str, Check(_url), Field(
         description="The endpoint's http(s) URL; empty: <SEKALI_WEBHOOKS_URL>/hooks/"
                     "<endpoint_id>.")] = ""
@@ -414,7 +489,7 @@ def _send(ctx: JobContext, client: WebhookClient, p: WebhookEvent, webhook_id: s
         try:
             with ctx.timed("webhook_post"):
                 return client.deliver(client.endpoint_url(p), webhook_id, body,
-                                      send_by=send_by)
+                                      endpoint_id=p.endpoint_id, send_by=send_by)
         except SendDeadlinePassed:
             _answered(ctx, None)  # nothing left this process
             if not tries_left:
@@ -477,7 +552,7 @@ JOB_TYPE = JobType(
     clients=(WEBHOOKS,),
     description="POST one signed event to one endpoint, once (key "
                 "webhook:{endpoint_id}:{event_id}).",
-    concurrency_key="endpoint:{endpoint_id}",
+    concurrency_key=destination_key,
     concurrency_limit=4,
     result_fields=("webhook_id",),
     personal=frozenset({"url"}),

@@ -34,20 +34,11 @@ from typing import Any
 import dagster as dg
 
 from engine import tags as tag
-from engine.failures import FailurePath, error_text
 from engine.registry import downstreams
-from engine.requests import RequestStore
-from engine.runtime import BatchRequest, execute_batch
 from engine.services import Services
-from engine.validation import ValidationError, admit_request_row
-from pipelines.ops.failures import (
-    admit_step_request,
-    run_request_step,
-    step_services,
-    unready_signal,
-)
+from engine.step import run_batch
+from pipelines.ops.failures import run_row_step, step_services, unready_signal
 from resources.dagster_resources import PlainDocs
-from resources.errors import RequestCancelled
 from sensors.intake import (
     FAN_OUT_JOB,
     FAN_OUT_OP,
@@ -70,82 +61,6 @@ class BatchConfig(PlainDocs, dg.Config):
     """The requests of one batch, by id in ``job_requests`` (payloads are read from there)."""
 
     request_ids: list[int]
-
-
-def run_batch(
-    store: RequestStore,
-    request_ids: list[int],
-    *,
-    services: Services,
-    run_id: str | None = None,
-    step: str | None = None,
-    attempt: int = 0,
-) -> dict[str, Any]:
-    """Execute the batch's requests together; one failure never stops its neighbours.
-
-    The requests are taken (``running``) and later marked ``completed`` in one statement each,
-    and run through :func:`engine.runtime.execute_batch` (keys claimed and completed in one
-    statement each, attempts recorded together, the job type's batch handler when it has one).
-    A failure is final for this run (retrying the step would re-run its finished neighbours):
-    the failure path records it as ``failed_permanent`` or ``dead_lettered`` and marks the
-    request failed for the DLQ, which replays it. Returns counts per outcome and the failed keys
-    with their errors. Usable without Dagster (the benchmark calls it directly).
-    """
-    summary: dict[str, Any] = {"completed": 0, "duplicate": 0, "failed": 0, "skipped": 0,
-                               "cancelled": 0}
-    failures: dict[str, str] = {}
-    requests = store.get_many(request_ids)
-    taken = store.mark_running_many([r.id for r in requests], run_id=run_id)
-    summary["skipped"] = len(requests) - len(taken)  # completed by an earlier run, or cancelled
-    todo = []
-    for request in (r for r in requests if r.id in taken):
-        try:  # the validation boundary: a row written before it, or changed since, is refused
-            admit_request_row(store, request, source="micro_batch")
-        except ValidationError as exc:
-            FailurePath(attempt=attempt, retries_here=False).settle_request(
-                store, request.id, exc, run_id=run_id
-            )
-            failures[request.key] = error_text(exc)
-            summary["failed"] += 1
-            continue
-        todo.append(request)
-    paths = [FailurePath(attempt=attempt, retries_here=False) for _ in todo]
-    outcomes = execute_batch(
-        [
-            BatchRequest(
-                request.job_type,
-                request.payload,
-                key=request.key,
-                correlation_id=request.correlation_id or run_id,
-                request_id=request.id,
-                decide=path.outcome,
-                traceparent=request.traceparent,
-            )
-            for request, path in zip(todo, paths, strict=True)
-        ],
-        services=services,
-        run_id=run_id,
-        step=step,
-        attempt=attempt,
-    )
-    done = []
-    for request, path, outcome in zip(todo, paths, outcomes, strict=True):
-        if isinstance(outcome, RequestCancelled):  # stopped at a cancel point: not a failure
-            path.settle_request(store, request.id, outcome, run_id=run_id)
-            summary["cancelled"] += 1
-            log.info("request %s (%s): %s", request.id, request.key, outcome.detail)
-            continue
-        if isinstance(outcome, Exception):
-            path.settle_request(store, request.id, outcome, run_id=run_id)
-            failures[request.key] = error_text(outcome)
-            summary["failed"] += 1
-            log.warning("request %s (%s) failed: %s", request.id, request.key, error_text(outcome))
-            continue
-        done.append(request.id)
-        summary["duplicate" if outcome.status == "duplicate" else "completed"] += 1
-    store.mark_completed_many(done, run_id=run_id)
-    summary["failures"] = failures
-    return summary
 
 
 @dg.op(
@@ -204,38 +119,15 @@ def execute_fanned_request(context: dg.OpExecutionContext, request_id: int) -> s
     step = f"{context.op.name}[{context.get_mapping_key()}]"
     services = step_services(context, step)
     try:
-        store = context.resources.requests.get_store()
-        request = store.get(request_id)  # nosec B113: the request store, not HTTP
+        request = context.resources.requests.get_store().get(request_id)  # nosec B113: a row
     except Exception as exc:  # noqa: BLE001 - the database is away: the one path decides
         raise unready_signal(context, step, exc, services) from exc
     if request is None:
         raise dg.Failure(f"job request {request_id} does not exist", allow_retries=False)
-    admit_step_request(
-        context, services, job_type=request.job_type,
-        payload=request.payload, key=request.key, step=context.op.name, source="fan_out",
-        request_id=request.id, correlation_id=request.correlation_id,
-    )
-    try:
-        taken = store.mark_running(request.id, run_id=context.run_id)
-    except Exception as exc:  # noqa: BLE001 - as above: nothing has run yet
-        raise unready_signal(context, step, exc, services, request.job_type) from exc
-    if not taken:
-        return "skipped"
-    outcome = run_request_step(
-        context,
-        services,
-        job_type=request.job_type,
-        payload=request.payload,
-        key=request.key,
-        step=step,
-        request_id=request.id,
-        requests=store,
-        correlation_id=request.correlation_id or context.run_id,
-    )
-    context.log.info(
-        json.dumps({"request_id": request.id, "key": request.key, "status": outcome.status})
-    )
-    return outcome.status
+    result = run_row_step(context, services, request, step)
+    status = "skipped" if result.skipped or result.outcome is None else result.outcome.status
+    context.log.info(json.dumps({"request_id": request.id, "key": request.key, "status": status}))
+    return status
 
 
 @dg.job(

@@ -10,7 +10,7 @@ and the fan-out step (:mod:`pipelines.ops.batch`).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import dagster as dg
@@ -19,26 +19,45 @@ from engine import tags as tag
 from engine.attempts import Outcome
 from engine.failures import FailurePath
 from engine.privacy import mask_text
-from engine.requests import RequestStore
+from engine.requests import JobRequest, RequestStore
 from engine.runtime import RequestOutcome
 from engine.services import Services
 from engine.step import (
+    Retry,
     StepAttempt,
+    StepRequest,
     StepResult,
     admit_step,
-    execute_step,
     failure_path,
     run_step,
+    run_steps,
 )
 from resources.dagster_resources import dagster_signal
 from resources.errors import ValidationError
 from resources.retry import RetryDecision, RetryPolicy
+from resources.telemetry.redact import loggable
 from resources.telemetry.tracing import SpanKind, inject, span, trace_id_of, tracing_enabled
 
 
 def step_attempt(context: Any, step: str) -> StepAttempt:
     """This Dagster step's attempt: its run, step name and ``retry_number``."""
     return StepAttempt(run_id=context.run_id, step=step, attempt=context.retry_number)
+
+
+def replay_of(context: Any) -> int | None:
+    """The DLQ record a replay run serves (its tags), so a failure reopens that record."""
+    tags = _run_tags(context)
+    if tag.DLQ_REPLAY in tags and tag.DLQ_ID in tags:
+        try:
+            return int(tags[tag.DLQ_ID])
+        except ValueError:
+            return None
+    return None
+
+
+def _run_tags(context: Any) -> Mapping[str, str]:
+    """The run's tags (none for a context without a run: a test's stand-in)."""
+    return getattr(getattr(context, "run", None), "tags", None) or {}
 
 
 def run_op_step(
@@ -54,57 +73,62 @@ def run_op_step(
     on_failure: Callable[[Outcome], None] | None = None,
 ) -> RequestOutcome:
     """The per-request op's attempt: :func:`engine.step.run_step` in the run's span; a failure
-    is logged, ``on_failure`` hears the recorded outcome, and Dagster's signal is raised."""
+    is logged, ``on_failure`` hears the recorded outcome, the run is linked to its dead letter,
+    and Dagster's signal is raised."""
     at = step_attempt(context, step)
     requests = RequestStore(services.db) if request_id is not None else None
     with _run_span(context, job_type, step, request_id, requests):
         result = run_step(
             services, at, job_type=job_type, payload=payload, key=key, request_id=request_id,
-            correlation_id=correlation_id,
-            on_failure=_heard(context, job_type, key, payload, on_failure),
+            correlation_id=correlation_id, replay_of=replay_of(context),
+            on_failure=_heard(context, on_failure),
         )
     return _signalled(result)
 
 
-def run_request_step(
-    context: dg.OpExecutionContext,
-    services: Services,
-    *,
-    job_type: str,
-    payload: dict[str, Any],
-    key: str | None,
-    step: str,
-    request_id: int | None = None,
-    requests: RequestStore | None = None,
-    correlation_id: str | None = None,
-    on_failure: Callable[[Outcome], None] | None = None,
-) -> RequestOutcome:
-    """Execute one admitted request in this step (:func:`engine.step.execute_step`); on
-    failure Dagster's ``RetryRequested`` or ``Failure(allow_retries=False)`` is raised from the
-    error."""
-    with _run_span(context, job_type, step, request_id, requests):
-        result = execute_step(
-            services, step_attempt(context, step), job_type=job_type, payload=payload, key=key,
-            request_id=request_id, requests=requests, correlation_id=correlation_id,
-            on_failure=_heard(context, job_type, key, payload, on_failure),
-        )
-    return _signalled(result)
+def run_row_step(
+    context: dg.OpExecutionContext, services: Services, row: JobRequest, step: str
+) -> StepResult:
+    """One request row in a step of its own (a fanned-out step): :func:`engine.step.run_steps`
+    with Dagster retrying the step; a failure raises Dagster's signal, a row another run took
+    first comes back ``skipped``."""
+    request = StepRequest.of(row)
+    with _run_span(context, row.job_type, step, row.id, RequestStore(services.db)):
+        result = run_steps(services, step_attempt(context, step), [request], retry=Retry.IN_STEP,
+                           source="fan_out", on_failure=_heard(context, None))[0]
+    if result.error is not None:
+        _signalled(result)
+    return result
 
 
 def _heard(
-    context: dg.OpExecutionContext, job_type: str, key: str | None, payload: Any,
-    on_failure: Callable[[Outcome], None] | None,
+    context: dg.OpExecutionContext, on_failure: Callable[[Outcome], None] | None,
 ) -> Callable[[StepResult], None]:
     def heard(result: StepResult) -> None:
         exc = result.error
-        assert exc is not None and result.decision is not None
-        context.log.warning(
-            failure_line(job_type, key, payload, context.retry_number, exc, result.decision)
-        )
+        assert exc is not None and result.decision is not None and result.request is not None
+        request = result.request
+        context.log.warning(failure_line(
+            request.job_type, request.key, request.payload, context.retry_number, exc,
+            result.decision,
+        ))
         if on_failure is not None and result.recorded is not None:
             on_failure(result.recorded)
+        if result.dead_letter is not None:
+            link_dead_letter(context, result.dead_letter.record_id)
 
     return heard
+
+
+def link_dead_letter(context: dg.OpExecutionContext, record_id: int) -> None:
+    """The run names the DLQ record its request went to (``sekali/dlq_id``); the record names
+    the run back. Its outcome stays what its attempt was (``failed``: refused for good;
+    ``dead_lettered``: given up on a sick downstream). A replay run names the record it serves
+    already."""
+    if tag.DLQ_REPLAY in _run_tags(context):
+        return
+    with contextlib.suppress(Exception):  # run history only: the record stands regardless
+        context.instance.add_run_tags(context.run_id, {tag.DLQ_ID: str(record_id)})
 
 
 def _signalled(result: StepResult) -> RequestOutcome:
@@ -158,13 +182,15 @@ def failure_line(
 ) -> str:
     """The one line a failed attempt prints (``sekali dev``'s console, the run's log): the job
     type, the key, the error and its class, and what happens next (a retry and when, or the
-    DLQ, whose sensor then prints the record's id). Personal values are masked."""
+    DLQ, whose record the failure path then names in a line of its own). Personal values are
+    masked."""
     if callable(getattr(payload, "model_dump", None)):  # a typed run config's payload model
         payload = payload.model_dump(mode="json")
     message = mask_text(str(exc).strip().splitlines()[0] if str(exc).strip() else "", job_type,
                         payload)
-    what = (f"{job_type} key={key or '(derived)'} attempt {attempt} failed "
-            f"({decision.error_class}): {type(exc).__name__}: {message[:300]}")
+    shown_key = loggable(str(key)) if key else "(derived)"
+    what = (f"{job_type} key={shown_key} attempt {attempt} failed "
+            f"({decision.error_class}): {type(exc).__name__}: {loggable(message[:300])}")
     if decision.retry:
         return f"{what}; retrying in {decision.delay or 0:.1f} s"
     return f"{what}; {decision.reason or 'giving up'}: to the DLQ (sekali dlq list)"
@@ -215,16 +241,20 @@ def admit_step_request(
     request_id: Any = None,
     correlation_id: Any = None,
 ) -> None:
-    """:func:`engine.step.admit_step` in a step: a refusal tags the run ``failed`` and fails
-    the step without a retry (``Failure(allow_retries=False)``)."""
+    """:func:`engine.step.admit_step` in a step: a refusal tags the run ``failed`` (and links
+    its dead letter) and fails the step without a retry (``Failure(allow_retries=False)``)."""
     refused = admit_step(
-        services, step_attempt(context, step), job_type=job_type, payload=payload, key=key,
-        source=source, request_id=request_id, correlation_id=correlation_id,
+        services, step_attempt(context, step),
+        StepRequest(job_type, payload, key, request_id, correlation_id,
+                    replay_of=replay_of(context)),
+        source=source,
     )
     if refused is None:
         return
     with contextlib.suppress(Exception):  # run history only: the refusal stands regardless
         context.instance.add_run_tags(context.run_id, {tag.OUTCOME: str(tag.RunOutcome.FAILED)})
+    if refused.dead_letter is not None:
+        link_dead_letter(context, refused.dead_letter.record_id)
     _signalled(refused)
 
 

@@ -2,20 +2,28 @@
 :func:`engine.step.run_step` (the same entry the chaos harness's workers call for each
 delivery), that turns its failures into Dagster retries.
 
-Run config (the UI's launchpad opens on the job type's example)::
+Run config: a run launched by the intake or a DLQ replay names the stored request only, and the
+op reads its payload from ``job_requests``, so no payload value reaches Dagster's run storage::
+
+    ops:
+      charge_payment_op:
+        config:
+          request_id: 42
+
+A run launched by hand (the UI's launchpad opens on the job type's example) carries the
+payload, and the op makes it a request first (``source = launchpad``)::
 
     ops:
       charge_payment_op:
         config:
           payload: {order_id: o-1, amount_cents: 1250, currency: EUR}
           key: null            # optional; default derived from the payload
-          request_id: null     # optional; the intake's job_requests.id
           correlation_id: null # optional; default the run tag sekali/correlation_id, else run id
 
 ``payload`` is typed per job type (:func:`config_class`, built from the job type's declared
-fields): Dagster refuses a missing field, an unknown one or a wrong type before the run is
-launched, naming the field. The job type's ``validate`` still checks the values in the op,
-naming the bad field in a permanent failure.
+fields): Dagster refuses an unknown field or a wrong type before the run is launched, naming
+the field. The job type's ``validate`` still checks the values in the op, naming the bad field
+in a permanent failure whose dead letter keeps the key whenever the payload names it.
 
 The op tags its run ``sekali/key`` and, when it ends, ``sekali/outcome`` (effect, duplicate,
 retried, dead_lettered, failed) and, for a duplicate, ``sekali/original_run``: the runs list
@@ -41,11 +49,13 @@ import pydantic
 from engine import tags as tag
 from engine.attempts import Outcome
 from engine.contract import JobType, PayloadField
-from engine.requests import RequestStore
-from engine.validation import check_request
-from pipelines.ops.failures import run_op_step, step_services, tag_cancelled
+from engine.requests import JobRequest, RequestStore
+from engine.services import Services
+from engine.validation import check_key, check_request
+from pipelines.ops.failures import run_op_step, step_services, tag_cancelled, unready_signal
 from resources.dagster_resources import PlainDocs
 from resources.errors import ValidationError
+from resources.storage.settings import InputLimits
 
 BASE_RESOURCES = frozenset({"idempotency", "app_db", "retry"})
 """What every request op needs; a job type adds its own (``JobType.resource_keys``: its
@@ -104,21 +114,24 @@ def _model(name: str, fields: tuple[PayloadField, ...]) -> type[dg.Config]:
 
 
 def config_class(jt: JobType) -> type[RequestConfig]:
-    """The typed run config of ``jt``'s op: ``payload`` with the job type's declared fields,
-    plus :class:`RequestConfig`'s optional key, request id and correlation id."""
+    """The typed run config of ``jt``'s op: ``payload`` with the job type's declared fields
+    (none when the run serves a stored request), plus :class:`RequestConfig`'s optional key,
+    request id and correlation id."""
     name = _camel(jt.name)
-    payload = _model(f"{name}Payload", jt.fields)
+    payload: Any = _model(f"{name}Payload", jt.fields) | None
     return pydantic.create_model(
         f"{name}Config",
         __base__=RequestConfig,
-        payload=(payload, pydantic.Field(description=f"The {jt.name} request. {jt.description}")),
+        payload=(payload, pydantic.Field(
+            default=None, description=f"The {jt.name} request, for a run launched by hand (a"
+            f" run of a stored request names its request_id instead). {jt.description}")),
     )
 
 
-def payload_of(config: dg.Config) -> dict[str, Any]:
-    """The payload of a typed config as the plain dict the job type validates."""
-    payload = cast(pydantic.BaseModel, getattr(config, "payload"))  # noqa: B009
-    return payload.model_dump(mode="json")
+def payload_of(config: dg.Config) -> dict[str, Any] | None:
+    """The payload of a typed config as the plain dict the job type validates (None: none)."""
+    payload = cast(pydantic.BaseModel | None, getattr(config, "payload"))  # noqa: B009
+    return None if payload is None else payload.model_dump(mode="json")
 
 
 def job_tags(jt: JobType) -> dict[str, str]:
@@ -130,7 +143,7 @@ def job_tags(jt: JobType) -> dict[str, str]:
     }
 
 
-def _key_of(jt: JobType, config: RequestConfig, payload: dict[str, Any]) -> str | None:
+def _key_of(jt: JobType, config: RequestConfig, payload: dict[str, Any] | None) -> str | None:
     """The run's key when its config passes the same checks as an enqueue (so no refused
     value reaches a run tag or a request row); None when it does not: the step's admission
     then refuses it, naming the field."""
@@ -138,6 +151,18 @@ def _key_of(jt: JobType, config: RequestConfig, payload: dict[str, Any]) -> str 
         return check_request(jt.name, payload, config.key or None).key
     except ValidationError:
         return None
+
+
+def _named_key(jt: JobType, config: RequestConfig, payload: Any) -> str | None:
+    """The key a refused payload still names (the fields of the key valid, another one not),
+    so its dead letter keeps it and a replay's dry run can look its effect up; None when the
+    payload names none a key may be."""
+    try:
+        key = config.key or jt.key_for(dict(payload))
+        check_key(key, InputLimits.from_env())
+    except Exception:  # noqa: BLE001 - any failure: the payload names no usable key
+        return None
+    return str(key)
 
 
 def run_link(run_id: str) -> dg.MetadataValue:
@@ -185,6 +210,29 @@ def _launchpad_request(
     return recorded.id
 
 
+def _stored_request(
+    context: dg.OpExecutionContext, services: Services, jt: JobType, request: RequestConfig
+) -> JobRequest | None:
+    """The stored request a run serves (its ``request_id``), or None for a run launched by
+    hand (a payload and no stored request: it becomes one). A request of another job type, or
+    none at all with no payload either, fails the step at once."""
+    if request.request_id is None:
+        return None
+    request_id = request.request_id
+    try:
+        stored = RequestStore(services.db).get(request_id)  # nosec B113: a row, not HTTP
+    except Exception as exc:  # noqa: BLE001 - the database is away: the one path decides
+        raise unready_signal(context, jt.op_name, exc, services, jt.name) from exc
+    if stored is None and payload_of(request) is not None:
+        return None
+    if stored is None or stored.job_type != jt.name:
+        raise dg.Failure(
+            f"request_id: job request {request_id} does not exist"
+            + ("" if stored is None else f" for {jt.name} (it is a {stored.job_type} request)"),
+            allow_retries=False)
+    return stored
+
+
 def request_op(jt: JobType) -> dg.OpDefinition:
     config_cls = config_class(jt)
 
@@ -201,15 +249,26 @@ def request_op(jt: JobType) -> dg.OpDefinition:
         request: RequestConfig = config
         services = step_services(context, jt.op_name)
         run_id = context.run_id
-        payload = payload_of(request)
-        key = _key_of(jt, request, payload)
+        stored = _stored_request(context, services, jt, request)
+        if stored is not None:  # the intake's or a replay's run: the row is the request
+            payload: Any = stored.payload
+            key: str | None = stored.key
+            request_id: int | None = stored.id
+            correlation_id = tag.run_correlation_id(stored.correlation_id, context.run.tags,
+                                                    run_id)
+        else:  # launched by hand: the payload becomes a request first
+            payload = payload_of(request)
+            key = _key_of(jt, request, payload)
+            correlation_id = tag.run_correlation_id(request.correlation_id, context.run.tags,
+                                                    run_id)
+            request_id = request.request_id  # a harness's own numbering, no row of ours
+            if key is not None and request_id is None:
+                request_id = _launchpad_request(
+                    context, RequestStore(services.db), jt, key, payload or {}, correlation_id)
+            elif payload is not None:
+                key = _named_key(jt, request, payload)
         if key is not None and context.run.tags.get(tag.KEY) != key:
             context.instance.add_run_tags(run_id, {tag.KEY: key})
-        correlation_id = tag.run_correlation_id(request.correlation_id, context.run.tags, run_id)
-        request_id = request.request_id
-        if request_id is None and key is not None:  # launched by hand: it gets its record
-            request_id = _launchpad_request(
-                context, RequestStore(services.db), jt, key, payload, correlation_id)
 
         def tag_failure(outcome: Outcome) -> None:
             context.instance.add_run_tags(run_id, {tag.OUTCOME: str(RUN_OUTCOMES[outcome])})
@@ -218,8 +277,8 @@ def request_op(jt: JobType) -> dg.OpDefinition:
             context,
             services,
             job_type=jt.name,
-            payload=getattr(request, "payload"),  # noqa: B009 - the typed config's own field
-            key=request.key,
+            payload=payload,
+            key=key,
             step=jt.op_name,
             request_id=request_id,
             correlation_id=correlation_id,

@@ -168,6 +168,27 @@ def top_frame(stack: Sequence[str] | str | None) -> str:
     return f"{path.rsplit('/', 1)[-1]}:{func}"
 
 
+_TRACE_START = re.compile(r"\n\s*(?:Stack Trace:|Traceback \(most recent call last\):)")
+
+
+def failure_line(error_type: str | None, message: str | None) -> str:
+    """A failure as one line for a person: ``Type: message``, the type said once (a message
+    that starts with it, qualified or not, is not prefixed again), any stack trace the message
+    carries (a run failure's ``Stack Trace:``, a ``Traceback``) left out, whitespace folded.
+    What ``sekali dlq list|show`` and the ``dead_letters`` asset print."""
+    text_ = _TRACE_START.split(message or "", maxsplit=1)[0]
+    text_ = " ".join(text_.split())
+    kind = error_type or ""
+    if not kind:
+        return text_
+    qualified = re.match(rf"[\w.]*\.{re.escape(kind)}:", text_)
+    if qualified:  # ``pkg.module.UnknownSku: ...`` reads as ``UnknownSku: ...``
+        return kind + text_[qualified.end() - 1:]
+    if text_.startswith(f"{kind}:") or text_ == kind:
+        return text_
+    return f"{kind}: {text_}" if text_ else kind
+
+
 def fingerprint(error_type: str, message: str, frame: str) -> str:
     """Groups failures with one cause: exception type + normalised message + top frame."""
     raw = f"{error_type}|{normalise_message(message)}|{frame}"
@@ -446,9 +467,18 @@ class DlqStore:
 
     # -- dead-lettering ---------------------------------------------------------------------
 
-    def record_failure(self, info: FailureInfo, *, actor: str = "dlq_sensor") -> RecordedFailure:
-        """Create or update the record for ``info``; a run seen before changes nothing.
-        Any text is stored, escaped and bounded (module docstring)."""
+    def record_failure(
+        self, info: FailureInfo, *, actor: str = "dlq_sensor", conn: Connection | None = None
+    ) -> RecordedFailure:
+        """Create or update the record for ``info``; a run and step seen before changes nothing.
+        Any text is stored, escaped and bounded (module docstring). ``conn``: in the caller's
+        transaction (the request's final state and its record commit together)."""
+        if conn is not None:
+            return self._record_failure(conn, info, actor)
+        with self.db.transaction() as own:
+            return self._record_failure(own, info, actor)
+
+    def _record_failure(self, conn: Connection, info: FailureInfo, actor: str) -> RecordedFailure:
         info = storable_failure(info)
         now = self.clock()
         failed_at = info.failed_at if info.failed_at is not None else now
@@ -472,74 +502,75 @@ class DlqStore:
             "now": now,
             "trace_id": info.trace_id,
         }
-        with self.db.transaction() as conn:
-            row = None
-            if info.dlq_id is not None:
-                row = self._select(conn, "id = :id", {"id": info.dlq_id}, lock=True)
-            created = False
-            if row is None:
-                row = conn.execute(text(_INSERT), params).first()
-                created = row is not None
-                if row is None:
-                    row = self._select(conn, "dedupe_key = :k", {"k": info.dedupe_key}, lock=True)
-            assert row is not None
-            record = DlqRecord.from_row(row)
-            seen = conn.execute(
-                text(
-                    "INSERT INTO dlq_failures (record_id, run_id, step, seen_at)"
-                    " VALUES (:rid, :run, :step, :now) ON CONFLICT DO NOTHING"
-                ),
-                {"rid": record.id, "run": info.run_id, "step": info.step, "now": now},
-            ).rowcount
-            if created:
-                self._audit(
-                    conn,
-                    record.id,
-                    "dead_lettered",
-                    actor,
-                    None,
-                    _D.OPEN,
-                    f"run {info.run_id} {info.error_type}",
-                    now,
-                )
-                return RecordedFailure(record, True, True)
-            if not seen:
-                return RecordedFailure(record, False, False)
-            status = record.status
-            action = "failed_again"
-            if status is _D.REPLAYING and info.dlq_id == record.id:
-                status, action = _D.OPEN, "replay_failed"
-            elif status is _D.RESOLVED and failed_at > record.status_changed_at:
-                status, action = _D.OPEN, "reopened"
-            conn.execute(
-                text(
-                    "UPDATE dlq_records SET run_id = :run_id, step = :step, error_class = :eclass,"
-                    # A record first seen without them (batch, sweep) gets a later run's.
-                    " run_config = CASE WHEN run_config IS NULL OR run_config = '{}'"
-                    "   THEN :run_config ELSE run_config END,"
-                    " tags = CASE WHEN tags IS NULL OR tags = '{}' THEN :tags ELSE tags END,"
-                    " error_type = :etype, fingerprint = :fp, last_error = :msg, trace = :trace,"
-                    " failure_count = failure_count + 1,"
-                    " last_failed_at = CASE WHEN last_failed_at > :failed_at"
-                    "   THEN last_failed_at ELSE :failed_at END,"
-                    " status = :status,"
-                    " status_changed_at = CASE WHEN status = :status THEN status_changed_at"
-                    "   ELSE :now END,"
-                    " updated_at = :now WHERE id = :id"
-                ),
-                {**params, "status": str(status), "id": record.id},
-            )
+        row = None
+        if info.dlq_id is not None:
+            row = self._select(conn, "id = :id", {"id": info.dlq_id}, lock=True)
+        created = False
+        if row is None:  # looked up first: an insert that meets a conflict spends an id
+            row = self._select(conn, "dedupe_key = :k", {"k": info.dedupe_key}, lock=True)
+        if row is None:
+            row = conn.execute(text(_INSERT), params).first()
+            created = row is not None
+            if row is None:  # another process inserted it meanwhile
+                row = self._select(conn, "dedupe_key = :k", {"k": info.dedupe_key}, lock=True)
+        assert row is not None
+        record = DlqRecord.from_row(row)
+        seen = conn.execute(
+            text(
+                "INSERT INTO dlq_failures (record_id, run_id, step, seen_at)"
+                " VALUES (:rid, :run, :step, :now) ON CONFLICT DO NOTHING"
+            ),
+            {"rid": record.id, "run": info.run_id, "step": info.step, "now": now},
+        ).rowcount
+        if created:
             self._audit(
                 conn,
                 record.id,
-                action,
+                "dead_lettered",
                 actor,
-                record.status,
-                status,
+                None,
+                _D.OPEN,
                 f"run {info.run_id} {info.error_type}",
                 now,
             )
-            updated = self._select(conn, "id = :id", {"id": record.id}, lock=False)
+            return RecordedFailure(record, True, True)
+        if not seen:
+            return RecordedFailure(record, False, False)
+        status = record.status
+        action = "failed_again"
+        if status is _D.REPLAYING and info.dlq_id == record.id:
+            status, action = _D.OPEN, "replay_failed"
+        elif status is _D.RESOLVED and failed_at > record.status_changed_at:
+            status, action = _D.OPEN, "reopened"
+        conn.execute(
+            text(
+                "UPDATE dlq_records SET run_id = :run_id, step = :step, error_class = :eclass,"
+                # A record first seen without them (batch, sweep) gets a later run's.
+                " run_config = CASE WHEN run_config IS NULL OR run_config = '{}'"
+                "   THEN :run_config ELSE run_config END,"
+                " tags = CASE WHEN tags IS NULL OR tags = '{}' THEN :tags ELSE tags END,"
+                " error_type = :etype, fingerprint = :fp, last_error = :msg, trace = :trace,"
+                " failure_count = failure_count + 1,"
+                " last_failed_at = CASE WHEN last_failed_at > :failed_at"
+                "   THEN last_failed_at ELSE :failed_at END,"
+                " status = :status,"
+                " status_changed_at = CASE WHEN status = :status THEN status_changed_at"
+                "   ELSE :now END,"
+                " updated_at = :now WHERE id = :id"
+            ),
+            {**params, "status": str(status), "id": record.id},
+        )
+        self._audit(
+            conn,
+            record.id,
+            action,
+            actor,
+            record.status,
+            status,
+            f"run {info.run_id} {info.error_type}",
+            now,
+        )
+        updated = self._select(conn, "id = :id", {"id": record.id}, lock=False)
         assert updated is not None
         return RecordedFailure(DlqRecord.from_row(updated), False, True)
 
@@ -780,6 +811,17 @@ class DlqStore:
             stmt = stmt.bindparams(*(bindparam(n, expanding=True) for n in expanding))
         with self.db.statement() as conn:
             return [DlqRecord.from_row(r) for r in conn.execute(stmt, params)]
+
+    def records_of_run(self, run_id: str) -> list[DlqRecord]:
+        """The records a run's failures were counted on (each written or updated where its
+        failure was decided), by id."""
+        with self.db.statement() as conn:
+            rows = conn.execute(
+                text(f"SELECT {_COLUMNS} FROM dlq_records WHERE id IN"  # nosec B608: SQL from code constants, values bound
+                     " (SELECT record_id FROM dlq_failures WHERE run_id = :run) ORDER BY id"),
+                {"run": run_id},
+            ).all()
+        return [DlqRecord.from_row(r) for r in rows]
 
     def audit(self, record_id: int) -> list[dict[str, Any]]:
         with self.db.statement() as conn:

@@ -9,6 +9,7 @@ already existed with a wider mode is narrowed (``fchmod``) before anything is wr
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 FILE_MODE = 0o600
@@ -29,3 +30,26 @@ def write_private(path: Path, text: str) -> Path:
         os.fchmod(out.fileno(), FILE_MODE)
         out.write(text)
     return path
+
+
+class SecretFileUnsafe(ValueError):
+    """A file that holds a secret can be read, or was written, by someone else: it is not used.
+    ``chmod 600`` it (and ``chown`` it to the user running sekali) after checking its content."""
+
+
+def read_secret_file(path: Path) -> str:
+    """The text of a file holding a secret, stripped; :class:`SecretFileUnsafe` when it is not a
+    regular file owned by this user, or when its group or others may read or write it. The
+    checks are made on the open file (``fstat``), so the file checked is the file read."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    with os.fdopen(fd, encoding="utf-8") as handle:
+        info = os.fstat(handle.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            raise SecretFileUnsafe(f"{path}: not a regular file")
+        if info.st_uid != os.geteuid():
+            raise SecretFileUnsafe(f"{path}: owned by uid {info.st_uid}, not by this user "
+                                   f"({os.geteuid()})")
+        if info.st_mode & 0o077:
+            raise SecretFileUnsafe(f"{path}: mode {info.st_mode & 0o777:o}, readable or "
+                                   "writable by others; chmod 600 it")
+        return handle.read().strip()

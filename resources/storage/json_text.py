@@ -87,3 +87,50 @@ def _bounded_repr(value: Any) -> str:
         return shape.repr(value)
     except Exception:  # noqa: BLE001 - a hostile __repr__
         return f"<unrepresentable {type(value).__name__}>"
+
+
+_SHAPE_DEPTH = 8
+_SHAPE_ITEMS = 100
+
+
+def shape(value: Any, depth: int = 0) -> Any:
+    """``value`` with every value replaced by its kind (``<str 12>``, ``<int>``, ``<float>``,
+    ``<bool>``; null stays null), keys and nesting kept: what a refused payload looked like,
+    with nothing it said. Bounded: past 8 levels or 100 items of one container, ``"..."``; a
+    key is cut to 64 characters."""
+    if depth >= _SHAPE_DEPTH:
+        return "..."
+    if isinstance(value, dict):
+        items = list(value.items())
+        out: dict[str, Any] = {str(k)[:64]: shape(v, depth + 1) for k, v in items[:_SHAPE_ITEMS]}
+        if len(items) > _SHAPE_ITEMS:
+            out["..."] = f"<{len(items) - _SHAPE_ITEMS} more>"
+        return out
+    if isinstance(value, list | tuple):
+        head = [shape(v, depth + 1) for v in value[:_SHAPE_ITEMS]]
+        return head + ([f"<{len(value) - _SHAPE_ITEMS} more>"] if len(value) > _SHAPE_ITEMS
+                       else [])
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        return "<bool>"
+    if isinstance(value, str):
+        return f"<str {len(value)}>"
+    return f"<{type(value).__name__}>"
+
+
+def masked_digest(value: Any, excerpt_bytes: int) -> Digest:
+    """:func:`digest` of ``value`` whose excerpt is its :func:`shape` (the size and sha256 are
+    the whole value's): a refused payload kept without a value of it. Text that is JSON is
+    read first; other text is described by its length."""
+    whole = digest(value, excerpt_bytes)
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except (ValueError, RecursionError):
+            return Digest(f"<text {len(value)} characters>", whole.size, whole.sha256)
+    try:
+        text = canonical(shape(value))
+    except Exception:  # noqa: BLE001 - any value at all must be describable
+        text = f"<{type(value).__name__}>"
+    return Digest(storable(text, excerpt_bytes), whole.size, whole.sha256)

@@ -53,6 +53,7 @@ from resources.storage.migration_runners import (
     read_records,
     runner_for,
 )
+from resources.storage.replication import require_durable_commits
 from resources.storage.settings import MigrationSettings
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,7 @@ __all__ = [
     "Migration",
     "MigrationDrift",
     "MigrationFailed",
+    "NoSchema",
     "ReaderFloor",
     "SchemaBehind",
     "SchemaStatus",
@@ -145,6 +147,21 @@ class SchemaTooNew(SekaliError):
         )
         self.required = required
         self.newest_known = newest_known
+
+
+class NoSchema(SekaliError):
+    """The database holds no sekali schema yet (no migration was ever applied to it, or the
+    SQLite file does not exist): create it with ``sekali db upgrade``, or start ``sekali dev``,
+    which applies the migrations itself."""
+
+    permanent = True
+
+    def __init__(self, where: str) -> None:
+        super().__init__(
+            f"no sekali database at {where} yet: create it with `sekali db upgrade` (or start "
+            "`sekali dev`, which creates it)"
+        )
+        self.where = where
 
 
 def upgrade(
@@ -329,6 +346,9 @@ def ensure_schema(
       which the newer release's migrations left working (expand/contract).
     - The database was declared to serve only processes that know a migration this release
       does not ship (:func:`contract` run by a newer release): :class:`SchemaTooNew`.
+    - A Postgres primary whose completed keys a failover can roll back (asynchronous standbys):
+      ``AsyncReplication`` unless ``SEKALI_ACCEPT_ASYNC_REPLICATION=1``
+      (:func:`resources.storage.replication.require_durable_commits`).
     """
     with _checked_lock:
         if db in _checked:
@@ -353,6 +373,7 @@ def ensure_schema(
             if not settings.auto_for(db.dialect):
                 raise SchemaBehind(pending)
             upgrade(db, directory, settings=settings)
+        require_durable_commits(db)
         _checked.add(db)
 
 

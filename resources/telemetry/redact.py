@@ -42,10 +42,26 @@ ROW_MASK = "<row values hidden>"
 _MIN_VALUE = 3  # shorter values would mask unrelated text ("a", "42")
 
 
+def _with_prefixes(values: Iterable[str]) -> set[str]:
+    """``values`` and, for each URL among them, the URL cut before its query and before its
+    path: errors name a URL without its query (``resources.egress.shown_url``) or by its
+    host, and those forms must be masked as the whole is."""
+    out = set()
+    for value in values:
+        out.add(value)
+        scheme, sep, rest = value.partition("://")
+        if sep and scheme.isalpha():
+            out.add(value.split("?", 1)[0].split("#", 1)[0])
+            out.add(f"{scheme}://{rest.split('/', 1)[0].split('?', 1)[0]}")
+    return out
+
+
 def redact(text: str, values: Iterable[str] = ()) -> str:
-    """``text`` with every e-mail address, every one of ``values`` and the row values a
-    database error echoes masked."""
-    for value in sorted({v for v in values if len(v) >= _MIN_VALUE}, key=len, reverse=True):
+    """``text`` with every e-mail address, every one of ``values`` (a URL also by its prefix
+    without the query, and by its scheme and host) and the row values a database error echoes
+    masked."""
+    wanted = {v for v in _with_prefixes(values) if len(v) >= _MIN_VALUE}
+    for value in sorted(wanted, key=len, reverse=True):
         text = text.replace(value, VALUE_MASK)
     return _EMAIL.sub(EMAIL_MASK, _ROW_VALUES.sub(rf"\g<1>{ROW_MASK}", text))
 
@@ -97,3 +113,14 @@ class RedactingFilter(logging.Filter):
         if isinstance(nested, dict):
             record.__dict__["sekali"] = redact_data(nested)
         return True
+
+
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+
+
+def loggable(text: str) -> str:
+    """``text`` as a log line may carry it: control characters escaped (no line of its own, no
+    terminal codes) and what UTF-8 cannot encode (a lone surrogate from hostile input) shown as
+    its escape, so no handler, pipe or test report fails on it."""
+    text = _UNPRINTABLE.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")

@@ -48,7 +48,9 @@ import psycopg
 import redis
 import yaml
 
+from resources.egress import ALLOW_ENV, allow_list
 from resources.storage.db import Database
+from resources.storage.files import write_private
 from resources.storage.migrations import upgrade
 from resources.storage.redis import redis_client
 from resources.storage.settings import state_dir as sekali_state_dir
@@ -72,6 +74,7 @@ from sandbox.hosts.services import (
     tcp_open,
     workspace_yaml,
 )
+from sandbox.postgres_server import scram_verifier
 from sandbox.redis_server import admin_names, rename_lines, run_admin
 
 log = logging.getLogger(__name__)
@@ -81,6 +84,8 @@ LOCK_DIR = Path("/run/lock")
 """Two ``up`` runs pick their subnets under an flock of this directory (no lock file to leave)."""
 STATE_FILE = "state.json"
 POSTGRES_USER = "postgres"  # the OS user the private PostgreSQL runs as (initdb refuses root)
+UI_USER = "operator"
+"""The user of the writable UI's login (its password: ``state.json``'s secret ``ui``)."""
 SERVICE_USER = "sekali"
 """The system user every other service of the cluster runs as (created by ``up`` if missing):
 root only builds the namespaces, links and rules."""
@@ -352,7 +357,18 @@ class Cluster:
 
     @property
     def ui_url(self) -> str:
+        """The writable UI, behind ``sekali ui-proxy`` (login: :attr:`ui_login`)."""
         return f"http://{self._role('control').address}:{PORTS['webserver']}"
+
+    @property
+    def ui_readonly_url(self) -> str:
+        """The read-only UI for viewers (``dagster-webserver --read-only``)."""
+        return f"http://{self._role('control').address}:{PORTS['webserver_readonly']}"
+
+    @property
+    def ui_login(self) -> tuple[str, str]:
+        """The writable UI's user and password (kept in ``state.json``, root's, 0600)."""
+        return UI_USER, self._secret("ui")
 
     @property
     def dagster_home(self) -> Path:
@@ -363,7 +379,7 @@ class Cluster:
         return self._path("control", "workspace.yaml")
 
     def graphql(self) -> GraphQL:
-        return GraphQL(self.ui_url)
+        return GraphQL(self.ui_url, auth=self.ui_login)
 
     def env(
         self, host: str | None = None, extra: Mapping[str, str] | None = None
@@ -380,6 +396,7 @@ class Cluster:
             "DATABASE_URL": self.database_url,
             "REDIS_URL": self.redis_url,
             "SEKALI_GATEWAY_URL": self.gateway_url,
+            ALLOW_ENV: allow_list([self.gateway_url], {}),
             "SEKALI_SMTP_HOST": provider,
             "SEKALI_SMTP_PORT": str(PORTS["smtp"]),
             "DAGSTER_HOME": str(self.dagster_home),
@@ -439,7 +456,7 @@ class Cluster:
             "phase": "building",
             "created_at": time.time(),
             "secrets": {k: secrets.token_hex(16) for k in ("postgres", "sekali", "dagster",
-                                                           "redis")},
+                                                           "redis", "ui")},
             "redis_admin": admin_names(),
             "service_user": user.pw_name,
             "reveal": {"folders": dict(reveal.folders), "holder": reveal.holder},
@@ -621,7 +638,8 @@ class Cluster:
                    lambda: postgres_ok(self.admin_conninfo()), deadline, postgres)
         with psycopg.connect(self.admin_conninfo(), autocommit=True) as conn:
             for role in ("sekali", "dagster"):
-                conn.execute(f"CREATE ROLE {role} LOGIN PASSWORD '{self._secret(role)}'")
+                verifier = scram_verifier(self._secret(role))  # no password text on the wire
+                conn.execute(f"CREATE ROLE {role} LOGIN PASSWORD '{verifier}'")
                 conn.execute(f"CREATE DATABASE {role} OWNER {role}")
             conn.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
         progress(f"store: PostgreSQL {pg_bin.parent.name} on {store.address}:{PORTS['postgres']}")
@@ -710,15 +728,38 @@ class Cluster:
             f"{w.name} {w.address}:{PORTS['code_server']} ({w.location})" for w in self.workers))
 
     def _start_control(self, deadline: float, progress: Callable[[str], None]) -> None:
+        """The writable webserver on the control host's loopback, reached only through
+        ``sekali ui-proxy`` (basic authentication) on the host's address; a read-only
+        webserver beside it for viewers."""
+        address = self._role("control").address
+        users = self._path("control", "ui-users")
+        write_private(users, f"{UI_USER}:{self._secret('ui')}\n")
+        shutil.chown(users, self.service_user, self.service_user)
         webserver = self._spawn(
             "control", "webserver",
-            [str(BIN / "dagster-webserver"), "-h", self._role("control").address,
-             "-p", str(PORTS["webserver"]),
-             "-w", str(self.workspace_file)],
+            [str(BIN / "dagster-webserver"), "-h", "127.0.0.1",
+             "-p", str(PORTS["webserver_inner"]), "-w", str(self.workspace_file)],
             user=self.service_user,
         )
-        self._wait("the Dagster webserver", lambda: http_ok(f"{self.ui_url}/server_info"),
-                   deadline, webserver)
+        proxy = self._spawn(
+            "control", "ui_proxy",
+            [sys.executable, "-m", "cli.main", "ui-proxy", "--listen",
+             f"{address}:{PORTS['webserver']}", "--upstream",
+             f"http://127.0.0.1:{PORTS['webserver_inner']}", "--users-file", str(users)],
+            user=self.service_user,
+        )
+        readonly = self._spawn(
+            "control", "webserver_readonly",
+            [str(BIN / "dagster-webserver"), "-h", address, "-p",
+             str(PORTS["webserver_readonly"]), "--read-only", "-w", str(self.workspace_file)],
+            user=self.service_user,
+        )
+        self._wait("the Dagster webserver behind the UI proxy",
+                   lambda: http_ok(f"{self.ui_url}/server_info"), deadline, webserver)
+        self._wait("the UI proxy", lambda: http_ok(f"{self.ui_url}/server_info"), deadline,
+                   proxy)
+        self._wait("the read-only Dagster webserver",
+                   lambda: http_ok(f"{self.ui_readonly_url}/server_info"), deadline, readonly)
         self._wait("every code location to load", self._locations_loaded, deadline, webserver)
         self._stop_singletons_on_secondaries()
         daemon = self._spawn(
@@ -727,7 +768,9 @@ class Cluster:
             user=self.service_user,
         )
         self._wait("the Dagster daemon to report healthy", self._daemon_healthy, deadline, daemon)
-        progress(f"control: webserver {self.ui_url}, daemon healthy")
+        progress(f"control: webserver {self.ui_url} (login {UI_USER}, password in "
+                 f"{self.state_dir / STATE_FILE}), read-only {self.ui_readonly_url}, daemon "
+                 "healthy")
 
     def _locations_loaded(self) -> bool:
         try:
@@ -867,6 +910,7 @@ class Cluster:
             "subnet": self.state.get("subnet"),
             "bridge": self.state.get("bridge"),
             "ui_url": self.ui_url,
+            "ui_readonly_url": self.ui_readonly_url,
             "hosts": hosts,
             "partitions": self.state.get("partitions", []),
             "worker_env": _without_secrets(self.state.get("worker_env", {})),
@@ -887,7 +931,9 @@ class Cluster:
                 "gateway": word(http_ok(f"{self.gateway_url}/healthz")),
                 "smtp": word(smtp_ok(provider.address, PORTS["smtp"])),
             },
-            "control": {"webserver": word(http_ok(f"{self.ui_url}/server_info"))},
+            "control": {"webserver": word(http_ok(f"{self.ui_url}/server_info")),
+                        "webserver_readonly": word(http_ok(
+                            f"{self.ui_readonly_url}/server_info"))},
         }
         locations: dict[str, str] = {}
         if out["control"]["webserver"] == "ok":
@@ -963,7 +1009,8 @@ class Cluster:
         env = dict(record.extra_env if extra_env is None else extra_env)
         fresh = self._spawn(host, process, record.argv, user=record.user,
                             stop_signal=record.stop_signal, extra_env=env)
-        port = {"postgres": "postgres", "redis": "redis", "webserver": "webserver",
+        port = {"postgres": "postgres", "redis": "redis", "ui_proxy": "webserver",
+                "webserver_readonly": "webserver_readonly",
                 "code_server": "code_server", "gateway": "gateway", "mailsink": "smtp"}.get(process)
         if port is not None and wait > 0:
             address = self.host(host).address

@@ -7,6 +7,7 @@ through the bridge), so a partition between two hosts does not blind them.
 
 from __future__ import annotations
 
+import base64
 import glob
 import json
 import socket
@@ -29,7 +30,9 @@ PRODUCTION_INSTANCE = ROOT / "deploy" / "production" / "dagster.yaml"
 PORTS = {
     "postgres": 5432,
     "redis": 6379,
-    "webserver": 3000,
+    "webserver": 3000,  # the authenticating proxy (sekali ui-proxy) in front of the UI
+    "webserver_inner": 3001,  # the writable webserver, on the control host's loopback only
+    "webserver_readonly": 3002,  # dagster-webserver --read-only, for viewers
     "code_server": 4000,
     "gateway": 8765,
     "smtp": 8025,
@@ -134,15 +137,19 @@ def smtp_ok(address: str, port: int, timeout: float = 3.0) -> bool:
 class GraphQL:
     """The Dagster webserver's GraphQL API (the one the UI uses), over plain HTTP."""
 
-    def __init__(self, base_url: str, timeout: float = 15.0) -> None:
+    def __init__(self, base_url: str, timeout: float = 15.0,
+                 auth: tuple[str, str] | None = None) -> None:
         self.url = base_url.rstrip("/") + "/graphql"
         self.timeout = timeout
+        self._auth = auth
 
     def __call__(self, query: str, variables: Mapping[str, Any] | None = None) -> Any:
         body = json.dumps({"query": query, "variables": dict(variables or {})}).encode()
-        request = urllib.request.Request(
-            self.url, data=body, headers={"Content-Type": "application/json"}
-        )
+        headers = {"Content-Type": "application/json"}
+        if self._auth is not None:
+            token = base64.b64encode(":".join(self._auth).encode()).decode()
+            headers["Authorization"] = f"Basic {token}"
+        request = urllib.request.Request(self.url, data=body, headers=headers)
         try:
             with urllib.request.urlopen(request, timeout=self.timeout) as response:  # noqa: S310  # nosec B310: http URL of our own service
                 payload = json.loads(response.read())

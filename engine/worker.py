@@ -1,0 +1,331 @@
+"""Resident workers: the path of volume. A worker claims requests as they arrive and runs them
+through the one step entry, in the process it already has: no run is launched per request.
+
+A worker serves one queue (``heavy`` or ``light``: the job types of that queue delivered by
+resident workers, :mod:`engine.delivery`). Its loop:
+
+1. **Claim** up to ``batch_size`` requests in one statement
+   (:meth:`engine.requests.RequestStore.claim_for_worker`: claim order, priorities, fair share
+   between tenants, debounce groups, only requests available now), taken ``running`` under the
+   worker's ``owner`` (its run id), each counting an attempt.
+2. **Run** them together through :func:`engine.step.run_steps`: the same ledger claim, lease
+   and fence, send bound, concurrency slots, rate limits, cancel points and failure path as
+   every other path. A transient failure gives its request back (``pending``, claimable after
+   the policy's delay, :class:`engine.step.Retry` ``REQUEUE``); a final one is dead-lettered
+   where it is decided, in the same transaction as the request's ``failed``. The worker goes on.
+3. **Wait** when the claim found nothing: until a wake-up (:mod:`resources.wakeup`: the
+   enqueue pushes one) or ``poll_seconds``, whichever comes first.
+
+The worker ends itself after ``lifetime_seconds`` or ``idle_seconds`` without work (so code
+reloads and upgrades roll through: its supervisor starts the next one), and when ``stop`` is
+set. It never holds a claim across a wait: a batch is claimed and run, then the worker looks at
+its bounds and waits. A worker that dies holds what it claimed ``running`` under its owner: the
+ledger's leases on those keys expire, and its supervisor gives the requests back
+(:meth:`RequestStore.take_back`), claimable once the lease on each key has run out (a takeover
+then, counted towards the crash-loop bound as today).
+
+Every move a worker makes on a request names its owner, so a worker declared dead that comes
+back (a long pause) changes nothing a newer owner holds; the ledger's fence keeps its late
+writes out.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.delivery import DeliveryPolicy
+from engine.requests import RequestStore
+from engine.services import Services
+from engine.step import (
+    OnFailure,
+    Retry,
+    StepAttempt,
+    StepRequest,
+    StepResult,
+    run_steps,
+    summary,
+)
+from resources.storage.settings import Settings
+from resources.wakeup import PollWakeup, RedisWakeup, Wakeup
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerPolicy:
+    """How one resident worker runs. Env (read by :meth:`from_env`): ``SEKALI_WORKER_BATCH``,
+    ``SEKALI_WORKER_LIFETIME``, ``SEKALI_WORKER_IDLE``, ``SEKALI_WORKER_POLL``,
+    ``SEKALI_WORKER_PROGRESS``."""
+
+    queue: str
+    batch_size: int = 50
+    """Requests claimed and run together at most: a busy queue's batches amortise the claim,
+    the ledger's statements and the attempts' rows; an idle queue's are one request."""
+    lifetime_seconds: float = 1800.0
+    """The worker ends itself after this (its supervisor starts the next): new code and
+    configuration reach workers within it."""
+    idle_seconds: float = 600.0
+    """The worker ends itself after this long without a request."""
+    poll_seconds: float = 2.0
+    """The longest wait between claims of an idle worker, wake-up or not."""
+    relaunch_after: float = 120.0
+    """A request ``launched`` this long ago by the intake sensor (a run per request whose tick
+    failed before its run existed) may be claimed again."""
+    progress_seconds: float = 1.0
+    """Batches are told (:class:`WorkDone`) at most this often, merged: the run's
+    event log grows with time, not with traffic."""
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1:
+            raise ValueError("batch_size must be >= 1")
+        if min(self.lifetime_seconds, self.idle_seconds, self.poll_seconds) <= 0:
+            raise ValueError("lifetime, idle and poll must be > 0 seconds")
+
+    @classmethod
+    def from_env(cls, queue: str, env: dict[str, str] | None = None) -> WorkerPolicy:
+        env = dict(os.environ) if env is None else env
+        return cls(
+            queue=queue,
+            batch_size=int(env.get("SEKALI_WORKER_BATCH", cls.batch_size)),
+            lifetime_seconds=float(env.get("SEKALI_WORKER_LIFETIME", cls.lifetime_seconds)),
+            idle_seconds=float(env.get("SEKALI_WORKER_IDLE", cls.idle_seconds)),
+            poll_seconds=float(env.get("SEKALI_WORKER_POLL", cls.poll_seconds)),
+            progress_seconds=float(env.get("SEKALI_WORKER_PROGRESS", cls.progress_seconds)),
+        )
+
+
+@dataclass
+class WorkDone:
+    """What a worker did since it last told: counts per outcome, the requests by id, the
+    dead letters written, and the time it took."""
+
+    batches: int = 0
+    requests: list[int] = field(default_factory=list)
+    counts: dict[str, int] = field(default_factory=dict)
+    dead_letters: list[int] = field(default_factory=list)
+    failures: dict[str, str] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    def add(self, results: list[StepResult], seconds: float) -> None:
+        self.batches += 1
+        self.seconds += seconds
+        self.requests += [r.request.request_id for r in results
+                          if r.request is not None and r.request.request_id is not None]
+        done = summary(results)
+        for name, value in done.items():
+            if isinstance(value, int):
+                self.counts[name] = self.counts.get(name, 0) + value
+        self.dead_letters += done["dead_letters"]
+        self.failures.update(done["failures"])
+
+    @property
+    def total(self) -> int:
+        return len(self.requests)
+
+    def line(self) -> str:
+        counts = ", ".join(f"{v} {k}" for k, v in sorted(self.counts.items()) if v)
+        ids = _ranges(self.requests)
+        dead = (f"; dead-lettered as {', '.join(map(str, self.dead_letters))}"
+                if self.dead_letters else "")
+        return (f"{self.total} requests in {self.batches} batches ({counts or 'none'}) in "
+                f"{self.seconds:.2f} s: {ids}{dead}")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"batches": self.batches, "requests": self.total, **self.counts,
+                "request_ids": _ranges(self.requests), "dead_letters": self.dead_letters,
+                "failures": self.failures, "seconds": round(self.seconds, 3)}
+
+
+def _ranges(ids: list[int]) -> str:
+    """``1-4, 9`` for ids 1, 2, 3, 4, 9 (at most 20 ranges, then how many more)."""
+    spans: list[list[int]] = []
+    for n in sorted(set(ids)):
+        if spans and spans[-1][1] == n - 1:
+            spans[-1][1] = n
+        else:
+            spans.append([n, n])
+    text = [f"{a}-{b}" if a != b else str(a) for a, b in spans]
+    if len(text) > 20:
+        return ", ".join(text[:20]) + f" and {len(text) - 20} more"
+    return ", ".join(text)
+
+
+@dataclass
+class WorkerStats:
+    """A worker's whole life: why it ended, and what it did."""
+
+    reason: str = ""
+    batches: int = 0
+    requests: int = 0
+    counts: dict[str, int] = field(default_factory=dict)
+
+
+Deferral = Callable[[], Any]
+"""A context manager factory: what a batch runs inside (the Dagster adapter defers the run's
+termination to the end of the batch, so a batch is never cut between a send and its
+record)."""
+
+
+@contextmanager
+def _no_deferral() -> Iterator[None]:
+    yield
+
+
+class ResidentWorker:
+    """One resident worker (see the module docstring). ``owner``: the id every request it
+    claims is held under (its Dagster run id). ``on_progress`` hears the merged
+    :class:`WorkDone` at most every ``policy.progress_seconds``, and at the end;
+    ``on_failure`` each failed attempt once its request is settled (retried later, or
+    dead-lettered)."""
+
+    def __init__(
+        self,
+        services: Services,
+        policy: WorkerPolicy,
+        *,
+        owner: str,
+        wakeup: Wakeup | None = None,
+        delivery: DeliveryPolicy | None = None,
+        stop: threading.Event | None = None,
+        on_progress: Callable[[WorkDone], None] | None = None,
+        on_failure: OnFailure | None = None,
+        batch: Deferral = _no_deferral,
+        step: str | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.services = services
+        self.policy = policy
+        self.owner = owner
+        self.stop = stop or threading.Event()
+        self.wakeup = wakeup or process_wakeup(self.stop)
+        self.delivery = delivery or DeliveryPolicy.from_env()
+        self.on_progress = on_progress
+        self.on_failure = on_failure
+        self.batch = batch
+        self.step = step or f"worker[{policy.queue}]"
+        self.clock = clock
+        self.requests = RequestStore(services.db)
+        self.stats = WorkerStats()
+
+    def job_types(self) -> list[str]:
+        return self.delivery.resident(self.policy.queue)
+
+    def run(self) -> WorkerStats:
+        """Claim and run until a bound or ``stop`` ends the worker; returns its stats."""
+        started = last_work = last_told = self.clock()
+        done = WorkDone()
+        types = self.job_types()
+        while True:
+            now = self.clock()
+            if self.stop.is_set():
+                self.stats.reason = "stopped"
+                break
+            if now - started >= self.policy.lifetime_seconds:
+                self.stats.reason = f"lifetime of {self.policy.lifetime_seconds:.0f} s reached"
+                break
+            if now - last_work >= self.policy.idle_seconds:
+                self.stats.reason = f"idle for {self.policy.idle_seconds:.0f} s"
+                break
+            with self.batch():
+                results, took = self.run_once(types)
+            if results:
+                last_work = self.clock()
+                done.add(results, took)
+            if done.batches and (not results or self.clock() - last_told
+                                   >= self.policy.progress_seconds):
+                self._tell(done)
+                done, last_told = WorkDone(), self.clock()
+            if not results:
+                self.wakeup.wait(self.policy.queue, self.policy.poll_seconds)
+        if done.batches:
+            self._tell(done)
+        return self.stats
+
+    def run_once(self, types: list[str] | None = None) -> tuple[list[StepResult], float]:
+        """One claim and its batch: (the results, seconds it took); none when nothing was
+        claimable."""
+        types = self.job_types() if types is None else types
+        if not types:
+            return [], 0.0
+        started = time.perf_counter()
+        claimed = self.requests.claim_for_worker(
+            self.policy.batch_size, owner=self.owner, job_types=types,
+            relaunch_after=self.policy.relaunch_after,
+        )
+        if not claimed:
+            return [], 0.0
+        results = run_steps(
+            self.services, StepAttempt(run_id=self.owner, step=self.step),
+            [StepRequest.of(r, claimed=True) for r in claimed],
+            retry=Retry.REQUEUE, source="worker", owner=self.owner, on_failure=self.on_failure,
+        )
+        return results, time.perf_counter() - started
+
+    def _tell(self, done: WorkDone) -> None:
+        self.stats.batches += done.batches
+        self.stats.requests += done.total
+        for name, value in done.counts.items():
+            self.stats.counts[name] = self.stats.counts.get(name, 0) + value
+        if self.on_progress is not None:
+            self.on_progress(done)
+
+
+_wakeups: dict[tuple[str, str], RedisWakeup] = {}
+_wakeups_lock = threading.Lock()
+
+
+def process_wakeup(stop: threading.Event | None = None) -> Wakeup:
+    """This process's wake-ups (``SEKALI_WAKEUP``: ``redis``, the default, on ``REDIS_URL``
+    under ``SEKALI_WAKEUP_NAMESPACE``, default ``sekali``; ``poll``: none, workers poll), built
+    on first use and shared by the enqueues and workers of the process."""
+    if os.environ.get("SEKALI_WAKEUP", "redis").strip().lower() == "poll":
+        return PollWakeup(stop)
+    url = Settings.from_env().redis_url
+    namespace = os.environ.get("SEKALI_WAKEUP_NAMESPACE", "sekali")
+    with _wakeups_lock:
+        if (url, namespace) not in _wakeups:
+            _wakeups[url, namespace] = RedisWakeup(url, namespace=namespace)
+        return _wakeups[url, namespace]
+
+
+def notify_workers(queue: str) -> None:
+    """Wake an idle worker of ``queue`` (best effort: a lost wake-up costs a poll)."""
+    process_wakeup().notify(queue)
+
+
+@dataclass(frozen=True)
+class WorkerTargets:
+    """How many resident worker runs each queue keeps alive: ``SEKALI_WORKERS`` (``light=2,
+    heavy=1``; a queue it does not name keeps its default). By default a worker per core for
+    ``light`` and one for ``heavy``: a worker is one process running one batch at a time, so
+    light work uses the machine and a sick heavy downstream holds one worker, not all."""
+
+    counts: dict[str, int]
+
+    def of(self, queue: str) -> int:
+        return self.counts.get(queue, 1)
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None) -> WorkerTargets:
+        env = dict(os.environ) if env is None else env
+        counts = {"light": max(1, os.cpu_count() or 1), "heavy": 1}
+        for item in env.get("SEKALI_WORKERS", "").split(","):
+            if not item.strip():
+                continue
+            queue, _, raw = item.partition("=")
+            try:
+                count = int(raw)
+            except ValueError:
+                count = -1
+            if not queue.strip() or count < 0:
+                raise ValueError(f"SEKALI_WORKERS: {item.strip()!r} is not QUEUE=COUNT "
+                                 "(e.g. light=2,heavy=1)")
+            counts[queue.strip()] = count
+        return cls(counts)
