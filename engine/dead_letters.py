@@ -153,5 +153,5 @@ def dead_letter_now(subject: Subject, exc: BaseException, requests: RequestStore
         return dead_letter(requests, subject, exc, **kw)
     except Exception:  # noqa: BLE001 - the store is away: the decision is the step's answer
         log.warning("%s key=%s: its dead letter not written now (%s)", subject.job_type,
-                    subject.key, type(exc).__name__, exc_info=True)
+                    loggable(str(subject.key)), type(exc).__name__, exc_info=True)
         return None
