@@ -54,7 +54,7 @@ def prepare_dagster_home(home: Path, *, profile: str = "embedded", extra_yaml: s
                 instance.all_instigator_state()
                 instance.get_run_records(limit=1)
                 if instance.nux_enabled:  # a home whose dagster.yaml predates ``nux: off``
-                    set_nux_seen()
+                    set_nux_seen()  # type: ignore[no-untyped-call]
         finally:
             if previous is None:
                 os.environ.pop("DAGSTER_HOME", None)

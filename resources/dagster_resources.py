@@ -337,7 +337,7 @@ def dagster_signal(exc: BaseException, decision: RetryDecision, policy: RetryPol
             extra={"attempt": decision.attempt, "error_class": str(decision.error_class)},
         )
         return RetryRequested(max_retries=policy.max_attempts - 1, seconds_to_wait=decision.delay)
-    metadata = {
+    metadata: dict[str, Any] = {
         "error_class": str(decision.error_class),
         "reason": decision.reason or "",
         "attempt": decision.attempt,
