@@ -375,8 +375,8 @@ def expected_failure(description: str, *, metadata: dict[str, Any] | None = None
     How (Dagster 1.13.27, ``dagster._utils.error.serializable_error_info_from_exc_info``): an
     exception that carries ``USER_FACING_ERROR_ID_ATTR_NAME`` (what
     ``DAGSTER_REDACT_USER_CODE_ERRORS`` sets on every error) is stored with an empty stack and
-    no cause, its message followed by ``Error ID <id>. ... Search in logs for this error ID``;
-    the id is :func:`error_id`, which the caller logs beside the failure. The one failure
+    no cause, its message followed by ``Error ID <id>. ... Search in logs for this error ID``
+    (:func:`error_id`; :func:`dagster_signal` logs it in its giving-up line). The one failure
     path keeps the full error where it belongs (the attempt row, the dead letter's
     ``--trace``). ``tests/test_failure_events.py`` fails if an upgrade changes this.
     """

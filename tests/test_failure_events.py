@@ -99,6 +99,22 @@ def test_attempts_exhausted_on_a_sick_downstream_fail_the_run_in_one_line(
         assert_one_line(error, "attempts exhausted after attempt 1 (transient): "), kind
 
 
+def test_a_run_naming_no_stored_request_fails_in_one_line(
+    instance: dg.DagsterInstance, sqlite_url: str, redis_url: str, namespace: str
+) -> None:
+    """Catches an operator's mistake (a ``request_id`` that names no request) read as a crash."""
+    result = ops.charge_payment_job.execute_in_process(
+        run_config={"ops": {"charge_payment_op": {"config": {"request_id": 987654}}}},
+        resources=dagster_resources(db_url=sqlite_url, redis_url=redis_url,
+                                    namespace=namespace),
+        instance=instance, raise_on_error=False,
+    )
+    assert not result.success
+    for kind, error in failure_errors(instance, result.run_id).items():
+        assert error is not None and error.stack == [] and error.cause is None, kind
+        assert "request_id: job request 987654 does not exist" in error.message, kind
+
+
 def _bug(ctx: JobContext, payload: dict[str, Any]) -> dict[str, Any]:
     return {"n": payload["missing"]}  # a KeyError: our own code met data it did not expect
 
