@@ -217,7 +217,7 @@ def test_launch_twice_from_the_launchpad_then_see_outcomes_and_the_dlq(
     page.get_by_text("no_permanent_dead_letters").first.wait_for(timeout=WAIT_MS)
     page.screenshot(path=str(SHOTS / "06-dead-letters-check.png"), full_page=True)
     bad_tags = {t["key"]: t["value"] for r in _runs(stack) if r["runId"] == bad for t in r["tags"]}
-    assert bad_tags[tag.OUTCOME] == "dead_lettered"
+    assert bad_tags[tag.OUTCOME] == "failed"  # refused for good; a sick downstream: dead_lettered
 
     # 5. The failed run points at its dead letter, and the record names the run back.
     dlq_id = bad_tags[tag.DLQ_ID]
