@@ -345,9 +345,10 @@ def dagster_signal(exc: BaseException, decision: RetryDecision, policy: RetryPol
     }
     expected = decision.error_class is not ErrorClass.UNKNOWN
     lines = str(exc).strip().splitlines()
-    description = (f"{decision.reason} after attempt {decision.attempt} "
-                   f"({decision.error_class}): {type(exc).__name__}: "
-                   f"{lines[0] if expected and lines else exc}")
+    why = "" if decision.reason == str(decision.error_class) else f": {decision.reason}"
+    description = (f"{decision.error_class}: {type(exc).__name__}: "
+                   f"{lines[0] if expected and lines else exc} "
+                   f"(given up at attempt {decision.attempt + 1}{why})")
     if expected:
         failure = expected_failure(description, metadata=metadata)
         said = f"; error id {error_id(failure)}"

@@ -72,7 +72,7 @@ def test_a_refused_payload_fails_the_run_in_one_line(
     )
     assert not result.success
     for kind, error in failure_errors(instance, result.run_id).items():
-        assert_one_line(error, "(permanent): ValidationError: currency: "), kind
+        assert_one_line(error, "Failure: permanent: ValidationError: currency: "), kind
 
 
 def test_attempts_exhausted_on_a_sick_downstream_fail_the_run_in_one_line(
@@ -96,7 +96,8 @@ def test_attempts_exhausted_on_a_sick_downstream_fail_the_run_in_one_line(
         gateway.stop()
     assert not result.success
     for kind, error in failure_errors(instance, result.run_id).items():
-        assert_one_line(error, "attempts exhausted after attempt 1 (transient): "), kind
+        assert_one_line(error, "Failure: transient: ")
+        assert "(given up at attempt 2: attempts exhausted)" in error.message, kind
 
 
 def test_a_run_naming_no_stored_request_fails_in_one_line(
@@ -148,6 +149,6 @@ def test_an_unknown_failure_keeps_its_stack_traces(
     assert not result.success
     for kind, error in failure_errors(instance, result.run_id).items():
         assert error is not None, kind
-        assert "(unknown): KeyError" in error.message and "Error ID" not in error.message
+        assert "Failure: unknown: KeyError" in error.message and "Error ID" not in error.message
         assert error.stack and error.cause is not None, kind
         assert any("_bug" in frame for frame in error.cause.stack), error.cause.stack

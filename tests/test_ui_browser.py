@@ -360,7 +360,7 @@ def test_the_guides_job_type_from_the_launchpad_to_its_dead_letter(
 
     # 3. Its page says what was wrong in one line: the class and the reason, no stack trace.
     page.goto(f"{base}/runs/{run_id}")
-    line = page.get_by_text(re.compile(r"\(permanent\): ValidationError: points: ")).first
+    line = page.get_by_text(re.compile(r"permanent: ValidationError: points: ")).first
     line.wait_for(timeout=WAIT_MS)
     page.screenshot(path=str(SHOTS / "guide-03-failed-run.png"), full_page=True)
     assert page.get_by_text("Stack Trace").count() == 0

@@ -37,8 +37,7 @@ _NOTICE = re.compile(r"^\S+\.py:\d+: (?:BetaWarning|PreviewWarning|SupersessionW
 _QUIET_LEVELS = frozenset({"DEBUG", "INFO"})
 _FAILURE_EVENT = re.compile(r" - (?:STEP_FAILURE|RUN_FAILURE) - ")
 _EXPECTED_ERROR = re.compile(
-    r"^dagster\._core\.definitions\.events\.Failure: .* after attempt \d+ "
-    r"\((?:permanent|transient|data_bug)\): "
+    r"^dagster\._core\.definitions\.events\.Failure: (?:permanent|transient|data_bug): "
 )
 """The first line of a failure event's error when the failure path classified it
 (``resources.dagster_resources.dagster_signal``'s ``Failure`` description)."""
