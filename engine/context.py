@@ -133,7 +133,7 @@ class JobContext:
         (``Attempt.send_bounds``), the evidence ``sekali chaos`` checks every arrival against.
         """
         self.check_lease()
-        self.cancel_point("before a downstream call")
+        self._stop_if_cancelled("before a downstream call")
         self._sent = True
         asked, asked_wall = time.monotonic(), time.time()
         if self.keeper is not None:
@@ -225,17 +225,29 @@ class JobContext:
     def cancel_point(self, where: str, *, conn: Connection | None = None) -> None:
         """Raise :class:`RequestCancelled` if the request under this key was cancelled.
 
-        Called at the attempt's start (:func:`engine.runtime.execute_request`), at each
-        :meth:`checkpoint` (inside the transaction that writes it) and in
-        :meth:`confirm_lease` before each downstream call (a job type that wrote the send down
-        first takes it back when this raises there, as after any refusal). Never once this
-        attempt may have sent something (:meth:`confirm_lease` passed: the send must be
-        recorded, so the attempt runs to its end and the cancel is refused when it completes),
-        nor when an earlier attempt left a recovery point (its effect may be under way). A
-        cancel committed just after a passed cancel point is refused the same way: the request
-        either completes with the cancel refused, or stops before an effect.
+        Called at the attempt's start (:func:`engine.runtime.execute_request`) and at each
+        :meth:`checkpoint` (inside the transaction that writes it). Never once this attempt may
+        have sent something (:meth:`confirm_lease` passed: the send must be recorded, so the
+        attempt runs to its end and the cancel is refused when it completes), nor when an
+        earlier attempt left a recovery point (its effect may be under way: the phase it names
+        is carried on, not stopped half-way). A cancel committed just after a passed cancel
+        point is refused the same way: the request either completes with the cancel refused,
+        or stops before an effect.
+
+        :meth:`confirm_lease` asks too, right before each downstream call, and there an earlier
+        attempt's recovery point does not excuse the attempt: the job type has settled what
+        that attempt sent (waited out its window, looked it up, found nothing) before sending
+        anew, so stopping there leaves no effect under way (a job type that wrote the send down
+        first takes it back when this raises, as after any refusal). Without it a delivery that
+        claimed the key after a cancel, following an attempt that wrote its send down, sent
+        (the model's ``finding_cancel``).
         """
-        if self._sent or self.claim.recovery_point is not None:
+        if self.claim.recovery_point is not None:
+            return
+        self._stop_if_cancelled(where, conn=conn)
+
+    def _stop_if_cancelled(self, where: str, *, conn: Connection | None = None) -> None:
+        if self._sent:
             return
         if conn is None and self.cancels is not None:
             state = self.cancels.state(self.claim.key)
