@@ -83,7 +83,10 @@ class RequestStatus(StrEnum):
                                 its worker's run ended holding it
     launched                    its run ended before any step took it               pending
     pending                     debounced: another request of its group ran         coalesced
-    pending/launched/failed     cancelled (:meth:`RequestStore.cancel`)             cancelled
+    pending/launched/failed     cancelled (:meth:`RequestStore.cancel`), its key    cancelled
+                                held by no live holder; or, cancel requested, the
+                                holder of its key gave up
+                                (:meth:`RequestStore.settle_requested_cancel`)
     running                     its op stopped at a cancel point after a cancel     cancelled
     completed                   (terminal)
     coalesced                   (terminal; ``coalesced_into`` names the one that
@@ -109,8 +112,9 @@ class CancelState(StrEnum):
     """Where a cancel of a request stands (``request_cancels.cancel_state``; no row: never asked).
 
     ===========  ========================================================================
-    requested    the request was running: its op stops at its next cancel point
-                 (:meth:`engine.context.JobContext.cancel_point`), or it completes first
+    requested    the request was running, or a live holder held its key: its op stops at
+                 its next cancel point (:meth:`engine.context.JobContext.cancel_point`), it
+                 completes first, or (not running) its key's holder gives up
     cancelled    decided: the request never ran, or stopped before its next side effect
     refused      decided: it had completed (or sent an effect it must record) first
     ===========  ========================================================================
