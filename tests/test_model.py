@@ -31,6 +31,7 @@ BROKEN_PROPERTY = {
     "no_send_bound": "P4",
     "resend_no_lookup": "P1",
     "no_settle_wait": "P1",
+    "settle_provider_only": "P1",
     "redis_no_floor": "P7",
     "cancel_at_once": "P5",
     "cancel_point_skips_recovery": "P5",

@@ -41,6 +41,10 @@ TIMEOUT = 900.0
 # Each part of a check's configuration, once.
 TAKEOVER = ("NO_CANCEL", "MAX_REPLAY=0", "MAX_KILLS=1", "NO_BATCH", "MAX_REDELIVER=1",
             "MAX_LOST=1", "L=3", "MAXA=1")
+LONG_LEASE = ("NO_CANCEL", "MAX_REPLAY=0", "MAX_KILLS=1", "NO_BATCH", "MAX_REDELIVER=1",
+              "MAX_LOST=1", "L=5", "B=2", "MAXA=1")
+"""TAKEOVER with a lease of 5 ticks, so the send bound (2) is more than the model's one-tick
+grain: a settle window of the provider's time plus one tick is then shorter than P + B."""
 CANCEL = ("MAX_REPLAY=0", "MAX_KILLS=0", "NO_BATCH", "MAX_REDELIVER=1", "MAX_LOST=1", "L=3",
           "MAXA=1")
 RETRY_REPLAY = ("NO_CANCEL", "MAX_REPLAY=1", "MAX_KILLS=1", "NO_BATCH", "MAX_REDELIVER=0",
@@ -84,6 +88,8 @@ CHECKS: tuple[Check, ...] = (
     Check("takeover", "ledger.pml", TAKEOVER, "verifies", "real",
           "two deliveries of one request, takeover after a pause, a kill, a lost answer: "
           "P1-P4"),
+    Check("takeover_long_lease", "ledger.pml", LONG_LEASE, "verifies", "real",
+          "takeover with a lease of 5 ticks, send bound 2, the settle window P + B: P1-P4"),
     Check("retry_replay", "ledger.pml", RETRY_REPLAY, "verifies", "real",
           "retries after an unanswered charge, a kill, the operator's replay: P1-P4, P6"),
     Check("batch", "ledger.pml", BATCH, "verifies", "real",
@@ -102,6 +108,9 @@ CHECKS: tuple[Check, ...] = (
           shortest=False),
     Check("no_settle_wait", "ledger.pml", (*TAKEOVER, "NO_SETTLE_WAIT"), "refuted", "broken",
           "the takeover looks up at once, before the settle window"),
+    Check("settle_provider_only", "ledger.pml", (*LONG_LEASE, "W=2"), "refuted", "broken",
+          "a settle window only longer than the provider's processing time (P + 1 < P + B): "
+          "a send leaving within its bound is committed after the lookup"),
     Check("redis_no_floor", "redis_fence.pml", ("REDIS_NO_FLOOR",), "refuted", "broken",
           "the Redis fence as INCR alone: a Redis that lost writes hands out a lower fence"),
     Check("cancel", "ledger.pml", CANCEL, "verifies", "real",
