@@ -315,6 +315,37 @@ def test_a_requested_cancel_ends_cancelled_when_the_holder_gives_up(
     assert _open_dead_letters(db, request_id) == []
 
 
+def test_a_cancel_waiting_for_a_holder_that_died_ends_once_its_lease_ran_out(
+    db: Database,
+) -> None:
+    """Catches a cancel that trusts a dead holder's row forever, or one that ignores a live
+    lease: the key's holder dies (no failure path runs); while its lease lasts a cancel of
+    the failed request is only requested, and asked again once the lease ran out (judged on
+    the cancel's clock, as a takeover judges it) it cancels the request and closes its dead
+    letter."""
+    now = [1_000.0]
+    store = RequestStore(db, clock=lambda: now[0])
+    request_id = store.enqueue("send_email", key_of(email(7)), email(7), queue="light").id
+    holder = IdempotencyStore(db, lease_seconds=30.0, clock=lambda: now[0])
+    holder.begin(key_of(email(7)), payload=email(7))  # then it dies, holding the key
+    store.mark_running(request_id)
+    store.mark_failed(request_id, "AlreadyInProgress: a second delivery gave up")
+    DlqStore(db).record_failure(FailureInfo(
+        job_type="send_email", dedupe_key=f"request:{request_id}",
+        error_type="AlreadyInProgress", message="held", run_id="r-2", request_id=request_id,
+        idempotency_key=key_of(email(7)), error_class=FailureClass.TRANSIENT,
+    ))
+    (first,) = cancel_requests(store, [request_id], by="ops", reason="mistake")
+    assert not isinstance(first, KeyError) and first.state is CancelState.REQUESTED
+    assert "holds its key" in first.detail
+    now[0] += 31.0
+    (again,) = cancel_requests(store, [request_id], by="ops", reason="mistake")
+    assert not isinstance(again, KeyError) and again.new
+    assert again.state is CancelState.CANCELLED
+    assert store.get(request_id).status is RequestStatus.CANCELLED  # type: ignore[union-attr]
+    assert _open_dead_letters(db, request_id) == []
+
+
 def test_a_cancel_stops_a_send_after_an_earlier_attempts_recovery_point(
     db: Database, probe: Any
 ) -> None:
