@@ -1367,7 +1367,7 @@ class RequestStore:
                 or IdempotencyStore.held(conn, request.key, now)):
             return False
         params = {"id": request_id, "now": now, "seen": str(request.status),
-                  "detail": f"cancelled: the delivery holding its key gave up ({why})"[:2000]}
+                  "detail": f"cancelled: the delivery holding its key ended ({why})"[:2000]}
         moved = conn.execute(
             text("UPDATE job_requests SET status = 'cancelled', updated_at = :now"
                  " WHERE id = :id AND status = :seen"), params,
@@ -1379,6 +1379,32 @@ class RequestStore:
                      " WHERE request_id = :id AND cancel_state = 'requested'"), params,
             )
         return bool(moved)
+
+    def settle_waiting_cancels(self, *, actor: str, limit: int = 200) -> list[int]:
+        """End the cancels still waiting for a holder of the key that ended without a failure
+        path (killed, its run gone): each request not running under its row whose cancel is
+        ``requested`` ends ``cancelled`` once no live holder holds its key
+        (:meth:`settle_requested_cancel`, one transaction each), its open dead letters closed.
+        The DLQ sweep's safety net; returns the ids ended."""
+        with self.db.statement() as conn:
+            waiting = conn.execute(
+                text("SELECT c.request_id FROM request_cancels c"
+                     " JOIN job_requests r ON r.id = c.request_id"
+                     " WHERE c.cancel_state = 'requested'"
+                     " AND r.status IN ('pending', 'launched', 'failed')"
+                     " ORDER BY c.request_id LIMIT :n"),
+                {"n": limit},
+            ).scalars().all()
+        ended = []
+        for request_id in waiting:
+            with self.db.transaction() as conn:
+                if self.settle_requested_cancel(
+                    int(request_id), "it ended without deciding; its lease ran out", conn=conn
+                ):
+                    ended.append(int(request_id))
+        for request_id in ended:
+            close_dead_letters(self.db, request_id, actor, "cancelled: the holder of its key ended")
+        return ended
 
     def mark_cancelled(self, request_id: int, detail: str, *, run_id: str | None = None) -> bool:
         """The op stopped at a cancel point: the request ends ``cancelled`` with what was done

@@ -346,6 +346,41 @@ def test_a_cancel_waiting_for_a_holder_that_died_ends_once_its_lease_ran_out(
     assert _open_dead_letters(db, request_id) == []
 
 
+@pytest.mark.dagster
+def test_the_dlq_sweep_ends_a_cancel_whose_holder_died(db: Database) -> None:
+    """Catches a cancel left ``requested`` for good when nobody asks again: the holder the
+    cancel waited for dies (no failure path runs); once its lease ran out, the DLQ sweep ends
+    the request ``cancelled`` and closes its dead letter."""
+    import dagster as dg
+
+    from sensors.dlq import sweep
+
+    store = RequestStore(db)
+    request_id = store.enqueue("send_email", key_of(email(8)), email(8), queue="light").id
+    began = time.time()
+    holder = IdempotencyStore(db, lease_seconds=5.0, clock=lambda: began)
+    holder.begin(key_of(email(8)), payload=email(8))  # then it dies, holding the key
+    store.mark_running(request_id)
+    store.mark_failed(request_id, "AlreadyInProgress: a second delivery gave up")
+    DlqStore(db).record_failure(FailureInfo(
+        job_type="send_email", dedupe_key=f"request:{request_id}",
+        error_type="AlreadyInProgress", message="held", run_id="r-2", request_id=request_id,
+        idempotency_key=key_of(email(8)), error_class=FailureClass.TRANSIENT,
+    ))
+    (asked,) = cancel_requests(store, [request_id], by="ops", reason="mistake")
+    assert not isinstance(asked, KeyError) and asked.state is CancelState.REQUESTED
+    with dg.DagsterInstance.ephemeral() as instance:
+        sweep(instance, DlqStore(db), None)  # the lease still runs: nothing ends
+        assert store.get(request_id).cancel_state is CancelState.REQUESTED  # type: ignore[union-attr]
+        time.sleep(max(0.0, began + 5.0 - time.time()) + 0.1)
+        sweep(instance, DlqStore(db), None)
+    request = store.get(request_id)
+    assert request is not None and request.status is RequestStatus.CANCELLED
+    assert request.cancel_state is CancelState.CANCELLED
+    assert "ended" in (request.cancel_detail or "")
+    assert _open_dead_letters(db, request_id) == []
+
+
 def test_a_cancel_stops_a_send_after_an_earlier_attempts_recovery_point(
     db: Database, probe: Any
 ) -> None:
