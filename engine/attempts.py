@@ -201,6 +201,28 @@ _WRITE_ROLLUP_SQLITE = Sql(
     "INSERT INTO job_attempt_rollups AS r (bucket, job_type, metric, label, bin, shard, n)"
     f" VALUES (:bucket, :job_type, :metric, :label, :bin, :shard, :n) {_ROLLUP_CONFLICT}"  # nosec B608: SQL from code constants, values bound
 )
+
+
+def _write_postgres(db: Database, rows: list[dict[str, Any]],
+                    rollups: list[dict[str, Any]]) -> None:
+    with connect(db) as conn:
+        conn.run(_WRITE_PG, {"rows": json.dumps(rows), "deltas": json.dumps(rollups)})
+
+
+def _write_sqlite(db: Database, rows: list[dict[str, Any]],
+                  rollups: list[dict[str, Any]]) -> None:
+    with transaction(db) as conn:
+        cursor = conn.raw.cursor()
+        try:
+            cursor.executemany(_WRITE_ROW_SQLITE.text, rows)
+            cursor.executemany(_WRITE_ROLLUP_SQLITE.text, rollups)
+        finally:
+            cursor.close()
+
+
+_WRITERS = {"postgresql": _write_postgres, "sqlite": _write_sqlite}
+"""The rows and their aggregates in one transaction, each dialect its fastest way."""
+
 _shard = threading.local()
 
 
@@ -410,17 +432,7 @@ class AttemptRecorder:
             for (b, jt, m, label, bin_), n in sorted(deltas.items()) if n
         ]
         try:
-            if self.db.is_postgres:
-                with connect(self.db) as conn:
-                    conn.run(_WRITE_PG, {"rows": json.dumps(rows), "deltas": json.dumps(rollups)})
-            else:
-                with transaction(self.db) as conn:
-                    cursor = conn.raw.cursor()
-                    try:
-                        cursor.executemany(_WRITE_ROW_SQLITE.text, rows)
-                        cursor.executemany(_WRITE_ROLLUP_SQLITE.text, rollups)
-                    finally:
-                        cursor.close()
+            _WRITERS[self.db.sql_dialect.name](self.db, rows, rollups)
         except Exception:  # noqa: BLE001 - recording must not fail the job
             logger.exception(
                 "could not record attempt(s) %s", ", ".join(r.attempt_id for r in records)

@@ -148,7 +148,7 @@ class JobContext:
     ) -> Iterator[tuple[Connection, Row[Any] | None]]:
         """A transaction holding the row lock on ``table.column = value`` (``FOR UPDATE`` on
         Postgres; SQLite's ``BEGIN IMMEDIATE`` already excludes every other writer)."""
-        lock = " FOR UPDATE" if self.services.db.is_postgres else ""
+        lock = self.services.db.sql_dialect.row_lock
         self.check_lease()
         started = time.perf_counter()
         with self.timed(name), self.services.db.transaction() as conn:

@@ -664,13 +664,8 @@ def check_unique_constraints(s: DiagnosisSetup) -> Finding:
                 present.append(f"{table}({', '.join(cols)})")
             else:
                 missing.append(f"{table}({', '.join(cols)})")
-        if s.db.is_postgres:
-            boundary = "Postgres: conditional single statements and FOR UPDATE row locks"
-        else:
-            mode = conn.exec_driver_sql("PRAGMA journal_mode").scalar()
-            boundary = f"SQLite journal_mode={mode}, transactions opened with BEGIN IMMEDIATE"
-            if str(mode).lower() != "wal":
-                missing.append("SQLite not in WAL mode (readers block the writer)")
+        boundary, wrong = s.db.sql_dialect.write_boundary(conn)
+        missing += wrong
     evidence = {"unique": present, "missing": missing}
     if missing:
         return _finding(
@@ -962,7 +957,7 @@ def check_replication(s: DiagnosisSetup) -> Finding:
     A failover to a standby that had not received the commit rolls the completion back while
     the effect stays, and the request runs again: the primary's replication mode decides
     whether that can happen (:mod:`resources.storage.replication`)."""
-    if not s.db.is_postgres:
+    if not s.db.sql_dialect.has_replicas:
         return _finding("replication", ERROR, True, "SQLite: no replica, nothing to fail over.",
                         "Nothing to change.")
     with s.db.statement() as conn:

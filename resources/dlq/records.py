@@ -284,13 +284,6 @@ class ReplayDecision:
     key_reset: bool = False
 
 
-COLUMNS = (
-    "id, dedupe_key, job_type, idempotency_key, request_id, run_id, step, payload, run_config,"
-    " tags, error_class, error_type, fingerprint, last_error, trace, failure_count,"
-    " replay_count, first_failed_at, last_failed_at, correlation_id, status,"
-    " status_changed_at, created_at, updated_at, trace_id"
-)
-
 dlq_records = Table(
     "dlq_records",
     metadata,

@@ -42,7 +42,6 @@ from sqlalchemy import bindparam, text
 from sqlalchemy.engine import Connection
 
 from resources.dlq.records import (
-    COLUMNS,
     DETAIL_BYTES,
     JSON_LIMIT_FACTOR,
     MIN_RETENTION_SECONDS,
@@ -66,17 +65,6 @@ from resources.storage.settings import ID_BYTES, InputLimits
 
 _D = DlqStatus
 
-_INSERT = f"""
-INSERT INTO dlq_records (dedupe_key, job_type, idempotency_key, request_id, run_id, step, payload,
-    run_config, tags, error_class, error_type, fingerprint, last_error, trace, failure_count,
-    replay_count, first_failed_at, last_failed_at, correlation_id, status, status_changed_at,
-    created_at, updated_at, trace_id)
-VALUES (:dedupe_key, :job_type, :ikey, :request_id, :run_id, :step, :payload, :run_config, :tags,
-    :eclass, :etype, :fp, :msg, :trace, 1, 0, :failed_at, :failed_at, :cid, 'open', :now, :now,
-    :now, :trace_id)
-ON CONFLICT (dedupe_key) DO NOTHING
-RETURNING {COLUMNS}
-"""  # nosec B608: SQL from code constants, values bound
 
 
 class DlqStore(DlqViews):
@@ -128,22 +116,19 @@ class DlqStore(DlqViews):
         }
         row = None
         if info.dlq_id is not None:
-            row = self._select(conn, "id = :id", {"id": info.dlq_id}, lock=True)
+            row = conn.execute(text(self._q["lock_by_id"]), {"id": info.dlq_id}).first()
         created = False
         if row is None:  # looked up first: an insert that meets a conflict spends an id
-            row = self._select(conn, "dedupe_key = :k", {"k": info.dedupe_key}, lock=True)
+            row = conn.execute(text(self._q["lock_by_key"]), {"k": info.dedupe_key}).first()
         if row is None:
-            row = conn.execute(text(_INSERT), params).first()
+            row = conn.execute(text(self._q["insert_record"]), params).first()
             created = row is not None
             if row is None:  # another process inserted it meanwhile
-                row = self._select(conn, "dedupe_key = :k", {"k": info.dedupe_key}, lock=True)
+                row = conn.execute(text(self._q["lock_by_key"]), {"k": info.dedupe_key}).first()
         assert row is not None
         record = DlqRecord.from_row(row)
         seen = conn.execute(
-            text(
-                "INSERT INTO dlq_failures (record_id, run_id, step, seen_at)"
-                " VALUES (:rid, :run, :step, :now) ON CONFLICT DO NOTHING"
-            ),
+            text(self._q["insert_failure"]),
             {"rid": record.id, "run": info.run_id, "step": info.step, "now": now},
         ).rowcount
         if created:
@@ -167,22 +152,7 @@ class DlqStore(DlqViews):
         elif status is _D.RESOLVED and failed_at > record.status_changed_at:
             status, action = _D.OPEN, "reopened"
         conn.execute(
-            text(
-                "UPDATE dlq_records SET run_id = :run_id, step = :step, error_class = :eclass,"
-                # A record first seen without them (batch, sweep) gets a later run's.
-                " run_config = CASE WHEN run_config IS NULL OR run_config = '{}'"
-                "   THEN :run_config ELSE run_config END,"
-                " tags = CASE WHEN tags IS NULL OR tags = '{}' THEN :tags ELSE tags END,"
-                " error_type = :etype, fingerprint = :fp, last_error = :msg, trace = :trace,"
-                " failure_count = failure_count + 1,"
-                " last_failed_at = CASE WHEN last_failed_at > :failed_at"
-                "   THEN last_failed_at ELSE :failed_at END,"
-                " status = :status,"
-                " status_changed_at = CASE WHEN status = :status THEN status_changed_at"
-                "   ELSE :now END,"
-                " updated_at = :now WHERE id = :id"
-            ),
-            {**params, "status": str(status), "id": record.id},
+            text(self._q["failed_again"]), {**params, "status": str(status), "id": record.id}
         )
         self._audit(
             conn,
@@ -194,7 +164,7 @@ class DlqStore(DlqViews):
             f"run {info.run_id} {info.error_type}",
             now,
         )
-        updated = self._select(conn, "id = :id", {"id": record.id}, lock=False)
+        updated = conn.execute(text(self._q["record_by_id"]), {"id": record.id}).first()
         assert updated is not None
         return RecordedFailure(DlqRecord.from_row(updated), False, True)
 
@@ -266,11 +236,7 @@ class DlqStore(DlqViews):
         when the record is no longer open (another amendment or replay got there first)."""
         now = self.clock()
         moved = conn.execute(
-            text(
-                "UPDATE dlq_records SET status = 'discarded', status_changed_at = :now,"
-                " updated_at = :now WHERE id = :id AND status = 'open'"
-            ),
-            {"now": now, "id": record_id},
+            text(self._q["supersede"]), {"now": now, "id": record_id}
         ).rowcount
         if moved:
             self._audit(conn, record_id, SUPERSEDED, actor, _D.OPEN, _D.DISCARDED, detail, now)
@@ -289,26 +255,15 @@ class DlqStore(DlqViews):
         if limit <= 0:
             return []
         now = self.clock()
-        skip = " FOR UPDATE SKIP LOCKED" if self.db.is_postgres else ""
         with self.db.transaction() as conn:
             ids = [
                 int(r.id)
-                for r in conn.execute(
-                    text(
-                        "SELECT id FROM dlq_records WHERE status = 'replay_requested'"
-                        f" ORDER BY status_changed_at, id LIMIT :limit{skip}"  # nosec B608: SQL from code constants, values bound
-                    ),
-                    {"limit": limit},
-                )
+                for r in conn.execute(text(self._q["replay_requested_ids"]), {"limit": limit})
             ]
             if not ids:
                 return []
             conn.execute(
-                text(
-                    "UPDATE dlq_records SET status = 'replaying', replay_count = replay_count + 1,"
-                    " status_changed_at = :now, updated_at = :now"
-                    " WHERE id IN :ids AND status = 'replay_requested'"
-                ).bindparams(bindparam("ids", expanding=True)),
+                text(self._q["start_replays"]).bindparams(bindparam("ids", expanding=True)),
                 {"ids": ids, "now": now},
             )
             for record_id in ids:
@@ -323,9 +278,7 @@ class DlqStore(DlqViews):
                     now,
                 )
             rows = conn.execute(
-                text(f"SELECT {COLUMNS} FROM dlq_records WHERE id IN :ids").bindparams(  # nosec B608: SQL from code constants, values bound
-                    bindparam("ids", expanding=True)
-                ),
+                text(self._q["records_by_ids"]).bindparams(bindparam("ids", expanding=True)),
                 {"ids": ids},
             ).all()
         return sorted((DlqRecord.from_row(r) for r in rows), key=lambda r: r.id)
@@ -377,11 +330,12 @@ class DlqStore(DlqViews):
         return retention.Expiry.of(
             "dlq_records",
             "id",
-            "status IN ('resolved', 'discarded') AND status_changed_at <= :cutoff",
+            self._q["expired"],
             {"cutoff": self.clock() - retention_seconds},
             keep=keep,
             children=(("dlq_failures", "record_id"), ("dlq_audit", "record_id")),
         )
+
     # -- internals --------------------------------------------------------------------------
 
     def _json(self, value: Any) -> str:
@@ -416,15 +370,11 @@ class DlqStore(DlqViews):
     ) -> bool:
         now = self.clock()
         with self.db.transaction() as conn:
-            before = self._select(conn, "id = :id", {"id": record_id}, lock=True)
+            before = conn.execute(text(self._q["lock_by_id"]), {"id": record_id}).first()
             if before is None:
                 raise DlqRecordNotFound(record_id)
             moved = conn.execute(
-                text(
-                    "UPDATE dlq_records SET status = :target, status_changed_at = :now,"
-                    " error_class = COALESCE(:eclass, error_class),"
-                    " updated_at = :now WHERE id = :id AND status IN :sources"
-                ).bindparams(bindparam("sources", expanding=True)),
+                text(self._q["move"]).bindparams(bindparam("sources", expanding=True)),
                 {
                     "target": str(target),
                     "now": now,
@@ -446,8 +396,8 @@ class DlqStore(DlqViews):
                 )
         return bool(moved)
 
-    @staticmethod
     def _audit(
+        self,
         conn: Connection,
         record_id: int,
         action: str,
@@ -458,10 +408,7 @@ class DlqStore(DlqViews):
         now: float,
     ) -> None:
         conn.execute(
-            text(
-                "INSERT INTO dlq_audit (record_id, action, actor, from_status, to_status, detail,"
-                " at) VALUES (:rid, :action, :actor, :f, :t, :detail, :at)"
-            ),
+            text(self._q["insert_audit"]),
             {
                 "rid": record_id,
                 "action": action,

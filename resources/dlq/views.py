@@ -10,13 +10,12 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import bindparam, text
-from sqlalchemy.engine import Connection
 
 from resources.dlq.records import (
-    COLUMNS,
     DEDUPE_KEY_BYTES,
     MARK_WINDOW,
     UNRESOLVED,
@@ -26,9 +25,14 @@ from resources.dlq.records import (
 )
 from resources.storage.db import Database
 from resources.storage.json_text import storable_key
+from resources.storage.queries import load_dialect_queries, load_queries
 
 Clock = Callable[[], float]
 
+_QUERY_FILE = Path(__file__).with_name("queries.sql")
+QUERIES = load_dialect_queries(_QUERY_FILE)
+"""The DLQ's named statements per dialect; only this package reads them."""
+_CONDITIONS = load_queries(_QUERY_FILE)
 _UNRESOLVED_SQL = ", ".join(f"'{s}'" for s in UNRESOLVED)
 
 
@@ -38,10 +42,11 @@ class DlqViews:
     def __init__(self, db: Database, *, clock: Clock = time.time) -> None:
         self.db = db
         self.clock = clock
+        self._q = QUERIES[db.dialect]
 
     def get(self, record_id: int) -> DlqRecord:
         with self.db.statement() as conn:
-            row = self._select(conn, "id = :id", {"id": record_id}, lock=False)
+            row = conn.execute(text(self._q["record_by_id"]), {"id": record_id}).first()
         if row is None:
             raise DlqRecordNotFound(record_id)
         return DlqRecord.from_row(row)
@@ -49,7 +54,7 @@ class DlqViews:
     def find(self, dedupe_key: str) -> DlqRecord | None:
         with self.db.statement() as conn:
             key = storable_key(dedupe_key, DEDUPE_KEY_BYTES)
-            row = self._select(conn, "dedupe_key = :k", {"k": key}, lock=False)
+            row = conn.execute(text(self._q["record_by_key"]), {"k": key}).first()
         return None if row is None else DlqRecord.from_row(row)
 
     def list_records(
@@ -85,7 +90,8 @@ class DlqViews:
             params["classes"] = [str(c) for c in error_classes] or ["-"]
             expanding.append("classes")
         if status is not None:
-            where.append(f"{self._by_id('status') if scan_ids else 'status'} IN :statuses")
+            column = self.db.sql_dialect.along_key("status") if scan_ids else "status"
+            where.append(f"{column} IN :statuses")
             params["statuses"] = [status] if isinstance(status, str) else [str(s) for s in status]
             expanding.append("statuses")
         if ids is not None:
@@ -108,7 +114,7 @@ class DlqViews:
         if newer_than is not None:
             where.append("last_failed_at >= :new")
             params["new"] = now - newer_than
-        sql = f"SELECT {COLUMNS} FROM dlq_records"  # nosec B608: SQL from code constants, values bound
+        sql = self._q["select_records"]
         if where:
             sql += " WHERE " + " AND ".join(where)
         if by_id:
@@ -125,34 +131,19 @@ class DlqViews:
         """The records a run's failures were counted on (each written or updated where its
         failure was decided), by id."""
         with self.db.statement() as conn:
-            rows = conn.execute(
-                text(f"SELECT {COLUMNS} FROM dlq_records WHERE id IN"  # nosec B608: SQL from code constants, values bound
-                     " (SELECT record_id FROM dlq_failures WHERE run_id = :run) ORDER BY id"),
-                {"run": run_id},
-            ).all()
+            rows = conn.execute(text(self._q["records_of_run"]), {"run": run_id}).all()
         return [DlqRecord.from_row(r) for r in rows]
 
     def audit(self, record_id: int) -> list[dict[str, Any]]:
         with self.db.statement() as conn:
-            rows = conn.execute(
-                text(
-                    "SELECT action, actor, from_status, to_status, detail, at FROM dlq_audit"
-                    " WHERE record_id = :id ORDER BY id"
-                ),
-                {"id": record_id},
-            ).all()
+            rows = conn.execute(text(self._q["audit_of"]), {"id": record_id}).all()
         return [dict(r._mapping) for r in rows]
 
     def failures(self, record_id: int) -> list[str]:
         """The run ids that failed for this record, each once."""
         with self.db.statement() as conn:
-            return [
-                r.run_id
-                for r in conn.execute(
-                    text("SELECT run_id FROM dlq_failures WHERE record_id = :id ORDER BY seen_at"),
-                    {"id": record_id},
-                )
-            ]
+            rows = conn.execute(text(self._q["failures_of"]), {"id": record_id})
+            return [r.run_id for r in rows]
 
     def key_page(
         self, statuses: Iterable[str], *, after_id: int, limit: int, window: int = 10_000
@@ -164,35 +155,23 @@ class DlqViews:
         oldest again)."""
         with self.db.statement() as conn:
             rows = conn.execute(
-                text(
-                    "SELECT id, idempotency_key FROM dlq_records WHERE id > :after"
-                    f" AND id <= :hi AND {self._by_id('status')} IN :statuses"
-                    " ORDER BY id LIMIT :limit"  # nosec B608: SQL from code constants, values bound
-                ).bindparams(bindparam("statuses", expanding=True)),
+                text(self._q["key_page"]).bindparams(bindparam("statuses", expanding=True)),
                 {"statuses": [str(s) for s in statuses], "after": after_id,
                  "hi": after_id + window, "limit": limit},
             ).all()
             if len(rows) >= limit:
                 following = int(rows[-1].id)
             else:
-                newest = conn.execute(text("SELECT MAX(id) FROM dlq_records")).scalar() or 0
+                newest = conn.execute(text(self._q["newest_id"])).scalar() or 0
                 following = after_id + window if after_id + window < int(newest) else 0
         return [(int(r.id), r.idempotency_key) for r in rows], following
-
-    def _by_id(self, column: str) -> str:
-        """``column`` as a condition SQLite checks row by row along the primary key instead of
-        through an index on it (which would read every match, then sort by id)."""
-        return column if self.db.is_postgres else f"+{column}"
 
     def tally(self, statuses: Iterable[str]) -> dict[tuple[str, str], int]:
         """How many records there are per (status, class) among ``statuses``: one grouped count
         in the database (the covering index ``dlq_records_status_class``), a few rows back."""
         with self.db.statement() as conn:
             rows = conn.execute(
-                text(
-                    "SELECT status, error_class, COUNT(*) AS n FROM dlq_records"
-                    " WHERE status IN :statuses GROUP BY status, error_class"
-                ).bindparams(bindparam("statuses", expanding=True)),
+                text(self._q["tally"]).bindparams(bindparam("statuses", expanding=True)),
                 {"statuses": [str(s) for s in statuses]},
             ).all()
         return {(str(r.status), str(r.error_class)): int(r.n) for r in rows}
@@ -212,20 +191,12 @@ class DlqViews:
         W ids on the primary key); a write in flight while W newer ones commit is still missed
         until the next write."""
         with self.db.statement() as conn:
-            row = conn.execute(
-                text(
-                    "SELECT m.top, (SELECT COUNT(*) FROM dlq_audit WHERE id > m.top - :w)"
-                    " FROM (SELECT COALESCE(MAX(id), 0) AS top FROM dlq_audit) m"
-                ),
-                {"w": MARK_WINDOW},
-            ).one()
+            row = conn.execute(text(self._q["change_mark"]), {"w": MARK_WINDOW}).one()
         return int(row[0]) * (MARK_WINDOW + 1) + int(row[1])
 
     def counts(self) -> dict[str, int]:
         with self.db.statement() as conn:
-            rows = conn.execute(
-                text("SELECT status, COUNT(*) AS n FROM dlq_records GROUP BY status")
-            ).all()
+            rows = conn.execute(text(self._q["counts"])).all()
         out = {str(s): 0 for s in DlqStatus}
         out.update({r.status: int(r.n) for r in rows})
         return out
@@ -234,23 +205,19 @@ class DlqViews:
     def unresolved_key_reference(column: str) -> str:
         """SQL, true while an unresolved record (open, replay requested, replaying) names the
         idempotency key in ``column``: a replay may still run under that key."""
-        return (
-            "EXISTS (SELECT 1 FROM dlq_records d WHERE d.idempotency_key = "
-            f"{column} AND d.status IN ({_UNRESOLVED_SQL}))"  # nosec B608: SQL from code constants, values bound
-        )
+        return _CONDITIONS["unresolved_key_reference"].format(
+            column=column, unresolved=_UNRESOLVED_SQL)
 
     @staticmethod
     def unresolved_request_reference(column: str) -> str:
         """SQL, true while an unresolved record holds the request whose id is in ``column``."""
-        return (
-            "EXISTS (SELECT 1 FROM dlq_records d WHERE d.request_id = "
-            f"{column} AND d.status IN ({_UNRESOLVED_SQL}))"  # nosec B608: SQL from code constants, values bound
-        )
+        return _CONDITIONS["unresolved_request_reference"].format(
+            column=column, unresolved=_UNRESOLVED_SQL)
 
     @staticmethod
     def request_reference(column: str) -> str:
         """SQL, true when any record (whatever its status) holds the request in ``column``."""
-        return f"EXISTS (SELECT 1 FROM dlq_records d WHERE d.request_id = {column})"  # nosec B608: SQL from code constants, values bound
+        return _CONDITIONS["request_reference"].format(column=column)
 
     def at_retention_risk(self, limit_seconds: float, warn_before: float) -> list[DlqRecord]:
         """Unresolved records that a retention limit of ``limit_seconds`` (counted from the first
@@ -261,12 +228,6 @@ class DlqViews:
             for r in self.list_records(status=["open", "replay_requested", "replaying"])
             if r.first_failed_at <= cutoff
         ]
-
-    def _select(self, conn: Connection, where: str, params: dict[str, Any], *, lock: bool) -> Any:
-        suffix = " FOR UPDATE" if lock and self.db.is_postgres else ""
-        return conn.execute(
-            text(f"SELECT {COLUMNS} FROM dlq_records WHERE {where}{suffix}"), params  # nosec B608: SQL from code constants, values bound
-        ).first()
 
 
 _AGE = re.compile(r"(\d{1,12}(?:\.\d{1,9})?) ?([smhdw]?)")

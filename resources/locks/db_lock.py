@@ -16,6 +16,7 @@ from resources.errors import LockNotAcquired
 from resources.locks.base import BaseLock
 from resources.locks.stats import LockObserver
 from resources.storage.db import Database, metadata
+from resources.storage.dialects import dialect_named
 
 log = logging.getLogger(__name__)
 Clock = Callable[[], float]
@@ -175,7 +176,7 @@ def lock_row(conn: Connection, table: str, key_column: str, key: Any) -> Any:
     for ident in (table, key_column):
         if not _IDENTIFIER.match(ident):
             raise ValueError(f"not a plain SQL identifier: {ident!r}")
-    suffix = " FOR UPDATE" if conn.dialect.name == "postgresql" else ""
+    suffix = dialect_named(conn.dialect.name).row_lock
     return conn.execute(
         text(f"SELECT * FROM {table} WHERE {key_column} = :key{suffix}"), {"key": key}  # nosec B608: SQL from code constants, values bound
     ).first()

@@ -238,10 +238,9 @@ class OutboxPublisher:
         now = self.clock()
         # FOR UPDATE waits for a row another publisher is releasing or marking, then re-reads
         # it; claimers never wait for each other's row locks (the advisory lock comes first)
-        skip = " FOR UPDATE" if self.db.is_postgres else ""
+        skip = self.db.sql_dialect.row_lock
         with self.db.transaction() as conn:
-            if self.db.is_postgres:
-                conn.execute(text("SELECT pg_advisory_xact_lock(:id)"), {"id": _CLAIM_LOCK_ID})
+            self.db.sql_dialect.advisory_lock(conn, _CLAIM_LOCK_ID)
             ids = [
                 int(r.id)
                 for r in conn.execute(
@@ -328,11 +327,7 @@ class OutboxPublisher:
         this row's claim as expired (its snapshot predates the extension) and take the next
         row of the aggregate while this one is being published. Extensions do not wait for
         each other."""
-        if not self.db.is_postgres:  # BEGIN IMMEDIATE already serialises writers on SQLite
-            with self.db.statement() as conn:
-                return self._extend(conn, event)
-        with self.db.transaction() as conn:
-            conn.execute(text("SELECT pg_advisory_xact_lock_shared(:id)"), {"id": _CLAIM_LOCK_ID})
+        with self.db.sql_dialect.shared_section(self.db, _CLAIM_LOCK_ID) as conn:
             return self._extend(conn, event)
 
     def _extend(self, conn: Connection, event: OutboxEvent) -> bool:
@@ -377,10 +372,8 @@ class OutboxPublisher:
 
     def _release(self, aggregates: set[tuple[str, str]]) -> None:
         with self.db.transaction() as conn:
-            if self.db.is_postgres:  # as in _still_mine; also no deadlock with a claim's FOR UPDATE
-                conn.execute(
-                    text("SELECT pg_advisory_xact_lock_shared(:id)"), {"id": _CLAIM_LOCK_ID}
-                )
+            # as in _still_mine; also no deadlock with a claim's row locks
+            self.db.sql_dialect.advisory_lock(conn, _CLAIM_LOCK_ID, shared=True)
             for aggregate_type, aggregate_id in aggregates:
                 conn.execute(
                     text(

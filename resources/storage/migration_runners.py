@@ -148,9 +148,9 @@ class Runner(Protocol):
 
 def runner_for(db: Database, settings: MigrationSettings,
                progress: Callable[[str], None] | None = None) -> Runner:
-    if db.is_postgres:
-        return PostgresRunner(db, settings, progress)
-    return SqliteRunner(db, settings, progress)
+    runners: dict[str, type[PostgresRunner] | type[SqliteRunner]] = {
+        "postgresql": PostgresRunner, "sqlite": SqliteRunner}
+    return runners[db.sql_dialect.name](db, settings, progress)
 
 
 def read_records(conn: Connection) -> dict[str, Record]:

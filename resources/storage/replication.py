@@ -143,7 +143,7 @@ def require_durable_commits(db: Any) -> None:
     """Refuse (:class:`AsyncReplication`, permanent) a Postgres primary whose completed keys a
     failover can roll back, unless ``SEKALI_ACCEPT_ASYNC_REPLICATION=1`` (then one warning);
     checked once per database URL per process. SQLite has no replicas: nothing to check."""
-    if not db.is_postgres:
+    if not db.sql_dialect.has_replicas:
         return
     url = str(db.engine.url)
     with _checked_guard:

@@ -63,7 +63,7 @@ class Expiry:
         transactions; returns how many were deleted."""
         if batch_size < 1 or max_batches < 1:
             raise ValueError("batch_size and max_batches must be at least 1")
-        lock = " FOR UPDATE SKIP LOCKED" if db.is_postgres else ""
+        lock = db.sql_dialect.claim_lock
         choose = text(
             f"SELECT {self.key} FROM {self.table} WHERE {self.where} LIMIT :_batch_size{lock}"  # nosec B608: SQL from code constants, values bound
         )
