@@ -43,7 +43,7 @@ from engine.services import Services
 from resources.errors import AlreadyInProgress, CrashLoop, LeaseLost, StoredFailure
 from resources.idempotency import Claim, Completed
 from resources.retry import ErrorClass, classify
-from resources.telemetry.tracing import inject, set_attributes, span, tracing_enabled
+from resources.telemetry.tracing import inject, set_attributes, span, traced, tracing_enabled
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +63,16 @@ class RequestOutcome:
     attempt_id: str
 
 
+def _worker() -> dict[str, str]:
+    return {"worker": f"{socket.gethostname()}:{os.getpid()}"}
+
+
+@traced(
+    "sekali.execute", parent="traceparent", fixed=_worker,
+    attributes={"job_type": "job_type", "idempotency_key": "key", "run_id": "run_id",
+                "step": "step", "attempt": "attempt", "request_id": "request_id",
+                "correlation_id": "correlation_id"},
+)
 def execute_request(
     job_type: str,
     payload: dict[str, Any],
@@ -83,31 +93,6 @@ def execute_request(
     outcome): a child of ``traceparent`` (the request's own trace, in a batch of many) or else
     of the caller's current span (the run's).
     """
-    with span(
-        "sekali.execute", parent=traceparent, job_type=job_type, idempotency_key=key,
-        run_id=run_id, step=step, attempt=attempt, request_id=request_id,
-        correlation_id=correlation_id,
-        worker=f"{socket.gethostname()}:{os.getpid()}",
-    ):
-        return _execute_request(
-            job_type, payload, services=services, key=key, run_id=run_id, step=step,
-            attempt=attempt, correlation_id=correlation_id, request_id=request_id, decide=decide,
-        )
-
-
-def _execute_request(
-    job_type: str,
-    payload: dict[str, Any],
-    *,
-    services: Services,
-    key: str | None = None,
-    run_id: str | None = None,
-    step: str | None = None,
-    attempt: int = 0,
-    correlation_id: str | None = None,
-    request_id: int | None = None,
-    decide: Decide | None = None,
-) -> RequestOutcome:
     jt = get_job_type(job_type)
     decide = decide or FailurePath(attempt=attempt).outcome
     personal = personal_values(jt, payload)
