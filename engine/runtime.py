@@ -114,7 +114,7 @@ def execute_request(
         with span("ledger.claim", idempotency_key=key):
             claimed = services.store.begin(key, payload=clean)
         record.add_duration("claim", time.perf_counter() - started)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - recorded, then raised again by _refused
         raise _refused(services, record, exc, decide)  # noqa: B904 - the same error, recorded
     if isinstance(claimed, Completed):
         return _duplicate(services, record, claimed)
@@ -137,7 +137,7 @@ def execute_request(
                 with span("ledger.complete", idempotency_key=key, fence=claimed.fence):
                     services.store.complete(claimed, result)
                 record.add_duration("complete", time.perf_counter() - started)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - recorded, then raised again by _failed
         raise _failed(services, record, claimed, exc, decide)  # noqa: B904 - see _failed
     _finish(services, record, Outcome.COMPLETED)
     if jt.downstream and services.retry_budget is not None:
@@ -199,7 +199,7 @@ def execute_batch(
     for job_type, indexes in by_type.items():
         try:
             jt = get_job_type(job_type)
-        except Exception as exc:  # an unknown job type: each of its requests fails as it would
+        except Exception as exc:  # noqa: BLE001 - an unknown job type: each request fails as it would
             for i in indexes:
                 out[i] = _unknown(services, requests[i], exc, run_id, step, attempt)
             continue
@@ -231,7 +231,7 @@ def execute_batch(
                     item.clean, item.key = _prepare(
                         jt, item.record, item.request.payload, item.request.key
                     )
-                except Exception as exc:
+                except Exception as exc:  # noqa: BLE001 - this request fails, the batch goes on
                     out[item.index] = _refused(services, item.record, exc, item.decide)
                     continue
                 (later if item.key in seen else now).append(item)
@@ -269,7 +269,7 @@ def _run_batch(jt: JobType, items: list[_Item], out: list[Any], services: Servic
     started = time.perf_counter()
     try:
         answers = services.store.begin_many([(item.key, item.clean) for item in items])
-    except Exception as exc:  # the store is down: every claim fails as begin would have
+    except Exception as exc:  # noqa: BLE001 - the store is down: every claim fails as begin would
         for item in items:
             out[item.index] = _refused(services, item.record, exc, item.decide)
         return

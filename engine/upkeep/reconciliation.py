@@ -375,7 +375,7 @@ def record_only(detail: dict[str, Any]) -> Callable[[Connection], Any]:
     return fix
 
 
-class NotGivenUp(Exception):  # noqa: N818 - a signal to skip, not an error
+class NotGivenUp(Exception):  # a signal to skip, not an error
     """The key became retryable or in progress since the check: do not compensate (the fix
     raises it inside :meth:`Reconciler.act`, which then records nothing)."""
 
