@@ -23,13 +23,15 @@ from __future__ import annotations
 import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, ClassVar
 
 from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
-DIALECTS = ("sqlite", "postgresql")
-"""The dialects' names, as SQLAlchemy spells them and as query and migration files end."""
+from resources.storage.queries import DIALECTS, load_queries
+
+_Q = load_queries(Path(__file__).with_suffix(".sql"))
 
 
 class Dialect(ABC):
@@ -111,15 +113,15 @@ class PostgresDialect(Dialect):
         return column  # the planner reads along the key when that is cheaper
 
     def advisory_lock(self, conn: Connection, key: int, *, shared: bool = False) -> None:
-        statement = ("SELECT pg_advisory_xact_lock_shared(:key)" if shared
-                     else "SELECT pg_advisory_xact_lock(:key)")
-        conn.execute(text(statement), {"key": key})
+        name = "advisory_lock_shared" if shared else "advisory_lock"
+        conn.execute(text(_Q[name]), {"key": key})
 
     def write_boundary(self, conn: Connection) -> tuple[str, list[str]]:
         return "Postgres: conditional single statements and FOR UPDATE row locks", []
 
 
 _BY_NAME: dict[str, Dialect] = {d.name: d for d in (SqliteDialect(), PostgresDialect())}
+assert set(_BY_NAME) == set(DIALECTS), "a dialect class per name of DIALECTS"
 
 
 def dialect_named(name: str) -> Dialect:

@@ -21,7 +21,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from resources.storage.dialects import DIALECTS
+DIALECTS = ("sqlite", "postgresql")
+"""The dialects, as SQLAlchemy names them and as variant query (and migration) files end; each
+has its class in :mod:`resources.storage.dialects`."""
 
 _HEADER = re.compile(r"^--\s*([a-z_][a-z0-9_]*)\s*--\s*$")
 
