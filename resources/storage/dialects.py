@@ -7,9 +7,10 @@ hooks. Statements that differ live in the named-query files (a ``NAME.postgresql
 :func:`resources.storage.queries.load_dialect_queries`); what differs in behaviour is a hook
 here:
 
-- **row locks**: Postgres locks the rows a transaction reads to change (``FOR UPDATE``, with
-  ``SKIP LOCKED`` where claimers must not wait for each other); SQLite opens every transaction
-  with ``BEGIN IMMEDIATE``, which already excludes every other writer, so it adds nothing.
+- **row locks** are text, so they live in the query files: Postgres locks the rows a
+  transaction reads to change (``FOR UPDATE``, with ``SKIP LOCKED`` where claimers must not
+  wait for each other); SQLite opens every transaction with ``BEGIN IMMEDIATE``, which already
+  excludes every other writer, so its statements add nothing.
 - **writers**: on SQLite a second connection that writes while a transaction is open waits for
   it (one writer at a time); on Postgres it does not, so a record that must outlive the
   caller's rollback takes a connection of its own.
@@ -38,10 +39,6 @@ class Dialect(ABC):
     """The hooks a dialect implements (see the module)."""
 
     name: ClassVar[str]
-    row_lock: ClassVar[str]
-    """Appended to a ``SELECT`` whose rows the transaction will change."""
-    claim_lock: ClassVar[str]
-    """Appended to a ``SELECT`` that claims rows other claimers must skip, not wait for."""
     writers_wait: ClassVar[bool]
     """Whether a second writing connection waits for an open write transaction."""
     has_replicas: ClassVar[bool]
@@ -81,8 +78,6 @@ class SqliteDialect(Dialect):
     """SQLite: ``BEGIN IMMEDIATE`` transactions, one writer at a time, no replicas."""
 
     name = "sqlite"
-    row_lock = ""
-    claim_lock = ""
     writers_wait = True
     has_replicas = False
 
@@ -104,8 +99,6 @@ class PostgresDialect(Dialect):
     """Postgres: row locks, ``SKIP LOCKED`` claims, advisory locks, standbys."""
 
     name = "postgresql"
-    row_lock = " FOR UPDATE"
-    claim_lock = " FOR UPDATE SKIP LOCKED"
     writers_wait = False
     has_replicas = True
 
