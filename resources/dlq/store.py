@@ -67,6 +67,18 @@ _D = DlqStatus
 
 
 
+def _after_failure(
+    record: DlqRecord, info: FailureInfo, failed_at: float
+) -> tuple[DlqStatus, str]:
+    """A known record's status and audit action after another failure: a failed replay of this
+    record, or a failure after it was resolved, opens it again; otherwise it keeps its status."""
+    if record.status is _D.REPLAYING and info.dlq_id == record.id:
+        return _D.OPEN, "replay_failed"
+    if record.status is _D.RESOLVED and failed_at > record.status_changed_at:
+        return _D.OPEN, "reopened"
+    return record.status, "failed_again"
+
+
 class DlqStore(DlqViews):
     """The DLQ over a :class:`Database`: every write of its tables, and (from
     :class:`DlqViews`) every read. Thread-safe; share one per process."""
@@ -94,7 +106,30 @@ class DlqStore(DlqViews):
         info = storable_failure(info)
         now = self.clock()
         failed_at = info.failed_at if info.failed_at is not None else now
-        params = {
+        params = self._failure_params(info, failed_at, now)
+        record, created = self._find_or_insert(conn, info, params)
+        seen = conn.execute(
+            text(self._q["insert_failure"]),
+            {"rid": record.id, "run": info.run_id, "step": info.step, "now": now},
+        ).rowcount
+        detail = f"run {info.run_id} {info.error_type}"
+        if created:
+            self._audit(conn, record.id, "dead_lettered", actor, None, _D.OPEN, detail, now)
+            return RecordedFailure(record, True, True)
+        if not seen:
+            return RecordedFailure(record, False, False)
+        status, action = _after_failure(record, info, failed_at)
+        conn.execute(
+            text(self._q["failed_again"]), {**params, "status": str(status), "id": record.id}
+        )
+        self._audit(conn, record.id, action, actor, record.status, status, detail, now)
+        updated = conn.execute(text(self._q["record_by_id"]), {"id": record.id}).first()
+        assert updated is not None
+        return RecordedFailure(DlqRecord.from_row(updated), False, True)
+
+    def _failure_params(self, info: FailureInfo, failed_at: float, now: float) -> dict[str, Any]:
+        """The bound values of ``insert_record`` and ``failed_again`` for a storable ``info``."""
+        return {
             "dedupe_key": info.dedupe_key,
             "job_type": info.job_type,
             "ikey": info.idempotency_key,
@@ -114,59 +149,26 @@ class DlqStore(DlqViews):
             "now": now,
             "trace_id": info.trace_id,
         }
+
+    def _find_or_insert(
+        self, conn: Connection, info: FailureInfo, params: dict[str, Any]
+    ) -> tuple[DlqRecord, bool]:
+        """The record ``info`` belongs to, locked (the replayed one it names, else its dedupe
+        key's), inserted when there is none; and whether it was inserted now."""
         row = None
         if info.dlq_id is not None:
             row = conn.execute(text(self._q["lock_by_id"]), {"id": info.dlq_id}).first()
-        created = False
         if row is None:  # looked up first: an insert that meets a conflict spends an id
             row = conn.execute(text(self._q["lock_by_key"]), {"k": info.dedupe_key}).first()
-        if row is None:
-            row = conn.execute(text(self._q["insert_record"]), params).first()
-            created = row is not None
-            if row is None:  # another process inserted it meanwhile
-                row = conn.execute(text(self._q["lock_by_key"]), {"k": info.dedupe_key}).first()
+        if row is not None:
+            return DlqRecord.from_row(row), False
+        row = conn.execute(text(self._q["insert_record"]), params).first()
+        if row is not None:
+            return DlqRecord.from_row(row), True
+        # another process inserted it meanwhile
+        row = conn.execute(text(self._q["lock_by_key"]), {"k": info.dedupe_key}).first()
         assert row is not None
-        record = DlqRecord.from_row(row)
-        seen = conn.execute(
-            text(self._q["insert_failure"]),
-            {"rid": record.id, "run": info.run_id, "step": info.step, "now": now},
-        ).rowcount
-        if created:
-            self._audit(
-                conn,
-                record.id,
-                "dead_lettered",
-                actor,
-                None,
-                _D.OPEN,
-                f"run {info.run_id} {info.error_type}",
-                now,
-            )
-            return RecordedFailure(record, True, True)
-        if not seen:
-            return RecordedFailure(record, False, False)
-        status = record.status
-        action = "failed_again"
-        if status is _D.REPLAYING and info.dlq_id == record.id:
-            status, action = _D.OPEN, "replay_failed"
-        elif status is _D.RESOLVED and failed_at > record.status_changed_at:
-            status, action = _D.OPEN, "reopened"
-        conn.execute(
-            text(self._q["failed_again"]), {**params, "status": str(status), "id": record.id}
-        )
-        self._audit(
-            conn,
-            record.id,
-            action,
-            actor,
-            record.status,
-            status,
-            f"run {info.run_id} {info.error_type}",
-            now,
-        )
-        updated = conn.execute(text(self._q["record_by_id"]), {"id": record.id}).first()
-        assert updated is not None
-        return RecordedFailure(DlqRecord.from_row(updated), False, True)
+        return DlqRecord.from_row(row), False
 
     # -- operators --------------------------------------------------------------------------
 
