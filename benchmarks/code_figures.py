@@ -12,7 +12,10 @@ before and after of a restructuring:
 - the ``is_postgres`` branches (an ``if``, a conditional expression or a comprehension's
   condition that reads it) and the files they sit in;
 - the ``text(...)`` calls whose SQL is written inline (anything but ``text(_Q["name"])``, a
-  statement of a named-query file) in ``engine/`` and ``resources/``, and elsewhere;
+  statement of a named-query file) in ``engine/`` and ``resources/``, and elsewhere; and,
+  stricter, the string literals there that hold SQL (an upper-case ``SELECT``, ``INSERT INTO``,
+  ``UPDATE ... SET``, ``DELETE FROM``, ``WHERE``, ``ON CONFLICT``, ``CREATE``/``ALTER TABLE``;
+  docstrings not counted), wherever they are passed;
 - the lines of Python per top-level folder.
 
 The totals are of the shipped packages; ``tests/`` shows in the lines per folder and in the
@@ -44,6 +47,10 @@ CLASS_LIMIT = 500
 PARAMETER_LIMIT = 8
 _NOQA = re.compile(r"#\s*noqa(?::\s*([A-Z0-9, ]+))?", re.I)
 _RULE = re.compile(r"[A-Z]+[0-9]+")
+_SQL = re.compile(
+    r"\bSELECT\b|\bINSERT\s+INTO\b|\bUPDATE\s+\w+\s+SET\b|\bDELETE\s+FROM\b|\bWHERE\b"
+    r"|\bON\s+CONFLICT\b|\bCREATE\s+(?:TABLE|INDEX|UNIQUE)\b|\bALTER\s+TABLE\b"
+)
 
 
 @dataclass(frozen=True)
@@ -100,6 +107,28 @@ def _is_text_call(node: ast.Call) -> bool:
     )
 
 
+def _docstrings(tree: ast.AST) -> set[int]:
+    """ids of the string constants that are docstrings or bare string statements."""
+    return {id(node.value) for node in ast.walk(tree)
+            if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)}
+
+
+def _sql_literals(tree: ast.AST) -> int:
+    """String literals (f-string parts included) that hold SQL, docstrings left out."""
+    skip = _docstrings(tree)
+    count = 0
+    for node in ast.walk(tree):
+        if isinstance(node, ast.JoinedStr):
+            parts = [v.value for v in node.values
+                     if isinstance(v, ast.Constant) and isinstance(v.value, str)]
+            count += bool(_SQL.search("".join(parts)))
+            skip.update(id(v) for v in node.values)
+        elif (isinstance(node, ast.Constant) and isinstance(node.value, str)
+              and id(node) not in skip and _SQL.search(node.value)):
+            count += 1
+    return count
+
+
 def _named(arg: ast.expr) -> bool:
     """``_Q["name"]`` (or any subscript of a loaded query dict) is a named statement."""
     return isinstance(arg, ast.Subscript)
@@ -125,6 +154,8 @@ def measure(top: int = 10) -> dict[str, Any]:
     branches: list[str] = []
     inline_sql: Counter[str] = Counter()
     inline_sql_files: Counter[str] = Counter()
+    sql_literals: Counter[str] = Counter()
+    sql_literal_files: Counter[str] = Counter()
     lines_per_folder: dict[str, int] = {}
 
     for folder in (*PACKAGES, "tests"):
@@ -150,6 +181,10 @@ def measure(top: int = 10) -> dict[str, Any]:
             if folder == "tests":
                 continue
             tree = ast.parse(source)
+            literals = _sql_literals(tree)
+            if literals:
+                sql_literals[folder if folder in ROOMS else "elsewhere"] += literals
+                sql_literal_files[rel] += literals
             for node in ast.walk(tree):
                 if isinstance(node, ast.ClassDef) and folder in ROOMS:
                     classes.append(Span(node.name, rel, node.lineno,
@@ -203,6 +238,9 @@ def measure(top: int = 10) -> dict[str, Any]:
         "inline_sql_text_calls": dict(inline_sql),
         "inline_sql_files": len(inline_sql_files),
         "inline_sql_by_file": dict(inline_sql_files.most_common(top)),
+        "sql_literals": dict(sql_literals),
+        "sql_literal_files": len(sql_literal_files),
+        "sql_literals_by_file": dict(sql_literal_files.most_common(top)),
         "lines_per_folder": lines_per_folder,
         "share_of_shipped_lines": {f: round(100 * lines_per_folder[f] / total, 1)
                                    for f in PACKAGES} if total else {},
@@ -238,6 +276,10 @@ def render(figures: dict[str, Any]) -> str:
     out.append("inline SQL text() calls: " + ", ".join(f"{k} {v}" for k, v in sorted(sql.items()))
                + f" ({figures['inline_sql_files']} files)")
     out += [f"  {n:5d}  {p}" for p, n in figures["inline_sql_by_file"].items()]
+    lit = figures["sql_literals"]
+    out.append("string literals holding SQL: " + ", ".join(f"{k} {v}" for k, v in sorted(
+        lit.items())) + f" ({figures['sql_literal_files']} files)")
+    out += [f"  {n:5d}  {p}" for p, n in figures["sql_literals_by_file"].items()]
     out.append("lines of Python per top-level folder:")
     share = figures["share_of_shipped_lines"]
     out += [f"  {n:7d}  {f}" + (f"  ({share[f]}% of shipped)" if f in share else "")
