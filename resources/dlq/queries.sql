@@ -191,3 +191,25 @@ EXISTS (SELECT 1 FROM dlq_records d WHERE d.request_id = {column}
 -- request_reference --
 -- True when any record, whatever its status, holds the request in {column}.
 EXISTS (SELECT 1 FROM dlq_records d WHERE d.request_id = {column});
+
+-- open_by_class --
+-- Records not yet resolved or discarded, per error class.
+SELECT error_class, COUNT(*) AS n
+FROM dlq_records
+WHERE status NOT IN ('resolved', 'discarded')
+GROUP BY error_class;
+
+-- inflow_by_class --
+-- Records that first failed since :since, per error class.
+SELECT error_class, COUNT(*) AS n
+FROM dlq_records
+WHERE first_failed_at >= :since
+GROUP BY error_class;
+
+-- inflow_between --
+-- How many records first failed in [:start, :end).
+SELECT COUNT(*) FROM dlq_records WHERE first_failed_at >= :start AND first_failed_at < :end;
+
+-- inflow_since --
+-- How many records first failed at or after :start.
+SELECT COUNT(*) FROM dlq_records WHERE first_failed_at >= :start;

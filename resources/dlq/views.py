@@ -201,6 +201,25 @@ class DlqViews:
         out.update({r.status: int(r.n) for r in rows})
         return out
 
+    def open_by_class(self) -> dict[str, int]:
+        """How many records are not yet resolved or discarded, per error class."""
+        with self.db.statement() as conn:
+            rows = conn.execute(text(self._q["open_by_class"])).all()
+        return {str(r.error_class): int(r.n) for r in rows}
+
+    def inflow_by_class(self, since: float) -> dict[str, int]:
+        """How many records first failed at or after ``since``, per error class."""
+        with self.db.statement() as conn:
+            rows = conn.execute(text(self._q["inflow_by_class"]), {"since": since}).all()
+        return {str(r.error_class): int(r.n) for r in rows}
+
+    def inflow_between(self, start: float, end: float | None = None) -> int:
+        """How many records first failed at or after ``start`` (and before ``end``)."""
+        query, params = ((self._q["inflow_since"], {"start": start}) if end is None else
+                         (self._q["inflow_between"], {"start": start, "end": end}))
+        with self.db.statement() as conn:
+            return int(conn.execute(text(query), params).scalar_one())
+
     @staticmethod
     def unresolved_key_reference(column: str) -> str:
         """SQL, true while an unresolved record (open, replay requested, replaying) names the
