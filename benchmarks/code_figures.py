@@ -33,7 +33,7 @@ import sys
 import tokenize
 import tomllib
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -63,8 +63,8 @@ class Span:
     lines: int
 
 
-def _python_files(folder: str) -> list[Path]:
-    return sorted(p for p in (ROOT / folder).rglob("*.py") if ".venv" not in p.parts)
+def _python_files(root: Path, folder: str) -> list[Path]:
+    return sorted(p for p in (root / folder).rglob("*.py") if ".venv" not in p.parts)
 
 
 def _comments(source: str) -> list[str]:
@@ -75,8 +75,8 @@ def _comments(source: str) -> list[str]:
         return [line[line.index("#"):] for line in source.splitlines() if "#" in line]
 
 
-def _ruff_selected() -> tuple[str, ...]:
-    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+def _ruff_selected(root: Path) -> tuple[str, ...]:
+    config = tomllib.loads((root / "pyproject.toml").read_text())
     lint = config.get("tool", {}).get("ruff", {}).get("lint", {})
     return tuple(lint.get("select", ())) + tuple(lint.get("extend-select", ()))
 
@@ -142,79 +142,90 @@ def _parameters(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
     return len(names) + (args.vararg is not None) + (args.kwarg is not None)
 
 
-def measure(top: int = 10) -> dict[str, Any]:
-    """Every figure of the module docstring, as one JSON-ready dict."""
-    selected = _ruff_selected()
-    classes: list[Span] = []
-    functions: list[Span] = []
-    wide: list[dict[str, Any]] = []
-    markers: Counter[str] = Counter()
-    markers_by_folder: dict[str, Counter[str]] = {}
-    noqa_unrun_rules: Counter[str] = Counter()
-    branches: list[str] = []
-    inline_sql: Counter[str] = Counter()
-    inline_sql_files: Counter[str] = Counter()
-    sql_literals: Counter[str] = Counter()
-    sql_literal_files: Counter[str] = Counter()
+@dataclass
+class _Tally:
+    """What the files read so far add up to."""
+
+    selected: tuple[str, ...]
+    classes: list[Span] = field(default_factory=list)
+    functions: list[Span] = field(default_factory=list)
+    wide: list[dict[str, Any]] = field(default_factory=list)
+    markers_by_folder: dict[str, Counter[str]] = field(default_factory=dict)
+    noqa_unrun_rules: Counter[str] = field(default_factory=Counter)
+    branches: list[str] = field(default_factory=list)
+    inline_sql: Counter[str] = field(default_factory=Counter)
+    inline_sql_files: Counter[str] = field(default_factory=Counter)
+    sql_literals: Counter[str] = field(default_factory=Counter)
+    sql_literal_files: Counter[str] = field(default_factory=Counter)
+
+    def comments(self, folder: str, source: str) -> None:
+        markers = self.markers_by_folder.setdefault(folder, Counter())
+        for comment in _comments(source):
+            for marker in ("type: ignore", "nosec"):
+                if marker in comment:
+                    markers[marker] += 1
+            match = _NOQA.search(comment)
+            if match:
+                markers["noqa"] += 1
+                rules = _RULE.findall(match.group(1) or "")
+                unrun = [r for r in rules if not _runs(r, self.selected)]
+                if rules and len(unrun) == len(rules):
+                    markers["noqa of rules ruff does not run"] += 1
+                    self.noqa_unrun_rules.update(unrun)
+
+    def code(self, folder: str, rel: str, tree: ast.AST) -> None:
+        where = folder if folder in ROOMS else "elsewhere"
+        literals = _sql_literals(tree)
+        if literals:
+            self.sql_literals[where] += literals
+            self.sql_literal_files[rel] += literals
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef) and folder in ROOMS:
+                self.classes.append(_span(node, rel))
+            elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                self.functions.append(_span(node, rel))
+                count = _parameters(node)
+                if count > PARAMETER_LIMIT:
+                    self.wide.append({"name": node.name, "path": rel, "line": node.lineno,
+                                      "parameters": count})
+            elif isinstance(node, ast.If | ast.IfExp | ast.While) and _reads_is_postgres(
+                    node.test):
+                self.branches.append(f"{rel}:{node.lineno}")
+            elif isinstance(node, ast.comprehension) and any(
+                    _reads_is_postgres(c) for c in node.ifs):
+                self.branches.append(f"{rel}:{node.target.lineno}")
+            elif isinstance(node, ast.Call) and _is_text_call(node) and node.args and not (
+                    _named(node.args[0])):
+                self.inline_sql[where] += 1
+                self.inline_sql_files[rel] += 1
+
+
+def _span(node: ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef, rel: str) -> Span:
+    return Span(node.name, rel, node.lineno, (node.end_lineno or node.lineno) - node.lineno + 1)
+
+
+def measure(top: int = 10, root: Path = ROOT) -> dict[str, Any]:
+    """Every figure of the module docstring for the checkout at ``root``, as one JSON-ready
+    dict."""
+    t = _Tally(_ruff_selected(root))
     lines_per_folder: dict[str, int] = {}
-
     for folder in (*PACKAGES, "tests"):
-        lines_per_folder[folder] = sum(
-            len(p.read_text().splitlines()) for p in _python_files(folder))
-    for folder in (*PACKAGES, "tests"):
-        folder_markers: Counter[str] = Counter()
-        for path in _python_files(folder):
+        lines_per_folder[folder] = 0
+        for path in _python_files(root, folder):
             source = path.read_text()
-            rel = str(path.relative_to(ROOT))
-            for comment in _comments(source):
-                for marker in ("type: ignore", "nosec"):
-                    if marker in comment:
-                        folder_markers[marker] += 1
-                match = _NOQA.search(comment)
-                if match:
-                    folder_markers["noqa"] += 1
-                    rules = _RULE.findall(match.group(1) or "")
-                    unrun = [r for r in rules if not _runs(r, selected)]
-                    if rules and len(unrun) == len(rules):
-                        folder_markers["noqa of rules ruff does not run"] += 1
-                        noqa_unrun_rules.update(unrun)
-            if folder == "tests":
-                continue
-            tree = ast.parse(source)
-            literals = _sql_literals(tree)
-            if literals:
-                sql_literals[folder if folder in ROOMS else "elsewhere"] += literals
-                sql_literal_files[rel] += literals
-            for node in ast.walk(tree):
-                if isinstance(node, ast.ClassDef) and folder in ROOMS:
-                    classes.append(Span(node.name, rel, node.lineno,
-                                        (node.end_lineno or node.lineno) - node.lineno + 1))
-                elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
-                    functions.append(Span(node.name, rel, node.lineno,
-                                          (node.end_lineno or node.lineno) - node.lineno + 1))
-                    count = _parameters(node)
-                    if count > PARAMETER_LIMIT:
-                        wide.append({"name": node.name, "path": rel, "line": node.lineno,
-                                     "parameters": count})
-                elif isinstance(node, ast.If | ast.IfExp | ast.While) and _reads_is_postgres(
-                        node.test):
-                    branches.append(f"{rel}:{node.lineno}")
-                elif isinstance(node, ast.comprehension) and any(
-                        _reads_is_postgres(c) for c in node.ifs):
-                    branches.append(f"{rel}:{node.target.lineno}")
-                elif isinstance(node, ast.Call) and _is_text_call(node) and node.args and not (
-                        _named(node.args[0])):
-                    where = folder if folder in ROOMS else "elsewhere"
-                    inline_sql[where] += 1
-                    inline_sql_files[rel] += 1
-        markers_by_folder[folder] = folder_markers
-        if folder != "tests":
-            markers.update(folder_markers)
-
-    classes.sort(key=lambda s: -s.lines)
-    functions.sort(key=lambda s: -s.lines)
-    wide.sort(key=lambda w: -int(w["parameters"]))
+            lines_per_folder[folder] += len(source.splitlines())
+            t.comments(folder, source)
+            if folder != "tests":
+                t.code(folder, str(path.relative_to(root)), ast.parse(source))
+    markers: Counter[str] = Counter()
+    for folder in PACKAGES:
+        markers.update(t.markers_by_folder.get(folder, Counter()))
+    classes = sorted(t.classes, key=lambda s: -s.lines)
+    functions = sorted(t.functions, key=lambda s: -s.lines)
+    wide = sorted(t.wide, key=lambda w: -int(w["parameters"]))
     total = sum(lines_per_folder[f] for f in PACKAGES)
+    kinds = ("type: ignore", "noqa", "nosec")
+    by_file = Counter(b.rsplit(":", 1)[0] for b in t.branches)
     return {
         "largest_classes": [asdict(s) for s in classes[:top]],
         "classes_over_limit": sum(1 for s in classes if s.lines > CLASS_LIMIT),
@@ -224,23 +235,22 @@ def measure(top: int = 10) -> dict[str, Any]:
         "parameter_lists_over_limit": len(wide),
         "parameter_limit": PARAMETER_LIMIT,
         "widest_parameter_lists": wide[:top],
-        "markers": {m: markers[m] for m in ("type: ignore", "noqa", "nosec")},
-        "markers_with_tests": {m: sum(c[m] for c in markers_by_folder.values())
-                               for m in ("type: ignore", "noqa", "nosec")},
-        "markers_by_folder": {f: dict(c) for f, c in markers_by_folder.items() if c},
+        "markers": {m: markers[m] for m in kinds},
+        "markers_with_tests": {m: sum(c[m] for c in t.markers_by_folder.values())
+                               for m in kinds},
+        "markers_by_folder": {f: dict(c) for f, c in t.markers_by_folder.items() if c},
         "noqa_naming_only_rules_ruff_does_not_run": markers["noqa of rules ruff does not run"],
-        "noqa_unrun_rules": dict(noqa_unrun_rules.most_common()),
-        "ruff_selected": list(selected),
-        "is_postgres_branches": len(branches),
-        "is_postgres_files": len({b.rsplit(":", 1)[0] for b in branches}),
-        "is_postgres_by_file": dict(Counter(b.rsplit(":", 1)[0] for b in branches)
-                                    .most_common()),
-        "inline_sql_text_calls": dict(inline_sql),
-        "inline_sql_files": len(inline_sql_files),
-        "inline_sql_by_file": dict(inline_sql_files.most_common(top)),
-        "sql_literals": dict(sql_literals),
-        "sql_literal_files": len(sql_literal_files),
-        "sql_literals_by_file": dict(sql_literal_files.most_common(top)),
+        "noqa_unrun_rules": dict(t.noqa_unrun_rules.most_common()),
+        "ruff_selected": list(t.selected),
+        "is_postgres_branches": len(t.branches),
+        "is_postgres_files": len(by_file),
+        "is_postgres_by_file": dict(by_file.most_common()),
+        "inline_sql_text_calls": dict(t.inline_sql),
+        "inline_sql_files": len(t.inline_sql_files),
+        "inline_sql_by_file": dict(t.inline_sql_files.most_common(top)),
+        "sql_literals": dict(t.sql_literals),
+        "sql_literal_files": len(t.sql_literal_files),
+        "sql_literals_by_file": dict(t.sql_literal_files.most_common(top)),
         "lines_per_folder": lines_per_folder,
         "share_of_shipped_lines": {f: round(100 * lines_per_folder[f] / total, 1)
                                    for f in PACKAGES} if total else {},
@@ -292,10 +302,15 @@ def main(argv: list[str] | None = None) -> int:
                                      description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("--json", action="store_true", help="print only JSON on stdout")
     parser.add_argument("--top", type=int, default=10, help="rows per listing (default 10)")
+    parser.add_argument("--root", type=Path, default=ROOT,
+                        help="the checkout to measure (default: this one), e.g. a worktree of "
+                             "an older commit for the before figures")
     args = parser.parse_args(argv)
     if args.top < 1:
         parser.error("--top must be at least 1")
-    figures = measure(args.top)
+    if not (args.root / "pyproject.toml").is_file():
+        parser.error(f"--root {args.root}: no pyproject.toml there")
+    figures = measure(args.top, args.root.resolve())
     print(json.dumps(figures, indent=2) if args.json else render(figures))
     return 0
 
