@@ -15,7 +15,6 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import text
 from sqlalchemy.engine import Connection, Row
 
 from engine.attempts import Attempt
@@ -25,6 +24,7 @@ from engine.services import Services
 from resources.errors import RequestCancelled
 from resources.flow import Slot
 from resources.idempotency import Claim, Keeper
+from resources.locks import lock_row
 from resources.telemetry.tracing import span
 
 SEND_BOUND = 0.4
@@ -171,16 +171,14 @@ class JobContext:
     def locked_row(
         self, table: str, column: str, value: str, name: str = "transaction"
     ) -> Iterator[tuple[Connection, Row[Any] | None]]:
-        """A transaction holding the row lock on ``table.column = value`` (``FOR UPDATE`` on
-        Postgres; SQLite's ``BEGIN IMMEDIATE`` already excludes every other writer)."""
-        lock = " FOR UPDATE" if self.services.db.is_postgres else ""
+        """A transaction holding the row lock on ``table.column = value``
+        (:func:`resources.locks.lock_row`: ``FOR UPDATE`` on Postgres; SQLite's ``BEGIN
+        IMMEDIATE`` already excludes every other writer)."""
         self.check_lease()
         started = time.perf_counter()
         with self.timed(name), self.services.db.transaction() as conn:
             with span("lock.row", lock=f"{table}:{value}", fence=self.fence):
-                row = conn.execute(
-                    text(f"SELECT * FROM {table} WHERE {column} = :v{lock}"), {"v": value}  # nosec B608: SQL from code constants, values bound
-                ).first()
+                row = lock_row(conn, table, column, value)
             self._add_lock_wait(time.perf_counter() - started)
             yield conn, row
 

@@ -117,7 +117,7 @@ def admit(
             dedupe_at=dedupe_at,
         )
     except ValidationError as exc:
-        own_connection = conn is None or requests.db.is_postgres
+        own_connection = conn is None or not requests.db.sql_dialect.writers_wait
         try:
             rejection = requests.reject(
                 job_type,

@@ -26,7 +26,7 @@ from dagster import ConfigurableResource, Failure, RetryRequested
 from dagster._utils.error import USER_FACING_ERROR_ID_ATTR_NAME
 from pydantic import PrivateAttr
 
-from resources.cache import StampedeCache
+from resources.cache import CachePolicy, StampedeCache
 from resources.dlq import DlqStore
 from resources.flow import ConcurrencyLimits, RateLimits
 from resources.idempotency import IdempotencyStore
@@ -166,14 +166,16 @@ class CacheResource(SettingsResource):
         return StampedeCache(
             self.redis(),
             namespace=self.namespace,
-            ttl=self.ttl,
-            stale_ttl=self.stale_ttl,
-            jitter=self.jitter,
-            beta=self.beta,
-            spread_first_refresh=self.spread_first_refresh,
-            lock_ttl=self.lock_ttl,
-            wait_timeout=self.wait_timeout,
-            negative_ttl=self.negative_ttl,
+            policy=CachePolicy(
+                ttl=self.ttl,
+                stale_ttl=self.stale_ttl,
+                jitter=self.jitter,
+                beta=self.beta,
+                spread_first_refresh=self.spread_first_refresh,
+                lock_ttl=self.lock_ttl,
+                wait_timeout=self.wait_timeout,
+                negative_ttl=self.negative_ttl,
+            ),
         )
 
     def get_cache(self) -> StampedeCache:
