@@ -88,10 +88,8 @@ def _stop(proc: subprocess.Popen[Any], timeout: float = 30.0) -> None:
         return
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGTERM)
-    try:
+    with contextlib.suppress(subprocess.TimeoutExpired):
         proc.wait(timeout)
-    except subprocess.TimeoutExpired:
-        pass
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
     with contextlib.suppress(subprocess.TimeoutExpired):
@@ -137,6 +135,10 @@ class Deployment:
         return None
 
     def dagster_rows(self) -> dict[str, int]:
+        raise NotImplementedError
+
+    def run_status(self, run_id: str) -> str | None:
+        """The Dagster run's status as its storage has it (``STARTED``, ``FAILURE``, ...)."""
         raise NotImplementedError
 
     # -- shared --------------------------------------------------------------------------------
@@ -186,9 +188,10 @@ class Deployment:
         return out
 
     def worker_pids(self) -> list[int]:
-        """The resident worker runs' processes (``dagster api execute_run`` children of the
-        code server) serving the light queue."""
-        return [p.pid for p in self.tree() if "execute_run" in _cmdline(p.pid)]
+        """The run workers' processes: the code server starts each run as a process of its own
+        (``multiprocessing`` spawn); with every job type resident, those are the worker runs."""
+        return [p.pid for p in self.tree()
+                if "spawn_main" in (cmd := _cmdline(p.pid)) and "resource_tracker" not in cmd]
 
     def cpu_seconds(self) -> float:
         """CPU used by the deployment's processes so far: each live process's own time plus
@@ -279,12 +282,30 @@ class DevDeployment(Deployment):
         self._wait_ready(f"{self.workers} resident worker runs", self.ready)
 
     def dagster_rows(self) -> dict[str, int]:
-        """Rows in the SQLite Dagster storage: every run's event log and the runs table."""
-        home = self.state / "dagster_home" / "storage"
-        events = 0
-        for path in glob.glob(str(home / "*.db")):
-            events += _sqlite_count(path, "event_logs")
-        return {"event_rows": events, "runs": _sqlite_count(str(home / "runs.db"), "runs")}
+        """Rows in the SQLite Dagster storage: every run's event log (``history/runs/<run>.db``)
+        and the index beside them (``index.db``, which repeats some events), and the runs."""
+        history = self.state / "dagster_home" / "history"
+        events = sum(_sqlite_count(path, "event_logs")
+                     for path in glob.glob(str(history / "runs" / "*.db")))
+        return {"event_rows": events, "runs": _sqlite_count(str(history / "runs.db"), "runs")}
+
+    def run_status(self, run_id: str) -> str | None:
+        path = self.state / "dagster_home" / "history" / "runs.db"
+        return _sqlite_one(str(path), "SELECT status FROM runs WHERE run_id = ?", run_id)
+
+
+def _sqlite_one(path: str, sql: str, *params: Any) -> Any:
+    try:
+        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5)
+    except sqlite3.Error:
+        return None
+    try:
+        row = conn.execute(sql, params).fetchone()
+        return None if row is None else row[0]
+    except sqlite3.Error:
+        return None
+    finally:
+        conn.close()
 
 
 def _sqlite_count(path: str, table: str) -> int:
@@ -322,6 +343,212 @@ class ProductionDeployment(Deployment):
         )
         self.daemon: subprocess.Popen[Any] | None = None
         self._admin = create_engine(admin_url, isolation_level="AUTOCOMMIT", pool_size=1)
+        self._dagster = create_engine(dagster_url, pool_size=1)
+
+    def client_env(self) -> dict[str, str]:
+        return {"DATABASE_URL": self.app_url, "REDIS_URL": self.redis_url,
+                "DAGSTER_HOME": str(self.home)}
+
+    def start(self) -> None:
+        db = Database.from_url(self.app_url)
+        try:
+            upgrade(db)
+        finally:
+            db.dispose()
+        subprocess.run([sys.executable, "-m", "pipelines.instance", str(self.home),
+                        "--profile", "production"], env=self.env, cwd=ROOT, check=True,
+                       stdout=subprocess.DEVNULL, timeout=600)
+        workspace = self.root / "workspace.yaml"
+        workspace.write_text(
+            "load_from:\n  - grpc_server:\n      host: 127.0.0.1\n"
+            f"      port: {self.grpc_port}\n      location_name: sekali\n")
+        self._spawn([str(BIN / "dagster"), "api", "grpc", "-m", "pipelines.definitions",
+                     "-h", "127.0.0.1", "-p", str(self.grpc_port), "--location-name", "sekali",
+                     "--use-python-environment-entry-point"], "code_server.log")
+        self._wait_ready("the code server", self._grpc_open)
+        self.daemon = self._start_daemon()
+        self._wait_ready(f"{self.workers} resident worker runs", self.ready)
+
+    def _grpc_open(self) -> bool:
+        try:
+            socket.create_connection(("127.0.0.1", self.grpc_port), timeout=1).close()
+            return True
+        except OSError:
+            return False
+
+    def _start_daemon(self) -> subprocess.Popen[Any]:
+        return self._spawn([str(BIN / "dagster-daemon"), "run", "-w",
+                            str(self.root / "workspace.yaml")], "daemon.log")
+
+    def daemon_pid(self) -> int | None:
+        return None if self.daemon is None or self.daemon.poll() is not None else self.daemon.pid
+
+    def kill_daemon(self) -> int | None:
+        """SIGKILL the daemon's process (its in-flight sensor ticks die with it; the worker
+        runs live under the code server and go on) and start a new one at once, as systemd's
+        ``Restart=always`` would."""
+        pid = self.daemon_pid()
+        if pid is None or self.daemon is None:
+            return None
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+        self.daemon.wait(10)
+        self.procs.remove(self.daemon)
+        self.daemon = self._start_daemon()
+        self.daemon_restarts += 1
+        return pid
+
+    def _dagster_one(self, sql: str, **params: Any) -> Any:
+        with self._dagster.connect() as conn:
+            return conn.execute(text(sql), params).scalar()
+
+    def dagster_rows(self) -> dict[str, int]:
+        return {"event_rows": int(self._dagster_one("SELECT count(*) FROM event_logs")),
+                "runs": int(self._dagster_one("SELECT count(*) FROM runs"))}
+
+    def run_status(self, run_id: str) -> str | None:
+        return self._dagster_one("SELECT status FROM runs WHERE run_id = :id", id=run_id)
+
+    def statements(self) -> dict[str, int] | None:
+        """Statements executed on the app and Dagster databases (Postgres only)."""
+        return None
+
+    def backlog(self) -> int:
+        """Requests not yet in a final state."""
+        with self.db.statement() as conn:
+            return int(conn.execute(text(
+                "SELECT count(*) FROM job_requests WHERE status NOT IN "
+                "('completed', 'failed', 'cancelled', 'coalesced')")).scalar_one())
+
+    def idle(self) -> bool:
+        return self.backlog() == 0
+
+    def ready(self) -> bool:
+        return len(self.worker_pids()) >= self.workers
+
+    def stop(self) -> None:
+        for proc in reversed(self.procs):
+            _stop(proc)
+        if self._db is not None:
+            self._db.dispose()
+
+    def _spawn(self, argv: list[str], log: str, env: dict[str, str] | None = None
+               ) -> subprocess.Popen[Any]:
+        with (self.root / log).open("ab") as out:
+            proc = subprocess.Popen(argv, env=env or self.env, cwd=ROOT, stdout=out,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True)
+        self.procs.append(proc)
+        return proc
+
+    def _wait_ready(self, what: str, predicate: Callable[[], bool]) -> None:
+        deadline = time.monotonic() + START_TIMEOUT
+        while not predicate():
+            dead = [p for p in self.procs if p.poll() is not None]
+            if dead or time.monotonic() > deadline:
+                logs = "; ".join(f"{p.name}: {p.read_text()[-1500:]}"
+                                 for p in sorted(self.root.glob("*.log")))
+                raise RuntimeError(f"{self.name}: {what} did not come up ({logs})")
+            time.sleep(1.0)
+
+
+def _answers(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:  # nosec B310: our own UI on loopback
+            return int(r.status) == 200
+    except OSError:
+        return False
+
+
+class DevDeployment(Deployment):
+    """``sekali dev --no-sandbox`` on SQLite (module docstring)."""
+
+    name = "sekali"
+    dialect = "sqlite"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.state = self.root / "state"
+        self.port = free_port()
+        self.env.update(SEKALI_STATE_DIR=str(self.state),
+                        DAGSTER_HOME=str(self.state / "dagster_home"))
+
+    def client_env(self) -> dict[str, str]:
+        return {"SEKALI_STATE_DIR": str(self.state),
+                "DAGSTER_HOME": str(self.state / "dagster_home"),
+                "DATABASE_URL": f"sqlite:///{self.state / 'app.db'}",
+                "REDIS_URL": f"unix://{self.state / 'redis' / 'redis.sock'}"}
+
+    def start(self) -> None:
+        self._spawn([str(BIN / "sekali"), "dev", "--no-sandbox", "--port", str(self.port)],
+                    "dev.log")
+        self._wait_ready("the Dagster UI",
+                         lambda: _answers(f"http://127.0.0.1:{self.port}/server_info"))
+        self._wait_ready(f"{self.workers} resident worker runs", self.ready)
+
+    def dagster_rows(self) -> dict[str, int]:
+        """Rows in the SQLite Dagster storage: every run's event log (``history/runs/<run>.db``)
+        and the index beside them (``index.db``, which repeats some events), and the runs."""
+        history = self.state / "dagster_home" / "history"
+        events = sum(_sqlite_count(path, "event_logs")
+                     for path in glob.glob(str(history / "runs" / "*.db")))
+        return {"event_rows": events, "runs": _sqlite_count(str(history / "runs.db"), "runs")}
+
+    def run_status(self, run_id: str) -> str | None:
+        path = self.state / "dagster_home" / "history" / "runs.db"
+        return _sqlite_one(str(path), "SELECT status FROM runs WHERE run_id = ?", run_id)
+
+
+def _sqlite_one(path: str, sql: str, *params: Any) -> Any:
+    try:
+        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5)
+    except sqlite3.Error:
+        return None
+    try:
+        row = conn.execute(sql, params).fetchone()
+        return None if row is None else row[0]
+    except sqlite3.Error:
+        return None
+    finally:
+        conn.close()
+
+
+def _sqlite_count(path: str, table: str) -> int:
+    try:
+        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5)
+    except sqlite3.Error:
+        return 0
+    try:
+        return int(conn.execute(f"SELECT count(*) FROM {table}").fetchone()[0])  # nosec B608: a constant table name
+    except sqlite3.Error:
+        return 0
+    finally:
+        conn.close()
+
+
+class ProductionDeployment(Deployment):
+    """The production profile on Postgres (module docstring). ``admin_url``: a superuser URL
+    of the cluster (SQLAlchemy, psycopg 3) on which the databases ``app`` and ``dagster``
+    were made for the run; ``redis_url`` the run's Redis."""
+
+    name = "sekali_postgres"
+    dialect = "postgresql"
+
+    def __init__(self, root: Path, smtp_port: int, sink_url: str, workers: int, *,
+                 app_url: str, dagster_url: str, admin_url: str, redis_url: str,
+                 extra_env: dict[str, str] | None = None) -> None:
+        super().__init__(root, smtp_port, sink_url, workers, extra_env)
+        self.app_url, self.dagster_url, self.admin_url = app_url, dagster_url, admin_url
+        self.redis_url = redis_url
+        self.home = self.root / "dagster_home"
+        self.grpc_port = free_port()
+        self.env.update(
+            DAGSTER_HOME=str(self.home), DATABASE_URL=app_url, REDIS_URL=redis_url,
+            DAGSTER_PG_URL=dagster_url.replace("postgresql+psycopg://", "postgresql+psycopg2://"),
+        )
+        self.daemon: subprocess.Popen[Any] | None = None
+        self._admin = create_engine(admin_url, isolation_level="AUTOCOMMIT", pool_size=1)
+        self._dagster = create_engine(dagster_url, pool_size=1)
 
     def client_env(self) -> dict[str, str]:
         return {"DATABASE_URL": self.app_url, "REDIS_URL": self.redis_url,
@@ -390,11 +617,10 @@ class ProductionDeployment(Deployment):
         return {"event_rows": events, "runs": runs}
 
     def statements(self) -> dict[str, int] | None:
-        """``pg_stat_statements`` calls and ``pg_stat_database`` commits per database, the
-        benchmark's own reads left out (they run as the superuser on ``postgres``... the
-        deployment's roles are the superuser too, so its own queries are excluded by database:
-        the benchmark reads the app database through the producer's connections only when it
-        enqueues or polls, counted in; see docs/scaling.md)."""
+        """``pg_stat_statements`` calls and ``pg_stat_database`` commits of the app and Dagster
+        databases (the benchmark's own enqueues and polls of the app database are counted in:
+        a producer's statements are part of a job's cost; its reads of Dagster's are a few
+        per snapshot)."""
         app = self.app_url.rsplit("/", 1)[1]
         dag = self.dagster_url.rsplit("/", 1)[1]
         out: dict[str, int] = {}
@@ -414,3 +640,4 @@ class ProductionDeployment(Deployment):
     def stop(self) -> None:
         super().stop()
         self._admin.dispose()
+        self._dagster.dispose()
