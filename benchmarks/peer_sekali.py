@@ -291,7 +291,8 @@ class DevDeployment(Deployment):
 
     def run_status(self, run_id: str) -> str | None:
         path = self.state / "dagster_home" / "history" / "runs.db"
-        return _sqlite_one(str(path), "SELECT status FROM runs WHERE run_id = ?", run_id)
+        status = _sqlite_one(str(path), "SELECT status FROM runs WHERE run_id = ?", run_id)
+        return None if status is None else str(status)
 
 
 def _sqlite_one(path: str, sql: str, *params: Any) -> Any:
@@ -407,7 +408,8 @@ class ProductionDeployment(Deployment):
                 "runs": int(self._dagster_one("SELECT count(*) FROM runs"))}
 
     def run_status(self, run_id: str) -> str | None:
-        return self._dagster_one("SELECT status FROM runs WHERE run_id = :id", id=run_id)
+        status = self._dagster_one("SELECT status FROM runs WHERE run_id = :id", id=run_id)
+        return None if status is None else str(status)
 
     def statements(self) -> dict[str, int] | None:
         """``pg_stat_statements`` calls and ``pg_stat_database`` commits of the app and Dagster
