@@ -114,6 +114,7 @@ class Deployment:
         }
         self.workers = workers
         self.procs: list[subprocess.Popen[Any]] = []
+        self.daemon: subprocess.Popen[Any] | None = None
         self._db: Database | None = None
         self.daemon_restarts = 0
 
@@ -215,17 +216,18 @@ class Deployment:
                 "SELECT count(*) FROM job_requests WHERE status NOT IN "
                 "('completed', 'failed', 'cancelled', 'coalesced')")).scalar_one())
 
-    def idle(self) -> bool:
-        return self.backlog() == 0
-
     def ready(self) -> bool:
         return len(self.worker_pids()) >= self.workers
 
     def stop(self) -> None:
+        """Stop every process it started (once: a second call finds none)."""
         for proc in reversed(self.procs):
             _stop(proc)
+        self.procs = []
+        self.daemon = None
         if self._db is not None:
             self._db.dispose()
+            self._db = None
 
     def _spawn(self, argv: list[str], log: str, env: dict[str, str] | None = None
                ) -> subprocess.Popen[Any]:
@@ -342,7 +344,6 @@ class ProductionDeployment(Deployment):
             DAGSTER_HOME=str(self.home), DATABASE_URL=app_url, REDIS_URL=redis_url,
             DAGSTER_PG_URL=dagster_url.replace("postgresql+psycopg://", "postgresql+psycopg2://"),
         )
-        self.daemon: subprocess.Popen[Any] | None = None
         self._admin = create_engine(admin_url, isolation_level="AUTOCOMMIT", pool_size=1)
         self._dagster = create_engine(dagster_url, pool_size=1)
 
