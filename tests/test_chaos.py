@@ -397,8 +397,10 @@ def test_retention_travel_catches_a_purge_that_drops_keys_open_records_name(
 ) -> None:
     """Proof that retention-travel can see the break it stands for: with the purge's rule
     "keep every key an unresolved DLQ record names" taken out (the code before the fix), the
-    day-8 replay of an open record runs against an empty ledger and mails a second time."""
+    day-8 replay of an open record runs against an empty ledger and mails a second time (with
+    the first send's lookup off: that guard alone would find the mail and record it)."""
     monkeypatch.setattr(DlqStore, "unresolved_key_reference", staticmethod(lambda column: "1 = 0"))
+    monkeypatch.setenv("SEKALI_LOOKUP_FIRST", "charge_payment=0,send_email=0")
     report = run_chaos(ChaosConfig(
         requests=80, workers=3, threads=2, redelivery=3, faults=("retention-travel", "poison"),
         seed=3, timeout=150,
