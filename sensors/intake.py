@@ -258,19 +258,6 @@ class Reconciled:
     returned: int = 0
 
 
-def reconcile_finished_runs(
-    instance: dg.DagsterInstance,
-    store: RequestStore,
-    after: float,
-    *,
-    limit: int = 200,
-    max_pages: int = 25,
-) -> tuple[float, int]:
-    """:func:`reconcile_runs` as (cursor, requests moved)."""
-    done = reconcile_runs(instance, store, after, limit=limit, max_pages=max_pages)
-    return done.cursor, done.moved
-
-
 def reconcile_runs(
     instance: dg.DagsterInstance,
     store: RequestStore,

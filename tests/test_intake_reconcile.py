@@ -18,7 +18,6 @@ from sensors.intake import (
     IntakePolicy,
     LaunchThrottle,
     evaluate_intake,
-    reconcile_finished_runs,
     reconcile_runs,
     run_requests_for,
     without_runs_in_flight,
@@ -52,7 +51,7 @@ def test_runs_ending_out_of_creation_order_beyond_one_page_all_move_their_reques
     claimed = store.claim_for_launch(10, relaunch_after=120)
     run_requests, run_keys = run_requests_for(claimed, IntakePolicy())
     store.set_run_keys(run_keys)
-    cursor, _ = reconcile_finished_runs(instance, store, 0.0, limit=2)  # a tick before the ends
+    cursor = reconcile_runs(instance, store, 0.0, limit=2).cursor  # a tick before the ends
 
     runs = [
         instance.create_run_for_job(
@@ -66,7 +65,7 @@ def test_runs_ending_out_of_creation_order_beyond_one_page_all_move_their_reques
         instance.report_run_canceled(run)
         time.sleep(0.01)
 
-    _, moved = reconcile_finished_runs(instance, store, cursor, limit=2)
+    moved = reconcile_runs(instance, store, cursor, limit=2).moved
     assert moved == 5
     statuses = {r.id: store.get(r.id).status for r in claimed}  # type: ignore[union-attr]
     assert set(statuses.values()) == {RequestStatus.PENDING}, statuses
@@ -115,9 +114,9 @@ def test_a_failed_run_dagster_will_retry_leaves_its_requests_to_the_retry_and_th
     now = [1000.0]
     store = RequestStore(db, clock=lambda: now[0])
     claimed, run = _fan_out_run(store, instance, "k", {"dagster/will_retry": "true"})
-    cursor, _ = reconcile_finished_runs(instance, store, 0.0)
+    cursor = reconcile_runs(instance, store, 0.0).cursor
     instance.report_run_failed(run)
-    _, moved = reconcile_finished_runs(instance, store, cursor)
+    moved = reconcile_runs(instance, store, cursor).moved
     assert moved == 0
     assert {store.get(r.id).status for r in claimed} == {RequestStatus.LAUNCHED}  # type: ignore[union-attr]
 
@@ -198,7 +197,7 @@ def test_a_step_failure_leaves_its_own_class_and_returns_the_untaken(
     wrote its dead letter)."""
     store = RequestStore(db)
     ids, _ = _ended_fan_out_run(store, instance, "s", "STEP_FAILURE")
-    reconcile_finished_runs(instance, store, 0.0)
+    reconcile_runs(instance, store, 0.0)
     _, taken, untaken = (store.get(i) for i in ids)
     assert taken is not None and taken.status is RequestStatus.FAILED
     assert taken.error_class is None, taken
