@@ -50,7 +50,7 @@ import time
 import uuid
 from collections import Counter, defaultdict, deque
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any
 
@@ -58,8 +58,12 @@ from sqlalchemy import create_engine, make_url, text
 from sqlalchemy.pool import NullPool
 
 from engine import tags as tag
+from engine.intake import enqueue
 from engine.registry import get_job_type
+from engine.requests import RequestStore
+from engine.step import StepAttempt, run_step
 from engine.upkeep.reconciliation import Reconciler
+from engine.worker import give_back
 from pipelines.domain.inventory import Inventory
 from pipelines.domain.payments import GATEWAY, HttpPaymentGateway
 from pipelines.instance import prepare_dagster_home
@@ -73,13 +77,20 @@ from proof.chaos_truth import (
     unverified_note,
 )
 from proof.chaos_typed import TYPED_FAULTS, Sandboxes, effect_counter, job_types_of, typed_payloads
-from proof.chaos_worker import CONFIG_ENV, CRASH_POINTS, STOP_POINTS, WorkerConfig
+from proof.chaos_worker import (
+    CONFIG_ENV,
+    CRASH_POINTS,
+    STOP_POINTS,
+    WorkerConfig,
+    build_services,
+)
 from resources.dlq import DlqStatus, DlqStore, FailureClass, FailureInfo, dedupe_key_for
 from resources.egress import ALLOW_ENV, allow_list
 from resources.errors import EvictingRedis, SekaliError, ValidationError
 from resources.idempotency import IdempotencyStore
 from resources.retry import BUDGET_UNAVAILABLE
 from resources.storage.db import Database
+from resources.storage.json_text import masked_digest
 from resources.storage.migrations import upgrade
 from resources.storage.redis import memory_policies, redis_client, require_no_eviction
 from resources.storage.replication import ACCEPT_ENV
@@ -101,6 +112,7 @@ DEFAULT_FAULTS = ("kill", "stop", "redis-restart", "drop-response", "poison")
 BACKGROUND_FAULTS = ("redis-restart", "pg-restart", "redis-freeze", "redis-rollback",
                      "redis-failover", "slow-provider", "drip-provider", "budget-redis-down",
                      "evicting-redis", "pg-failover")
+DELIVERIES = ("per_request", "resident")
 DEFAULT_PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/sekali_test"
 EMAIL_DATE = "2026-11-29"
 
@@ -189,6 +201,10 @@ class ChaosConfig:
     calibration_keys: int = 3
     require_record: bool = False
     dagster: bool = False  # --dagster: each delivery a real run of the per-request Dagster job
+    # how requests reach their handler: "per_request" (a broker delivers each to the step entry
+    # of the per-request op) or "resident" (enqueued; resident workers claim them)
+    delivery: str = "per_request"
+    batch_size: int = 4  # --delivery resident: the workers' batch
 
     def validate(self) -> None:
         unknown = sorted(set(self.faults) - set(FAULTS))
@@ -197,6 +213,20 @@ class ChaosConfig:
                 f"unknown fault(s) {unknown}; choose from {', '.join(FAULTS)}, or all")
         if self.backend not in ("sqlite", "postgres"):
             raise ChaosConfigError("--backend must be sqlite or postgres")
+        if self.delivery not in DELIVERIES:
+            raise ChaosConfigError(f"--delivery must be one of {', '.join(DELIVERIES)}")
+        if self.delivery == "resident":
+            refused = [name for name, why in (
+                ("--naive", self.naive), ("--job-type", bool(self.job_types)),
+                ("--dagster", self.dagster), ("pg-failover", "pg-failover" in self.faults))
+                if why]
+            if refused:
+                raise ChaosConfigError(
+                    f"--delivery resident runs the built-in mix on resident worker processes; "
+                    f"{', '.join(refused)} run(s) with --delivery per_request")
+            if self.batch_size < 1 or self.workers < 2:
+                raise ChaosConfigError("--delivery resident needs --batch >= 1 and --workers >= 2"
+                                       " (the light and the heavy queue each get workers)")
         if self.dagster and not self.job_types:
             raise ChaosConfigError("--dagster runs the job types named by --job-type")
         if self.job_types:
@@ -760,7 +790,7 @@ class WorkerProcess:
     """One ``proof.chaos_worker`` process and the thread that reads its reports."""
 
     def __init__(self, wid: int, generation: int, config: WorkerConfig, events: queue.Queue[Any],
-                 log_dir: Path) -> None:
+                 log_dir: Path, module: str | None = None) -> None:
         self.wid = wid
         self.generation = generation
         self.state = "starting"  # starting | running | stopped | dead
@@ -777,9 +807,10 @@ class WorkerProcess:
         self.clock_offset = config.clock_offset
         skewed = ["-m", "proof.skewed_clock", repr(config.clock_offset)] if config.clock_offset \
             else ["-m"]
+        module = module or ("proof.chaos_dagster" if config.dagster_home
+                            else "proof.chaos_worker")
         self.proc = subprocess.Popen(
-            [sys.executable, *skewed,
-             "proof.chaos_dagster" if config.dagster_home else "proof.chaos_worker"],
+            [sys.executable, *skewed, module],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
             env={**env, CONFIG_ENV: config.to_json()},
         )
@@ -882,7 +913,7 @@ class Coordinator:
     # fault schedule: fractions of the expected dispatches at which each fault strikes
     def _plan_faults(self) -> None:
         cfg = self.config
-        total = len(self.deliveries)
+        total = self._plan_total()
         rng = self.rng
         self.kill_at = sorted(int(total * rng.uniform(0.05, 0.85)) for _ in range(cfg.kill_count))
         n_stops = cfg.stops if "stop" in cfg.faults else 0
@@ -927,6 +958,14 @@ class Coordinator:
         # background faults under way, per lane: the servers (Redis, Postgres) one at a time,
         # the provider beside them (name, thread)
         self._running: dict[str, tuple[str, threading.Thread]] = {}
+
+    def _plan_total(self) -> int:
+        """What the fault schedule counts in: dispatches."""
+        return len(self.deliveries)
+
+    def _row_of(self, req: Request) -> int:
+        """The id the stores know ``req`` by."""
+        return req.row_id
 
     # -- workers
     def _spawn(self, wid: int) -> None:
@@ -1330,6 +1369,15 @@ class Coordinator:
         """The request the stores know by ``row_id`` (:attr:`Request.row_id`)."""
         return self.requests[row_id - 1]
 
+    def _redeliver(self, request: int, record_id: int | None) -> None:
+        """Deliver workload request ``request`` again (a replay of DLQ record ``record_id``,
+        resolved once it is done)."""
+        d = Delivery(len(self.deliveries), request)
+        self.deliveries.append(d)
+        if record_id is not None:
+            self.replays[d.id] = record_id
+        self.fresh.append(d.id)
+
     @staticmethod
     def _key_for(req: Request) -> str | None:
         jt = get_job_type(req.job_type)
@@ -1431,13 +1479,13 @@ class Coordinator:
                 kept.append(key)
             self.dlq.record_failure(FailureInfo(
                 job_type=req.job_type,
-                dedupe_key=dedupe_key_for(req.job_type, request_id=req.row_id,
+                dedupe_key=dedupe_key_for(req.job_type, request_id=self._row_of(req),
                                           idempotency_key=None, run_id="", step=""),
                 error_type="WorkerLost",
                 message="the worker died after the key completed, before the step reported"
                         " success (planted by retention-travel)",
                 run_id=f"chaos-travel-{req.id}", error_class=FailureClass.TRANSIENT,
-                step=f"{req.job_type}_op", idempotency_key=key, request_id=req.row_id,
+                step=f"{req.job_type}_op", idempotency_key=key, request_id=self._row_of(req),
                 payload=None if n % 2 else req.payload, correlation_id=f"chaos-req-{req.id}",
                 tags={tag.CHAOS: "true"},
             ), actor="chaos")
@@ -1469,10 +1517,7 @@ class Coordinator:
             assert record.request_id is not None
             req = self._by_row(int(record.request_id))
             req.faults.add("retention-travel")
-            d = Delivery(len(self.deliveries), req.id)
-            self.deliveries.append(d)
-            self.replays[d.id] = record.id
-            self.fresh.append(d.id)
+            self._redeliver(req.id, record.id)
             self.stats["travel_replayed"] += 1
 
     def _redeliver_rolled_back(self) -> None:
@@ -1501,7 +1546,7 @@ class Coordinator:
     def _replay_evicted(self) -> None:
         """evicting-redis: the policy is ``noeviction`` again; the operator replays what the
         refusal dead-lettered (``sekali dlq replay``: the key reset, the record replaying)."""
-        wanted = {self.requests[r].row_id for r in self.evicted}
+        wanted = {self._row_of(self.requests[r]) for r in self.evicted}
         self.evicted.clear()
         records = [r for r in self.dlq.list_records(status=[DlqStatus.OPEN])
                    if r.request_id is not None and int(r.request_id) in wanted]
@@ -1510,10 +1555,7 @@ class Coordinator:
                                 reason="evicting-redis: maxmemory-policy noeviction again")
         for record in self.dlq.claim_for_replay(len(records), actor="chaos"):
             assert record.request_id is not None
-            d = Delivery(len(self.deliveries), int(record.request_id) - 1)
-            self.deliveries.append(d)
-            self.replays[d.id] = record.id
-            self.fresh.append(d.id)
+            self._redeliver(self._by_row(int(record.request_id)).id, record.id)
             self.stats["eviction_replayed"] += 1
 
     def fault_counts(self) -> dict[str, int]:
@@ -1553,6 +1595,425 @@ class Coordinator:
                 logger.exception("closing worker %s failed", w.wid)
         self.probe.dispose()
         for _, thread in list(self._running.values()):  # joined before the world stops
+            thread.join(timeout=60)
+
+
+# -- resident workers --------------------------------------------------------------------------
+
+
+@dataclass
+class _Resident:
+    """What the coordinator knows of one resident worker process."""
+
+    proc: WorkerProcess
+    owner: str
+    queue: str
+    in_hand: list[str] = field(default_factory=list)  # correlation ids of the batch it holds
+    batch_at: float = 0.0
+    armed: tuple[str, str] | None = None  # (crash | stop, point) sent and not struck yet
+    struck: str | None = None  # "kill" | "loop" | "failed": why it will die
+    stopped_cid: str | None = None
+    stopped_at: float = 0.0
+    declared_dead: bool = False  # given back while frozen; it only finishes and ends now
+    exiting: bool = False
+    froze_in_batch: bool = False
+    crash_cid: str | None = None
+
+
+class ResidentCoordinator(Coordinator):
+    """``--delivery resident``: the workload goes in through :func:`engine.intake.enqueue` (each
+    request ``redelivery`` times, the copies in the broker's order: a producer that retries),
+    and P resident worker processes (:mod:`proof.chaos_resident`, the shipped
+    :class:`engine.worker.ResidentWorker`, heavy and light queues both served) claim and run it.
+    The coordinator plays the supervisor: a worker that died (or was cut off by a stop past its
+    lease and declared dead) has what it held given back through
+    :func:`engine.worker.give_back` and a new worker under a new owner takes its slot; a stopped
+    one is woken once its keys were taken over, and ends after the batch in hand, its late
+    writes refused by the fences. Faults are armed on a worker (the next effect call reaching
+    the point strikes), on the same schedule as the broker's; the background faults are the
+    same. A request is settled when its row is ``completed``, or ``failed`` with an open dead
+    letter; poison is refused at the enqueue and kept in ``job_rejections``."""
+
+    def __init__(self, config: ChaosConfig, world: ChaosWorld, requests: list[Request]) -> None:
+        super().__init__(config, world, requests)
+        self.order = delivery_order(requests, config.redelivery, config.seed, config.workers)
+        self.deliveries = []
+        self.fresh.clear()
+        self.ids: dict[int, int] = {}  # workload id -> job_requests id
+        self.rejected: set[int] = set()
+        self.by_cid = {f"chaos-req-{r.id}": r for r in requests}
+        self.settled: set[int] = set()  # workload ids
+        self.procs: dict[int, _Resident] = {}  # by generation
+        self.slot: dict[int, int] = {}  # wid -> generation of its current worker
+        self.respawn_at: dict[int, float] = {}
+        self.give_back_due: set[str] = set()
+        self.produced = threading.Event()
+        self.namespace = f"chaos-{uuid.uuid4().hex[:10]}"
+        self.store = RequestStore(world.db)
+        self.replay_services: Any = None
+        self.queues = ["heavy" if wid % 2 else "light" for wid in range(max(2, config.workers))]
+        self._last_poll = 0.0
+        self._closing = False
+
+    def _plan_total(self) -> int:
+        return len(self.requests)
+
+    def _stop_under_way(self) -> bool:
+        return any((r.armed is not None and r.armed[0] == "stop") or r.proc.state == "stopped"
+                   for r in self.procs.values())
+
+    def _row_of(self, req: Request) -> int:
+        return self.ids[req.id]
+
+    def _by_row(self, row_id: int) -> Request:
+        return self.requests[{v: k for k, v in self.ids.items()}[row_id]]
+
+    # -- the producer
+    def _produce(self) -> None:
+        """Enqueue every copy in order; a store away is retried (the producer is at-least-once
+        too); a refusal is kept by the enqueue (``job_rejections``), the request is poison."""
+        for rid, _copy in self.order:
+            req = self.requests[rid]
+            for _ in range(240):
+                try:
+                    result = enqueue(req.job_type, dict(req.payload),
+                                     correlation_id=f"chaos-req-{req.id}", db=self.world.db,
+                                     source="chaos")
+                    self.ids[req.id] = result.id
+                    self.stats["enqueued" if result.created else "enqueue_duplicates"] += 1
+                    break
+                except ValidationError:
+                    self.rejected.add(req.id)
+                    break
+                except Exception as exc:  # noqa: BLE001 - the store is away: try again
+                    logger.warning("enqueue of request %s failed, retrying: %s", req.id, exc)
+                    self.stats["enqueue_retries"] += 1
+                    time.sleep(0.5)
+        self.produced.set()
+
+    # -- workers
+    def _spawn(self, wid: int) -> None:
+        self.generation += 1
+        gen = self.generation
+        owner = f"chaos-w{wid}-g{gen}-{self.namespace}"
+        queue_name = self.queues[wid % len(self.queues)]
+        config = replace(
+            self.world.worker_config(wid), queue=queue_name, owner=owner,
+            batch_size=self.config.batch_size, wakeup_namespace=self.namespace, threads=1,
+            crash_loops=tuple(f"chaos-req-{r.id}" for r in self.requests if r.crash_loop))
+        proc = WorkerProcess(wid, gen, config, self.events, self.world.state,
+                             module="proof.chaos_resident")
+        self.procs[gen] = _Resident(proc, owner, queue_name)
+        self.slot[wid] = gen
+        self.workers[wid] = proc
+        self.stats["worker_runs"] += 1
+
+    def _current(self, r: _Resident) -> bool:
+        return self.slot.get(r.proc.wid) == r.proc.generation and not r.declared_dead
+
+    def _on_event(self, wid: int, gen: int, msg: dict[str, Any] | None) -> None:
+        r = self.procs.get(gen)
+        if r is None:
+            return
+        now = time.monotonic()
+        if msg is None:
+            self._gone(r, now)
+            return
+        kind = msg["t"]
+        req = self.by_cid.get(str(msg.get("cid")))
+        if kind == "ready":
+            if r.proc.state == "starting":
+                r.proc.state = "running"
+        elif kind == "batch":
+            r.in_hand = [str(c) for c in msg.get("cids", [])]
+            r.batch_at = now
+            r.froze_in_batch = False
+            self.dispatches += len(r.in_hand)
+            active = self._active_faults(now)
+            for cid in r.in_hand:
+                held = self.by_cid.get(cid)
+                if held is not None:
+                    held.deliveries += 1
+                    held.faults.update(active)
+                    if r.proc.clock_offset:
+                        held.faults.add("clock-skew")
+        elif kind == "batch_done":
+            if not r.froze_in_batch:
+                self.longest = max(self.longest, now - r.batch_at)
+            r.in_hand = []
+            if r.proc.clock_offset:
+                self.skew_struck.add(wid)
+        elif kind in ("killing", "loop"):
+            r.struck = "kill" if kind == "killing" else "loop"
+            r.crash_cid = str(msg.get("cid"))
+            r.armed = None if kind == "killing" else r.armed
+            if kind == "killing":
+                self.armed.pop(f"g{gen}", None)
+                self.stats["kills"] += 1
+                point = f"kill:{msg.get('point')}"
+            else:
+                self.stats["crash-loop_deaths"] += 1
+                point = "crash-loop"
+            if req is not None:
+                req.faults.add(point)
+                if kind == "killing":
+                    req.struck[point] += 1
+        elif kind == "stopping":
+            self.armed.pop(f"g{gen}", None)
+            r.armed = None
+            self.stats["stops"] += 1
+            r.proc.state = "stopped"
+            r.stopped_cid = str(msg.get("cid"))
+            r.stopped_at = now
+            r.froze_in_batch = True
+            r.proc.stopped_fence = self._key_state(req.id)[0] if req is not None else 0
+            r.proc.cont_at = now + 2 * self.config.lease_seconds + 0.5
+            if req is not None:
+                point = f"stop:{msg.get('point')}"
+                req.faults.add(point)
+                req.struck[point] += 1
+        elif kind == "fail":
+            self._on_fail(r, req, msg)
+        elif kind == "worker_failed":
+            r.struck = r.struck or "failed"
+            self.stats[f"worker_failed:{msg.get('error')}"] += 1
+
+    def _on_fail(self, r: _Resident, req: Request | None, msg: dict[str, Any]) -> None:
+        error, message = str(msg.get("error")), str(msg.get("message", ""))
+        self.stats[f"error:{error}"] += 1
+        now = time.monotonic()
+        if not self._current(r) or error in ("LeaseLost", "FencedWriteRejected", "LockLost"):
+            self._late_report_of(r, req, msg)
+        if req is None:
+            return
+        active = self._active_faults(now)
+        if error == "StoreUnavailable" and "pg-restart" in active:
+            req.struck["pg-restart:outage"] += 1
+        if NO_ANSWER_HINT in message:
+            req.faults.add("drop-response")
+        if error in ("GatewayUnavailable", "PaymentNotSettled"):
+            for name in ("slow-provider", "drip-provider"):
+                if name in req.faults:
+                    self.stats[f"{name}_felt"] += 1
+        if BUDGET_UNAVAILABLE in str(msg.get("reason") or ""):
+            self.stats["budget_unavailable_decisions"] += 1
+            req.faults.add("budget-redis-down")
+        if error == "EvictingRedis" and msg.get("dead_letter"):
+            req.faults.add("evicting-redis")
+            self.stats["eviction_dead_letters"] += 1
+            if req.id not in self.evicted:
+                self.evicted.append(req.id)
+        if msg.get("retry"):
+            self.stats[f"retried:{error}"] += 1
+        elif msg.get("dead_letter"):
+            self.stats[f"gave_up:{msg.get('reason') or msg.get('outcome')}"] += 1
+
+    def _late_report_of(self, r: _Resident, req: Request | None, msg: dict[str, Any]) -> None:
+        self.stats["late_reports"] += 1
+        if msg.get("error") in ("LeaseLost", "FencedWriteRejected", "LockLost"):
+            self.stats["stale_writes_rejected"] += 1
+        self.late.append({"worker": r.owner, "request": req.id if req is not None else None,
+                          "report": msg.get("t"), "error": msg.get("error"),
+                          "stopped": r.stopped_cid is not None})
+
+    def _gone(self, r: _Resident, now: float) -> None:
+        if r.proc.state == "dead":
+            return
+        crasher = r.crash_cid if r.struck in ("kill", "loop") else None
+        for cid in r.in_hand:
+            held = self.by_cid.get(cid)
+            if held is not None and cid != crasher and not (held.crash_loop and r.struck == "loop"):
+                held.struck["died_with_worker"] += 1
+        if r.struck == "failed":
+            self.stats["worker_runs_failed"] += 1
+        elif r.struck is None and not r.exiting and not r.declared_dead:
+            self.stats["unplanned_deaths"] += 1
+        if r.armed is not None and f"g{r.proc.generation}" in self.armed:
+            kind, point = self.armed.pop(f"g{r.proc.generation}")
+            if kind == "crash":
+                self.pending_kills.append(point)
+            else:
+                self.pending_stops += 1
+        r.proc.state = "dead"
+        r.in_hand = []
+        r.proc.close(timeout=1.0)
+        self.give_back_due.add(r.owner)
+        if self.slot.get(r.proc.wid) == r.proc.generation and not self._closing:
+            # the supervisor's next tick: at once after a kill, a second after a failed run
+            self.respawn_at[r.proc.wid] = now + (1.0 if r.struck == "failed" else 0.0)
+
+    def _give_back(self) -> None:
+        if not self.give_back_due:
+            return
+        owners = sorted(self.give_back_due)
+        try:
+            moved = give_back(self.store, owners)
+        except Exception as exc:  # noqa: BLE001 - the store is away: the next pass gives back
+            logger.warning("give back of %s failed, retrying: %s", owners, exc)
+            return
+        self.give_back_due.clear()
+        self.stats["given_back"] += len(moved)
+
+    def _arm_workers(self) -> None:
+        """Faults due go to a running worker each (seeded choice)."""
+        while self.pending_kills or (self.pending_stops and not self._stop_under_way()):
+            free = [r for r in self.procs.values()
+                    if self._current(r) and r.proc.state == "running" and r.armed is None]
+            if not free:
+                return
+            r = free[self.rng.randrange(len(free))]
+            if self.pending_kills:
+                r.armed = ("crash", self.pending_kills.pop())
+                msg = {"t": "arm", "crash": r.armed[1]}
+            else:
+                self.pending_stops -= 1
+                r.armed = ("stop", STOP_POINTS[self.stats["stops_armed"] % len(STOP_POINTS)])
+                self.stats["stops_armed"] += 1
+                msg = {"t": "arm", "stop": r.armed[1]}
+            self.armed[f"g{r.proc.generation}"] = r.armed
+            r.proc.send(msg)
+
+    def _watch(self, now: float) -> None:
+        for wid, at in list(self.respawn_at.items()):
+            if now >= at:
+                del self.respawn_at[wid]
+                self._spawn(wid)
+        for r in list(self.procs.values()):
+            if r.proc.state == "stopped":
+                if not r.declared_dead and now >= r.proc.cont_at:
+                    # cut off past its lease: its run is declared dead, what it held given back
+                    r.declared_dead = True
+                    self.give_back_due.add(r.owner)
+                    self.stats["declared_dead"] += 1
+                    self._spawn(r.proc.wid)
+                elif r.declared_dead:
+                    req = self.by_cid.get(str(r.stopped_cid))
+                    waited = now >= r.proc.cont_at + 20.0
+                    taken = req is not None and self._taken_over(req.id, r.proc.stopped_fence)
+                    if waited or taken or req is None:
+                        self.stop_log.append({"worker": r.owner, "request": req.id if req else None,
+                                              "frozen_s": round(now - r.stopped_at, 1),
+                                              "taken_over": taken})
+                        r.proc.signal(signal.SIGCONT)
+                        r.proc.state = "running"
+                        r.exiting = True
+                        r.proc.send({"t": "exit"})  # it finishes the batch in hand and ends
+                continue
+            if r.proc.state == "running" and r.in_hand and now - r.batch_at > 2 * self.stall_bound:
+                self.unbounded.append(f"unbounded stall: worker {r.owner} held a batch for "
+                                      f"{now - r.batch_at:.0f}s")
+                r.batch_at = now
+                r.proc.signal(signal.SIGKILL)
+        self._give_back()
+        if now - self._last_poll >= 0.5:
+            self._last_poll = now
+            self._poll_settled()
+
+    def _poll_settled(self) -> None:
+        try:
+            with self.probe.connect() as conn:
+                rows = conn.execute(text(
+                    "SELECT r.id, r.status, (SELECT count(*) FROM dlq_records d"
+                    " WHERE d.request_id = r.id AND d.status = 'open') AS dead"
+                    " FROM job_requests r")).all()
+        except Exception:  # noqa: BLE001 - the store is restarting: ask again later
+            return
+        status = {int(row.id): (row.status, int(row.dead)) for row in rows}
+        for wid_, rid in list(self.ids.items()):
+            st, dead = status.get(rid, (None, 0))
+            if st == "completed" or (st == "failed" and dead):
+                self.settled.add(wid_)
+                if st == "completed":
+                    self.done_requests.add(wid_)
+            else:
+                self.settled.discard(wid_)
+                self.done_requests.discard(wid_)
+
+    def unsettled(self) -> int:
+        return sum(1 for r in self.requests
+                   if r.id not in self.rejected and r.id not in self.settled)
+
+    def _quiet(self) -> bool:
+        return (self.produced.is_set() and not self._running and not self.evicted
+                and not self.give_back_due and not self.respawn_at
+                and all(r.proc.state == "dead" or (
+                    self._current(r) and r.proc.state == "running" and not r.in_hand)
+                        for r in self.procs.values()))
+
+    def _redeliver(self, request: int, record_id: int | None) -> None:
+        """A DLQ replay is a per-request run (the replay sensor launches one): the step entry of
+        the per-request op, here, with ``replay_of``; the record resolved once it completed."""
+        from_req = self.requests[request]
+        if self.replay_services is None:
+            self.replay_services = build_services(self.world.worker_config(len(self.queues)))
+        result = run_step(
+            self.replay_services,
+            StepAttempt(run_id=f"chaos-replay-{record_id}", step=f"{from_req.job_type}_op"),
+            job_type=from_req.job_type, payload=from_req.payload,
+            request_id=self.ids[request], correlation_id=f"chaos-req-{request}",
+            replay_of=record_id)
+        from_req.deliveries += 1
+        if result.outcome is not None and record_id is not None:
+            self.dlq.resolve(record_id, actor="chaos", detail="replayed")
+            self.stats["replays_completed"] += 1
+        elif result.error is not None:
+            self.stats[f"replay_failed:{type(result.error).__name__}"] += 1
+
+    def run(self, progress: Callable[[Coordinator], None] | None = None) -> bool:
+        saved = {k: os.environ.get(k) for k in ("REDIS_URL", "SEKALI_WAKEUP_NAMESPACE")}
+        os.environ.update({"REDIS_URL": self.world.redis_url,
+                           "SEKALI_WAKEUP_NAMESPACE": self.namespace})
+        try:
+            producer = threading.Thread(target=self._produce, name="chaos-producer",
+                                        daemon=True)
+            producer.start()
+            return super().run(progress)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+    def _loop(self, deadline: float, progress: Callable[[Coordinator], None] | None) -> bool:
+        last_progress = 0.0
+        while time.monotonic() < deadline:
+            if self.evicted and not self.world.evicting:
+                self._replay_evicted()
+            self._arm_faults_due()
+            self._arm_workers()
+            try:
+                self._on_event(*self.events.get(timeout=0.05))
+                while True:
+                    self._on_event(*self.events.get_nowait())
+            except queue.Empty:
+                pass
+            now = time.monotonic()
+            self._watch(now)
+            if progress is not None and now - last_progress > 1.0:
+                progress(self)
+                last_progress = now
+            if self.unsettled() == 0 and self._quiet() and not self._strike_leftovers():
+                return True
+        return False
+
+    def _shutdown(self) -> None:
+        """Every worker told to end (a stopped one woken first), what any still held given
+        back; the background faults joined before the world stops."""
+        self._closing = True
+        for r in self.procs.values():
+            if r.proc.state != "dead":
+                r.exiting = True
+                try:
+                    r.proc.signal(signal.SIGCONT)
+                    r.proc.close()
+                except Exception:  # noqa: BLE001 - one worker must not keep the others alive
+                    logger.exception("closing worker %s failed", r.owner)
+                self.give_back_due.add(r.owner)
+        self.stats["worker_processes"] = len(self.procs)
+        self._give_back()
+        self.probe.dispose()
+        for _, thread in list(self._running.values()):
             thread.join(timeout=60)
 
 
@@ -1696,8 +2157,22 @@ def check(world: ChaosWorld, coordinator: Coordinator) -> tuple[list[RequestVerd
         return verdicts, violations + late
     evidence = gather_evidence(world.db, world.gateway.charges(), world.sink.messages(),
                                purged_records=coordinator.travelled)
+    resident = isinstance(coordinator, ResidentCoordinator)
     return judge(coordinator.requests, evidence, naive=world.config.naive, retries=retries,
-                 stats=coordinator.stats, crash_loop_limit=world.config.crash_loop_limit)
+                 stats=coordinator.stats, crash_loop_limit=world.config.crash_loop_limit,
+                 request_ids=coordinator.ids if resident else None,
+                 rejected=rejections(world.db, coordinator.requests, coordinator.rejected)
+                 if resident else None)
+
+
+def rejections(db: Any, requests: list[Request], refused: set[int]) -> set[int]:
+    """The workload ids among ``refused`` (their enqueue raised ``ValidationError``) whose
+    refusal ``job_rejections`` kept: its job type and the sha256 of the whole payload, as the
+    rejection stores it (no value of the payload is kept): refused, and not lost."""
+    kept = {(str(r.job_type), str(r.payload_sha256)) for r in _rows(
+        db, "SELECT job_type, payload_sha256 FROM job_rejections")}
+    return {i for i in refused
+            if (requests[i].job_type, masked_digest(requests[i].payload).sha256) in kept}
 
 
 def judge(
@@ -1712,6 +2187,7 @@ def judge(
     now: float | None = None,
     count: Callable[[str, dict[str, Any]], int] | None = None,
     crash_loop_limit: int | None = None,
+    rejected: set[int] | None = None,
 ) -> tuple[list[RequestVerdict], list[str]]:
     """The invariants over ``evidence``, per workload request: at most one effect, none lost,
     no stale write, poison permanent and never retried. ``request_ids`` maps a workload id to
@@ -1721,7 +2197,10 @@ def judge(
     request's intent (a ``--job-type`` run: through the job type's lookup hook), in place of
     the built-in mix's own counting. A crash-looping request must be dead-lettered as
     ``crash_loop`` with no effect; no other request may be, unless its workers died on it more
-    than ``crash_loop_limit`` times (kills, stops, deaths beside a crasher)."""
+    than ``crash_loop_limit`` times (kills, stops, deaths beside a crasher). ``rejected``: the
+    workload ids refused at the enqueue with the refusal kept (resident delivery: poison
+    never becomes a request); a refused poison is kept, not lost, and a refused valid request
+    is a violation."""
     now = time.time() if now is None else now
     violations: list[str] = []
     charges, mails, records = evidence.charges, evidence.mails, evidence.records
@@ -1783,7 +2262,8 @@ def judge(
             accounted = in_dlq or effects >= 1
         else:
             accounted = in_dlq or live or (status == "completed" and effects >= 1)
-        lost = not accounted
+        refused = rejected is not None and req.id in rejected
+        lost = not (accounted or refused)
         tag = f"request {req.id} ({req.job_type}, key {key})"
         if effects > 1:
             violations.append(f"duplicate effect: {tag} has {effects} effects")
@@ -1813,7 +2293,11 @@ def judge(
             if crash_loop_limit is None or deaths <= crash_loop_limit:
                 violations.append(f"dead-lettered as crash_loop after {deaths} death(s), not "
                                   f"over the limit {crash_loop_limit}: {tag}")
-        if req.poison:
+        if refused and not req.poison:
+            violations.append(f"refused at the enqueue though valid: {tag}")
+        if req.poison and refused:
+            stats["poison_refused_at_enqueue"] += 1
+        elif req.poison:
             if dl is None or dl.error_class != "permanent":
                 violations.append(f"poison not dead-lettered as permanent: {tag}")
             retried = [a for a in mine if a.outcome == "retried"]
@@ -1944,7 +2428,8 @@ def run_chaos(config: ChaosConfig) -> ChaosReport:
                                        "calibration"],
                 late_reports=[], counting=counting,
                 calibration=[c.to_dict() for c in calibrations], unverified=unverified)
-        coordinator = Coordinator(config, world, requests)
+        driver = ResidentCoordinator if config.delivery == "resident" else Coordinator
+        coordinator = driver(config, world, requests)
         bar = ProgressBar() if config.progress else None
         finished = coordinator.run(progress=bar)
         if bar is not None:
@@ -2001,7 +2486,8 @@ def run_chaos(config: ChaosConfig) -> ChaosReport:
             config=cfg,
             finished=finished,
             seconds=round(time.monotonic() - started, 1),
-            deliveries=len(coordinator.deliveries),
+            deliveries=(coordinator.dispatches if isinstance(coordinator, ResidentCoordinator)
+                        else len(coordinator.deliveries)),
             stats=stats,
             rows=fault_rows(verdicts),
             violations=violations,

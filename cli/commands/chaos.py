@@ -19,6 +19,7 @@ from rich.console import Console
 from cli.commands.output import add_output_arguments, emit
 from proof.chaos import (
     DEFAULT_FAULTS,
+    DELIVERIES,
     FAULTS,
     ChaosConfig,
     ChaosConfigError,
@@ -56,6 +57,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                    help="with --job-type: each delivery is a real run of the job type's "
                         "per-request Dagster job on a real instance (Dagster's retries and the "
                         "run-failure sensor's DLQ path inside the proof; slower: run fewer)")
+    p.add_argument("--delivery", choices=list(DELIVERIES), default=None,
+                   help="resident (the platform's default): requests enqueued, resident worker "
+                        "processes claim and run them, a dead one's requests given back; "
+                        "per_request: a broker delivers each to the per-request op's step entry "
+                        "(default: resident for the built-in mix, per_request with --job-type, "
+                        "--dagster or --naive)")
+    p.add_argument("--batch", type=int, default=4,
+                   help="with --delivery resident: requests a worker claims at once (default 4)")
     p.add_argument("--backend", choices=["sqlite", "postgres"], default="sqlite")
     p.add_argument("--database-url", dest="database_url",
                    help="Postgres URL to create the run's schema in (default DATABASE_URL or the "
@@ -97,6 +106,8 @@ def config_from_args(args: argparse.Namespace) -> tuple[ChaosConfig, list[str]]:
         raise ChaosConfigError("--job-type: name at least one job type")
     faults, notes = parse_faults(args.faults, backend=args.backend,
                                  database_url=args.database_url, typed=bool(job_types))
+    delivery = args.delivery or ("per_request" if job_types or args.dagster or args.naive
+                                 else "resident")
     return ChaosConfig(
         requests=300 if args.requests is None else args.requests,
         workers=args.workers,
@@ -116,6 +127,8 @@ def config_from_args(args: argparse.Namespace) -> tuple[ChaosConfig, list[str]]:
         dagster=args.dagster,
         calibration_runs=args.calibration_runs,
         require_record=args.require_record,
+        delivery=delivery,
+        batch_size=args.batch,
     ), notes
 
 
@@ -126,7 +139,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.topology == "hosts":
         return _run_hosts(args)
     if not args.verbose:  # the sandbox servers log every charge and mail
-        for name in ("mail.log", "sandbox.gateway", "sandbox.mailsink", "resources"):
+        for name in ("mail.log", "sandbox.gateway", "sandbox.mailsink", "resources",
+                     "engine.intake"):
             logging.getLogger(name).setLevel(logging.WARNING)
 
     try:
@@ -144,6 +158,7 @@ def _run(args: argparse.Namespace) -> int:
         print(f"sekali chaos: {exc}", file=sys.stderr)
         return 2
     mode = "naive (defences off)" if config.naive else "guarded"
+    mode += f", {config.delivery.replace('_', '-')} delivery"
     if job_types:
         mode += f", job types {','.join(job_types)}" + (", Dagster runs" if args.dagster else "")
     print(f"sekali chaos: {mode}, {config.requests} requests x {config.redelivery} deliveries, "
