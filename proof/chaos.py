@@ -1369,6 +1369,11 @@ class Coordinator:
         """The request the stores know by ``row_id`` (:attr:`Request.row_id`)."""
         return self.requests[row_id - 1]
 
+    def _replayable(self, record: Any) -> bool:
+        """Whether the operator replays ``record`` after the purge (every one here: a
+        crash-looping request is delivered to a worker that crashes on it again)."""
+        return True
+
     def _redeliver(self, request: int, record_id: int | None) -> None:
         """Deliver workload request ``request`` again (a replay of DLQ record ``record_id``,
         resolved once it is done)."""
@@ -1509,7 +1514,8 @@ class Coordinator:
         if open_before:
             self.stats["retention-travel"] += 1
         replay = [r for r in self.dlq.list_records(status=[DlqStatus.OPEN])
-                  if r.request_id is not None and not self._by_row(int(r.request_id)).poison]
+                  if r.request_id is not None and not self._by_row(int(r.request_id)).poison
+                  and self._replayable(r)]
         self.dlq.request_replay([r.id for r in replay], actor="chaos",
                                 idempotency=IdempotencyStore(self.world.db),
                                 reason="retention-travel: replayed after the purge")
@@ -1654,6 +1660,7 @@ class ResidentCoordinator(Coordinator):
         self.queues = ["heavy" if wid % 2 else "light" for wid in range(max(2, config.workers))]
         self._last_poll = 0.0
         self._closing = False
+        self.replaying: dict[int, int] = {}  # DLQ record -> workload request it replays
 
     def _plan_total(self) -> int:
         return len(self.requests)
@@ -1908,6 +1915,7 @@ class ResidentCoordinator(Coordinator):
         if now - self._last_poll >= 0.5:
             self._last_poll = now
             self._poll_settled()
+            self._resolve_replayed()
 
     def _poll_settled(self) -> None:
         try:
@@ -1935,29 +1943,48 @@ class ResidentCoordinator(Coordinator):
 
     def _quiet(self) -> bool:
         return (self.produced.is_set() and not self._running and not self.evicted
-                and not self.give_back_due and not self.respawn_at
+                and not self.replaying and not self.give_back_due and not self.respawn_at
                 and all(r.proc.state == "dead" or (
                     self._current(r) and r.proc.state == "running" and not r.in_hand)
                         for r in self.procs.values()))
 
+    def _replayable(self, record: Any) -> bool:
+        """A ``crash_loop`` record is not replayed: it says to fix the cause first, and the
+        replay runs here, where the crashing handler would not crash."""
+        return str(record.error_class) != "crash_loop"
+
     def _redeliver(self, request: int, record_id: int | None) -> None:
-        """A DLQ replay is a per-request run (the replay sensor launches one): the step entry of
-        the per-request op, here, with ``replay_of``; the record resolved once it completed."""
-        from_req = self.requests[request]
+        """A DLQ replay, as the replay sensor launches one for every job type, resident ones
+        included: a per-request run, through the per-request op's step entry with
+        ``replay_of``, retried in the step as Dagster would. The record is resolved once the
+        request completed."""
+        req = self.requests[request]
+        row = self.ids[request]
+        if record_id is not None:
+            self.replaying[record_id] = request
+        self.settled.discard(request)
         if self.replay_services is None:
             self.replay_services = build_services(self.world.worker_config(len(self.queues)))
-        result = run_step(
-            self.replay_services,
-            StepAttempt(run_id=f"chaos-replay-{record_id}", step=f"{from_req.job_type}_op"),
-            job_type=from_req.job_type, payload=from_req.payload,
-            request_id=self.ids[request], correlation_id=f"chaos-req-{request}",
-            replay_of=record_id)
-        from_req.deliveries += 1
-        if result.outcome is not None and record_id is not None:
-            self.dlq.resolve(record_id, actor="chaos", detail="replayed")
-            self.stats["replays_completed"] += 1
-        elif result.error is not None:
-            self.stats[f"replay_failed:{type(result.error).__name__}"] += 1
+        for attempt in range(self.config.max_attempts):
+            result = run_step(
+                self.replay_services,
+                StepAttempt(run_id=f"chaos-replay-{record_id}", step=f"{req.job_type}_op",
+                            attempt=attempt),
+                job_type=req.job_type, payload=req.payload, request_id=row,
+                correlation_id=f"chaos-req-{request}", replay_of=record_id)
+            req.deliveries += 1
+            if result.decision is None or not result.decision.retry:
+                break
+            time.sleep(result.decision.delay)
+        self.stats["replays_run"] += 1
+
+    def _resolve_replayed(self) -> None:
+        for record_id, request in list(self.replaying.items()):
+            if request in self.done_requests:
+                self.dlq.resolve(record_id, actor="chaos", detail="replayed")
+                del self.replaying[record_id]
+            elif request in self.settled:  # dead-lettered again: its record is open
+                del self.replaying[record_id]
 
     def run(self, progress: Callable[[Coordinator], None] | None = None) -> bool:
         saved = {k: os.environ.get(k) for k in ("REDIS_URL", "SEKALI_WAKEUP_NAMESPACE")}
@@ -2172,7 +2199,7 @@ def rejections(db: Any, requests: list[Request], refused: set[int]) -> set[int]:
     kept = {(str(r.job_type), str(r.payload_sha256)) for r in _rows(
         db, "SELECT job_type, payload_sha256 FROM job_rejections")}
     return {i for i in refused
-            if (requests[i].job_type, masked_digest(requests[i].payload).sha256) in kept}
+            if (requests[i].job_type, masked_digest(requests[i].payload, 64).sha256) in kept}
 
 
 def judge(

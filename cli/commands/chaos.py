@@ -140,7 +140,7 @@ def _run(args: argparse.Namespace) -> int:
         return _run_hosts(args)
     if not args.verbose:  # the sandbox servers log every charge and mail
         for name in ("mail.log", "sandbox.gateway", "sandbox.mailsink", "resources",
-                     "engine.intake"):
+                     "engine", "pipelines"):
             logging.getLogger(name).setLevel(logging.WARNING)
 
     try:
