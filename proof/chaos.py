@@ -61,7 +61,6 @@ from engine import tags as tag
 from engine.intake import enqueue
 from engine.registry import get_job_type
 from engine.requests import RequestStore
-from engine.step import StepAttempt, run_step
 from engine.upkeep.reconciliation import Reconciler
 from engine.worker import give_back
 from pipelines.domain.inventory import Inventory
@@ -82,7 +81,6 @@ from proof.chaos_worker import (
     CRASH_POINTS,
     STOP_POINTS,
     WorkerConfig,
-    build_services,
 )
 from resources.dlq import DlqStatus, DlqStore, FailureClass, FailureInfo, dedupe_key_for
 from resources.egress import ALLOW_ENV, allow_list
@@ -1656,11 +1654,12 @@ class ResidentCoordinator(Coordinator):
         self.produced = threading.Event()
         self.namespace = f"chaos-{uuid.uuid4().hex[:10]}"
         self.store = RequestStore(world.db)
-        self.replay_services: Any = None
         self.queues = ["heavy" if wid % 2 else "light" for wid in range(max(2, config.workers))]
         self._last_poll = 0.0
         self._closing = False
         self.replaying: dict[int, int] = {}  # DLQ record -> workload request it replays
+        self.replayer: WorkerProcess | None = None  # the per-request runs of DLQ replays
+        self.replay_events: queue.Queue[Any] = queue.Queue()
 
     def _plan_total(self) -> int:
         return len(self.requests)
@@ -1948,35 +1947,56 @@ class ResidentCoordinator(Coordinator):
                     self._current(r) and r.proc.state == "running" and not r.in_hand)
                         for r in self.procs.values()))
 
-    def _replayable(self, record: Any) -> bool:
-        """A ``crash_loop`` record is not replayed: it says to fix the cause first, and the
-        replay runs here, where the crashing handler would not crash."""
-        return str(record.error_class) != "crash_loop"
-
     def _redeliver(self, request: int, record_id: int | None) -> None:
         """A DLQ replay, as the replay sensor launches one for every job type, resident ones
-        included: a per-request run, through the per-request op's step entry with
-        ``replay_of``, retried in the step as Dagster would. The record is resolved once the
-        request completed."""
+        included: a per-request run, here a delivery to a per-request worker process
+        (:mod:`proof.chaos_worker`: the per-request op's step entry with ``replay_of``, its
+        fault points, a crash-looping handler crashing it again), retried in the step as
+        Dagster would. The record is resolved once the request completed."""
         req = self.requests[request]
-        row = self.ids[request]
         if record_id is not None:
             self.replaying[record_id] = request
         self.settled.discard(request)
-        if self.replay_services is None:
-            self.replay_services = build_services(self.world.worker_config(len(self.queues)))
-        for attempt in range(self.config.max_attempts):
-            result = run_step(
-                self.replay_services,
-                StepAttempt(run_id=f"chaos-replay-{record_id}", step=f"{req.job_type}_op",
-                            attempt=attempt),
-                job_type=req.job_type, payload=req.payload, request_id=row,
-                correlation_id=f"chaos-req-{request}", replay_of=record_id)
+        ends = time.monotonic() + self.stall_bound
+        attempt = 0
+        while time.monotonic() < ends:
+            attempt += 1
+            if self.replayer is None or self.replayer.proc.poll() is not None:
+                self.replayer = WorkerProcess(
+                    len(self.queues), 0, self.world.worker_config(len(self.queues)),
+                    self.replay_events, self.world.state)
+            tok = f"replay-{record_id}.{attempt}"
+            msg: dict[str, Any] = {
+                "tok": tok, "req": req.id, "request_id": self.ids[request],
+                "job_type": req.job_type, "payload": req.payload, "attempt": attempt,
+                "replay_of": record_id}
+            if req.crash_loop:
+                msg["crash"] = "before_effect"
             req.deliveries += 1
-            if result.decision is None or not result.decision.retry:
+            answer = self._replay_answer(tok) if self.replayer.send(msg) else None
+            if answer is None:  # the process died on it (a crash loop), or never answered
+                self.stats["replay_worker_deaths"] += 1
+                self.replayer.close(timeout=1.0)
+                self.replayer = None
+                time.sleep(self.config.lease_seconds)  # the dead holder's lease runs out
+                continue
+            if answer["t"] == "done" or not answer.get("retry"):
                 break
-            time.sleep(result.decision.delay)
+            time.sleep(float(answer.get("delay") or 0.0))
         self.stats["replays_run"] += 1
+
+    def _replay_answer(self, tok: str, timeout: float = 120.0) -> dict[str, Any] | None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                _wid, _gen, msg = self.replay_events.get(timeout=1.0)
+            except queue.Empty:
+                continue
+            if msg is None:
+                return None
+            if msg.get("tok") == tok and msg["t"] in ("done", "fail"):
+                return msg
+        return None
 
     def _resolve_replayed(self) -> None:
         for record_id, request in list(self.replaying.items()):
@@ -2038,6 +2058,8 @@ class ResidentCoordinator(Coordinator):
                     logger.exception("closing worker %s failed", r.owner)
                 self.give_back_due.add(r.owner)
         self.stats["worker_processes"] = len(self.procs)
+        if self.replayer is not None:
+            self.replayer.close()
         self._give_back()
         self.probe.dispose()
         for _, thread in list(self._running.values()):

@@ -35,6 +35,7 @@ from engine import step as step_module
 from engine.registry import get_job_type
 from engine.step import StepResult
 from engine.worker import ResidentWorker, WorkerPolicy
+from proof.chaos_outbox import Relay
 from proof.chaos_worker import (
     CONFIG_ENV,
     Hooks,
@@ -202,6 +203,9 @@ def main(argv: list[str] | None = None) -> int:
         worker.stop.set()
 
     threading.Thread(target=listen, name="chaos-stdin", daemon=True).start()
+    if config.outbox_relay:
+        Relay(services.db, config.lease_seconds,
+              on_error=lambda exc: logger.warning("outbox relay: %s", exc)).start()
     channel.send("ready", "", owner=config.owner, queue=config.queue)
     try:
         stats = worker.run()

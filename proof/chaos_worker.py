@@ -430,6 +430,7 @@ class Worker:
                 payload=msg["payload"],
                 request_id=int(msg["request_id"]),
                 correlation_id=f"chaos-req-{msg['req']}",
+                replay_of=msg.get("replay_of"),
             )
         except Exception as exc:  # noqa: BLE001 - out of the step: Dagster fails the run
             self.channel.send("fail", tok, error=type(exc).__name__, kind=str(classify(exc)),
