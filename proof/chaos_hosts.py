@@ -65,10 +65,14 @@ from resources.storage.db import Database
 from sandbox.gateway import GatewayServer
 from sandbox.hosts import Cluster, ClusterError, NotRoot, processes, require_root
 from sandbox.mailsink import MailSink
+from sensors.workers import WORKER_JOB
+
+SUPERVISOR = "worker_supervisor"
 
 logger = logging.getLogger(__name__)
 
 PARTITION_KINDS = ("worker-store", "worker-provider", "control-worker")
+HOSTS_DELIVERIES = ("resident", "per_request", "fan_out", "micro_batch")
 CORRELATION_PREFIX = "chaos-hosts-"
 RUN_DONE = ("SUCCESS", "FAILURE", "CANCELED")
 
@@ -87,8 +91,10 @@ class HostsConfig:
     redis_restarts: int = 1
     enqueue_seconds: float = 60.0
     settle_bound: float = 300.0
-    intake_mode: str = "fan_out"
+    intake_mode: str = "resident"  # resident workers, or the intake's per_request/fan_out/...
     batch_size: int = 10
+    workers_per_host: str = "light=1,heavy=1"  # resident: SEKALI_WORKERS of each worker host
+    close_bound: float = 120.0  # resident: the worker runs end within this once told to
     up_timeout: float = 300.0
     keep: bool = False  # leave the cluster up (state folder printed) instead of `down`
 
@@ -97,12 +103,23 @@ class HostsConfig:
             raise ChaosConfigError("--requests and --workers-hosts must be >= 1")
         if self.partitions < 0 or self.kills < 0 or self.redis_restarts < 0:
             raise ChaosConfigError("fault counts must be >= 0")
-        if self.intake_mode not in ("per_request", "fan_out", "micro_batch"):
-            raise ChaosConfigError("intake mode: per_request, fan_out or micro_batch")
+        if self.intake_mode not in HOSTS_DELIVERIES:
+            raise ChaosConfigError(f"delivery: {', '.join(HOSTS_DELIVERIES)}")
         if self.partition_seconds <= 0 or self.settle_bound <= 0:
             raise ChaosConfigError("the partition seconds and the settle bound must be positive")
 
+    @property
+    def resident(self) -> bool:
+        return self.intake_mode == "resident"
+
     def worker_env(self) -> dict[str, str]:
+        if self.resident:
+            return {
+                "SEKALI_INTAKE_MODE": "resident",
+                "SEKALI_WORKERS": self.workers_per_host,
+                "SEKALI_WORKER_BATCH": str(self.batch_size),
+                "SEKALI_GATEWAY_SETTLE_SECONDS": "20",
+            }
         return {
             "SEKALI_INTAKE_MODE": self.intake_mode,
             "SEKALI_INTAKE_BATCH_SIZE": str(self.batch_size),
@@ -316,8 +333,43 @@ def _settled(db: Database, ids: dict[int, int]) -> tuple[int, int]:
     return done, len(ids)
 
 
-def _runs_open(cluster: Cluster) -> list[dict[str, Any]]:
-    return [r for r in cluster.graphql().runs(limit=2000) if r["status"] not in RUN_DONE]
+def _runs_open(cluster: Cluster, *, workers: bool = True) -> list[dict[str, Any]]:
+    """The runs not ended; without the resident worker runs (which stay by design) unless
+    ``workers``."""
+    return [r for r in cluster.graphql().runs(limit=2000) if r["status"] not in RUN_DONE
+            and (workers or r["jobName"] != WORKER_JOB)]
+
+
+def end_worker_runs(cluster: Cluster, bound: float, say: Callable[[str], None]
+                    ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """End the deployment's resident workers as an operator does from the UI: every location's
+    worker supervisor stopped (so nothing relaunches them), then every worker run terminated
+    (it finishes its batch and ends CANCELED), each run launched meanwhile too. Returns the
+    runs still open after ``bound`` seconds (none, when every run ended) and what it took."""
+    gql = cluster.graphql()
+    for worker in cluster.workers:
+        assert worker.location is not None
+        state = gql.instigators(worker.location).get(f"sensor:{SUPERVISOR}")
+        if state is not None and state[1] == "RUNNING":
+            gql.stop_instigator("sensor", state[0])
+    started = time.monotonic()
+    asked: set[str] = set()
+    while True:
+        still = _runs_open(cluster)
+        for run in still:
+            if run["jobName"] == WORKER_JOB and run["runId"] not in asked:
+                asked.add(run["runId"])
+                try:
+                    gql.terminate_run(run["runId"])
+                except ClusterError as exc:
+                    say(f"terminating worker run {run['runId']} failed: {exc}")
+        if not still or time.monotonic() - started > bound:
+            break
+        time.sleep(2.0)
+    say(f"{len(asked)} worker run(s) told to end; {len(still)} run(s) open after "
+        f"{time.monotonic() - started:.0f} s")
+    return still, {"worker_runs_terminated": len(asked),
+                   "runs_closed_seconds": round(time.monotonic() - started, 1)}
 
 
 def run_hosts_chaos(
@@ -364,7 +416,8 @@ def run_hosts_chaos(
             open_runs: list[dict[str, Any]] = []
             while True:
                 done, total = _settled(db, ids)
-                open_runs = _runs_open(cluster) if done == total else []
+                open_runs = (_runs_open(cluster, workers=not config.resident)
+                             if done == total else [])
                 if done == total and not open_runs:
                     settled_at = time.monotonic()
                     break
@@ -376,6 +429,20 @@ def run_hosts_chaos(
                     f"not settled within {config.settle_bound:.0f} s after the last heal: "
                     f"{total - done} of {total} requests unsettled, {len(open_runs)} runs open"
                 )
+            if config.resident:  # the worker runs stay by design: the harness ends them
+                left, closing = end_worker_runs(cluster, config.close_bound, say)
+                stats.update(closing)
+            else:
+                left = _runs_open(cluster)
+            stats["runs_open_at_end"] = len(left)
+            if left:
+                violations.append(
+                    f"{len(left)} Dagster run(s) still open at the end: " + ", ".join(
+                        f"{r['runId']} ({r['jobName']} on {r['location']}, {r['status']})"
+                        for r in left[:10]))
+            held = in_flight_requests(db)
+            if held:
+                violations.append(f"requests still held by a run at the end: {sorted(held)[:20]}")
             provider = cluster.state_dir / "provider"
             charges = GatewayServer(db_url=f"sqlite:///{provider / 'gateway.db'}").charges()
             mails = MailSink(db_url=f"sqlite:///{provider / 'mailsink.db'}").messages()
