@@ -945,6 +945,7 @@ class Coordinator:
         self.skew_struck: set[int] = set()  # skewed workers that finished a delivery
         self.replays: dict[int, int] = {}  # delivery -> DLQ record it replays (retention-travel)
         self.travelled: dict[str, Any] = {}  # the ledger just before the purge "days later"
+        self.published_before_purge: set[str] = set()  # outbox events published by then
         self.pending_kills: list[str] = []
         self.evicted: list[int] = []  # evicting-redis: requests refused, replayed once restored
         self.failovers_handled = 0  # pg-failover: failovers whose rolled-back work went again
@@ -1501,6 +1502,8 @@ class Coordinator:
 
         self.travelled = {r.key: r for r in _rows(
             self.world.db, "SELECT key, status, fence, lease_expires_at FROM idempotency_records")}
+        self.published_before_purge = {str(r[0]) for r in _rows(
+            self.world.db, "SELECT event_id FROM outbox WHERE published_at IS NOT NULL")}
         open_before = self.dlq.list_records(status=[DlqStatus.OPEN])
         self.stats["travel_open_dead_letters"] = len(open_before)
         store = IdempotencyStore(self.world.db, lease_seconds=cfg.lease_seconds, clock=later)
@@ -2490,7 +2493,7 @@ def run_chaos(config: ChaosConfig) -> ChaosReport:
             chaos_outbox.drain(world.db, config.lease_seconds,
                                time.monotonic() + 6 * config.lease_seconds + 10)
             outbox_stats, outbox_violations = chaos_outbox.judge_outbox(
-                world.db, world.outbox_events)
+                world.db, world.outbox_events, purged=coordinator.published_before_purge)
             coordinator.stats.update(outbox_stats)
         verdicts, violations = check(world, coordinator)
         violations.extend(outbox_violations)
