@@ -303,18 +303,28 @@ def _seed_stock(db: Database, requests: list[Request]) -> None:
 
 
 def _enqueue_all(db: Database, requests: list[Request], seconds: float,
-                 ids: dict[int, int]) -> None:
+                 ids: dict[int, int], redis_url: str) -> None:
     """Enqueue the workload spread evenly over ``seconds``; ``ids`` gets workload id -> request
-    id as each is written."""
-    started = time.monotonic()
-    for n, req in enumerate(requests):
-        due = started + seconds * n / max(1, len(requests))
-        delay = due - time.monotonic()
-        if delay > 0:
-            time.sleep(delay)
-        result = enqueue(req.job_type, dict(req.payload),
-                         correlation_id=f"{CORRELATION_PREFIX}{req.id}", db=db, source="chaos")
-        ids[req.id] = result.id
+    id as each is written. Each enqueue wakes the resident workers through the cluster's Redis
+    (the producer's ``REDIS_URL``)."""
+    before = os.environ.get("REDIS_URL")
+    os.environ["REDIS_URL"] = redis_url
+    try:
+        started = time.monotonic()
+        for n, req in enumerate(requests):
+            due = started + seconds * n / max(1, len(requests))
+            delay = due - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+            result = enqueue(req.job_type, dict(req.payload),
+                             correlation_id=f"{CORRELATION_PREFIX}{req.id}", db=db,
+                             source="chaos")
+            ids[req.id] = result.id
+    finally:
+        if before is None:
+            os.environ.pop("REDIS_URL", None)
+        else:
+            os.environ["REDIS_URL"] = before
 
 
 def _settled(db: Database, ids: dict[int, int]) -> tuple[int, int]:
@@ -399,7 +409,8 @@ def run_hosts_chaos(
             _seed_stock(db, requests)
             ids: dict[int, int] = {}
             producer = threading.Thread(target=_enqueue_all, name="chaos-hosts-enqueue",
-                                        args=(db, requests, config.enqueue_seconds, ids),
+                                        args=(db, requests, config.enqueue_seconds, ids,
+                                              cluster.redis_url),
                                         daemon=True)
             producer.start()
             nemesis = Nemesis(cluster, db, config, say)
