@@ -109,6 +109,17 @@ class HostsConfig:
             raise ChaosConfigError("the partition seconds and the settle bound must be positive")
 
     @property
+    def spread_seconds(self) -> float:
+        """How long the workload is enqueued over: ``enqueue_seconds``, or with resident workers
+        (which run each request within milliseconds) the nemesis's length, so that requests
+        arrive while every fault strikes."""
+        if not self.resident:
+            return self.enqueue_seconds
+        nemesis = (self.partitions * (self.partition_seconds + self.gap_seconds)
+                   + (self.kills + self.redis_restarts) * self.gap_seconds)
+        return max(self.enqueue_seconds, nemesis)
+
+    @property
     def resident(self) -> bool:
         return self.intake_mode == "resident"
 
@@ -186,6 +197,7 @@ class Strike:
     struck: bool = False
     runs_seen: int = 0
     requests: list[int] = field(default_factory=list)  # in flight when it began
+    wall: tuple[float, float | None] = (0.0, None)  # when it began and ended, wall clock
 
 
 def plan(config: HostsConfig, workers: list[str]) -> list[tuple[str, list[str]]]:
@@ -220,12 +232,14 @@ class Nemesis:
 
     def run(self, events: list[tuple[str, list[str]]], started: float) -> None:
         for kind, hosts in events:
+            began = time.time()
             if kind.startswith("partition:"):
                 self._partition(kind, hosts)
             elif kind == "kill":
                 self._kill(hosts[0])
             else:
                 self._restart_redis()
+            self.strikes[-1].wall = (began, time.time())
             time.sleep(self.config.gap_seconds)
         self.say(f"nemesis done after {time.monotonic() - started:.0f} s")
 
@@ -409,7 +423,7 @@ def run_hosts_chaos(
             _seed_stock(db, requests)
             ids: dict[int, int] = {}
             producer = threading.Thread(target=_enqueue_all, name="chaos-hosts-enqueue",
-                                        args=(db, requests, config.enqueue_seconds, ids,
+                                        args=(db, requests, config.spread_seconds, ids,
                                               cluster.redis_url),
                                         daemon=True)
             producer.start()
@@ -467,8 +481,13 @@ def run_hosts_chaos(
             violations += found
             by_request = {rid: req for req, rid in ids.items()}
             touched: dict[int, set[str]] = {}
+            attempts = _attempts(db)
             for s in nemesis.strikes:
-                for rid in s.requests:
+                began, ended = s.wall
+                hosts = {f"sekali-{h}" for h in s.hosts}
+                during = {rid for rid, host, at in attempts if began <= at <= (ended or began)
+                          and (s.kind == "redis-restart" or host in hosts)}
+                for rid in set(s.requests) | during:
                     if rid in by_request:
                         touched.setdefault(by_request[rid], set()).add(s.kind)
             for v in verdicts:
@@ -527,6 +546,15 @@ def run_hosts_chaos(
                       for v in verdicts if v.dead_lettered],
         state_dir=str(cluster.state_dir) if config.keep else None,
     )
+
+
+def _attempts(db: Database) -> list[tuple[int, str, float]]:
+    """(request id, host, start) of every attempt: which requests a strike met."""
+    with db.statement() as conn:
+        rows = conn.execute(text(
+            "SELECT request_id, host, started_at FROM job_attempts WHERE request_id IS NOT NULL"
+        )).all()
+    return [(int(r[0]), str(r[1]), float(r[2])) for r in rows]
 
 
 def _attempt_hosts(db: Database) -> list[Any]:
