@@ -1278,15 +1278,15 @@ class Coordinator:
         self.stats[f"gave_up:{msg.get('reason') or msg.get('outcome') or error_class}"] += 1
         info = FailureInfo(
             job_type=req.job_type,
-            dedupe_key=dedupe_key_for(req.job_type, request_id=req.row_id, idempotency_key=None,
-                                      run_id="", step=""),
+            dedupe_key=dedupe_key_for(req.job_type, request_id=self._row_of(req),
+                                      idempotency_key=None, run_id="", step=""),
             idempotency_key=self._key_for(req),
             error_type=str(msg.get("error")),
             message=str(msg.get("message", "")) or str(msg.get("error")),
             run_id=f"chaos-{msg.get('tok')}",
             error_class=FailureClass(error_class),
             step=f"{req.job_type}_op",
-            request_id=req.row_id,
+            request_id=self._row_of(req),
             payload=req.payload,
             correlation_id=f"chaos-req-{req.id}",
             tags={tag.CHAOS: "true", "attempts": str(d.attempts),
@@ -1983,7 +1983,14 @@ class ResidentCoordinator(Coordinator):
                 self.replayer = None
                 time.sleep(self.config.lease_seconds)  # the dead holder's lease runs out
                 continue
-            if answer["t"] == "done" or not answer.get("retry"):
+            if answer["t"] == "done":
+                break
+            if not answer.get("retry"):  # the run fails: the run-failure sensor's record
+                kind = answer.get("kind")
+                self._dead_letter(Delivery(-1, request, attempts=attempt), answer,
+                                  str(answer.get("dlq_class") or "permanent")
+                                  if kind == "permanent" else
+                                  "transient" if kind == "transient" else "unknown")
                 break
             time.sleep(float(answer.get("delay") or 0.0))
         self.stats["replays_run"] += 1
