@@ -1373,6 +1373,11 @@ class Coordinator:
         crash-looping request is delivered to a worker that crashes on it again)."""
         return True
 
+    def _redeliver_many(self, items: list[tuple[int, int]]) -> None:
+        """Deliver again each (workload request, DLQ record it replays)."""
+        for request, record_id in items:
+            self._redeliver(request, record_id)
+
     def _redeliver(self, request: int, record_id: int | None) -> None:
         """Deliver workload request ``request`` again (a replay of DLQ record ``record_id``,
         resolved once it is done)."""
@@ -1520,12 +1525,14 @@ class Coordinator:
         self.dlq.request_replay([r.id for r in replay], actor="chaos",
                                 idempotency=IdempotencyStore(self.world.db),
                                 reason="retention-travel: replayed after the purge")
+        again: list[tuple[int, int]] = []
         for record in self.dlq.claim_for_replay(len(replay), actor="chaos"):
             assert record.request_id is not None
             req = self._by_row(int(record.request_id))
             req.faults.add("retention-travel")
-            self._redeliver(req.id, record.id)
+            again.append((req.id, record.id))
             self.stats["travel_replayed"] += 1
+        self._redeliver_many(again)
 
     def _redeliver_rolled_back(self) -> None:
         """pg-failover: the broker's own record of what it acknowledged lives in the database
@@ -1560,10 +1567,12 @@ class Coordinator:
         self.dlq.request_replay([r.id for r in records], actor="chaos",
                                 idempotency=IdempotencyStore(self.world.db),
                                 reason="evicting-redis: maxmemory-policy noeviction again")
+        again: list[tuple[int, int]] = []
         for record in self.dlq.claim_for_replay(len(records), actor="chaos"):
             assert record.request_id is not None
-            self._redeliver(self._by_row(int(record.request_id)).id, record.id)
+            again.append((self._by_row(int(record.request_id)).id, record.id))
             self.stats["eviction_replayed"] += 1
+        self._redeliver_many(again)
 
     def fault_counts(self) -> dict[str, int]:
         """Planned vs struck per fault: a fault still pending when the run settled never struck,
@@ -1950,63 +1959,69 @@ class ResidentCoordinator(Coordinator):
                     self._current(r) and r.proc.state == "running" and not r.in_hand)
                         for r in self.procs.values()))
 
-    def _redeliver(self, request: int, record_id: int | None) -> None:
-        """A DLQ replay, as the replay sensor launches one for every job type, resident ones
-        included: a per-request run, here a delivery to a per-request worker process
+    def _redeliver_many(self, items: list[tuple[int, int]]) -> None:
+        """DLQ replays, as the replay sensor launches them for every job type, resident ones
+        included: a per-request run each, here a delivery to a per-request worker process
         (:mod:`proof.chaos_worker`: the per-request op's step entry with ``replay_of``, its
-        fault points, a crash-looping handler crashing it again), retried in the step as
-        Dagster would. The record is resolved once the request completed."""
-        req = self.requests[request]
-        if record_id is not None:
+        fault points, a crash-looping handler crashing it again; two at a time), retried in
+        the step as Dagster would; one that fails for good is dead-lettered as the run-failure
+        sensor records a failed run. Each record is resolved once its request completed."""
+        due: list[tuple[float, int, int, int]] = []  # (when, request, record, attempt)
+        for request, record_id in items:
             self.replaying[record_id] = request
-        self.settled.discard(request)
-        ends = time.monotonic() + self.stall_bound
-        attempt = 0
-        while time.monotonic() < ends:
-            attempt += 1
+            self.settled.discard(request)
+            due.append((0.0, request, record_id, 0))
+        inflight: dict[str, tuple[int, int, int]] = {}
+        ends = time.monotonic() + self.stall_bound + 5.0 * len(items)
+        while (due or inflight) and time.monotonic() < ends:
             if self.replayer is None or self.replayer.proc.poll() is not None:
                 self.replayer = WorkerProcess(
                     len(self.queues), 0, self.world.worker_config(len(self.queues)),
                     self.replay_events, self.world.state)
-            tok = f"replay-{record_id}.{attempt}"
-            msg: dict[str, Any] = {
-                "tok": tok, "req": req.id, "request_id": self.ids[request],
-                "job_type": req.job_type, "payload": req.payload, "attempt": attempt,
-                "replay_of": record_id}
-            if req.crash_loop:
-                msg["crash"] = "before_effect"
-            req.deliveries += 1
-            answer = self._replay_answer(tok) if self.replayer.send(msg) else None
-            if answer is None:  # the process died on it (a crash loop), or never answered
+            now = time.monotonic()
+            ready = [d for d in due if d[0] <= now][:max(0, 2 - len(inflight))]
+            for item in ready:
+                due.remove(item)
+                _, request, record_id, attempt = item
+                req = self.requests[request]
+                tok = f"replay-{record_id}.{attempt}"
+                msg: dict[str, Any] = {
+                    "tok": tok, "req": req.id, "request_id": self.ids[request],
+                    "job_type": req.job_type, "payload": req.payload, "attempt": attempt,
+                    "replay_of": record_id}
+                if req.crash_loop:
+                    msg["crash"] = "before_effect"
+                req.deliveries += 1
+                inflight[tok] = (request, record_id, attempt)
+                self.replayer.send(msg)
+            try:
+                _wid, _gen, answer = self.replay_events.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            if answer is None:  # the process died (a crash loop): what it held goes again
                 self.stats["replay_worker_deaths"] += 1
                 self.replayer.close(timeout=1.0)
                 self.replayer = None
-                time.sleep(self.config.lease_seconds)  # the dead holder's lease runs out
+                later = time.monotonic() + self.config.lease_seconds  # the dead lease runs out
+                due += [(later, r, rec, a + 1) for r, rec, a in inflight.values()]
+                inflight.clear()
                 continue
-            if answer["t"] == "done":
-                break
-            if not answer.get("retry"):  # the run fails: the run-failure sensor's record
+            held = inflight.pop(str(answer.get("tok")), None)
+            if held is None or answer["t"] not in ("done", "fail"):
+                if held is not None:
+                    inflight[str(answer.get("tok"))] = held
+                continue
+            request, record_id, attempt = held
+            self.stats["replays_run"] += 1
+            if answer["t"] == "fail" and answer.get("retry"):
+                due.append((time.monotonic() + float(answer.get("delay") or 0.0), request,
+                            record_id, attempt + 1))
+            elif answer["t"] == "fail":  # the run fails: the run-failure sensor's record
                 kind = answer.get("kind")
-                self._dead_letter(Delivery(-1, request, attempts=attempt), answer,
+                self._dead_letter(Delivery(-1, request, attempts=attempt + 1), answer,
                                   str(answer.get("dlq_class") or "permanent")
                                   if kind == "permanent" else
                                   "transient" if kind == "transient" else "unknown")
-                break
-            time.sleep(float(answer.get("delay") or 0.0))
-        self.stats["replays_run"] += 1
-
-    def _replay_answer(self, tok: str, timeout: float = 120.0) -> dict[str, Any] | None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                _wid, _gen, msg = self.replay_events.get(timeout=1.0)
-            except queue.Empty:
-                continue
-            if msg is None:
-                return None
-            if msg.get("tok") == tok and msg["t"] in ("done", "fail"):
-                return msg
-        return None
 
     def _resolve_replayed(self) -> None:
         for record_id, request in list(self.replaying.items()):

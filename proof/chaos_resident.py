@@ -112,6 +112,22 @@ class ArmedClient:
         return call
 
 
+BUILT_IN = ("charge_payment", "send_email", "reserve_inventory")
+
+
+def lookup_reads_of(clients: dict[str, Any], job_types: tuple[str, ...] = BUILT_IN
+                    ) -> dict[str, frozenset[str]]:
+    """The downstream clients the job types use, each with the methods their lookups read
+    (:func:`proof.chaos_worker.lookup_reads`): the ones that get no fault point."""
+    out: dict[str, frozenset[str]] = {}
+    for name in job_types:
+        found = lookup_reads(name, clients)
+        for downstream in get_job_type(name).clients:
+            if downstream.name in clients:
+                out[downstream.name] = out.get(downstream.name, frozenset()) | found
+    return out
+
+
 class ChaosResidentWorker(ResidentWorker):
     """The shipped worker, telling the coordinator which requests each batch holds."""
 
@@ -165,13 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     armed = Armed(channel, frozenset(config.crash_loops))
     services = build_services(config)
     clients = services.clients
-    types = config.job_types or ("charge_payment", "send_email", "reserve_inventory")
-    for name in types:
-        found = lookup_reads(name, clients)
-        for downstream in get_job_type(name).clients:
-            if downstream.name in clients and not isinstance(clients[downstream.name],
-                                                             ArmedClient):
-                clients[downstream.name] = ArmedClient(clients[downstream.name], armed, found)
+    for name, reads in lookup_reads_of(clients).items():
+        clients[name] = ArmedClient(clients[name], armed, reads)
     _hook_after_record(armed)
     policy = WorkerPolicy(queue=config.queue, batch_size=config.batch_size,
                           lifetime_seconds=86400.0, idle_seconds=86400.0, poll_seconds=0.5)

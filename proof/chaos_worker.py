@@ -115,6 +115,9 @@ class WorkerConfig:
     batch_size: int = 4
     crash_loops: tuple[str, ...] = ()
     wakeup_namespace: str = ""
+    # --delivery resident --dagster: the worker run the supervisor asked for
+    run_config: dict[str, Any] = field(default_factory=dict)
+    run_tags: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__)
