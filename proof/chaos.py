@@ -1273,7 +1273,10 @@ class Coordinator:
         d.settled = how
         d.tok = None
 
-    def _dead_letter(self, d: Delivery, msg: dict[str, Any], error_class: str) -> None:
+    def _dead_letter(self, d: Delivery, msg: dict[str, Any], error_class: str,
+                     dlq_id: int | None = None) -> None:
+        """The run-failure sensor's record of a failed run (``dlq_id``: the record a replay
+        run failed for, which goes back to ``open``)."""
         req = self.requests[d.request]
         self.stats[f"gave_up:{msg.get('reason') or msg.get('outcome') or error_class}"] += 1
         info = FailureInfo(
@@ -1291,6 +1294,7 @@ class Coordinator:
             correlation_id=f"chaos-req-{req.id}",
             tags={tag.CHAOS: "true", "attempts": str(d.attempts),
                   "decision": str(msg.get("reason") or msg.get("outcome") or "")},
+            dlq_id=dlq_id,
         )
         for _ in range(20):  # the app DB may itself be restarting
             try:
@@ -1980,6 +1984,11 @@ class ResidentCoordinator(Coordinator):
                     self.replay_events, self.world.state)
             now = time.monotonic()
             ready = [d for d in due if d[0] <= now][:max(0, 2 - len(inflight))]
+            looping = [d for d in ready if self.requests[d[1]].crash_loop]
+            if looping or any(self.requests[r].crash_loop for r, _, _ in inflight.values()):
+                # a crash-looping handler runs alone, as a run of its own would: its deaths
+                # must not count against a neighbour
+                ready = looping[:1] if not inflight else []
             for item in ready:
                 due.remove(item)
                 _, request, record_id, attempt = item
@@ -2021,7 +2030,8 @@ class ResidentCoordinator(Coordinator):
                 self._dead_letter(Delivery(-1, request, attempts=attempt + 1), answer,
                                   str(answer.get("dlq_class") or "permanent")
                                   if kind == "permanent" else
-                                  "transient" if kind == "transient" else "unknown")
+                                  "transient" if kind == "transient" else "unknown",
+                                  dlq_id=record_id)
 
     def _resolve_replayed(self) -> None:
         for record_id, request in list(self.replaying.items()):
