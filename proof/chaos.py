@@ -54,15 +54,17 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any
 
+import dagster as dg
 from sqlalchemy import create_engine, make_url, text
 from sqlalchemy.pool import NullPool
 
 from engine import tags as tag
+from engine.delivery import DeliveryPolicy
 from engine.intake import enqueue
 from engine.registry import get_job_type
 from engine.requests import RequestStore
 from engine.upkeep.reconciliation import Reconciler
-from engine.worker import give_back
+from engine.worker import WorkerTargets, give_back
 from pipelines.domain.inventory import Inventory
 from pipelines.domain.payments import GATEWAY, HttpPaymentGateway
 from pipelines.instance import prepare_dagster_home
@@ -98,6 +100,8 @@ from sandbox.mailsink import MailSink
 from sandbox.postgres_server import PostgresServer, PostgresUnavailable
 from sandbox.redis_server import RedisServer, free_port
 from sandbox.tcp_proxy import TcpProxy
+from sensors.workers import IN_FLIGHT, WORKER_JOB, worker_run_requests
+from sensors.workers import give_back as supervisor_give_back
 
 logger = logging.getLogger(__name__)
 
@@ -216,17 +220,18 @@ class ChaosConfig:
         if self.delivery == "resident":
             refused = [name for name, why in (
                 ("--naive", self.naive), ("--job-type", bool(self.job_types)),
-                ("--dagster", self.dagster), ("pg-failover", "pg-failover" in self.faults))
-                if why]
+                ("pg-failover", "pg-failover" in self.faults)) if why]
             if refused:
                 raise ChaosConfigError(
-                    f"--delivery resident runs the built-in mix on resident worker processes; "
-                    f"{', '.join(refused)} run(s) with --delivery per_request")
+                    f"--delivery resident runs the built-in mix on resident worker processes "
+                    f"(--dagster: as sekali_worker runs); {', '.join(refused)} run(s) with "
+                    f"--delivery per_request")
             if self.batch_size < 1 or self.workers < 2:
                 raise ChaosConfigError("--delivery resident needs --batch >= 1 and --workers >= 2"
                                        " (the light and the heavy queue each get workers)")
-        if self.dagster and not self.job_types:
-            raise ChaosConfigError("--dagster runs the job types named by --job-type")
+        if self.dagster and not self.job_types and self.delivery != "resident":
+            raise ChaosConfigError("--dagster runs the job types named by --job-type, or the "
+                                   "built-in mix with --delivery resident")
         if self.job_types:
             job_types_of(self.job_types, ChaosConfigError)
             other = sorted(set(self.faults) - set(TYPED_FAULTS))
@@ -495,6 +500,8 @@ class ChaosWorld:
         ).start()
         os.environ[ALLOW_ENV] = allow_list([self.gateway.url])  # the workers' and ours
         self.sink = MailSink(f"sqlite:///{(self.state / 'mailsink.db').resolve()}").start()
+        if cfg.dagster:
+            prepare_dagster_home(self.state / "dagster")
 
     @property
     def redis_url(self) -> str:
@@ -1618,6 +1625,9 @@ class Coordinator:
             thread.join(timeout=60)
 
 
+CHAOS_GENERATION = "sekali/chaos_generation"  # which worker process ran a worker run
+
+
 # -- resident workers --------------------------------------------------------------------------
 
 
@@ -1671,6 +1681,12 @@ class ResidentCoordinator(Coordinator):
         self.namespace = f"chaos-{uuid.uuid4().hex[:10]}"
         self.store = RequestStore(world.db)
         self.queues = ["heavy" if wid % 2 else "light" for wid in range(max(2, config.workers))]
+        self.instance: dg.DagsterInstance | None = None
+        if config.dagster:  # the workers are sekali_worker runs the real supervisor asks for
+            self.instance = dg.DagsterInstance.from_config(str(world.state / "dagster"))
+            self.targets = WorkerTargets({q: self.queues.count(q) for q in ("light", "heavy")})
+            self.generations: dict[str, int] = {}
+            self.slots = [f"{q}/{self.queues[:i].count(q)}" for i, q in enumerate(self.queues)]
         self._last_poll = 0.0
         self._closing = False
         self.replaying: dict[int, int] = {}  # DLQ record -> workload request it replays
@@ -1715,16 +1731,42 @@ class ResidentCoordinator(Coordinator):
 
     # -- workers
     def _spawn(self, wid: int) -> None:
+        if self.instance is not None:
+            self._supervise()
+            return
+        self._start_worker(wid, f"chaos-w{wid}-g{self.generation + 1}-{self.namespace}")
+
+    def _supervise(self) -> None:
+        """--dagster: one tick of the workers' supervisor (:mod:`sensors.workers`): the runs
+        it asks for (a slot whose run ended), each started as a process running that
+        ``sekali_worker`` run; a slot whose process is still starting its run is left alone
+        (Dagster would keep one run per run key)."""
+        assert self.instance is not None
+        launch, _surplus, self.generations = worker_run_requests(
+            self.instance, WORKER_JOB, self.generations, delivery=DeliveryPolicy(),
+            targets=self.targets)
+        starting = {self.slots[r.proc.wid] for r in self.procs.values()
+                    if r.proc.state != "dead" and not r.declared_dead}
+        for request in launch:
+            slot = request.tags[tag.WORKER]
+            if slot in starting or slot not in self.slots:
+                continue
+            self._start_worker(self.slots.index(slot), "", run_config=request.run_config,
+                               run_tags={**request.tags, CHAOS_GENERATION:
+                                         str(self.generation + 1)})
+
+    def _start_worker(self, wid: int, owner: str, **run: Any) -> None:
         self.generation += 1
         gen = self.generation
-        owner = f"chaos-w{wid}-g{gen}-{self.namespace}"
         queue_name = self.queues[wid % len(self.queues)]
         config = replace(
             self.world.worker_config(wid), queue=queue_name, owner=owner,
             batch_size=self.config.batch_size, wakeup_namespace=self.namespace, threads=1,
-            crash_loops=tuple(f"chaos-req-{r.id}" for r in self.requests if r.crash_loop))
+            crash_loops=tuple(f"chaos-req-{r.id}" for r in self.requests if r.crash_loop),
+            **run)
         proc = WorkerProcess(wid, gen, config, self.events, self.world.state,
-                             module="proof.chaos_resident")
+                             module="proof.chaos_resident_dagster" if self.instance is not None
+                             else "proof.chaos_resident")
         self.procs[gen] = _Resident(proc, owner, queue_name)
         self.slot[wid] = gen
         self.workers[wid] = proc
@@ -1747,6 +1789,7 @@ class ResidentCoordinator(Coordinator):
             if r.proc.state == "starting":
                 r.proc.state = "running"
         elif kind == "batch":
+            r.owner = r.owner or str(msg.get("owner") or "")
             r.in_hand = [str(c) for c in msg.get("cids", [])]
             r.batch_at = now
             r.froze_in_batch = False
@@ -1859,16 +1902,35 @@ class ResidentCoordinator(Coordinator):
         r.proc.state = "dead"
         r.in_hand = []
         r.proc.close(timeout=1.0)
+        self._run_ended(r, "its run worker died")
         self.give_back_due.add(r.owner)
         if self.slot.get(r.proc.wid) == r.proc.generation and not self._closing:
             # the supervisor's next tick: at once after a kill, a second after a failed run
             self.respawn_at[r.proc.wid] = now + (1.0 if r.struck == "failed" else 0.0)
+
+    def _run_ended(self, r: _Resident, why: str) -> None:
+        """--dagster: run monitoring's part: the run of a worker whose process died (or was
+        declared dead) is marked failed, so the supervisor gives back what it held and fills
+        its slot (a run that ended by itself is left as it ended)."""
+        if self.instance is None:
+            return
+        gen = str(r.proc.generation)
+        for run in self.instance.get_runs(dg.RunsFilter(tags={CHAOS_GENERATION: gen})):
+            if run.status not in (dg.DagsterRunStatus.SUCCESS, dg.DagsterRunStatus.FAILURE,
+                                  dg.DagsterRunStatus.CANCELED):
+                self.instance.report_run_failed(run, message=f"chaos: {why}")
+                self.stats["dagster_runs_failed_by_monitoring"] += 1
 
     def _give_back(self) -> None:
         if not self.give_back_due:
             return
         owners = sorted(self.give_back_due)
         try:
+            if self.instance is not None:  # the supervisor's own step, over ended runs
+                self.stats["given_back"] += supervisor_give_back(self.instance, self.store)
+                self.give_back_due.clear()
+                self._supervise()
+                return
             moved = give_back(self.store, owners)
         except Exception as exc:  # noqa: BLE001 - the store is away: the next pass gives back
             logger.warning("give back of %s failed, retrying: %s", owners, exc)
@@ -1905,6 +1967,7 @@ class ResidentCoordinator(Coordinator):
                 if not r.declared_dead and now >= r.proc.cont_at:
                     # cut off past its lease: its run is declared dead, what it held given back
                     r.declared_dead = True
+                    self._run_ended(r, "cut off past its lease (declared dead)")
                     self.give_back_due.add(r.owner)
                     self.stats["declared_dead"] += 1
                     self._spawn(r.proc.wid)
@@ -2095,6 +2158,17 @@ class ResidentCoordinator(Coordinator):
         self.stats["worker_processes"] = len(self.procs)
         if self.replayer is not None:
             self.replayer.close()
+        if self.instance is not None:  # every worker run ended when the harness ends
+            runs = self.instance.get_runs(dg.RunsFilter(job_name=WORKER_JOB))
+            self.stats["dagster_worker_runs"] = len(runs)
+            left = [run for run in runs if run.status in IN_FLIGHT]
+            self.stats["dagster_runs_open_at_end"] = len(left)
+            for run in left:
+                self.unbounded.append(f"Dagster worker run {run.run_id} still "
+                                      f"{run.status.value} at the end")
+            for status in ("CANCELED", "FAILURE", "SUCCESS"):
+                self.stats[f"dagster_worker_runs_{status.lower()}"] = sum(
+                    1 for run in runs if run.status.value == status)
         self._give_back()
         self.probe.dispose()
         for _, thread in list(self._running.values()):

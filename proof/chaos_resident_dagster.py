@@ -7,7 +7,8 @@ supervisor asked for (:func:`sensors.workers.worker_run_requests`). A module of 
 only ``--dagster`` runs pay for importing Dagster.
 
 Same protocol as the plain resident worker; ``exit`` interrupts the run (SIGINT, which the
-op defers to the end of its batch, as it does Dagster's "Terminate"; the run ends CANCELED).
+op defers to the end of its batch, as it does Dagster's "Terminate"; executed in process, the
+interrupted run ends FAILURE where a launched one ends CANCELED).
 A killed process leaves its run STARTED: the coordinator plays run monitoring and marks it
 failed, then the supervisor's own step gives back what it held.
 """
@@ -95,6 +96,8 @@ def main(argv: list[str] | None = None) -> int:
     _tell_batches(channel)
     _hook_after_record(armed)
 
+    told_to_end = threading.Event()
+
     def listen() -> None:
         for line in sys.stdin:
             msg = json.loads(line) if line.strip() else {}
@@ -102,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
                 armed.arm(msg)
             elif msg.get("t") == "exit":
                 break
+        told_to_end.set()
         os.kill(os.getpid(), signal.SIGINT)  # a termination: the op ends after its batch
 
     threading.Thread(target=listen, name="chaos-stdin", daemon=True).start()
@@ -112,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         tags=config.run_tags, raise_on_error=False)
     run = instance.get_run_by_id(result.run_id)
     status = run.status.value if run is not None else "unknown"
-    if not result.success:
+    if not result.success and not told_to_end.is_set():
         channel.send("worker_failed", "", error="RunFailed", message=f"run {result.run_id} "
                      f"ended {status}")
     channel.send("ended", "", run_id=result.run_id, status=status)

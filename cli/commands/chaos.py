@@ -55,7 +55,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--dagster", action="store_true",
                    help="with --job-type: each delivery is a real run of the job type's "
                         "per-request Dagster job on a real instance (Dagster's retries and the "
-                        "run-failure sensor's DLQ path inside the proof; slower: run fewer)")
+                        "run-failure sensor's DLQ path inside the proof; slower: run fewer); "
+                        "with --delivery resident: every worker is a sekali_worker run the "
+                        "workers' supervisor asked for")
     p.add_argument("--delivery", choices=list(HOSTS_DELIVERIES), default=None,
                    help="resident (the platform's default): requests enqueued, resident worker "
                         "processes (Dagster worker runs with --topology hosts) claim and run "
@@ -106,8 +108,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[ChaosConfig, list[str]]:
         raise ChaosConfigError("--job-type: name at least one job type")
     faults, notes = parse_faults(args.faults, backend=args.backend,
                                  database_url=args.database_url, typed=bool(job_types))
-    delivery = args.delivery or ("per_request" if job_types or args.dagster or args.naive
-                                 else "resident")
+    delivery = args.delivery or ("per_request" if job_types or args.naive else "resident")
     return ChaosConfig(
         requests=300 if args.requests is None else args.requests,
         workers=args.workers,
@@ -158,7 +159,9 @@ def _run(args: argparse.Namespace) -> int:
         print(f"sekali chaos: {exc}", file=sys.stderr)
         return 2
     mode = "naive (defences off)" if config.naive else "guarded"
-    mode += f", {config.delivery.replace('_', '-')} delivery"
+    mode += f", {config.delivery.replace('_', '-')} delivery" + (
+        " (sekali_worker Dagster runs)" if config.dagster and config.delivery == "resident"
+        else "")
     if job_types:
         mode += f", job types {','.join(job_types)}" + (", Dagster runs" if args.dagster else "")
     print(f"sekali chaos: {mode}, {config.requests} requests x {config.redelivery} deliveries, "
