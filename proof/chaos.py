@@ -226,9 +226,8 @@ class ChaosConfig:
                     f"--delivery resident runs the built-in mix on resident worker processes "
                     f"(--dagster: as sekali_worker runs); {', '.join(refused)} run(s) with "
                     f"--delivery per_request")
-            if self.batch_size < 1 or self.workers < 2:
-                raise ChaosConfigError("--delivery resident needs --batch >= 1 and --workers >= 2"
-                                       " (the light and the heavy queue each get workers)")
+            if self.batch_size < 1:
+                raise ChaosConfigError("--batch must be >= 1")
         if self.dagster and not self.job_types and self.delivery != "resident":
             raise ChaosConfigError("--dagster runs the job types named by --job-type, or the "
                                    "built-in mix with --delivery resident")
@@ -965,6 +964,9 @@ class Coordinator:
         # the provider beside them (name, thread)
         self._running: dict[str, tuple[str, threading.Thread]] = {}
 
+    def _worker_count(self) -> int:
+        return self.config.workers
+
     def _plan_total(self) -> int:
         """What the fault schedule counts in: dispatches."""
         return len(self.deliveries)
@@ -1437,7 +1439,7 @@ class Coordinator:
 
     def run(self, progress: Callable[[Coordinator], None] | None = None) -> bool:
         """Deliver everything; True if every delivery settled before the timeout."""
-        for wid in range(self.config.workers):
+        for wid in range(self._worker_count()):
             self._spawn(wid)
         deadline = time.monotonic() + self.config.timeout
         try:
@@ -1695,6 +1697,9 @@ class ResidentCoordinator(Coordinator):
 
     def _plan_total(self) -> int:
         return len(self.requests)
+
+    def _worker_count(self) -> int:
+        return len(self.queues)  # at least one worker per queue
 
     def _stop_under_way(self) -> bool:
         return any((r.armed is not None and r.armed[0] == "stop") or r.proc.state == "stopped"

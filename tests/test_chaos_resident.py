@@ -68,7 +68,26 @@ def test_resident_workers_keep_every_invariant_on_postgres() -> None:
 
 
 def test_resident_delivery_refuses_what_it_cannot_run() -> None:
-    for bad in ({"naive": True}, {"job_types": ("send_email",)}, {"workers": 1},
-                {"delivery": "fan_out"}):
+    for bad in ({"naive": True}, {"job_types": ("send_email",)}, {"batch_size": 0},
+                {"delivery": "fan_out"}, {"faults": ("pg-failover",), "backend": "postgres"}):
         with pytest.raises(ChaosConfigError):
             ChaosConfig(**{"delivery": "resident", **bad}).validate()  # type: ignore[arg-type]
+
+
+@pytest.mark.dagster
+@pytest.mark.timeout(240)
+def test_resident_workers_as_dagster_runs_of_the_real_supervisor() -> None:
+    """``--dagster``: every worker is a ``sekali_worker`` run the supervisor asked for
+    (``worker_run_requests``); a killed one's run is failed as run monitoring would, the
+    supervisor's own give-back returns what it held and its slot gets the next run. Catches a
+    slot left empty or doubled, requests left with a dead run, a worker run left open."""
+    report = run_chaos(ChaosConfig(
+        requests=16, workers=2, redelivery=2, faults=("kill", "poison"), kills=2,
+        poison_rate=0.1, seed=2, timeout=200, delivery="resident", dagster=True))
+    why = _explain(report)
+    assert report.finished and report.ok, why
+    stats = report.stats
+    assert stats["kills"] >= 1 and stats["dagster_runs_failed_by_monitoring"] >= 1, why
+    assert stats["dagster_worker_runs"] == stats["worker_runs"] > 2, why
+    assert stats["dagster_runs_open_at_end"] == 0, why
+    assert stats["clean_effects"] == stats["clean_requests"], why
