@@ -32,8 +32,13 @@ from pipelines.profile import resource_defs
 from proof.chaos_dagster import _Wired
 from proof.chaos_resident import Armed, ArmedClient, _hook_after_record, lookup_reads_of
 from proof.chaos_worker import CONFIG_ENV, Hooks, WorkerConfig, _Channel, build_services
-from resources.dagster_resources import IdempotencyResource, RetryResource
+from resources.dagster_resources import (
+    ConcurrencyResource,
+    IdempotencyResource,
+    RetryResource,
+)
 from resources.storage.db import shared_database
+from resources.storage.settings import SETTLE_ENV
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         "SEKALI_WORKER_BATCH": str(config.batch_size), "SEKALI_WORKER_POLL": "0.5",
         "SEKALI_WORKER_PROGRESS": "5",
         "SEKALI_CRASH_LOOP_LIMIT": str(config.crash_loop_limit or 2),
+        SETTLE_ENV: str(config.settle_seconds),  # every downstream resource's settle window
     })
     channel = _Channel()
     armed = Armed(channel, frozenset(config.crash_loops))
@@ -88,6 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     resources: dict[str, Any] = {
         **resource_defs(),
         "idempotency": IdempotencyResource(lease_seconds=config.lease_seconds),
+        # a dead holder's slot lasts the run's lease, as the plain workers' services keep it
+        "concurrency": ConcurrencyResource(lease_seconds=min(30.0, config.lease_seconds)),
         "retry": RetryResource(max_attempts=config.max_attempts, base_delay=config.retry_base,
                                max_delay=config.retry_cap,
                                max_unknown_attempts=config.max_attempts),
