@@ -2320,12 +2320,13 @@ def check(world: ChaosWorld, coordinator: Coordinator) -> tuple[list[RequestVerd
         return verdicts, violations + late
     evidence = gather_evidence(world.db, world.gateway.charges(), world.sink.messages(),
                                purged_records=coordinator.travelled)
-    resident = isinstance(coordinator, ResidentCoordinator)
+    if isinstance(coordinator, ResidentCoordinator):
+        return judge(coordinator.requests, evidence, naive=world.config.naive, retries=retries,
+                     stats=coordinator.stats, crash_loop_limit=world.config.crash_loop_limit,
+                     request_ids=coordinator.ids,
+                     rejected=rejections(world.db, coordinator.requests, coordinator.rejected))
     return judge(coordinator.requests, evidence, naive=world.config.naive, retries=retries,
-                 stats=coordinator.stats, crash_loop_limit=world.config.crash_loop_limit,
-                 request_ids=coordinator.ids if resident else None,
-                 rejected=rejections(world.db, coordinator.requests, coordinator.rejected)
-                 if resident else None)
+                 stats=coordinator.stats, crash_loop_limit=world.config.crash_loop_limit)
 
 
 def rejections(db: Any, requests: list[Request], refused: set[int]) -> set[int]:

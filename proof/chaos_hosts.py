@@ -455,16 +455,16 @@ def run_hosts_chaos(
                     f"{total - done} of {total} requests unsettled, {len(open_runs)} runs open"
                 )
             if config.resident:  # the worker runs stay by design: the harness ends them
-                left, closing = end_worker_runs(cluster, config.close_bound, say)
+                still, closing = end_worker_runs(cluster, config.close_bound, say)
                 stats.update(closing)
             else:
-                left = _runs_open(cluster)
-            stats["runs_open_at_end"] = len(left)
-            if left:
+                still = _runs_open(cluster)
+            stats["runs_open_at_end"] = len(still)
+            if still:
                 violations.append(
-                    f"{len(left)} Dagster run(s) still open at the end: " + ", ".join(
+                    f"{len(still)} Dagster run(s) still open at the end: " + ", ".join(
                         f"{r['runId']} ({r['jobName']} on {r['location']}, {r['status']})"
-                        for r in left[:10]))
+                        for r in still[:10]))
             held = in_flight_requests(db)
             if held:
                 violations.append(f"requests still held by a run at the end: {sorted(held)[:20]}")
