@@ -2048,8 +2048,9 @@ class ResidentCoordinator(Coordinator):
         while (due or inflight) and time.monotonic() < ends:
             if self.replayer is None or self.replayer.proc.poll() is not None:
                 self.replayer = WorkerProcess(
-                    len(self.queues), 0, self.world.worker_config(len(self.queues)),
-                    self.replay_events, self.world.state)
+                    len(self.queues), 0, replace(self.world.worker_config(len(self.queues)),
+                                                 dagster_home=""),
+                    self.replay_events, self.world.state, module="proof.chaos_worker")
             now = time.monotonic()
             ready = [d for d in due if d[0] <= now][:max(0, 2 - len(inflight))]
             looping = [d for d in ready if self.requests[d[1]].crash_loop]
