@@ -28,6 +28,11 @@ idempotency records, ``job_attempts``, the DLQ. Invariants checked (docs/design.
 
 ``naive=True`` runs the same workload with the defences off (no claim, no
 ``Idempotency-Key``, ack before work) to show what they prevent.
+
+``delivery="resident"`` (the CLI's default, as the platform delivers every built-in job type)
+replaces the broker: the workload is enqueued and resident worker processes claim it
+(:class:`ResidentCoordinator`, :mod:`proof.chaos_resident`; with ``dagster=True`` each worker is
+a ``sekali_worker`` run the supervisor asked for, :mod:`proof.chaos_resident_dagster`).
 """
 
 from __future__ import annotations
@@ -2558,7 +2563,7 @@ class ProgressBar:
         self.width = width
 
     def __call__(self, c: Coordinator) -> None:
-        total = len(c.deliveries)
+        total = len(c.deliveries) or len(c.requests)  # resident: requests, not deliveries
         done = total - c.unsettled()
         filled = int(self.width * done / max(1, total))
         s = c.stats

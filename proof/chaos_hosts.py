@@ -4,8 +4,10 @@ One run builds its own ``sekali cluster`` (:mod:`sandbox.hosts`: a store host wi
 and Redis, a control host with dagster-webserver and dagster-daemon, a provider host with the
 sandbox gateway and mail sink, N worker hosts each with a code server), enqueues the workload of
 :func:`proof.chaos.build_workload` on the store host's database (no poison: refusals at enqueue
-are proven elsewhere) spread over ``enqueue_seconds``, and lets the intake sensors launch the
-runs on the worker hosts. Meanwhile a nemesis, on a seeded schedule, one fault at a time:
+are proven elsewhere), and lets the resident worker runs of every worker host (the default:
+each location's ``worker_supervisor`` keeps them) claim it, the workload spread over the
+nemesis; or, with another delivery, over ``enqueue_seconds`` with the intake sensors launching
+the runs on the worker hosts. Meanwhile a nemesis, on a seeded schedule, one fault at a time:
 
 - partitions (iptables ``DROP`` in both hosts' namespaces, never ``REJECT``: connects and open
   connections time out) between a worker host and the store, a worker host and the provider,
@@ -20,7 +22,9 @@ no run is queued or in flight, for at most ``settle_bound`` seconds: the bound t
 checks. Then the verdict comes from the provider's own records (charges, mails by correlation id)
 and the stores, through the same checker as the one-host harness (:func:`proof.chaos.judge`):
 no duplicate effect, nothing lost, no stale write; plus every run ended (no stall outlives the
-bound) and ``cluster down`` left nothing behind.
+bound), no Dagster run left open at the end (the resident worker runs, which stay by design,
+ended by the harness as an operator would: :func:`end_worker_runs`), and ``cluster down`` left
+nothing behind.
 
 Why the bound is what it is (defaults): run monitoring polls every 30 s and fails a run whose
 process died; the run retry starts it again (up to 2); Postgres calls end within 35 s and Redis
