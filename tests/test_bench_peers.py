@@ -1,6 +1,8 @@
 """The benchmarks' own counting: the peers benchmark counts at the mail sink, from the sink's own
 rows (a second mail of one intent is a duplicate, an intent without a mail is lost, whoever sent
-them); the cluster benchmark's enqueue-to-start comes per request from its first run."""
+them), judges each sekali deployment against the targets, and bills a job net of a deployment's
+idle background; its quick run measures sekali as deployed; the cluster benchmark's
+enqueue-to-start comes per request from its first run."""
 
 from __future__ import annotations
 
@@ -10,11 +12,12 @@ from pathlib import Path
 import pytest
 from sqlalchemy import create_engine, text
 
-from benchmarks import peer_handler
+from benchmarks import peer_handler, peers
 from benchmarks.backends import private_postgres
 from benchmarks.cluster import timeline_of
 from benchmarks.intake import payloads
-from benchmarks.peers import SinkRecords, installed, postgres_databases, watch
+from benchmarks.peers import Counters, SinkRecords, installed, per_job, postgres_databases, watch
+from benchmarks.suite import met, target_text
 from sandbox.mailsink import MailSink
 from sandbox.postgres_server import PostgresUnavailable
 from tests.conftest import need_server
@@ -100,3 +103,67 @@ def test_the_private_cluster_is_started_once_per_run_and_the_suites_drop_their_d
     engine.dispose()
     assert made not in names
     assert server.postmaster_pid() is not None  # still up for the next suite
+
+
+def test_sekali_targets_are_met_only_when_every_sekali_deployment_meets_them() -> None:
+    """Catches a per-deployment headline judged on one deployment only (SQLite passing while
+    the production profile on Postgres misses), or on a peer's figure: the ``sekali>=`` and
+    ``sekali<=`` verdicts look at every ``sekali*`` entry and nothing else."""
+    assert met("sekali>=", 1.0, {"sekali": 1.2, "sekali_postgres": 1.1, "celery": 0.1}) is True
+    assert met("sekali>=", 1.0, {"sekali": 1.2, "sekali_postgres": 0.9}) is False
+    assert met("sekali<=", 50.0, {"sekali": 12.0, "sekali_postgres": None}) is False
+    assert met("sekali<=", 50.0, {"celery": 10.0}) is None
+    assert target_text("sekali<=", 500.0) == "sekali <= 500"
+
+
+def test_costs_per_job_are_net_of_the_deployments_idle_rate() -> None:
+    """Catches costs per job that bill a deployment's background (sensor ticks, heartbeats,
+    run monitoring: rows and CPU it spends with nothing to do) to the jobs, or that lose it
+    from the gross figure: 10 s, 500 jobs, 40 CPU-seconds and 2,000 event rows of which the
+    idle rates (1 CPU-s/s, 100 rows/s) account for 10 and 1,000."""
+    before = Counters(at=0.0, cpu=5.0, dagster={"event_rows": 100})
+    after = Counters(at=10.0, cpu=45.0, dagster={"event_rows": 2100})
+    costs = per_job(before, after, 500, {"cpu_seconds": 1.0, "dagster_event_rows": 100.0})
+    assert costs["cpu_seconds_per_job"] == 0.08
+    assert costs["cpu_seconds_per_job_net"] == 0.06
+    assert costs["dagster_event_rows_per_1000_jobs"] == 4000.0
+    assert costs["dagster_event_rows_per_1000_jobs_net"] == 2000.0
+
+
+@pytest.mark.slow
+@pytest.mark.dagster
+@pytest.mark.postgres
+@pytest.mark.timeout(3600)
+def test_quick_peers_run_measures_sekali_as_deployed_and_keeps_every_intent_once() -> None:
+    """The quick run end to end: ``sekali dev`` and the production profile started as deployed,
+    each measured beside Celery in interleaved repetitions. Catches a headline that leaves a
+    deployment out or has fewer repetitions than it claims, a worker-run or daemon kill that
+    loses or repeats a mail, and a dead letter that ends its worker run (its run must still be
+    STARTED and the requests after it sent). Asserts structure and counts, never times."""
+    try:
+        private_postgres()
+    except PostgresUnavailable as exc:
+        need_server("a private PostgreSQL cluster (initdb, pg_ctl)", exc)
+        raise
+    report = peers.run(quick=True)
+    h = report["headline"]
+    for key in ("peers_latency_p50_ms", "peers_latency_p99_ms", "first_effect_idle_ms"):
+        assert {"sekali", "sekali_postgres"} <= set(h[key])
+        assert all(v is not None and v > 0 for k, v in h[key].items() if k.startswith("sekali"))
+    if "celery" in report["systems"]:
+        assert set(h["peers_sekali_over_celery"]) == {"sekali", "sekali_postgres"}
+        spread = report["headline_spread"]["peers_sekali_over_celery.sekali_postgres"]
+        assert len(spread["runs"]) >= 3
+    for name in ("sekali", "sekali_postgres"):
+        assert h["peers_duplicates_under_kills"][name] == {"duplicates": 0, "lost": 0}
+        kills = report["systems"][name]["kills"]["kills"]
+        assert sum(k["what"] == "worker" for k in kills) >= 1
+        assert h["peers_dead_letter_run_kept_going"][name] is True
+        assert h["peers_dead_letter_after_decision_ms"][name] is not None
+        costs = report["systems"][name]["costs"]
+        assert costs["cpu_seconds_per_job"] > 0
+        assert costs["dagster_event_rows_per_1000_jobs"] >= 0
+    assert any(k["what"] == "daemon"
+               for k in report["systems"]["sekali_postgres"]["kills"]["kills"])
+    assert report["sekali_daemon_restarts"]["sekali_postgres"] == 1
+    assert met("zero", 0, h["peers_duplicates_under_kills"]) is True
