@@ -35,13 +35,13 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 from engine.delivery import DeliveryPolicy
-from engine.requests import RequestStore
+from engine.requests import JobRequest, RequestStore
 from engine.services import Services
 from engine.step import (
     OnFailure,
@@ -52,6 +52,7 @@ from engine.step import (
     run_steps,
     summary,
 )
+from resources.idempotency import IdempotencyStore
 from resources.storage.settings import Settings
 from resources.wakeup import PollWakeup, RedisWakeup, Wakeup
 
@@ -275,6 +276,23 @@ class ResidentWorker:
             self.stats.counts[name] = self.stats.counts.get(name, 0) + value
         if self.on_progress is not None:
             self.on_progress(done)
+
+
+def give_back(requests: RequestStore, owners: Sequence[str]) -> list[JobRequest]:
+    """What the ended worker runs ``owners`` held goes back to ``pending``
+    (:meth:`RequestStore.take_back`), each ``running`` one claimable once the ledger's lease on
+    its key has run out, so the next holder takes the key over instead of finding it held.
+    The one way back for a dead worker's requests: the supervisor calls it for the worker runs
+    Dagster has ended, the chaos harness for the worker processes it killed."""
+    if not owners:
+        return []
+    ledger = IdempotencyStore(requests.db)
+
+    def lease_end(key: str) -> float | None:
+        record = ledger.get(key)
+        return record.lease_expires_at if record is not None else None
+
+    return requests.take_back(owners, lease_end)
 
 
 _wakeups: dict[tuple[str, str], RedisWakeup] = {}

@@ -28,6 +28,11 @@ idempotency records, ``job_attempts``, the DLQ. Invariants checked (docs/design.
 
 ``naive=True`` runs the same workload with the defences off (no claim, no
 ``Idempotency-Key``, ack before work) to show what they prevent.
+
+``delivery="resident"`` (the CLI's default, as the platform delivers every built-in job type)
+replaces the broker: the workload is enqueued and resident worker processes claim it
+(:class:`ResidentCoordinator`, :mod:`proof.chaos_resident`; with ``dagster=True`` each worker is
+a ``sekali_worker`` run the supervisor asked for, :mod:`proof.chaos_resident_dagster`).
 """
 
 from __future__ import annotations
@@ -50,17 +55,22 @@ import time
 import uuid
 from collections import Counter, defaultdict, deque
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any
 
+import dagster as dg
 from sqlalchemy import create_engine, make_url, text
 from sqlalchemy.pool import NullPool
 
 from engine import tags as tag
 from engine.context import SEND_BOUND
+from engine.delivery import DeliveryPolicy
+from engine.intake import enqueue
 from engine.registry import get_job_type
+from engine.requests import RequestStore
 from engine.upkeep.reconciliation import Reconciler
+from engine.worker import WorkerTargets, give_back
 from pipelines.domain.inventory import Inventory
 from pipelines.domain.payments import GATEWAY, HttpPaymentGateway
 from pipelines.instance import prepare_dagster_home
@@ -74,13 +84,19 @@ from proof.chaos_truth import (
     unverified_note,
 )
 from proof.chaos_typed import TYPED_FAULTS, Sandboxes, effect_counter, job_types_of, typed_payloads
-from proof.chaos_worker import CONFIG_ENV, CRASH_POINTS, STOP_POINTS, WorkerConfig
+from proof.chaos_worker import (
+    CONFIG_ENV,
+    CRASH_POINTS,
+    STOP_POINTS,
+    WorkerConfig,
+)
 from resources.dlq import DlqStatus, DlqStore, FailureClass, FailureInfo, dedupe_key_for
 from resources.egress import ALLOW_ENV, allow_list
 from resources.errors import EvictingRedis, SekaliError, ValidationError
 from resources.idempotency import IdempotencyStore
 from resources.retry import BUDGET_UNAVAILABLE
 from resources.storage.db import Database
+from resources.storage.json_text import masked_digest
 from resources.storage.migrations import upgrade
 from resources.storage.redis import memory_policies, redis_client, require_no_eviction
 from resources.storage.replication import ACCEPT_ENV
@@ -90,6 +106,8 @@ from sandbox.mailsink import MailSink
 from sandbox.postgres_server import PostgresServer, PostgresUnavailable
 from sandbox.redis_server import RedisServer, free_port
 from sandbox.tcp_proxy import TcpProxy
+from sensors.workers import IN_FLIGHT, WORKER_JOB, worker_run_requests
+from sensors.workers import give_back as supervisor_give_back
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +120,7 @@ DEFAULT_FAULTS = ("kill", "stop", "redis-restart", "drop-response", "poison")
 BACKGROUND_FAULTS = ("redis-restart", "pg-restart", "redis-freeze", "redis-rollback",
                      "redis-failover", "slow-provider", "drip-provider", "budget-redis-down",
                      "evicting-redis", "pg-failover")
+DELIVERIES = ("per_request", "resident")
 DEFAULT_PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/sekali_test"
 EMAIL_DATE = "2026-11-29"
 
@@ -190,6 +209,10 @@ class ChaosConfig:
     calibration_keys: int = 3
     require_record: bool = False
     dagster: bool = False  # --dagster: each delivery a real run of the per-request Dagster job
+    # how requests reach their handler: "per_request" (a broker delivers each to the step entry
+    # of the per-request op) or "resident" (enqueued; resident workers claim them)
+    delivery: str = "per_request"
+    batch_size: int = 4  # --delivery resident: the workers' batch
 
     def validate(self) -> None:
         unknown = sorted(set(self.faults) - set(FAULTS))
@@ -198,8 +221,22 @@ class ChaosConfig:
                 f"unknown fault(s) {unknown}; choose from {', '.join(FAULTS)}, or all")
         if self.backend not in ("sqlite", "postgres"):
             raise ChaosConfigError("--backend must be sqlite or postgres")
-        if self.dagster and not self.job_types:
-            raise ChaosConfigError("--dagster runs the job types named by --job-type")
+        if self.delivery not in DELIVERIES:
+            raise ChaosConfigError(f"--delivery must be one of {', '.join(DELIVERIES)}")
+        if self.delivery == "resident":
+            refused = [name for name, why in (
+                ("--naive", self.naive), ("--job-type", bool(self.job_types)),
+                ("pg-failover", "pg-failover" in self.faults)) if why]
+            if refused:
+                raise ChaosConfigError(
+                    f"--delivery resident runs the built-in mix on resident worker processes "
+                    f"(--dagster: as sekali_worker runs); {', '.join(refused)} run(s) with "
+                    f"--delivery per_request")
+            if self.batch_size < 1:
+                raise ChaosConfigError("--batch must be >= 1")
+        if self.dagster and not self.job_types and self.delivery != "resident":
+            raise ChaosConfigError("--dagster runs the job types named by --job-type, or the "
+                                   "built-in mix with --delivery resident")
         if self.job_types:
             job_types_of(self.job_types, ChaosConfigError)
             other = sorted(set(self.faults) - set(TYPED_FAULTS))
@@ -469,6 +506,8 @@ class ChaosWorld:
         ).start()
         os.environ[ALLOW_ENV] = allow_list([self.gateway.url])  # the workers' and ours
         self.sink = MailSink(f"sqlite:///{(self.state / 'mailsink.db').resolve()}").start()
+        if cfg.dagster:
+            prepare_dagster_home(self.state / "dagster")
 
     @property
     def redis_url(self) -> str:
@@ -762,7 +801,7 @@ class WorkerProcess:
     """One ``proof.chaos_worker`` process and the thread that reads its reports."""
 
     def __init__(self, wid: int, generation: int, config: WorkerConfig, events: queue.Queue[Any],
-                 log_dir: Path) -> None:
+                 log_dir: Path, module: str | None = None) -> None:
         self.wid = wid
         self.generation = generation
         self.state = "starting"  # starting | running | stopped | dead
@@ -779,9 +818,10 @@ class WorkerProcess:
         self.clock_offset = config.clock_offset
         skewed = ["-m", "proof.skewed_clock", repr(config.clock_offset)] if config.clock_offset \
             else ["-m"]
+        module = module or ("proof.chaos_dagster" if config.dagster_home
+                            else "proof.chaos_worker")
         self.proc = subprocess.Popen(
-            [sys.executable, *skewed,
-             "proof.chaos_dagster" if config.dagster_home else "proof.chaos_worker"],
+            [sys.executable, *skewed, module],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
             env={**env, CONFIG_ENV: config.to_json()},
         )
@@ -884,7 +924,7 @@ class Coordinator:
     # fault schedule: fractions of the expected dispatches at which each fault strikes
     def _plan_faults(self) -> None:
         cfg = self.config
-        total = len(self.deliveries)
+        total = self._plan_total()
         rng = self.rng
         self.kill_at = sorted(int(total * rng.uniform(0.05, 0.85)) for _ in range(cfg.kill_count))
         n_stops = cfg.stops if "stop" in cfg.faults else 0
@@ -918,6 +958,7 @@ class Coordinator:
         self.skew_struck: set[int] = set()  # skewed workers that finished a delivery
         self.replays: dict[int, int] = {}  # delivery -> DLQ record it replays (retention-travel)
         self.travelled: dict[str, Any] = {}  # the ledger just before the purge "days later"
+        self.published_before_purge: set[str] = set()  # outbox events published by then
         self.pending_kills: list[str] = []
         self.evicted: list[int] = []  # evicting-redis: requests refused, replayed once restored
         self.failovers_handled = 0  # pg-failover: failovers whose rolled-back work went again
@@ -929,6 +970,17 @@ class Coordinator:
         # background faults under way, per lane: the servers (Redis, Postgres) one at a time,
         # the provider beside them (name, thread)
         self._running: dict[str, tuple[str, threading.Thread]] = {}
+
+    def _worker_count(self) -> int:
+        return self.config.workers
+
+    def _plan_total(self) -> int:
+        """What the fault schedule counts in: dispatches."""
+        return len(self.deliveries)
+
+    def _row_of(self, req: Request) -> int:
+        """The id the stores know ``req`` by."""
+        return req.row_id
 
     # -- workers
     def _spawn(self, wid: int) -> None:
@@ -1237,24 +1289,28 @@ class Coordinator:
         d.settled = how
         d.tok = None
 
-    def _dead_letter(self, d: Delivery, msg: dict[str, Any], error_class: str) -> None:
+    def _dead_letter(self, d: Delivery, msg: dict[str, Any], error_class: str,
+                     dlq_id: int | None = None) -> None:
+        """The run-failure sensor's record of a failed run (``dlq_id``: the record a replay
+        run failed for, which goes back to ``open``)."""
         req = self.requests[d.request]
         self.stats[f"gave_up:{msg.get('reason') or msg.get('outcome') or error_class}"] += 1
         info = FailureInfo(
             job_type=req.job_type,
-            dedupe_key=dedupe_key_for(req.job_type, request_id=req.row_id, idempotency_key=None,
-                                      run_id="", step=""),
+            dedupe_key=dedupe_key_for(req.job_type, request_id=self._row_of(req),
+                                      idempotency_key=None, run_id="", step=""),
             idempotency_key=self._key_for(req),
             error_type=str(msg.get("error")),
             message=str(msg.get("message", "")) or str(msg.get("error")),
             run_id=f"chaos-{msg.get('tok')}",
             error_class=FailureClass(error_class),
             step=f"{req.job_type}_op",
-            request_id=req.row_id,
+            request_id=self._row_of(req),
             payload=req.payload,
             correlation_id=f"chaos-req-{req.id}",
             tags={tag.CHAOS: "true", "attempts": str(d.attempts),
                   "decision": str(msg.get("reason") or msg.get("outcome") or "")},
+            dlq_id=dlq_id,
         )
         for _ in range(20):  # the app DB may itself be restarting
             try:
@@ -1332,6 +1388,25 @@ class Coordinator:
         """The request the stores know by ``row_id`` (:attr:`Request.row_id`)."""
         return self.requests[row_id - 1]
 
+    def _replayable(self, record: Any) -> bool:
+        """Whether the operator replays ``record`` after the purge (every one here: a
+        crash-looping request is delivered to a worker that crashes on it again)."""
+        return True
+
+    def _redeliver_many(self, items: list[tuple[int, int]]) -> None:
+        """Deliver again each (workload request, DLQ record it replays)."""
+        for request, record_id in items:
+            self._redeliver(request, record_id)
+
+    def _redeliver(self, request: int, record_id: int | None) -> None:
+        """Deliver workload request ``request`` again (a replay of DLQ record ``record_id``,
+        resolved once it is done)."""
+        d = Delivery(len(self.deliveries), request)
+        self.deliveries.append(d)
+        if record_id is not None:
+            self.replays[d.id] = record_id
+        self.fresh.append(d.id)
+
     @staticmethod
     def _key_for(req: Request) -> str | None:
         jt = get_job_type(req.job_type)
@@ -1371,7 +1446,7 @@ class Coordinator:
 
     def run(self, progress: Callable[[Coordinator], None] | None = None) -> bool:
         """Deliver everything; True if every delivery settled before the timeout."""
-        for wid in range(self.config.workers):
+        for wid in range(self._worker_count()):
             self._spawn(wid)
         deadline = time.monotonic() + self.config.timeout
         try:
@@ -1433,13 +1508,13 @@ class Coordinator:
                 kept.append(key)
             self.dlq.record_failure(FailureInfo(
                 job_type=req.job_type,
-                dedupe_key=dedupe_key_for(req.job_type, request_id=req.row_id,
+                dedupe_key=dedupe_key_for(req.job_type, request_id=self._row_of(req),
                                           idempotency_key=None, run_id="", step=""),
                 error_type="WorkerLost",
                 message="the worker died after the key completed, before the step reported"
                         " success (planted by retention-travel)",
                 run_id=f"chaos-travel-{req.id}", error_class=FailureClass.TRANSIENT,
-                step=f"{req.job_type}_op", idempotency_key=key, request_id=req.row_id,
+                step=f"{req.job_type}_op", idempotency_key=key, request_id=self._row_of(req),
                 payload=None if n % 2 else req.payload, correlation_id=f"chaos-req-{req.id}",
                 tags={tag.CHAOS: "true"},
             ), actor="chaos")
@@ -1452,6 +1527,8 @@ class Coordinator:
 
         self.travelled = {r.key: r for r in _rows(
             self.world.db, "SELECT key, status, fence, lease_expires_at FROM idempotency_records")}
+        self.published_before_purge = {str(r[0]) for r in _rows(
+            self.world.db, "SELECT event_id FROM outbox WHERE published_at IS NOT NULL")}
         open_before = self.dlq.list_records(status=[DlqStatus.OPEN])
         self.stats["travel_open_dead_letters"] = len(open_before)
         store = IdempotencyStore(self.world.db, lease_seconds=cfg.lease_seconds, clock=later)
@@ -1463,19 +1540,19 @@ class Coordinator:
         if open_before:
             self.stats["retention-travel"] += 1
         replay = [r for r in self.dlq.list_records(status=[DlqStatus.OPEN])
-                  if r.request_id is not None and not self._by_row(int(r.request_id)).poison]
+                  if r.request_id is not None and not self._by_row(int(r.request_id)).poison
+                  and self._replayable(r)]
         self.dlq.request_replay([r.id for r in replay], actor="chaos",
                                 idempotency=IdempotencyStore(self.world.db),
                                 reason="retention-travel: replayed after the purge")
+        again: list[tuple[int, int]] = []
         for record in self.dlq.claim_for_replay(len(replay), actor="chaos"):
             assert record.request_id is not None
             req = self._by_row(int(record.request_id))
             req.faults.add("retention-travel")
-            d = Delivery(len(self.deliveries), req.id)
-            self.deliveries.append(d)
-            self.replays[d.id] = record.id
-            self.fresh.append(d.id)
+            again.append((req.id, record.id))
             self.stats["travel_replayed"] += 1
+        self._redeliver_many(again)
 
     def _redeliver_rolled_back(self) -> None:
         """pg-failover: the broker's own record of what it acknowledged lives in the database
@@ -1503,20 +1580,19 @@ class Coordinator:
     def _replay_evicted(self) -> None:
         """evicting-redis: the policy is ``noeviction`` again; the operator replays what the
         refusal dead-lettered (``sekali dlq replay``: the key reset, the record replaying)."""
-        wanted = {self.requests[r].row_id for r in self.evicted}
+        wanted = {self._row_of(self.requests[r]) for r in self.evicted}
         self.evicted.clear()
         records = [r for r in self.dlq.list_records(status=[DlqStatus.OPEN])
                    if r.request_id is not None and int(r.request_id) in wanted]
         self.dlq.request_replay([r.id for r in records], actor="chaos",
                                 idempotency=IdempotencyStore(self.world.db),
                                 reason="evicting-redis: maxmemory-policy noeviction again")
+        again: list[tuple[int, int]] = []
         for record in self.dlq.claim_for_replay(len(records), actor="chaos"):
             assert record.request_id is not None
-            d = Delivery(len(self.deliveries), int(record.request_id) - 1)
-            self.deliveries.append(d)
-            self.replays[d.id] = record.id
-            self.fresh.append(d.id)
+            again.append((self._by_row(int(record.request_id)).id, record.id))
             self.stats["eviction_replayed"] += 1
+        self._redeliver_many(again)
 
     def fault_counts(self) -> dict[str, int]:
         """Planned vs struck per fault: a fault still pending when the run settled never struck,
@@ -1555,6 +1631,560 @@ class Coordinator:
                 logger.exception("closing worker %s failed", w.wid)
         self.probe.dispose()
         for _, thread in list(self._running.values()):  # joined before the world stops
+            thread.join(timeout=60)
+
+
+CHAOS_GENERATION = "sekali/chaos_generation"  # which worker process ran a worker run
+
+
+# -- resident workers --------------------------------------------------------------------------
+
+
+@dataclass
+class _Resident:
+    """What the coordinator knows of one resident worker process."""
+
+    proc: WorkerProcess
+    owner: str
+    queue: str
+    in_hand: list[str] = field(default_factory=list)  # correlation ids of the batch it holds
+    batch_at: float = 0.0
+    armed: tuple[str, str] | None = None  # (crash | stop, point) sent and not struck yet
+    struck: str | None = None  # "kill" | "loop" | "failed": why it will die
+    stopped_cid: str | None = None
+    stopped_at: float = 0.0
+    declared_dead: bool = False  # given back while frozen; it only finishes and ends now
+    exiting: bool = False
+    froze_in_batch: bool = False
+    crash_cid: str | None = None
+
+
+class ResidentCoordinator(Coordinator):
+    """``--delivery resident``: the workload goes in through :func:`engine.intake.enqueue` (each
+    request ``redelivery`` times, the copies in the broker's order: a producer that retries),
+    and P resident worker processes (:mod:`proof.chaos_resident`, the shipped
+    :class:`engine.worker.ResidentWorker`, heavy and light queues both served) claim and run it.
+    The coordinator plays the supervisor: a worker that died (or was cut off by a stop past its
+    lease and declared dead) has what it held given back through
+    :func:`engine.worker.give_back` and a new worker under a new owner takes its slot; a stopped
+    one is woken once its keys were taken over, and ends after the batch in hand, its late
+    writes refused by the fences. Faults are armed on a worker (the next effect call reaching
+    the point strikes), on the same schedule as the broker's; the background faults are the
+    same. A request is settled when its row is ``completed``, or ``failed`` with an open dead
+    letter; poison is refused at the enqueue and kept in ``job_rejections``."""
+
+    def __init__(self, config: ChaosConfig, world: ChaosWorld, requests: list[Request]) -> None:
+        super().__init__(config, world, requests)
+        self.order = delivery_order(requests, config.redelivery, config.seed, config.workers)
+        self.deliveries = []
+        self.fresh.clear()
+        self.ids: dict[int, int] = {}  # workload id -> job_requests id
+        self.rejected: set[int] = set()
+        self.by_cid = {f"chaos-req-{r.id}": r for r in requests}
+        self.settled: set[int] = set()  # workload ids
+        self.procs: dict[int, _Resident] = {}  # by generation
+        self.slot: dict[int, int] = {}  # wid -> generation of its current worker
+        self.respawn_at: dict[int, float] = {}
+        self.give_back_due: set[str] = set()
+        self.produced = threading.Event()
+        self.namespace = f"chaos-{uuid.uuid4().hex[:10]}"
+        self.store = RequestStore(world.db)
+        self.queues = ["heavy" if wid % 2 else "light" for wid in range(max(2, config.workers))]
+        self.instance: dg.DagsterInstance | None = None
+        if config.dagster:  # the workers are sekali_worker runs the real supervisor asks for
+            self.instance = dg.DagsterInstance.from_config(str(world.state / "dagster"))
+            self.targets = WorkerTargets({q: self.queues.count(q) for q in ("light", "heavy")})
+            self.generations: dict[str, int] = {}
+            self.slots = [f"{q}/{self.queues[:i].count(q)}" for i, q in enumerate(self.queues)]
+        self._last_poll = 0.0
+        self._closing = False
+        self.replaying: dict[int, int] = {}  # DLQ record -> workload request it replays
+        self.replayer: WorkerProcess | None = None  # the per-request runs of DLQ replays
+        self.replay_events: queue.Queue[Any] = queue.Queue()
+
+    def _plan_total(self) -> int:
+        return len(self.requests)
+
+    def _worker_count(self) -> int:
+        return len(self.queues)  # at least one worker per queue
+
+    def _stop_under_way(self) -> bool:
+        return any((r.armed is not None and r.armed[0] == "stop") or r.proc.state == "stopped"
+                   for r in self.procs.values())
+
+    def _row_of(self, req: Request) -> int:
+        return self.ids[req.id]
+
+    def _by_row(self, row_id: int) -> Request:
+        return self.requests[{v: k for k, v in self.ids.items()}[row_id]]
+
+    # -- the producer
+    def _produce(self) -> None:
+        """Enqueue every copy in order; a store away is retried (the producer is at-least-once
+        too); a refusal is kept by the enqueue (``job_rejections``), the request is poison."""
+        for rid, _copy in self.order:
+            req = self.requests[rid]
+            for _ in range(240):
+                try:
+                    result = enqueue(req.job_type, dict(req.payload),
+                                     correlation_id=f"chaos-req-{req.id}", db=self.world.db,
+                                     source="chaos")
+                    self.ids[req.id] = result.id
+                    self.stats["enqueued" if result.created else "enqueue_duplicates"] += 1
+                    break
+                except ValidationError:
+                    self.rejected.add(req.id)
+                    break
+                except Exception as exc:  # noqa: BLE001 - the store is away: try again
+                    logger.warning("enqueue of request %s failed, retrying: %s", req.id, exc)
+                    self.stats["enqueue_retries"] += 1
+                    time.sleep(0.5)
+        self.produced.set()
+
+    # -- workers
+    def _spawn(self, wid: int) -> None:
+        if self.instance is not None:
+            self._supervise()
+            return
+        self._start_worker(wid, f"chaos-w{wid}-g{self.generation + 1}-{self.namespace}")
+
+    def _supervise(self) -> None:
+        """--dagster: one tick of the workers' supervisor (:mod:`sensors.workers`): the runs
+        it asks for (a slot whose run ended), each started as a process running that
+        ``sekali_worker`` run; a slot whose process is still starting its run is left alone
+        (Dagster would keep one run per run key)."""
+        assert self.instance is not None
+        launch, _surplus, self.generations = worker_run_requests(
+            self.instance, WORKER_JOB, self.generations, delivery=DeliveryPolicy(),
+            targets=self.targets)
+        starting = {self.slots[r.proc.wid] for r in self.procs.values()
+                    if r.proc.state != "dead" and not r.declared_dead}
+        for request in launch:
+            slot = request.tags[tag.WORKER]
+            if slot in starting or slot not in self.slots:
+                continue
+            self._start_worker(self.slots.index(slot), "", run_config=request.run_config,
+                               run_tags={**request.tags, CHAOS_GENERATION:
+                                         str(self.generation + 1)})
+
+    def _start_worker(self, wid: int, owner: str, **run: Any) -> None:
+        self.generation += 1
+        gen = self.generation
+        queue_name = self.queues[wid % len(self.queues)]
+        config = replace(
+            self.world.worker_config(wid), queue=queue_name, owner=owner,
+            batch_size=self.config.batch_size, wakeup_namespace=self.namespace, threads=1,
+            crash_loops=tuple(f"chaos-req-{r.id}" for r in self.requests if r.crash_loop),
+            **run)
+        proc = WorkerProcess(wid, gen, config, self.events, self.world.state,
+                             module="proof.chaos_resident_dagster" if self.instance is not None
+                             else "proof.chaos_resident")
+        self.procs[gen] = _Resident(proc, owner, queue_name)
+        self.slot[wid] = gen
+        self.workers[wid] = proc
+        self.stats["worker_runs"] += 1
+
+    def _current(self, r: _Resident) -> bool:
+        return self.slot.get(r.proc.wid) == r.proc.generation and not r.declared_dead
+
+    def _on_event(self, wid: int, gen: int, msg: dict[str, Any] | None) -> None:
+        r = self.procs.get(gen)
+        if r is None:
+            return
+        now = time.monotonic()
+        if msg is None:
+            self._gone(r, now)
+            return
+        kind = msg["t"]
+        req = self.by_cid.get(str(msg.get("cid")))
+        if kind == "ready":
+            if r.proc.state == "starting":
+                r.proc.state = "running"
+        elif kind == "batch":
+            r.owner = r.owner or str(msg.get("owner") or "")
+            r.in_hand = [str(c) for c in msg.get("cids", [])]
+            r.batch_at = now
+            r.froze_in_batch = False
+            self.dispatches += len(r.in_hand)
+            active = self._active_faults(now)
+            for cid in r.in_hand:
+                held = self.by_cid.get(cid)
+                if held is not None:
+                    held.deliveries += 1
+                    held.faults.update(active)
+                    if r.proc.clock_offset:
+                        held.faults.add("clock-skew")
+        elif kind == "batch_done":
+            if not r.froze_in_batch:
+                self.longest = max(self.longest, now - r.batch_at)
+            r.in_hand = []
+            if r.proc.clock_offset:
+                self.skew_struck.add(wid)
+        elif kind in ("killing", "loop"):
+            r.struck = "kill" if kind == "killing" else "loop"
+            r.crash_cid = str(msg.get("cid"))
+            r.armed = None if kind == "killing" else r.armed
+            if kind == "killing":
+                self.armed.pop(f"g{gen}", None)
+                self.stats["kills"] += 1
+                point = f"kill:{msg.get('point')}"
+            else:
+                self.stats["crash-loop_deaths"] += 1
+                point = "crash-loop"
+            if req is not None:
+                req.faults.add(point)
+                if kind == "killing":
+                    req.struck[point] += 1
+        elif kind == "stopping":
+            self.armed.pop(f"g{gen}", None)
+            r.armed = None
+            self.stats["stops"] += 1
+            r.proc.state = "stopped"
+            r.stopped_cid = str(msg.get("cid"))
+            r.stopped_at = now
+            r.froze_in_batch = True
+            r.proc.stopped_fence = self._key_state(req.id)[0] if req is not None else 0
+            r.proc.cont_at = now + 2 * self.config.lease_seconds + 0.5
+            if req is not None:
+                point = f"stop:{msg.get('point')}"
+                req.faults.add(point)
+                req.struck[point] += 1
+        elif kind == "fail":
+            self._on_fail(r, req, msg)
+        elif kind == "worker_failed":
+            r.struck = r.struck or "failed"
+            self.stats[f"worker_failed:{msg.get('error')}"] += 1
+
+    def _on_fail(self, r: _Resident, req: Request | None, msg: dict[str, Any]) -> None:
+        error, message = str(msg.get("error")), str(msg.get("message", ""))
+        self.stats[f"error:{error}"] += 1
+        now = time.monotonic()
+        if not self._current(r) or error in ("LeaseLost", "FencedWriteRejected", "LockLost"):
+            self._late_report_of(r, req, msg)
+        if req is None:
+            return
+        active = self._active_faults(now)
+        if error == "StoreUnavailable" and "pg-restart" in active:
+            req.struck["pg-restart:outage"] += 1
+        if NO_ANSWER_HINT in message:
+            req.faults.add("drop-response")
+        if error in ("GatewayUnavailable", "PaymentNotSettled"):
+            for name in ("slow-provider", "drip-provider"):
+                if name in req.faults:
+                    self.stats[f"{name}_felt"] += 1
+        if BUDGET_UNAVAILABLE in str(msg.get("reason") or ""):
+            self.stats["budget_unavailable_decisions"] += 1
+            req.faults.add("budget-redis-down")
+        if error == "EvictingRedis" and msg.get("dead_letter"):
+            req.faults.add("evicting-redis")
+            self.stats["eviction_dead_letters"] += 1
+            if req.id not in self.evicted:
+                self.evicted.append(req.id)
+        if msg.get("retry"):
+            self.stats[f"retried:{error}"] += 1
+        elif msg.get("dead_letter"):
+            self.stats[f"gave_up:{msg.get('reason') or msg.get('outcome')}"] += 1
+
+    def _late_report_of(self, r: _Resident, req: Request | None, msg: dict[str, Any]) -> None:
+        self.stats["late_reports"] += 1
+        if msg.get("error") in ("LeaseLost", "FencedWriteRejected", "LockLost"):
+            self.stats["stale_writes_rejected"] += 1
+        self.late.append({"worker": r.owner, "request": req.id if req is not None else None,
+                          "report": msg.get("t"), "error": msg.get("error"),
+                          "stopped": r.stopped_cid is not None})
+
+    def _gone(self, r: _Resident, now: float) -> None:
+        if r.proc.state == "dead":
+            return
+        crasher = r.crash_cid if r.struck in ("kill", "loop") else None
+        for cid in r.in_hand:
+            held = self.by_cid.get(cid)
+            if held is not None and cid != crasher and not (held.crash_loop and r.struck == "loop"):
+                held.struck["died_with_worker"] += 1
+        if r.struck == "failed":
+            self.stats["worker_runs_failed"] += 1
+        elif r.struck is None and not r.exiting and not r.declared_dead:
+            self.stats["unplanned_deaths"] += 1
+        if r.armed is not None and f"g{r.proc.generation}" in self.armed:
+            kind, point = self.armed.pop(f"g{r.proc.generation}")
+            if kind == "crash":
+                self.pending_kills.append(point)
+            else:
+                self.pending_stops += 1
+        r.proc.state = "dead"
+        r.in_hand = []
+        r.proc.close(timeout=1.0)
+        self._run_ended(r, "its run worker died")
+        self.give_back_due.add(r.owner)
+        if self.slot.get(r.proc.wid) == r.proc.generation and not self._closing:
+            # the supervisor's next tick: at once after a kill, a second after a failed run
+            self.respawn_at[r.proc.wid] = now + (1.0 if r.struck == "failed" else 0.0)
+
+    def _run_ended(self, r: _Resident, why: str) -> None:
+        """--dagster: run monitoring's part: the run of a worker whose process died (or was
+        declared dead) is marked failed, so the supervisor gives back what it held and fills
+        its slot (a run that ended by itself is left as it ended)."""
+        if self.instance is None:
+            return
+        gen = str(r.proc.generation)
+        for run in self.instance.get_runs(dg.RunsFilter(tags={CHAOS_GENERATION: gen})):
+            if run.status not in (dg.DagsterRunStatus.SUCCESS, dg.DagsterRunStatus.FAILURE,
+                                  dg.DagsterRunStatus.CANCELED):
+                self.instance.report_run_failed(run, message=f"chaos: {why}")
+                self.stats["dagster_runs_failed_by_monitoring"] += 1
+
+    def _give_back(self) -> None:
+        if not self.give_back_due:
+            return
+        owners = sorted(self.give_back_due)
+        try:
+            if self.instance is not None:  # the supervisor's own step, over ended runs
+                self.stats["given_back"] += supervisor_give_back(self.instance, self.store)
+                self.give_back_due.clear()
+                self._supervise()
+                return
+            moved = give_back(self.store, owners)
+        except Exception as exc:  # noqa: BLE001 - the store is away: the next pass gives back
+            logger.warning("give back of %s failed, retrying: %s", owners, exc)
+            return
+        self.give_back_due.clear()
+        self.stats["given_back"] += len(moved)
+
+    def _arm_workers(self) -> None:
+        """Faults due go to a running worker each (seeded choice)."""
+        while self.pending_kills or (self.pending_stops and not self._stop_under_way()):
+            free = [r for r in self.procs.values()
+                    if self._current(r) and r.proc.state == "running" and r.armed is None]
+            if not free:
+                return
+            r = free[self.rng.randrange(len(free))]
+            if self.pending_kills:
+                r.armed = ("crash", self.pending_kills.pop())
+                msg = {"t": "arm", "crash": r.armed[1]}
+            else:
+                self.pending_stops -= 1
+                r.armed = ("stop", STOP_POINTS[self.stats["stops_armed"] % len(STOP_POINTS)])
+                self.stats["stops_armed"] += 1
+                msg = {"t": "arm", "stop": r.armed[1]}
+            self.armed[f"g{r.proc.generation}"] = r.armed
+            r.proc.send(msg)
+
+    def _watch(self, now: float) -> None:
+        for wid, at in list(self.respawn_at.items()):
+            if now >= at:
+                del self.respawn_at[wid]
+                self._spawn(wid)
+        for r in list(self.procs.values()):
+            if r.proc.state == "stopped":
+                if not r.declared_dead and now >= r.proc.cont_at:
+                    # cut off past its lease: its run is declared dead, what it held given back
+                    r.declared_dead = True
+                    self._run_ended(r, "cut off past its lease (declared dead)")
+                    self.give_back_due.add(r.owner)
+                    self.stats["declared_dead"] += 1
+                    self._spawn(r.proc.wid)
+                elif r.declared_dead:
+                    req = self.by_cid.get(str(r.stopped_cid))
+                    waited = now >= r.proc.cont_at + 20.0
+                    taken = req is not None and self._taken_over(req.id, r.proc.stopped_fence)
+                    if waited or taken or req is None:
+                        self.stop_log.append({"worker": r.owner, "request": req.id if req else None,
+                                              "frozen_s": round(now - r.stopped_at, 1),
+                                              "taken_over": taken})
+                        r.proc.signal(signal.SIGCONT)
+                        r.proc.state = "running"
+                        r.exiting = True
+                        r.proc.send({"t": "exit"})  # it finishes the batch in hand and ends
+                continue
+            if r.proc.state == "running" and r.in_hand and now - r.batch_at > 2 * self.stall_bound:
+                self.unbounded.append(f"unbounded stall: worker {r.owner} held a batch for "
+                                      f"{now - r.batch_at:.0f}s")
+                r.batch_at = now
+                r.proc.signal(signal.SIGKILL)
+        self._give_back()
+        if now - self._last_poll >= 0.5:
+            self._last_poll = now
+            self._poll_settled()
+            self._resolve_replayed()
+
+    def _poll_settled(self) -> None:
+        try:
+            with self.probe.connect() as conn:
+                rows = conn.execute(text(
+                    "SELECT r.id, r.status, (SELECT count(*) FROM dlq_records d"
+                    " WHERE d.request_id = r.id AND d.status = 'open') AS dead"
+                    " FROM job_requests r")).all()
+        except Exception:  # noqa: BLE001 - the store is restarting: ask again later
+            return
+        status = {int(row.id): (row.status, int(row.dead)) for row in rows}
+        for wid_, rid in list(self.ids.items()):
+            st, dead = status.get(rid, (None, 0))
+            if st == "completed" or (st == "failed" and dead):
+                self.settled.add(wid_)
+                if st == "completed":
+                    self.done_requests.add(wid_)
+            else:
+                self.settled.discard(wid_)
+                self.done_requests.discard(wid_)
+
+    def unsettled(self) -> int:
+        return sum(1 for r in self.requests
+                   if r.id not in self.rejected and r.id not in self.settled)
+
+    def _quiet(self) -> bool:
+        return (self.produced.is_set() and not self._running and not self.evicted
+                and not self.replaying and not self.give_back_due and not self.respawn_at
+                and all(r.proc.state == "dead" or (
+                    self._current(r) and r.proc.state == "running" and not r.in_hand)
+                        for r in self.procs.values()))
+
+    def _redeliver_many(self, items: list[tuple[int, int]]) -> None:
+        """DLQ replays, as the replay sensor launches them for every job type, resident ones
+        included: a per-request run each, here a delivery to a per-request worker process
+        (:mod:`proof.chaos_worker`: the per-request op's step entry with ``replay_of``, its
+        fault points, a crash-looping handler crashing it again; two at a time), retried in
+        the step as Dagster would; one that fails for good is dead-lettered as the run-failure
+        sensor records a failed run. Each record is resolved once its request completed."""
+        due: list[tuple[float, int, int, int]] = []  # (when, request, record, attempt)
+        for request, record_id in items:
+            self.replaying[record_id] = request
+            self.settled.discard(request)
+            due.append((0.0, request, record_id, 0))
+        inflight: dict[str, tuple[int, int, int]] = {}
+        ends = time.monotonic() + self.stall_bound + 5.0 * len(items)
+        while (due or inflight) and time.monotonic() < ends:
+            if self.replayer is None or self.replayer.proc.poll() is not None:
+                self.replayer = WorkerProcess(
+                    len(self.queues), 0, replace(self.world.worker_config(len(self.queues)),
+                                                 dagster_home=""),
+                    self.replay_events, self.world.state, module="proof.chaos_worker")
+            now = time.monotonic()
+            ready = [d for d in due if d[0] <= now][:max(0, 2 - len(inflight))]
+            looping = [d for d in ready if self.requests[d[1]].crash_loop]
+            if looping or any(self.requests[r].crash_loop for r, _, _ in inflight.values()):
+                # a crash-looping handler runs alone, as a run of its own would: its deaths
+                # must not count against a neighbour
+                ready = looping[:1] if not inflight else []
+            for item in ready:
+                due.remove(item)
+                _, request, record_id, attempt = item
+                req = self.requests[request]
+                tok = f"replay-{record_id}.{attempt}"
+                msg: dict[str, Any] = {
+                    "tok": tok, "req": req.id, "request_id": self.ids[request],
+                    "job_type": req.job_type, "payload": req.payload, "attempt": attempt,
+                    "replay_of": record_id}
+                if req.crash_loop:
+                    msg["crash"] = "before_effect"
+                req.deliveries += 1
+                inflight[tok] = (request, record_id, attempt)
+                self.replayer.send(msg)
+            try:
+                _wid, _gen, answer = self.replay_events.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            if answer is None:  # the process died (a crash loop): what it held goes again
+                self.stats["replay_worker_deaths"] += 1
+                self.replayer.close(timeout=1.0)
+                self.replayer = None
+                later = time.monotonic() + self.config.lease_seconds  # the dead lease runs out
+                due += [(later, r, rec, a + 1) for r, rec, a in inflight.values()]
+                inflight.clear()
+                continue
+            held = inflight.pop(str(answer.get("tok")), None)
+            if held is None or answer["t"] not in ("done", "fail"):
+                if held is not None:
+                    inflight[str(answer.get("tok"))] = held
+                continue
+            request, record_id, attempt = held
+            self.stats["replays_run"] += 1
+            if answer["t"] == "fail" and answer.get("retry"):
+                due.append((time.monotonic() + float(answer.get("delay") or 0.0), request,
+                            record_id, attempt + 1))
+            elif answer["t"] == "fail":  # the run fails: the run-failure sensor's record
+                kind = answer.get("kind")
+                self._dead_letter(Delivery(-1, request, attempts=attempt + 1), answer,
+                                  str(answer.get("dlq_class") or "permanent")
+                                  if kind == "permanent" else
+                                  "transient" if kind == "transient" else "unknown",
+                                  dlq_id=record_id)
+
+    def _resolve_replayed(self) -> None:
+        for record_id, request in list(self.replaying.items()):
+            if request in self.done_requests:
+                self.dlq.resolve(record_id, actor="chaos", detail="replayed")
+                del self.replaying[record_id]
+            elif request in self.settled:  # dead-lettered again: its record is open
+                del self.replaying[record_id]
+
+    def run(self, progress: Callable[[Coordinator], None] | None = None) -> bool:
+        saved = {k: os.environ.get(k) for k in ("REDIS_URL", "SEKALI_WAKEUP_NAMESPACE")}
+        os.environ.update({"REDIS_URL": self.world.redis_url,
+                           "SEKALI_WAKEUP_NAMESPACE": self.namespace})
+        try:
+            producer = threading.Thread(target=self._produce, name="chaos-producer",
+                                        daemon=True)
+            producer.start()
+            return super().run(progress)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+    def _loop(self, deadline: float, progress: Callable[[Coordinator], None] | None) -> bool:
+        last_progress = 0.0
+        while time.monotonic() < deadline:
+            if self.evicted and not self.world.evicting:
+                self._replay_evicted()
+            self._arm_faults_due()
+            self._arm_workers()
+            try:
+                self._on_event(*self.events.get(timeout=0.05))
+                while True:
+                    self._on_event(*self.events.get_nowait())
+            except queue.Empty:
+                pass
+            now = time.monotonic()
+            self._watch(now)
+            if progress is not None and now - last_progress > 1.0:
+                progress(self)
+                last_progress = now
+            if self.unsettled() == 0 and self._quiet() and not self._strike_leftovers():
+                return True
+        return False
+
+    def _shutdown(self) -> None:
+        """Every worker told to end (a stopped one woken first), what any still held given
+        back; the background faults joined before the world stops."""
+        self._closing = True
+        for r in self.procs.values():
+            if r.proc.state != "dead":
+                r.exiting = True
+                try:
+                    r.proc.signal(signal.SIGCONT)
+                    r.proc.close()
+                except Exception:  # noqa: BLE001 - one worker must not keep the others alive
+                    logger.exception("closing worker %s failed", r.owner)
+                self.give_back_due.add(r.owner)
+        self.stats["worker_processes"] = len(self.procs)
+        if self.replayer is not None:
+            self.replayer.close()
+        if self.instance is not None:  # every worker run ended when the harness ends
+            runs = self.instance.get_runs(dg.RunsFilter(job_name=WORKER_JOB))
+            self.stats["dagster_worker_runs"] = len(runs)
+            left = [run for run in runs if run.status in IN_FLIGHT]
+            self.stats["dagster_runs_open_at_end"] = len(left)
+            for run in left:
+                self.unbounded.append(f"Dagster worker run {run.run_id} still "
+                                      f"{run.status.value} at the end")
+            for status in ("CANCELED", "FAILURE", "SUCCESS"):
+                self.stats[f"dagster_worker_runs_{status.lower()}"] = sum(
+                    1 for run in runs if run.status.value == status)
+        self._give_back()
+        self.probe.dispose()
+        for _, thread in list(self._running.values()):
             thread.join(timeout=60)
 
 
@@ -1698,8 +2328,23 @@ def check(world: ChaosWorld, coordinator: Coordinator) -> tuple[list[RequestVerd
         return verdicts, violations + late
     evidence = gather_evidence(world.db, world.gateway.charges(), world.sink.messages(),
                                purged_records=coordinator.travelled)
+    if isinstance(coordinator, ResidentCoordinator):
+        return judge(coordinator.requests, evidence, naive=world.config.naive, retries=retries,
+                     stats=coordinator.stats, crash_loop_limit=world.config.crash_loop_limit,
+                     request_ids=coordinator.ids,
+                     rejected=rejections(world.db, coordinator.requests, coordinator.rejected))
     return judge(coordinator.requests, evidence, naive=world.config.naive, retries=retries,
                  stats=coordinator.stats, crash_loop_limit=world.config.crash_loop_limit)
+
+
+def rejections(db: Any, requests: list[Request], refused: set[int]) -> set[int]:
+    """The workload ids among ``refused`` (their enqueue raised ``ValidationError``) whose
+    refusal ``job_rejections`` kept: its job type and the sha256 of the whole payload, as the
+    rejection stores it (no value of the payload is kept): refused, and not lost."""
+    kept = {(str(r.job_type), str(r.payload_sha256)) for r in _rows(
+        db, "SELECT job_type, payload_sha256 FROM job_rejections")}
+    return {i for i in refused
+            if (requests[i].job_type, masked_digest(requests[i].payload, 64).sha256) in kept}
 
 
 def judge(
@@ -1714,6 +2359,7 @@ def judge(
     now: float | None = None,
     count: Callable[[str, dict[str, Any]], int] | None = None,
     crash_loop_limit: int | None = None,
+    rejected: set[int] | None = None,
 ) -> tuple[list[RequestVerdict], list[str]]:
     """The invariants over ``evidence``, per workload request: at most one effect, none lost,
     no stale write, poison permanent and never retried. ``request_ids`` maps a workload id to
@@ -1723,7 +2369,10 @@ def judge(
     request's intent (a ``--job-type`` run: through the job type's lookup hook), in place of
     the built-in mix's own counting. A crash-looping request must be dead-lettered as
     ``crash_loop`` with no effect; no other request may be, unless its workers died on it more
-    than ``crash_loop_limit`` times (kills, stops, deaths beside a crasher)."""
+    than ``crash_loop_limit`` times (kills, stops, deaths beside a crasher). ``rejected``: the
+    workload ids refused at the enqueue with the refusal kept (resident delivery: poison
+    never becomes a request); a refused poison is kept, not lost, and a refused valid request
+    is a violation."""
     now = time.time() if now is None else now
     violations: list[str] = []
     charges, mails, records = evidence.charges, evidence.mails, evidence.records
@@ -1785,7 +2434,8 @@ def judge(
             accounted = in_dlq or effects >= 1
         else:
             accounted = in_dlq or live or (status == "completed" and effects >= 1)
-        lost = not accounted
+        refused = rejected is not None and req.id in rejected
+        lost = not (accounted or refused)
         tag = f"request {req.id} ({req.job_type}, key {key})"
         if effects > 1:
             violations.append(f"duplicate effect: {tag} has {effects} effects")
@@ -1815,7 +2465,11 @@ def judge(
             if crash_loop_limit is None or deaths <= crash_loop_limit:
                 violations.append(f"dead-lettered as crash_loop after {deaths} death(s), not "
                                   f"over the limit {crash_loop_limit}: {tag}")
-        if req.poison:
+        if refused and not req.poison:
+            violations.append(f"refused at the enqueue though valid: {tag}")
+        if req.poison and refused:
+            stats["poison_refused_at_enqueue"] += 1
+        elif req.poison:
             if dl is None or dl.error_class != "permanent":
                 violations.append(f"poison not dead-lettered as permanent: {tag}")
             retried = [a for a in mine if a.outcome == "retried"]
@@ -1911,7 +2565,7 @@ class ProgressBar:
         self.width = width
 
     def __call__(self, c: Coordinator) -> None:
-        total = len(c.deliveries)
+        total = len(c.deliveries) or len(c.requests)  # resident: requests, not deliveries
         done = total - c.unsettled()
         filled = int(self.width * done / max(1, total))
         s = c.stats
@@ -1946,7 +2600,8 @@ def run_chaos(config: ChaosConfig) -> ChaosReport:
                                        "calibration"],
                 late_reports=[], counting=counting,
                 calibration=[c.to_dict() for c in calibrations], unverified=unverified)
-        coordinator = Coordinator(config, world, requests)
+        driver = ResidentCoordinator if config.delivery == "resident" else Coordinator
+        coordinator = driver(config, world, requests)
         bar = ProgressBar() if config.progress else None
         finished = coordinator.run(progress=bar)
         if bar is not None:
@@ -1958,7 +2613,7 @@ def run_chaos(config: ChaosConfig) -> ChaosReport:
             chaos_outbox.drain(world.db, config.lease_seconds,
                                time.monotonic() + 6 * config.lease_seconds + 10)
             outbox_stats, outbox_violations = chaos_outbox.judge_outbox(
-                world.db, world.outbox_events)
+                world.db, world.outbox_events, purged=coordinator.published_before_purge)
             coordinator.stats.update(outbox_stats)
         verdicts, violations = check(world, coordinator)
         violations.extend(outbox_violations)
@@ -2003,7 +2658,8 @@ def run_chaos(config: ChaosConfig) -> ChaosReport:
             config=cfg,
             finished=finished,
             seconds=round(time.monotonic() - started, 1),
-            deliveries=len(coordinator.deliveries),
+            deliveries=(coordinator.dispatches if isinstance(coordinator, ResidentCoordinator)
+                        else len(coordinator.deliveries)),
             stats=stats,
             rows=fault_rows(verdicts),
             violations=violations,

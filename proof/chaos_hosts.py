@@ -4,8 +4,10 @@ One run builds its own ``sekali cluster`` (:mod:`sandbox.hosts`: a store host wi
 and Redis, a control host with dagster-webserver and dagster-daemon, a provider host with the
 sandbox gateway and mail sink, N worker hosts each with a code server), enqueues the workload of
 :func:`proof.chaos.build_workload` on the store host's database (no poison: refusals at enqueue
-are proven elsewhere) spread over ``enqueue_seconds``, and lets the intake sensors launch the
-runs on the worker hosts. Meanwhile a nemesis, on a seeded schedule, one fault at a time:
+are proven elsewhere), and lets the resident worker runs of every worker host (the default:
+each location's ``worker_supervisor`` keeps them) claim it, the workload spread over the
+nemesis; or, with another delivery, over ``enqueue_seconds`` with the intake sensors launching
+the runs on the worker hosts. Meanwhile a nemesis, on a seeded schedule, one fault at a time:
 
 - partitions (iptables ``DROP`` in both hosts' namespaces, never ``REJECT``: connects and open
   connections time out) between a worker host and the store, a worker host and the provider,
@@ -20,7 +22,9 @@ no run is queued or in flight, for at most ``settle_bound`` seconds: the bound t
 checks. Then the verdict comes from the provider's own records (charges, mails by correlation id)
 and the stores, through the same checker as the one-host harness (:func:`proof.chaos.judge`):
 no duplicate effect, nothing lost, no stale write; plus every run ended (no stall outlives the
-bound) and ``cluster down`` left nothing behind.
+bound), no Dagster run left open at the end (the resident worker runs, which stay by design,
+ended by the harness as an operator would: :func:`end_worker_runs`), and ``cluster down`` left
+nothing behind.
 
 Why the bound is what it is (defaults): run monitoring polls every 30 s and fails a run whose
 process died; the run retry starts it again (up to 2); Postgres calls end within 35 s and Redis
@@ -65,10 +69,14 @@ from resources.storage.db import Database
 from sandbox.gateway import GatewayServer
 from sandbox.hosts import Cluster, ClusterError, NotRoot, processes, require_root
 from sandbox.mailsink import MailSink
+from sensors.workers import WORKER_JOB
+
+SUPERVISOR = "worker_supervisor"
 
 logger = logging.getLogger(__name__)
 
 PARTITION_KINDS = ("worker-store", "worker-provider", "control-worker")
+HOSTS_DELIVERIES = ("resident", "per_request", "fan_out", "micro_batch")
 CORRELATION_PREFIX = "chaos-hosts-"
 RUN_DONE = ("SUCCESS", "FAILURE", "CANCELED")
 
@@ -87,8 +95,10 @@ class HostsConfig:
     redis_restarts: int = 1
     enqueue_seconds: float = 60.0
     settle_bound: float = 300.0
-    intake_mode: str = "fan_out"
+    intake_mode: str = "resident"  # resident workers, or the intake's per_request/fan_out/...
     batch_size: int = 10
+    workers_per_host: str = "light=1,heavy=1"  # resident: SEKALI_WORKERS of each worker host
+    close_bound: float = 120.0  # resident: the worker runs end within this once told to
     up_timeout: float = 300.0
     keep: bool = False  # leave the cluster up (state folder printed) instead of `down`
 
@@ -97,12 +107,34 @@ class HostsConfig:
             raise ChaosConfigError("--requests and --workers-hosts must be >= 1")
         if self.partitions < 0 or self.kills < 0 or self.redis_restarts < 0:
             raise ChaosConfigError("fault counts must be >= 0")
-        if self.intake_mode not in ("per_request", "fan_out", "micro_batch"):
-            raise ChaosConfigError("intake mode: per_request, fan_out or micro_batch")
+        if self.intake_mode not in HOSTS_DELIVERIES:
+            raise ChaosConfigError(f"delivery: {', '.join(HOSTS_DELIVERIES)}")
         if self.partition_seconds <= 0 or self.settle_bound <= 0:
             raise ChaosConfigError("the partition seconds and the settle bound must be positive")
 
+    @property
+    def spread_seconds(self) -> float:
+        """How long the workload is enqueued over: ``enqueue_seconds``, or with resident workers
+        (which run each request within milliseconds) the nemesis's length, so that requests
+        arrive while every fault strikes."""
+        if not self.resident:
+            return self.enqueue_seconds
+        nemesis = (self.partitions * (self.partition_seconds + self.gap_seconds)
+                   + (self.kills + self.redis_restarts) * self.gap_seconds)
+        return max(self.enqueue_seconds, nemesis)
+
+    @property
+    def resident(self) -> bool:
+        return self.intake_mode == "resident"
+
     def worker_env(self) -> dict[str, str]:
+        if self.resident:
+            return {
+                "SEKALI_INTAKE_MODE": "resident",
+                "SEKALI_WORKERS": self.workers_per_host,
+                "SEKALI_WORKER_BATCH": str(self.batch_size),
+                "SEKALI_GATEWAY_SETTLE_SECONDS": "20",
+            }
         return {
             "SEKALI_INTAKE_MODE": self.intake_mode,
             "SEKALI_INTAKE_BATCH_SIZE": str(self.batch_size),
@@ -169,6 +201,7 @@ class Strike:
     struck: bool = False
     runs_seen: int = 0
     requests: list[int] = field(default_factory=list)  # in flight when it began
+    wall: tuple[float, float | None] = (0.0, None)  # when it began and ended, wall clock
 
 
 def plan(config: HostsConfig, workers: list[str]) -> list[tuple[str, list[str]]]:
@@ -203,12 +236,14 @@ class Nemesis:
 
     def run(self, events: list[tuple[str, list[str]]], started: float) -> None:
         for kind, hosts in events:
+            began = time.time()
             if kind.startswith("partition:"):
                 self._partition(kind, hosts)
             elif kind == "kill":
                 self._kill(hosts[0])
             else:
                 self._restart_redis()
+            self.strikes[-1].wall = (began, time.time())
             time.sleep(self.config.gap_seconds)
         self.say(f"nemesis done after {time.monotonic() - started:.0f} s")
 
@@ -286,18 +321,28 @@ def _seed_stock(db: Database, requests: list[Request]) -> None:
 
 
 def _enqueue_all(db: Database, requests: list[Request], seconds: float,
-                 ids: dict[int, int]) -> None:
+                 ids: dict[int, int], redis_url: str) -> None:
     """Enqueue the workload spread evenly over ``seconds``; ``ids`` gets workload id -> request
-    id as each is written."""
-    started = time.monotonic()
-    for n, req in enumerate(requests):
-        due = started + seconds * n / max(1, len(requests))
-        delay = due - time.monotonic()
-        if delay > 0:
-            time.sleep(delay)
-        result = enqueue(req.job_type, dict(req.payload),
-                         correlation_id=f"{CORRELATION_PREFIX}{req.id}", db=db, source="chaos")
-        ids[req.id] = result.id
+    id as each is written. Each enqueue wakes the resident workers through the cluster's Redis
+    (the producer's ``REDIS_URL``)."""
+    before = os.environ.get("REDIS_URL")
+    os.environ["REDIS_URL"] = redis_url
+    try:
+        started = time.monotonic()
+        for n, req in enumerate(requests):
+            due = started + seconds * n / max(1, len(requests))
+            delay = due - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+            result = enqueue(req.job_type, dict(req.payload),
+                             correlation_id=f"{CORRELATION_PREFIX}{req.id}", db=db,
+                             source="chaos")
+            ids[req.id] = result.id
+    finally:
+        if before is None:
+            os.environ.pop("REDIS_URL", None)
+        else:
+            os.environ["REDIS_URL"] = before
 
 
 def _settled(db: Database, ids: dict[int, int]) -> tuple[int, int]:
@@ -316,8 +361,43 @@ def _settled(db: Database, ids: dict[int, int]) -> tuple[int, int]:
     return done, len(ids)
 
 
-def _runs_open(cluster: Cluster) -> list[dict[str, Any]]:
-    return [r for r in cluster.graphql().runs(limit=2000) if r["status"] not in RUN_DONE]
+def _runs_open(cluster: Cluster, *, workers: bool = True) -> list[dict[str, Any]]:
+    """The runs not ended; without the resident worker runs (which stay by design) unless
+    ``workers``."""
+    return [r for r in cluster.graphql().runs(limit=2000) if r["status"] not in RUN_DONE
+            and (workers or r["jobName"] != WORKER_JOB)]
+
+
+def end_worker_runs(cluster: Cluster, bound: float, say: Callable[[str], None]
+                    ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """End the deployment's resident workers as an operator does from the UI: every location's
+    worker supervisor stopped (so nothing relaunches them), then every worker run terminated
+    (it finishes its batch and ends CANCELED), each run launched meanwhile too. Returns the
+    runs still open after ``bound`` seconds (none, when every run ended) and what it took."""
+    gql = cluster.graphql()
+    for worker in cluster.workers:
+        assert worker.location is not None
+        state = gql.instigators(worker.location).get(f"sensor:{SUPERVISOR}")
+        if state is not None and state[1] == "RUNNING":
+            gql.stop_instigator("sensor", state[0])
+    started = time.monotonic()
+    asked: set[str] = set()
+    while True:
+        still = _runs_open(cluster)
+        for run in still:
+            if run["jobName"] == WORKER_JOB and run["runId"] not in asked:
+                asked.add(run["runId"])
+                try:
+                    gql.terminate_run(run["runId"])
+                except ClusterError as exc:
+                    say(f"terminating worker run {run['runId']} failed: {exc}")
+        if not still or time.monotonic() - started > bound:
+            break
+        time.sleep(2.0)
+    say(f"{len(asked)} worker run(s) told to end; {len(still)} run(s) open after "
+        f"{time.monotonic() - started:.0f} s")
+    return still, {"worker_runs_terminated": len(asked),
+                   "runs_closed_seconds": round(time.monotonic() - started, 1)}
 
 
 def run_hosts_chaos(
@@ -347,7 +427,8 @@ def run_hosts_chaos(
             _seed_stock(db, requests)
             ids: dict[int, int] = {}
             producer = threading.Thread(target=_enqueue_all, name="chaos-hosts-enqueue",
-                                        args=(db, requests, config.enqueue_seconds, ids),
+                                        args=(db, requests, config.spread_seconds, ids,
+                                              cluster.redis_url),
                                         daemon=True)
             producer.start()
             nemesis = Nemesis(cluster, db, config, say)
@@ -364,7 +445,8 @@ def run_hosts_chaos(
             open_runs: list[dict[str, Any]] = []
             while True:
                 done, total = _settled(db, ids)
-                open_runs = _runs_open(cluster) if done == total else []
+                open_runs = (_runs_open(cluster, workers=not config.resident)
+                             if done == total else [])
                 if done == total and not open_runs:
                     settled_at = time.monotonic()
                     break
@@ -376,6 +458,20 @@ def run_hosts_chaos(
                     f"not settled within {config.settle_bound:.0f} s after the last heal: "
                     f"{total - done} of {total} requests unsettled, {len(open_runs)} runs open"
                 )
+            if config.resident:  # the worker runs stay by design: the harness ends them
+                still, closing = end_worker_runs(cluster, config.close_bound, say)
+                stats.update(closing)
+            else:
+                still = _runs_open(cluster)
+            stats["runs_open_at_end"] = len(still)
+            if still:
+                violations.append(
+                    f"{len(still)} Dagster run(s) still open at the end: " + ", ".join(
+                        f"{r['runId']} ({r['jobName']} on {r['location']}, {r['status']})"
+                        for r in still[:10]))
+            held = in_flight_requests(db)
+            if held:
+                violations.append(f"requests still held by a run at the end: {sorted(held)[:20]}")
             provider = cluster.state_dir / "provider"
             charges = GatewayServer(db_url=f"sqlite:///{provider / 'gateway.db'}").charges()
             mails = MailSink(db_url=f"sqlite:///{provider / 'mailsink.db'}").messages()
@@ -389,8 +485,13 @@ def run_hosts_chaos(
             violations += found
             by_request = {rid: req for req, rid in ids.items()}
             touched: dict[int, set[str]] = {}
+            attempts = _attempts(db)
             for s in nemesis.strikes:
-                for rid in s.requests:
+                began, ended = s.wall
+                hosts = {f"sekali-{h}" for h in s.hosts}
+                during = {rid for rid, host, at in attempts if began <= at <= (ended or began)
+                          and (s.kind == "redis-restart" or host in hosts)}
+                for rid in set(s.requests) | during:
                     if rid in by_request:
                         touched.setdefault(by_request[rid], set()).add(s.kind)
             for v in verdicts:
@@ -449,6 +550,15 @@ def run_hosts_chaos(
                       for v in verdicts if v.dead_lettered],
         state_dir=str(cluster.state_dir) if config.keep else None,
     )
+
+
+def _attempts(db: Database) -> list[tuple[int, str, float]]:
+    """(request id, host, start) of every attempt: which requests a strike met."""
+    with db.statement() as conn:
+        rows = conn.execute(text(
+            "SELECT request_id, host, started_at FROM job_attempts WHERE request_id IS NOT NULL"
+        )).all()
+    return [(int(r[0]), str(r[1]), float(r[2])) for r in rows]
 
 
 def _attempt_hosts(db: Database) -> list[Any]:

@@ -107,6 +107,17 @@ class WorkerConfig:
     crash_loop_limit: int | None = None
     # poison-outbox: the process runs the outbox relay beside its deliveries
     outbox_relay: bool = False
+    # --delivery resident (proof.chaos_resident): the queue this process's resident worker
+    # serves, the owner its claims are held under, its batch, and the requests whose every run
+    # kills the process (crash-loop), by correlation id
+    queue: str = ""
+    owner: str = ""
+    batch_size: int = 4
+    crash_loops: tuple[str, ...] = ()
+    wakeup_namespace: str = ""
+    # --delivery resident --dagster: the worker run the supervisor asked for
+    run_config: dict[str, Any] = field(default_factory=dict)
+    run_tags: dict[str, str] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__)
@@ -115,6 +126,7 @@ class WorkerConfig:
     def from_json(cls, raw: str) -> WorkerConfig:
         data = json.loads(raw)
         data["job_types"] = tuple(data.get("job_types", ()))
+        data["crash_loops"] = tuple(data.get("crash_loops", ()))
         return cls(**data)
 
 
@@ -315,6 +327,51 @@ def lookup_reads(job_type: str, clients: dict[str, Any]) -> frozenset[str]:
     return frozenset(seen)
 
 
+def build_services(config: WorkerConfig) -> Services:
+    """The services of a chaos worker process, as a run worker builds them, with the run's
+    lease, retry policy, budget and crash-loop bound; every transaction passes the process's
+    :class:`TransactionGate` (a stop fault freezes only outside one)."""
+    if config.job_types:  # the sandboxes' addresses, as the coordinator moved them
+        os.environ.update(config.env)
+        os.environ.update({"DATABASE_URL": config.database_url,
+                           "REDIS_URL": config.redis_url,
+                           SETTLE_ENV: str(config.settle_seconds)})
+        settings = dataclasses.replace(
+            Settings.from_env(), database_url=config.database_url,
+            redis_url=config.redis_url, dagster_home=Path("."),
+            gateway_settle_seconds=config.settle_seconds,
+        )
+    else:
+        settings = Settings(
+            database_url=config.database_url,
+            redis_url=config.redis_url,
+            dagster_home=Path("."),
+            gateway_url=config.gateway_url,
+            smtp_host=config.smtp_host,
+            smtp_port=config.smtp_port,
+            smtp_log_url=config.smtp_log_url or None,
+            gateway_settle_seconds=config.settle_seconds,
+        )
+    gateway = ClientOptions(
+        timeout=config.gateway_timeout, deadline=config.gateway_deadline,
+        extra={"send_idempotency_key": not config.naive},
+    )
+    services = Services.from_settings(
+        settings, lease_seconds=config.lease_seconds, options={GATEWAY.name: gateway},
+        retry_policy=RetryPolicy(max_attempts=config.max_attempts,
+                                 base_delay=config.retry_base, max_delay=config.retry_cap,
+                                 max_unknown_attempts=config.max_attempts),
+    )
+    if config.budget_redis_url:
+        services.retry_budget = RetryBudget(
+            redis_client(config.budget_redis_url, timeouts=RedisTimeouts(socket=2.0,
+                                                                         connect=1.0)))
+    if config.crash_loop_limit is not None:
+        services.crash_loop_limit = config.crash_loop_limit
+    Hooks.gate.wrap(services.db)  # the store and the attempts share this Database
+    return services
+
+
 Deliveries = Callable[["WorkerConfig", dict[str, Any]], Any]
 """Builds what runs each delivery instead of the step entry (``deliver(msg) -> (event, tok,
 fields)``): :mod:`proof.chaos_dagster`'s real Dagster runs."""
@@ -329,44 +386,7 @@ class Worker:
         self.config = config
         self.channel = _Channel()
         self.hooks = Hooks(self.channel)
-        if config.job_types:  # the sandboxes' addresses, as the coordinator moved them
-            os.environ.update(config.env)
-            os.environ.update({"DATABASE_URL": config.database_url,
-                               "REDIS_URL": config.redis_url,
-                               SETTLE_ENV: str(config.settle_seconds)})
-            settings = dataclasses.replace(
-                Settings.from_env(), database_url=config.database_url,
-                redis_url=config.redis_url, dagster_home=Path("."),
-                gateway_settle_seconds=config.settle_seconds,
-            )
-        else:
-            settings = Settings(
-                database_url=config.database_url,
-                redis_url=config.redis_url,
-                dagster_home=Path("."),
-                gateway_url=config.gateway_url,
-                smtp_host=config.smtp_host,
-                smtp_port=config.smtp_port,
-                smtp_log_url=config.smtp_log_url or None,
-                gateway_settle_seconds=config.settle_seconds,
-            )
-        gateway = ClientOptions(
-            timeout=config.gateway_timeout, deadline=config.gateway_deadline,
-            extra={"send_idempotency_key": not config.naive},
-        )
-        self.services = Services.from_settings(
-            settings, lease_seconds=config.lease_seconds, options={GATEWAY.name: gateway},
-            retry_policy=RetryPolicy(max_attempts=config.max_attempts,
-                                     base_delay=config.retry_base, max_delay=config.retry_cap,
-                                     max_unknown_attempts=config.max_attempts),
-        )
-        if config.budget_redis_url:
-            self.services.retry_budget = RetryBudget(
-                redis_client(config.budget_redis_url, timeouts=RedisTimeouts(socket=2.0,
-                                                                             connect=1.0)))
-        if config.crash_loop_limit is not None:
-            self.services.crash_loop_limit = config.crash_loop_limit
-        Hooks.gate.wrap(self.services.db)  # the store and the attempts share this Database
+        self.services = build_services(config)
         clients = self.services.clients
         if config.job_types:
             reads: dict[str, frozenset[str]] = {}
@@ -413,6 +433,7 @@ class Worker:
                 payload=msg["payload"],
                 request_id=int(msg["request_id"]),
                 correlation_id=f"chaos-req-{msg['req']}",
+                replay_of=msg.get("replay_of"),
             )
         except Exception as exc:  # noqa: BLE001 - out of the step: Dagster fails the run
             self.channel.send("fail", tok, error=type(exc).__name__, kind=str(classify(exc)),

@@ -38,7 +38,7 @@ from engine.delivery import DeliveryPolicy
 from engine.registry import JOB_TYPES
 from engine.requests import RequestStore
 from engine.worker import WorkerPolicy, WorkerTargets
-from resources.idempotency import IdempotencyStore
+from engine.worker import give_back as give_back_held
 from sensors.intake import RequestsResource
 
 log = logging.getLogger(__name__)
@@ -67,15 +67,7 @@ def give_back(instance: dg.DagsterInstance, requests: RequestStore) -> int:
         for run in instance.get_runs(dg.RunsFilter(run_ids=holders))
         if tag.WORKER in run.tags and run.status in _ENDED
     ]
-    if not ended:
-        return 0
-    ledger = IdempotencyStore(requests.db)
-
-    def lease_end(key: str) -> float | None:
-        record = ledger.get(key)
-        return record.lease_expires_at if record is not None else None
-
-    moved = requests.take_back(ended, lease_end)
+    moved = give_back_held(requests, ended)
     if moved:
         log.warning("gave back %d requests held by %d ended worker run(s): %s", len(moved),
                     len(ended), ", ".join(ended))

@@ -153,7 +153,8 @@ def test_cli_json_on_stdout_report_file_and_exit_zero_when_the_invariants_hold(
     assert code == 0, captured.err
     data = json.loads(captured.out)
     assert data["ok"] is True and data["violations"] == []
-    assert data["deliveries"] == 60
+    assert data["config"]["delivery"] == "resident"  # the platform's default delivery
+    assert data["deliveries"] >= 28  # every valid request claimed by a resident worker
     assert {r["fault"] for r in data["rows"]} >= {"all", "poison"}
     assert json.loads(out.read_text())["stats"] == data["stats"]
     assert "every invariant held" in captured.err
@@ -182,7 +183,7 @@ def test_faults_all_means_every_fault_the_run_can_strike() -> None:
     faults, notes = parse_faults("all", backend="sqlite", database_url=None)
     assert set(faults) == set(FAULTS) - {"pg-restart", "pg-failover"} and notes
     faults, notes = parse_faults("all", backend="postgres", database_url=PG_URL)
-    assert "pg-restart" not in faults and "did not start" in notes[0]
+    assert "pg-restart" not in faults and any("did not start" in n for n in notes)
     assert parse_faults("kill, stop", backend="sqlite", database_url=None) == (
         ("kill", "stop"), [])
 

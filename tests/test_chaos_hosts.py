@@ -54,11 +54,12 @@ def root_rules() -> list[str]:
 
 
 def test_hosts_chaos_no_duplicate_nothing_lost_and_down_leaves_nothing(root: None) -> None:
-    """Catches: a duplicate charge or mail when a worker host loses the store or the provider
-    mid-call, a request lost when its run process is killed or its host is cut off from the
+    """Catches, with resident worker runs on both worker hosts: a duplicate charge or mail when
+    a worker host loses the store or the provider mid-call, a request lost when its worker run
+    is killed or its host is cut off from the
     control host, a partition that never meets a run (the run would prove nothing), a settle
-    time past the stated bound, and a teardown that leaves namespaces, links, rules or
-    processes."""
+    time past the stated bound, a Dagster run left open at the end, and a teardown that leaves
+    namespaces, links, rules or processes."""
     before_ns, before_links, before_rules = namespaces(), links(), root_rules()
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "report.json"
@@ -83,6 +84,8 @@ def test_hosts_chaos_no_duplicate_nothing_lost_and_down_leaves_nothing(root: Non
     assert stats["completed"] + stats["dead_lettered"] >= 100, stats
     assert len(stats["attempts_by_host"]) == 2, stats  # both worker hosts did work
     assert stats["leftovers_after_down"] == 0, stats
+    # resident workers (the default delivery) on both hosts; the run ends with none open
+    assert stats["worker_runs_terminated"] >= 2 and stats["runs_open_at_end"] == 0, stats
     # other clusters (a benchmark, another test) may come and go meanwhile: judge this run's own
     mine = stats["cluster_id"]
     assert not {n for n in namespaces() - before_ns if n.startswith(f"sekali-{mine}-")}

@@ -26,7 +26,7 @@ from proof.chaos import (
     parse_faults,
     run_chaos,
 )
-from proof.chaos_hosts import HostsConfig, run_hosts_chaos
+from proof.chaos_hosts import HOSTS_DELIVERIES, HostsConfig, run_hosts_chaos
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -55,7 +55,18 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--dagster", action="store_true",
                    help="with --job-type: each delivery is a real run of the job type's "
                         "per-request Dagster job on a real instance (Dagster's retries and the "
-                        "run-failure sensor's DLQ path inside the proof; slower: run fewer)")
+                        "run-failure sensor's DLQ path inside the proof; slower: run fewer); "
+                        "with --delivery resident: every worker is a sekali_worker run the "
+                        "workers' supervisor asked for")
+    p.add_argument("--delivery", choices=list(HOSTS_DELIVERIES), default=None,
+                   help="resident (the platform's default): requests enqueued, resident worker "
+                        "processes (Dagster worker runs with --topology hosts) claim and run "
+                        "them, a dead one's requests given back; per_request: each delivered to "
+                        "the per-request op's step entry (a run each with --topology hosts); "
+                        "fan_out and micro_batch: --topology hosts only (default: resident, but "
+                        "per_request with --job-type, --dagster or --naive)")
+    p.add_argument("--batch", type=int, default=4,
+                   help="with --delivery resident: requests a worker claims at once (default 4)")
     p.add_argument("--backend", choices=["sqlite", "postgres"], default="sqlite")
     p.add_argument("--database-url", dest="database_url",
                    help="Postgres URL to create the run's schema in (default DATABASE_URL or the "
@@ -97,6 +108,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[ChaosConfig, list[str]]:
         raise ChaosConfigError("--job-type: name at least one job type")
     faults, notes = parse_faults(args.faults, backend=args.backend,
                                  database_url=args.database_url, typed=bool(job_types))
+    delivery = args.delivery or ("per_request" if job_types or args.naive else "resident")
     return ChaosConfig(
         requests=300 if args.requests is None else args.requests,
         workers=args.workers,
@@ -116,6 +128,8 @@ def config_from_args(args: argparse.Namespace) -> tuple[ChaosConfig, list[str]]:
         dagster=args.dagster,
         calibration_runs=args.calibration_runs,
         require_record=args.require_record,
+        delivery=delivery,
+        batch_size=args.batch,
     ), notes
 
 
@@ -126,7 +140,8 @@ def _run(args: argparse.Namespace) -> int:
     if args.topology == "hosts":
         return _run_hosts(args)
     if not args.verbose:  # the sandbox servers log every charge and mail
-        for name in ("mail.log", "sandbox.gateway", "sandbox.mailsink", "resources"):
+        for name in ("mail.log", "sandbox.gateway", "sandbox.mailsink", "resources",
+                     "engine", "pipelines"):
             logging.getLogger(name).setLevel(logging.WARNING)
 
     try:
@@ -144,6 +159,9 @@ def _run(args: argparse.Namespace) -> int:
         print(f"sekali chaos: {exc}", file=sys.stderr)
         return 2
     mode = "naive (defences off)" if config.naive else "guarded"
+    mode += f", {config.delivery.replace('_', '-')} delivery" + (
+        " (sekali_worker Dagster runs)" if config.dagster and config.delivery == "resident"
+        else "")
     if job_types:
         mode += f", job types {','.join(job_types)}" + (", Dagster runs" if args.dagster else "")
     print(f"sekali chaos: {mode}, {config.requests} requests x {config.redelivery} deliveries, "
@@ -208,7 +226,8 @@ def _run_hosts(args: argparse.Namespace) -> int:
     err = Console(stderr=True, soft_wrap=True)
     config = HostsConfig(requests=100 if args.requests is None else args.requests,
                          worker_hosts=args.workers_hosts, seed=args.seed,
-                         kills=args.kills if args.kills is not None else 2)
+                         kills=args.kills if args.kills is not None else 2,
+                         intake_mode=args.delivery or "resident")
     for name in ("alembic", "engine.intake", "sandbox.hosts"):
         logging.getLogger(name).setLevel(logging.WARNING)
     try:
@@ -222,7 +241,8 @@ def _run_hosts(args: argparse.Namespace) -> int:
     out = err if args.json else Console(soft_wrap=True)
     s = report.stats
     out.print(f"sekali chaos --topology hosts: {config.requests} requests, "
-              f"{config.worker_hosts} worker hosts, seed {config.seed}, {report.seconds} s")
+              f"{config.worker_hosts} worker hosts, {config.intake_mode} delivery, seed "
+              f"{config.seed}, {report.seconds} s")
     out.print(format_table(report.rows) if report.rows else "(no verdicts)")
     out.print(f"partitions struck {s.get('partition_struck', 0)} of "
               f"{s.get('partition_planned', 0)} planned, kills {s.get('kill_struck', 0)} of "
@@ -230,7 +250,10 @@ def _run_hosts(args: argparse.Namespace) -> int:
               f"{s.get('redis-restart_planned', 0)}; completed {s.get('completed')}, "
               f"dead-lettered {s.get('dead_lettered')}; settled "
               f"{s.get('settled_seconds_after_last_heal')} s after the last heal "
-              f"(bound {s.get('settle_bound_seconds')} s)")
+              f"(bound {s.get('settle_bound_seconds')} s); Dagster runs open at the end "
+              f"{s.get('runs_open_at_end')}"
+              + (f" ({s['worker_runs_terminated']} worker runs ended in "
+                 f"{s['runs_closed_seconds']} s)" if "worker_runs_terminated" in s else ""))
     if report.ok:
         out.print("OK: every invariant held")
         return 0

@@ -215,6 +215,26 @@ class GraphQL:
         if result.get("__typename") == "PythonError":
             raise ClusterError(f"{field}: {result.get('message')}")
 
+    def terminate_run(self, run_id: str) -> str:
+        """Terminate a run as the UI's "Terminate" does (the run worker gets SIGTERM, a run not
+        started yet is canceled); returns the mutation's result type."""
+        data = self(
+            """
+            mutation Terminate($runId: String!) {
+              terminateRun(runId: $runId) {
+                __typename
+                ... on PythonError { message }
+                ... on TerminateRunFailure { message }
+              }
+            }
+            """,
+            {"runId": run_id},
+        )
+        result = data["terminateRun"]
+        if result["__typename"] == "PythonError":
+            raise ClusterError(f"terminateRun {run_id}: {result.get('message')}")
+        return str(result["__typename"])
+
     def launch_run(
         self,
         location: str,
