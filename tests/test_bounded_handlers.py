@@ -1,0 +1,200 @@
+"""Bounded handlers: a handler that hangs (a downstream that never answers, a client without a
+timeout) is abandoned at its job type's ``max_runtime_seconds``, in every path that runs it,
+and its request is dead-lettered ``timed_out``; its key passes on once its last lease has run
+out (a takeover, counted towards the crash-loop bound), never held for as long as the process
+lives. The hung handler is ``tests/hang_jobs.py``: it waits on an event nobody sets.
+
+The tests never assert how long anything took: a guard only stops a test that would otherwise
+hang for ever (what a handler without a bound did). The bound itself is checked on the ledger's
+own record: the lease of the abandoned holder never reaches past its claim + bound + lease.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import dagster as dg
+import pytest
+from sqlalchemy import text
+
+from engine.attempts import AttemptRecorder
+from engine.intake import enqueue
+from engine.registry import JOB_TYPES
+from engine.requests import RequestStatus, RequestStore
+from engine.runtime import execute_request
+from engine.services import Services
+from pipelines.ops.request_job import request_job
+from resources.dlq import DlqStore, FailureClass
+from resources.idempotency import IdempotencyStore, Status
+from resources.storage.db import Database
+from resources.storage.migrations import upgrade
+from tests import hang_jobs
+from tests.job_workers import dagster_resources
+
+ROOT = Path(__file__).resolve().parent.parent
+LEASE = 2.0
+GUARD = 60.0  # only ends a test that would hang for ever; never a measurement
+
+
+@pytest.fixture
+def hang_type(monkeypatch: pytest.MonkeyPatch) -> Any:
+    monkeypatch.setitem(JOB_TYPES, "hang_probe", hang_jobs.JOB_TYPE)
+    yield hang_jobs.JOB_TYPE
+    for event in hang_jobs.HOLDS.values():  # let this process's hung threads end
+        event.set()
+
+
+def _services(db: Database) -> Services:
+    return Services(db=db, store=IdempotencyStore(db, lease_seconds=LEASE),
+                    attempts=AttemptRecorder(db))
+
+
+def _payload(tmp_path: Path, n: str) -> dict[str, Any]:
+    return {"folder": str(tmp_path), "n": n}
+
+
+def _assert_bounded_and_dead_lettered(db: Database, key: str, request_id: int) -> None:
+    """The request is failed with one ``timed_out`` dead letter naming the bound; the key is
+    still in progress under the abandoned holder, whose lease reaches no further than its
+    claim + bound + lease (a fresh key's claim is its ``created_at``)."""
+    records = [r for r in DlqStore(db).list_records() if r.idempotency_key == key]
+    assert len(records) == 1, records
+    assert records[0].error_class == FailureClass.TIMED_OUT
+    assert records[0].request_id == request_id
+    assert f"{hang_jobs.BOUND:g}" in (records[0].last_error or "")
+    request = RequestStore(db).get(request_id)
+    assert request is not None and request.status is RequestStatus.FAILED
+    record = IdempotencyStore(db).get(key)
+    assert record is not None and record.status is Status.IN_PROGRESS
+    assert record.lease_expires_at is not None
+    assert record.lease_expires_at <= record.created_at + hang_jobs.BOUND + LEASE + 1e-6
+
+
+def _after_expiry(db: Database, key: str) -> None:
+    record = IdempotencyStore(db).get(key)
+    assert record is not None and record.lease_expires_at is not None
+    time.sleep(max(0.0, record.lease_expires_at - time.time()) + 0.2)
+
+
+def _redelivered(db: Database, payload: dict[str, Any], key: str) -> None:
+    """A redelivery after the abandoned lease ran out takes the key over (not
+    ``AlreadyInProgress``), and the abandoned holder counts towards the crash-loop bound."""
+    _after_expiry(db, key)
+    outcome = execute_request("hang_probe", payload, services=_services(db))
+    assert outcome.status == "completed" and outcome.result["takeover"] is True
+    record = IdempotencyStore(db).get(key)
+    assert record is not None and record.status is Status.COMPLETED and record.crashes == 1
+
+
+def test_a_hung_handler_run_by_the_engine_alone_is_dead_lettered_timed_out(
+    db_url: str, tmp_path: Path, hang_type: Any
+) -> None:
+    """Catches: a lease keeper that renews for as long as the process lives (the step never
+    returns, the key is held for ever and every redelivery is ``AlreadyInProgress``), a bound
+    read only by Dagster, and a process kept alive by its hung thread. The step entry (through
+    ``execute_request``) runs in a process of its own, outside Dagster."""
+    db = Database.from_url(db_url)
+    upgrade(db)
+    payload = _payload(tmp_path, "alone")
+    request = enqueue("hang_probe", payload, db=db)
+    spec = {"db_url": db_url, "lease": LEASE, "request_id": request.id, "payload": payload}
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.hang_jobs", json.dumps(spec)], cwd=ROOT,
+        capture_output=True, text=True, timeout=GUARD,
+        env={**os.environ, "PYTHONPATH": str(ROOT), "SEKALI_JOB_MODULES": "tests.hang_jobs"},
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["ok"] is False and out["error_class"] == "timed_out" and out["dead_letter"]
+    assert "tests/hang_jobs.py" in out["error"]  # the error says where the handler hung
+    _assert_bounded_and_dead_lettered(db, "hang-probe:alone", request.id)
+    assert not (tmp_path / "alone.sent").exists()
+    _redelivered(db, payload, "hang-probe:alone")
+    assert len((tmp_path / "alone").read_text().splitlines()) == 2
+    db.dispose()
+
+
+def test_a_hung_handler_in_a_dagster_run_is_dead_lettered_timed_out_and_its_late_send_refused(
+    db_url: str, redis_url: str, namespace: str, tmp_path: Path, hang_type: Any
+) -> None:
+    """Catches: the per-request op waiting on its handler for ever (the run never ends, the
+    request is never decided), a bound that is only Dagster's run tag, and a hung thread that
+    sends once it wakes after its bound: its ``confirm_lease()`` must refuse. A real Dagster
+    instance runs the job type's own job."""
+    db = Database.from_url(db_url)
+    upgrade(db)
+    payload = _payload(tmp_path, "dagster")
+    request = enqueue("hang_probe", payload, db=db)
+    job = request_job(hang_type)
+    done: dict[str, Any] = {}
+
+    def launch() -> None:
+        with dg.DagsterInstance.ephemeral() as instance:
+            done["result"] = job.execute_in_process(
+                run_config={"ops": {hang_type.op_name: {"config": {"request_id": request.id}}}},
+                resources=dagster_resources(db_url=db_url, redis_url=redis_url,
+                                            namespace=namespace, lease_seconds=LEASE),
+                instance=instance, raise_on_error=False)
+
+    runner = threading.Thread(target=launch, daemon=True)
+    runner.start()
+    runner.join(timeout=GUARD)
+    assert not runner.is_alive(), "the run waited on its hung handler"
+    assert not done["result"].success
+    _assert_bounded_and_dead_lettered(db, "hang-probe:dagster", request.id)
+    hang_jobs.HOLDS["dagster"].set()  # the hung thread wakes, late, and tries to send
+    deadline = time.monotonic() + GUARD
+    while not (tmp_path / "dagster.refused").exists():
+        assert time.monotonic() < deadline, "the released handler neither sent nor was refused"
+        time.sleep(0.05)
+    assert (tmp_path / "dagster.refused").read_text() == "HandlerTimedOut"
+    assert not (tmp_path / "dagster.sent").exists()
+    _redelivered(db, payload, "hang-probe:dagster")
+    db.dispose()
+
+
+def test_a_resident_worker_abandons_a_hung_handler_runs_the_rest_and_ends_itself(
+    db_url: str, tmp_path: Path, hang_type: Any
+) -> None:
+    """Catches: a resident worker stuck for ever behind one hung handler (every other request
+    of its batch and queue waiting with it), and a worker that goes on claiming while a hung
+    thread of its process may hold a transaction or a slot: it ends itself after the batch, so
+    its supervisor starts a fresh process. The hung request is dead-lettered ``timed_out``;
+    its neighbour in the batch completes."""
+    from engine.delivery import DeliveryPolicy
+    from engine.worker import ResidentWorker, WorkerPolicy
+    from resources.wakeup import PollWakeup
+
+    db = Database.from_url(db_url)
+    upgrade(db)
+    hung = enqueue("hang_probe", _payload(tmp_path, "resident"), db=db)
+    fine = enqueue("hang_probe", {**_payload(tmp_path, "neighbour"), "quick": True}, db=db)
+    stop = threading.Event()
+    worker = ResidentWorker(
+        _services(db), WorkerPolicy(queue="light", batch_size=10, poll_seconds=0.1,
+                                    idle_seconds=GUARD),
+        owner="worker-hang", wakeup=PollWakeup(stop), stop=stop,
+        delivery=DeliveryPolicy.from_env({}))
+    stats: dict[str, Any] = {}
+    runner = threading.Thread(target=lambda: stats.update(done=worker.run()), daemon=True)
+    runner.start()
+    runner.join(timeout=GUARD)
+    stop.set()
+    assert not runner.is_alive(), "the worker waited on its hung handler"
+    assert "timed out" in stats["done"].reason
+    _assert_bounded_and_dead_lettered(db, "hang-probe:resident", hung.id)
+    neighbour = RequestStore(db).get(fine.id)
+    assert neighbour is not None and neighbour.status is RequestStatus.COMPLETED
+    with db.statement() as conn:
+        crashes = conn.execute(text("SELECT crashes FROM idempotency_records WHERE key = :k"),
+                               {"k": "hang-probe:resident"}).scalar()
+    assert crashes == 0  # counted by the takeover, not before
+    db.dispose()
+
