@@ -64,7 +64,7 @@ def _assert_bounded_and_dead_lettered(db: Database, key: str, request_id: int) -
     """The request is failed with one ``timed_out`` dead letter naming the bound; the key is
     still in progress under the abandoned holder, whose lease reaches no further than its
     claim + bound + lease (a fresh key's claim is its ``created_at``)."""
-    records = [r for r in DlqStore(db).list_records() if r.idempotency_key == key]
+    records = DlqStore(db).list_records(request_id=request_id)
     assert len(records) == 1, records
     assert records[0].error_class == FailureClass.TIMED_OUT
     assert records[0].request_id == request_id
