@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import logging
 import os
 import socket
@@ -445,7 +446,7 @@ def _handle(jt: JobType, keeper: BatchLeaseKeeper, items: list[_Item]) -> list[A
     for ctx, typed in pairs:
         until = keeper.bound(ctx.key, bound)
         try:
-            results.append(run_bounded(lambda c=ctx, t=typed: jt.handler(c, t), until=until,
+            results.append(run_bounded(functools.partial(jt.handler, ctx, typed), until=until,
                                        name=f"handler:{ctx.key}"))
         except Overran as late:
             results.append(HandlerTimedOut(ctx.key, bound, where=late.where))
