@@ -24,6 +24,12 @@ Fault hooks, chosen per delivery by the coordinator (so a run is reproducible fr
   completed, ``done`` not yet reported).
 - ``stop``: SIGSTOP itself at ``before_effect`` or ``after_effect``; the coordinator sends
   SIGCONT once the lease has run out, so every later write is a stale one.
+
+A handler that hangs (a job type's downstream that never answers) is abandoned by the engine at
+its job type's ``max_runtime_seconds`` and its delivery reported failed, ``timed_out``; the
+worker then exits (:data:`TIMED_OUT_EXIT`), as a resident worker does, so the hung thread ends
+with its process, and the coordinator starts a fresh worker (deliveries in flight on its other
+threads are redelivered, as after a crash).
 """
 
 from __future__ import annotations
@@ -54,11 +60,14 @@ from pipelines.domain.mail import SMTP
 from pipelines.domain.payments import GATEWAY
 from pipelines.jobs import email, payment
 from proof.chaos_outbox import Relay
+from resources.errors import HandlerTimedOut
 from resources.retry import RetryBudget, RetryPolicy, classify, failure_class
 from resources.storage.redis import redis_client
 from resources.storage.settings import SETTLE_ENV, RedisTimeouts, Settings
 
 logger = logging.getLogger(__name__)
+TIMED_OUT_EXIT = 3
+"""The exit code of a worker that ended itself after the engine abandoned a hung handler."""
 
 CRASH_POINTS = ("before_effect", "after_effect", "after_record")
 STOP_POINTS = ("before_effect", "after_effect")
@@ -427,6 +436,10 @@ class Worker:
                 reason=decision.reason, outcome=str(result.recorded),
                 dlq_class=str(failure_class(error)),
             )
+            if isinstance(error, HandlerTimedOut):  # its thread hangs on: end with it
+                logger.error("worker %s exits: %s", self.config.worker_id, error)
+                sys.stderr.flush()
+                os._exit(TIMED_OUT_EXIT)
             return
         assert result.outcome is not None
         self.hooks.point("after_record")
