@@ -198,3 +198,52 @@ def test_a_resident_worker_abandons_a_hung_handler_runs_the_rest_and_ends_itself
     assert crashes == 0  # counted by the takeover, not before
     db.dispose()
 
+
+
+def test_the_chaos_worker_reports_a_hung_handler_timed_out_and_exits(
+    tmp_path: Path, hang_type: Any
+) -> None:
+    """Catches: the chaos harness's worker stuck for ever on a hung delivery (the coordinator
+    waits, the key is held), or going on with a hung thread inside: it reports the delivery
+    failed ``timed_out`` and its process exits, so the coordinator starts a fresh one."""
+    from proof.chaos_worker import CONFIG_ENV, TIMED_OUT_EXIT, WorkerConfig
+    from sandbox.gateway import GatewayServer
+    from sandbox.mailsink import MailSink
+    from sandbox.redis_server import RedisServer, free_port
+
+    redis = RedisServer(tmp_path / "redis", port=free_port()).start()
+    gateway = GatewayServer(f"sqlite:///{tmp_path / 'gateway.db'}").start()
+    sink = MailSink(f"sqlite:///{tmp_path / 'mail.db'}").start()
+    url = f"sqlite:///{tmp_path / 'app.db'}"
+    db = Database.from_url(url)
+    upgrade(db)
+    config = WorkerConfig(
+        worker_id=0, database_url=url, redis_url=redis.url, gateway_url=gateway.url,
+        smtp_host=sink.host, smtp_port=sink.port, lease_seconds=LEASE, naive=False,
+        job_types=("hang_probe",),
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "proof.chaos_worker"], cwd=ROOT,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        env={**os.environ, CONFIG_ENV: config.to_json(), "PYTHONPATH": str(ROOT),
+             "SEKALI_JOB_MODULES": "tests.hang_jobs"},
+    )
+    try:
+        assert proc.stdin is not None and proc.stdout is not None
+        assert json.loads(proc.stdout.readline())["t"] == "ready"
+        msg = {"tok": "1.1", "req": 1, "request_id": 1, "job_type": "hang_probe",
+               "payload": _payload(tmp_path, "chaos"), "attempt": 0}
+        proc.stdin.write(json.dumps(msg) + "\n")
+        proc.stdin.flush()
+        while (line := json.loads(proc.stdout.readline()))["t"] not in ("done", "fail"):
+            pass
+        assert line["t"] == "fail" and line["dlq_class"] == "timed_out", line
+        assert line["retry"] is False
+        assert proc.wait(GUARD) == TIMED_OUT_EXIT  # no "exit" was sent: it ended itself
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        db.dispose()
+        for part in (sink, gateway, redis):
+            part.stop()
