@@ -49,6 +49,7 @@ def hang_type(monkeypatch: pytest.MonkeyPatch) -> Any:
     yield hang_jobs.JOB_TYPE
     for event in hang_jobs.HOLDS.values():  # let this process's hung threads end
         event.set()
+    hang_jobs.HOLDS.clear()
 
 
 def _services(db: Database) -> Services:
@@ -196,6 +197,7 @@ def test_a_resident_worker_abandons_a_hung_handler_runs_the_rest_and_ends_itself
         crashes = conn.execute(text("SELECT crashes FROM idempotency_records WHERE key = :k"),
                                {"k": "hang-probe:resident"}).scalar()
     assert crashes == 0  # counted by the takeover, not before
+    _redelivered(db, _payload(tmp_path, "resident"), "hang-probe:resident")  # ran alone: counted
     db.dispose()
 
 
