@@ -1,3 +1,4 @@
+-- sekali: replaces 0161_crash_loop_class
 -- ``timed_out`` admitted as a DLQ failure class (a handler that overran its job type's
 -- ``max_runtime_seconds`` and was abandoned by the engine: resources/retry/classify.py). The
 -- wider CHECK is added NOT VALID (metadata only) and validated under SHARE UPDATE EXCLUSIVE,

@@ -1,3 +1,4 @@
+-- sekali: replaces 0161_crash_loop_class
 -- ``timed_out`` admitted as a DLQ failure class (see the Postgres file). SQLite changes a CHECK
 -- only by rebuilding the table, as 0161 did: the rows are copied whole (ids kept; the runner
 -- keeps the AUTOINCREMENT counter), then the indexes are made again. A reader of the previous
