@@ -178,6 +178,8 @@ class WorkerStats:
     batches: int = 0
     requests: int = 0
     counts: dict[str, int] = field(default_factory=dict)
+    abandoned: int = 0
+    """Handlers abandoned past their bound in the batch that ended the worker (0: none)."""
 
 
 Deferral = Callable[[], Any]
@@ -253,6 +255,7 @@ class ResidentWorker:
                 done.add(results, took)
             hung = [r for r in results if isinstance(r.error, HandlerTimedOut)]
             if hung:
+                self.stats.abandoned = len(hung)
                 self.stats.reason = (
                     f"timed out: {len(hung)} handler(s) abandoned past their bound; ending so "
                     "their threads end with this process (the supervisor starts a fresh one)")

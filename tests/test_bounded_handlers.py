@@ -249,3 +249,41 @@ def test_the_chaos_worker_reports_a_hung_handler_timed_out_and_exits(
         db.dispose()
         for part in (sink, gateway, redis):
             part.stop()
+
+
+def test_a_resident_worker_run_in_dagster_ends_after_abandoning_a_hung_handler(
+    db_url: str, redis_url: str, namespace: str, tmp_path: Path, hang_type: Any,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Catches: a worker run that stays STARTED behind a hung handler (its slot never served
+    again, its requests held): the run of the shipped worker job on a real Dagster instance
+    ends, saying why, with the hung request dead-lettered ``timed_out``."""
+    from pipelines.ops.worker import sekali_worker
+
+    monkeypatch.setenv("SEKALI_WAKEUP", "poll")
+    monkeypatch.setenv("SEKALI_WORKER_POLL", "0.1")
+    monkeypatch.setenv("SEKALI_WORKER_IDLE", str(GUARD))
+    monkeypatch.delenv("SEKALI_INTAKE_MODE", raising=False)
+    monkeypatch.delenv("SEKALI_INTAKE_MODES", raising=False)
+    db = Database.from_url(db_url)
+    upgrade(db)
+    request = enqueue("hang_probe", _payload(tmp_path, "worker-run"), db=db)
+    done: dict[str, Any] = {}
+
+    def launch() -> None:
+        with dg.DagsterInstance.ephemeral() as instance:
+            done["result"] = sekali_worker.execute_in_process(
+                run_config={"ops": {"resident_worker": {"config": {"queue": "light"}}}},
+                resources=dagster_resources(db_url=db_url, redis_url=redis_url,
+                                            namespace=namespace, lease_seconds=LEASE),
+                instance=instance, raise_on_error=False)
+
+    runner = threading.Thread(target=launch, daemon=True)
+    runner.start()
+    runner.join(timeout=GUARD)
+    assert not runner.is_alive(), "the worker run waited on its hung handler"
+    result = done["result"]
+    assert result.success
+    assert result.output_for_node("resident_worker")["ended"].startswith("timed out")
+    _assert_bounded_and_dead_lettered(db, "hang-probe:worker-run", request.id)
+    db.dispose()
