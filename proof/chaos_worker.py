@@ -52,6 +52,7 @@ from typing import Any
 
 from sqlalchemy import text
 
+from engine.contract import freeze_here
 from engine.downstreams import ClientOptions
 from engine.registry import get_job_type
 from engine.services import Services
@@ -226,7 +227,7 @@ class Hooks(threading.local):
             self.stop = None
             with self.gate.quiesced():
                 self.channel.send("stopping", self.tok, point=name)
-                os.kill(os.getpid(), signal.SIGSTOP)
+                freeze_here()
             self.channel.send("resumed", self.tok, point=name)
 
 
