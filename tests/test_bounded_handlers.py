@@ -32,7 +32,7 @@ from engine.runtime import execute_request
 from engine.services import Services
 from pipelines.ops.request_job import request_job
 from resources.dlq import DlqStore, FailureClass
-from resources.idempotency import IdempotencyStore, Status
+from resources.idempotency import Claim, IdempotencyStore, Status
 from resources.storage.db import Database
 from resources.storage.migrations import upgrade
 from tests import hang_jobs
@@ -287,3 +287,30 @@ def test_a_resident_worker_run_in_dagster_ends_after_abandoning_a_hung_handler(
     assert result.output_for_node("resident_worker")["ended"].startswith("timed out")
     _assert_bounded_and_dead_lettered(db, "hang-probe:worker-run", request.id)
     db.dispose()
+
+
+def test_the_keeper_renews_until_the_bound_only_and_then_refuses(db: Database) -> None:
+    """Catches: a keeper that renews past the bound (the key held as long as the process
+    lives), a renewal that carries the lease beyond claim + bound, and a ``confirm()`` (the
+    send bound) that still passes after the bound."""
+    from resources.errors import HandlerTimedOut
+
+    store = IdempotencyStore(db, lease_seconds=1.0)
+    claim = store.begin("bounded:keeper", payload={})
+    assert isinstance(claim, Claim)
+    with store.keep_alive(claim, interval=0.05, runtime=0.3) as keeper:
+        keeper.confirm()  # within the bound: the lease is ours
+        assert keeper.until is not None
+        while time.monotonic() < keeper.until + 0.1:
+            time.sleep(0.02)
+        with pytest.raises(HandlerTimedOut):
+            keeper.check()
+        with pytest.raises(HandlerTimedOut):
+            keeper.confirm()
+        beats = keeper.beats
+        time.sleep(0.2)
+        assert keeper.beats == beats  # renewed no more
+    record = store.get("bounded:keeper")
+    assert record is not None and record.status is Status.IN_PROGRESS
+    assert record.lease_expires_at is not None
+    assert record.lease_expires_at <= claim.lease_expires_at + 0.3 + 1e-6
