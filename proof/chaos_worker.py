@@ -35,6 +35,7 @@ threads are redelivered, as after a crash).
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import json
 import logging
@@ -197,23 +198,65 @@ class TransactionGate:
                 self._cond.notify_all()
 
 
-class Hooks(threading.local):
-    """The faults armed for the delivery this thread runs."""
+@dataclass
+class _Armed:
+    """The faults armed for one delivery."""
+
+    tok: str = ""
+    crash: str | None = None
+    stop: str | None = None
+    drop: bool = False
+
+
+_ARMED: contextvars.ContextVar[_Armed] = contextvars.ContextVar("chaos_armed")
+
+
+class Hooks:
+    """The faults armed for the delivery being run. Kept in a context variable, not per
+    thread: the engine runs each handler in a thread of its own with its caller's context
+    (:func:`engine.runtime.run_bounded`), so the fault points the handler reaches see what its
+    delivery's consumer thread armed (per thread, they saw nothing armed)."""
 
     gate = TransactionGate()
 
     def __init__(self, channel: _Channel) -> None:
         self.channel = channel
-        self.tok = ""
-        self.crash: str | None = None
-        self.stop: str | None = None
-        self.drop = False
+
+    @property
+    def _armed(self) -> _Armed:
+        try:
+            return _ARMED.get()
+        except LookupError:
+            armed = _Armed()
+            _ARMED.set(armed)
+            return armed
+
+    @property
+    def tok(self) -> str:
+        return self._armed.tok
+
+    @property
+    def crash(self) -> str | None:
+        return self._armed.crash
+
+    @property
+    def stop(self) -> str | None:
+        return self._armed.stop
+
+    @stop.setter
+    def stop(self, value: str | None) -> None:
+        self._armed.stop = value
+
+    @property
+    def drop(self) -> bool:
+        return self._armed.drop
+
+    @drop.setter
+    def drop(self, value: bool) -> None:
+        self._armed.drop = value
 
     def arm(self, msg: dict[str, Any], *, job_hooks: bool) -> None:
-        self.tok = msg["tok"]
-        self.crash = msg.get("crash")
-        self.stop = msg.get("stop")
-        self.drop = bool(msg.get("drop"))
+        _ARMED.set(_Armed(msg["tok"], msg.get("crash"), msg.get("stop"), bool(msg.get("drop"))))
         if self.crash == "after_effect" and job_hooks and msg["job_type"] == "reserve_inventory":
             # inside the reservation transaction only the job type's own hook can strike; it
             # reads the (process-wide) environment, so another thread may hit it first: the
