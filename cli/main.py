@@ -67,8 +67,8 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
 def _name_subcommands(parser: argparse.ArgumentParser) -> None:
     """A missing subcommand is named by its choices (``{list,show,cancel}``), not by the
     attribute it is stored under (``requests_command``)."""
-    for action in parser._actions:  # noqa: SLF001 - argparse keeps its subparsers there
-        if isinstance(action, argparse._SubParsersAction):  # noqa: SLF001
+    for action in parser._actions:  # argparse keeps its subparsers there
+        if isinstance(action, argparse._SubParsersAction):
             if action.metavar is None:
                 action.metavar = "{" + ",".join(action.choices) + "}"
             for child in action.choices.values():

@@ -170,37 +170,37 @@ def bucket_of(started_at: float) -> float:
     return math.floor(started_at / ROLLUP_BUCKET_SECONDS) * ROLLUP_BUCKET_SECONDS
 
 
-_UPSERT_COLUMNS = ", ".join(f"{c} = excluded.{c}" for c in _FIELDS if c != "attempt_id")
-_ROLLUP_CONFLICT = (
-    "ON CONFLICT (bucket, job_type, metric, label, bin, shard) DO UPDATE SET n = r.n + excluded.n"
-)
-# Postgres: the rows and their aggregates in one statement (one round trip, one commit).
-_WRITE_PG = Sql(f"""
-WITH written AS (
-    INSERT INTO job_attempts ({", ".join(_FIELDS)})
-    SELECT {", ".join(_FIELDS)}
-    FROM jsonb_populate_recordset(NULL::job_attempts, CAST(:rows AS jsonb))
-    ON CONFLICT (attempt_id) DO UPDATE SET {_UPSERT_COLUMNS}
-    RETURNING 1
-)
-INSERT INTO job_attempt_rollups AS r (bucket, job_type, metric, label, bin, shard, n)
-SELECT d.bucket, d.job_type, d.metric, d.label, d.bin, d.shard, d.n
-FROM jsonb_to_recordset(CAST(:deltas AS jsonb)) AS d(
-    bucket double precision, job_type text, metric text, label text, bin integer,
-    shard integer, n bigint)
-ORDER BY d.bucket, d.job_type, d.metric, d.label, d.bin, d.shard
-{_ROLLUP_CONFLICT}
-""")  # nosec B608: SQL from code constants, values bound
-# SQLite: the same two writes in one transaction.
-_WRITE_ROW_SQLITE = Sql(
-    f"INSERT INTO job_attempts ({', '.join(_FIELDS)})"
-    f" VALUES ({', '.join(':' + c for c in _FIELDS)})"
-    f" ON CONFLICT (attempt_id) DO UPDATE SET {_UPSERT_COLUMNS}"  # nosec B608: SQL from code constants, values bound
-)
-_WRITE_ROLLUP_SQLITE = Sql(
-    "INSERT INTO job_attempt_rollups AS r (bucket, job_type, metric, label, bin, shard, n)"
-    f" VALUES (:bucket, :job_type, :metric, :label, :bin, :shard, :n) {_ROLLUP_CONFLICT}"  # nosec B608: SQL from code constants, values bound
-)
+_COLUMNS = {
+    "fields": ", ".join(_FIELDS),
+    "params": ", ".join(":" + c for c in _FIELDS),
+    "upsert": ", ".join(f"{c} = excluded.{c}" for c in _FIELDS if c != "attempt_id"),
+}
+"""The table's columns as the templated statements of attempts.sql take them."""
+_WRITE_PG = Sql(_Q["write_postgres"].format(**_COLUMNS))
+_WRITE_ROW_SQLITE = Sql(_Q["write_row"].format(**_COLUMNS))
+_WRITE_ROLLUP_SQLITE = Sql(_Q["write_rollup"])
+
+
+def _write_postgres(db: Database, rows: list[dict[str, Any]],
+                    rollups: list[dict[str, Any]]) -> None:
+    with connect(db) as conn:
+        conn.run(_WRITE_PG, {"rows": json.dumps(rows), "deltas": json.dumps(rollups)})
+
+
+def _write_sqlite(db: Database, rows: list[dict[str, Any]],
+                  rollups: list[dict[str, Any]]) -> None:
+    with transaction(db) as conn:
+        cursor = conn.raw.cursor()
+        try:
+            cursor.executemany(_WRITE_ROW_SQLITE.text, rows)
+            cursor.executemany(_WRITE_ROLLUP_SQLITE.text, rollups)
+        finally:
+            cursor.close()
+
+
+_WRITERS = {"postgresql": _write_postgres, "sqlite": _write_sqlite}
+"""The rows and their aggregates in one transaction, each dialect its fastest way."""
+
 _shard = threading.local()
 
 
@@ -410,17 +410,7 @@ class AttemptRecorder:
             for (b, jt, m, label, bin_), n in sorted(deltas.items()) if n
         ]
         try:
-            if self.db.is_postgres:
-                with connect(self.db) as conn:
-                    conn.run(_WRITE_PG, {"rows": json.dumps(rows), "deltas": json.dumps(rollups)})
-            else:
-                with transaction(self.db) as conn:
-                    cursor = conn.raw.cursor()
-                    try:
-                        cursor.executemany(_WRITE_ROW_SQLITE.text, rows)
-                        cursor.executemany(_WRITE_ROLLUP_SQLITE.text, rollups)
-                    finally:
-                        cursor.close()
+            _WRITERS[self.db.sql_dialect.name](self.db, rows, rollups)
         except Exception:  # noqa: BLE001 - recording must not fail the job
             logger.exception(
                 "could not record attempt(s) %s", ", ".join(r.attempt_id for r in records)
@@ -540,11 +530,7 @@ class AttemptRecorder:
         """Every attempt of one key, oldest first (for tests, the CLI and the doctor)."""
         with self.db.statement() as conn:
             rows = conn.execute(
-                text(
-                    f"SELECT {', '.join(_FIELDS)} FROM job_attempts"
-                    " WHERE idempotency_key = :key ORDER BY started_at, attempt"  # nosec B608: SQL from code constants, values bound
-                ),
-                {"key": key},
+                text(_Q["for_key"].format(**_COLUMNS)), {"key": key}
             ).all()
         return [_decode(dict(r._mapping)) for r in rows]
 
@@ -596,18 +582,16 @@ class AttemptRecorder:
         return Expiry.of(
             "job_attempts",
             "attempt_id",
-            "started_at <= :cutoff",
+            _Q["expired"],
             {"cutoff": self.clock() - older_than},
             keep=keep,
         )
 
     def all(self, job_type: str | None = None) -> list[dict[str, Any]]:
-        where, params = ("WHERE job_type = :jt", {"jt": job_type}) if job_type else ("", {})
+        query, params = (("all_of_type", {"jt": job_type}) if job_type else
+                         ("all_attempts", {}))
         with self.db.statement() as conn:
-            rows = conn.execute(
-                text(f"SELECT {', '.join(_FIELDS)} FROM job_attempts {where} ORDER BY started_at"),  # nosec B608: SQL from code constants, values bound
-                params,
-            ).all()
+            rows = conn.execute(text(_Q[query].format(**_COLUMNS)), params).all()
         return [_decode(dict(r._mapping)) for r in rows]
 
 

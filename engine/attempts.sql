@@ -84,3 +84,50 @@ WITH binned AS (
 SELECT k, rn, value
 FROM ranked
 WHERE {picks};
+
+-- write_postgres --
+-- Postgres: upsert the rows (:rows, a JSON array) and add their deltas to the rollups
+-- (:deltas) in one statement: one round trip, one commit. {fields} and {upsert} are the
+-- table's columns, filled at import.
+WITH written AS (
+    INSERT INTO job_attempts ({fields})
+    SELECT {fields}
+    FROM jsonb_populate_recordset(NULL::job_attempts, CAST(:rows AS jsonb))
+    ON CONFLICT (attempt_id) DO UPDATE SET {upsert}
+    RETURNING 1
+)
+INSERT INTO job_attempt_rollups AS r (bucket, job_type, metric, label, bin, shard, n)
+SELECT d.bucket, d.job_type, d.metric, d.label, d.bin, d.shard, d.n
+FROM jsonb_to_recordset(CAST(:deltas AS jsonb)) AS d(
+    bucket double precision, job_type text, metric text, label text, bin integer,
+    shard integer, n bigint)
+ORDER BY d.bucket, d.job_type, d.metric, d.label, d.bin, d.shard
+ON CONFLICT (bucket, job_type, metric, label, bin, shard) DO UPDATE SET n = r.n + excluded.n;
+
+-- write_row --
+-- SQLite: upsert one attempt row ({fields}, {params} and {upsert} filled at import).
+INSERT INTO job_attempts ({fields})
+VALUES ({params})
+ON CONFLICT (attempt_id) DO UPDATE SET {upsert};
+
+-- write_rollup --
+-- SQLite: add one delta to a rollup.
+INSERT INTO job_attempt_rollups AS r (bucket, job_type, metric, label, bin, shard, n)
+VALUES (:bucket, :job_type, :metric, :label, :bin, :shard, :n)
+ON CONFLICT (bucket, job_type, metric, label, bin, shard) DO UPDATE SET n = r.n + excluded.n;
+
+-- for_key --
+-- Every attempt of one key, oldest first ({fields} filled at import).
+SELECT {fields} FROM job_attempts WHERE idempotency_key = :key ORDER BY started_at, attempt;
+
+-- all_attempts --
+-- Every attempt, oldest first ({fields} filled at import).
+SELECT {fields} FROM job_attempts ORDER BY started_at;
+
+-- all_of_type --
+-- Every attempt of one job type, oldest first ({fields} filled at import).
+SELECT {fields} FROM job_attempts WHERE job_type = :jt ORDER BY started_at;
+
+-- expired --
+-- The condition of an attempt started before :cutoff.
+started_at <= :cutoff;

@@ -15,7 +15,6 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from sqlalchemy import text
 from sqlalchemy.engine import Connection, Row
 
 from engine.attempts import Attempt
@@ -25,8 +24,13 @@ from engine.services import Services
 from resources.errors import RequestCancelled
 from resources.flow import Slot
 from resources.idempotency import Claim, Keeper
+from resources.locks import lock_row
 from resources.telemetry.tracing import span
 
+SEND_BOUND = 0.4
+"""The send bound, as a fraction of the lease: after a confirmation (:meth:`JobContext.
+confirm_lease`) and after the send's stamp (:meth:`JobContext.stamp_send`). A settle window
+must be longer than this much of the lease plus the downstream's longest processing time."""
 SEND_TRIES = 3
 """How many times one attempt confirms its lease and tries a downstream call whose client found
 the send bound passed before sending (a pause or a stall each time); then the attempt gives up
@@ -52,6 +56,7 @@ class JobContext:
     (:class:`CancelWatch`); None: each cancel point asks the store."""
     _lock_wait: float = field(default=0.0, repr=False)
     _sent: bool = field(default=False, repr=False)
+    _stamped: float | None = field(default=None, repr=False)
     _done: list[str] = field(default_factory=list, repr=False)
 
     @property
@@ -75,6 +80,17 @@ class JobContext:
         if self.keeper is not None:
             self.keeper.check()
 
+    def stamp_send(self) -> float:
+        """The wall-clock time to write down as a send's ``sent_at``, read now: the time a
+        settle window counts from. The next :meth:`confirm_lease` caps its send bound at this
+        time plus 0.4 of the lease (on the monotonic clock), so no byte of the send leaves
+        later than ``sent_at + 0.4 * lease``, however long the process paused between writing
+        the send down and confirming: a window of the provider's longest processing time plus
+        0.4 of a lease is then conclusive. Call it right before the transaction that writes
+        the send down, once per try."""
+        wall, self._stamped = time.time(), time.monotonic()
+        return wall
+
     def confirm_lease(self) -> float:
         """Make sure the lease is still ours now: raises :class:`LeaseLost` if the key was taken
         over. Returns the send bound: a monotonic time after which no request may leave for the
@@ -88,8 +104,15 @@ class JobContext:
         lease has passed, and a paused process sees the pause on that clock, so it asks).
 
         The bound is ``asked + 0.4 * lease``, ``asked`` read on the monotonic clock BEFORE the
-        round trip. The lease was last confirmed at or after ``asked - lease / 10`` (the
-        freshness shortcut), so the bound is at most half a lease after the store extended the
+        round trip, and never later than the send's stamp plus 0.4 of the lease
+        (:meth:`stamp_send`): a settle window counts from the ``sent_at`` written down before
+        this call, and a pause between the two must not carry the send past it. Timeline
+        without the cap: ``sent_at`` at 0, the handler's thread stalls for a lease L while
+        the keeper thread beats, the confirmation at L, the send at 1.4 L; a lookup at
+        ``sent_at`` plus a window of the provider's time finds nothing yet and charges again.
+
+        The lease was last confirmed at or after ``asked - lease / 10`` (the freshness
+        shortcut), so the bound is at most half a lease after the store extended the
         lease to ``confirmation + lease``. A pause after this call is seen by the downstream
         client, which refuses to write the request once the bound passed
         (:class:`SendDeadlinePassed`: nothing sent). Timeline, lease L, keys ignored::
@@ -115,7 +138,7 @@ class JobContext:
         up late sends nothing.
         """
         self.check_lease()
-        self.cancel_point("before a downstream call")
+        self._stop_if_cancelled("before a downstream call")
         self._sent = True
         asked, asked_wall = time.monotonic(), time.time()
         if self.keeper is not None:
@@ -123,7 +146,9 @@ class JobContext:
         else:
             self.services.store.heartbeat(self.claim)
         lease = self.services.store.lease_seconds
-        bound = asked + lease / 2 - lease / 10
+        bound = asked + SEND_BOUND * lease
+        if self._stamped is not None:
+            bound = min(bound, self._stamped + SEND_BOUND * lease)
         until = self.keeper.until if self.keeper is not None else None
         if until is not None:  # the handler's own bound ends every send bound too
             bound = min(bound, until)
@@ -154,16 +179,14 @@ class JobContext:
     def locked_row(
         self, table: str, column: str, value: str, name: str = "transaction"
     ) -> Iterator[tuple[Connection, Row[Any] | None]]:
-        """A transaction holding the row lock on ``table.column = value`` (``FOR UPDATE`` on
-        Postgres; SQLite's ``BEGIN IMMEDIATE`` already excludes every other writer)."""
-        lock = " FOR UPDATE" if self.services.db.is_postgres else ""
+        """A transaction holding the row lock on ``table.column = value``
+        (:func:`resources.locks.lock_row`: ``FOR UPDATE`` on Postgres; SQLite's ``BEGIN
+        IMMEDIATE`` already excludes every other writer)."""
         self.check_lease()
         started = time.perf_counter()
         with self.timed(name), self.services.db.transaction() as conn:
             with span("lock.row", lock=f"{table}:{value}", fence=self.fence):
-                row = conn.execute(
-                    text(f"SELECT * FROM {table} WHERE {column} = :v{lock}"), {"v": value}  # nosec B608: SQL from code constants, values bound
-                ).first()
+                row = lock_row(conn, table, column, value)
             self._add_lock_wait(time.perf_counter() - started)
             yield conn, row
 
@@ -208,17 +231,29 @@ class JobContext:
     def cancel_point(self, where: str, *, conn: Connection | None = None) -> None:
         """Raise :class:`RequestCancelled` if the request under this key was cancelled.
 
-        Called at the attempt's start (:func:`engine.runtime.execute_request`), at each
-        :meth:`checkpoint` (inside the transaction that writes it) and in
-        :meth:`confirm_lease` before each downstream call (a job type that wrote the send down
-        first takes it back when this raises there, as after any refusal). Never once this
-        attempt may have sent something (:meth:`confirm_lease` passed: the send must be
-        recorded, so the attempt runs to its end and the cancel is refused when it completes),
-        nor when an earlier attempt left a recovery point (its effect may be under way). A
-        cancel committed just after a passed cancel point is refused the same way: the request
-        either completes with the cancel refused, or stops before an effect.
+        Called at the attempt's start (:func:`engine.runtime.execute_request`) and at each
+        :meth:`checkpoint` (inside the transaction that writes it). Never once this attempt may
+        have sent something (:meth:`confirm_lease` passed: the send must be recorded, so the
+        attempt runs to its end and the cancel is refused when it completes), nor when an
+        earlier attempt left a recovery point (its effect may be under way: the phase it names
+        is carried on, not stopped half-way). A cancel committed just after a passed cancel
+        point is refused the same way: the request either completes with the cancel refused,
+        or stops before an effect.
+
+        :meth:`confirm_lease` asks too, right before each downstream call, and there an earlier
+        attempt's recovery point does not excuse the attempt: the job type has settled what
+        that attempt sent (waited out its window, looked it up, found nothing) before sending
+        anew, so stopping there leaves no effect under way (a job type that wrote the send down
+        first takes it back when this raises, as after any refusal). Without it a delivery that
+        claimed the key after a cancel, following an attempt that wrote its send down, sent
+        (the model's ``finding_cancel``).
         """
-        if self._sent or self.claim.recovery_point is not None:
+        if self.claim.recovery_point is not None:
+            return
+        self._stop_if_cancelled(where, conn=conn)
+
+    def _stop_if_cancelled(self, where: str, *, conn: Connection | None = None) -> None:
+        if self._sent:
             return
         if conn is None and self.cancels is not None:
             state = self.cancels.state(self.claim.key)
@@ -244,7 +279,10 @@ class CancelWatch:
     Reading a cancel up to ``max_age`` late is the same as the cancel arriving that much later,
     which the protocol already allows: the request stops at a later cancel point, or completes
     and the statement that completes it refuses the cancel (``_REFUSE_ON_COMPLETION``). So a
-    request is still either completed with its cancel refused, or made no effect after it."""
+    request is still either completed with its cancel refused, or made no effect after it. A
+    cancel is decided at once only while no live holder holds the key, and the batch builds its
+    watch after claiming its keys: a cancel it could miss finds the key held and is only
+    requested; a holder paused past its lease re-reads (``max_age`` is monotonic time)."""
 
     def __init__(self, store: RequestStore, keys: Sequence[str], *, max_age: float = 0.5,
                  clock: Callable[[], float] = time.monotonic) -> None:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.privacy import mask_failure
-from engine.requests import RequestStore
+from engine.requests import RequestStore, close_dead_letters
 from resources.dlq import DlqRecord, DlqStore, FailureInfo, dedupe_key_for, top_frame
 from resources.errors import StoredFailure
 from resources.retry import failure_class
@@ -106,7 +106,11 @@ def dead_letter(
 ) -> DeadLetter | None:
     """The request ``failed`` and its DLQ record, in one transaction. ``owner``: only if this
     worker still holds the request (None and nothing written when it does not: the worker that
-    holds it now decides). A subject without a request row gets its record alone."""
+    holds it now decides). A subject without a request row gets its record alone.
+
+    A request whose cancel waited for the holder of its key ends ``cancelled`` instead, once
+    that holder gave up (:meth:`RequestStore.settle_requested_cancel`): no record, its open
+    dead letters closed, None returned."""
     now = requests.clock()
     run_id = run_id or f"request:{subject.request_id}"
     info = failure_info(subject, exc, run_id=run_id, step=step, now=now)
@@ -114,16 +118,27 @@ def dead_letter(
     earlier = dlq.find(info.dedupe_key) if isinstance(exc, StoredFailure) else None
     with requests.db.transaction() as conn:
         error_class = earlier.error_class if earlier is not None else str(info.error_class)
-        if subject.request_id is not None and not requests.mark_failed(
+        moved = subject.request_id is not None and requests.mark_failed(
             subject.request_id, error_text(exc), error_class=error_class,
             run_id=run_id, owner=owner, conn=conn,
-        ) and owner is not None:
+        )
+        if subject.request_id is not None and requests.settle_requested_cancel(
+            subject.request_id, error_text(exc), conn=conn
+        ):
+            recorded = None
+        elif subject.request_id is not None and not moved and owner is not None:
             return None
-        if earlier is not None:  # a delivery that found the key failed before: not a failure
+        elif earlier is not None:  # a delivery that found the key failed before: not a failure
             record = earlier
             return DeadLetter(record.id, False, str(record.error_class), _line(record),
                               run_id, record.correlation_id)
-        recorded = dlq.record_failure(info, actor=actor, conn=conn)
+        else:
+            recorded = dlq.record_failure(info, actor=actor, conn=conn)
+    if recorded is None:  # cancelled: what a cancel of a failed request closes, closed
+        assert subject.request_id is not None
+        close_dead_letters(requests.db, subject.request_id, actor,
+                           "the delivery holding its key gave up after a cancel")
+        return None
     record = recorded.record
     return DeadLetter(record.id, recorded.new_failure, str(record.error_class), _line(record),
                       run_id, record.correlation_id)
@@ -153,5 +168,5 @@ def dead_letter_now(subject: Subject, exc: BaseException, requests: RequestStore
         return dead_letter(requests, subject, exc, **kw)
     except Exception:  # noqa: BLE001 - the store is away: the decision is the step's answer
         log.warning("%s key=%s: its dead letter not written now (%s)", subject.job_type,
-                    subject.key, type(exc).__name__, exc_info=True)
+                    loggable(str(subject.key)), type(exc).__name__, exc_info=True)
         return None

@@ -50,7 +50,7 @@ from engine.worker import notify_workers
 from resources.storage.db import Database, shared_database
 from resources.storage.migrations import ensure_schema
 from resources.storage.settings import Settings
-from resources.telemetry.tracing import configure_tracing, inject, set_attributes, span
+from resources.telemetry.tracing import configure_tracing, inject, traced
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +82,12 @@ def _default_db() -> Database:
     return shared_database(Settings.from_env().database_url)
 
 
+def _created(result: EnqueueResult) -> dict[str, Any]:
+    return {"idempotency_key": result.key, "request_id": result.id, "created": result.created}
+
+
+@traced("sekali.enqueue", before=configure_tracing, returned=_created,
+        attributes={"job_type": "job_type", "idempotency_key": "key"})
 def enqueue(
     job_type: str,
     payload: dict[str, Any] | str,
@@ -103,28 +109,6 @@ def enqueue(
     starts the request's trace (``sekali.enqueue``, a child of the caller's span if any) and the
     request row keeps its context, so the run that serves it continues the same trace.
     """
-    configure_tracing()
-    with span("sekali.enqueue", job_type=job_type, idempotency_key=key):
-        result = _enqueue(
-            job_type, payload, key, correlation_id, conn=conn, db=db, source=source,
-            priority=priority, clock=clock,
-        )
-        set_attributes(idempotency_key=result.key, request_id=result.id, created=result.created)
-        return result
-
-
-def _enqueue(
-    job_type: str,
-    payload: dict[str, Any] | str,
-    key: str | None,
-    correlation_id: str | None,
-    *,
-    conn: Connection | None,
-    db: Database | None,
-    source: str,
-    priority: Any,
-    clock: Callable[[], float],
-) -> EnqueueResult:
     if db is None:
         db = Database(conn.engine) if conn is not None else _default_db()
     if conn is None:

@@ -76,7 +76,7 @@ class Check:
         return f"Check({getattr(self.check, '__name__', self.check)!r})"
 
     def __get_pydantic_core_schema__(self, source: Any, handler: Any) -> Any:
-        from pydantic_core import PydanticCustomError, core_schema
+        from pydantic_core import PydanticCustomError, core_schema  # noqa: PLC0415 - see module
 
         name = handler.field_name or "value"
 
@@ -97,7 +97,7 @@ def _model_fields(model: type) -> dict[str, Any]:
     if found is not None:
         return dict(found)
     if dataclasses.is_dataclass(model):
-        from pydantic.fields import FieldInfo
+        from pydantic.fields import FieldInfo  # noqa: PLC0415 - see the module docstring
 
         hints = typing.get_type_hints(model, include_extras=True)
         out: dict[str, Any] = {}
@@ -189,7 +189,7 @@ def example_of(model: type) -> dict[str, Any]:
 
 @functools.cache
 def _adapter(model: type) -> Any:
-    import pydantic
+    import pydantic  # noqa: PLC0415 - only when a model is declared (module docstring)
 
     return pydantic.TypeAdapter(model)
 
@@ -214,7 +214,7 @@ def validator_of(
     allowed = ", ".join(sorted(names))
 
     def validate(payload: dict[str, Any]) -> dict[str, Any]:
-        import pydantic
+        import pydantic  # noqa: PLC0415 - only when a model is declared (module docstring)
 
         if not isinstance(payload, Mapping):
             raise ValidationError("payload", f"must be an object, got {shown(payload)}")

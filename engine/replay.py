@@ -63,7 +63,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import BigInteger, Column, Float, Integer, Table, Text, text
+from sqlalchemy import BigInteger, Column, Float, Integer, Table, Text, bindparam, text
 
 from engine.contract import Effect, crash_point
 from engine.downstreams import ClientOptions
@@ -76,6 +76,7 @@ from resources.flow.limits import RateSetting
 from resources.idempotency import IdempotencyStore
 from resources.storage.db import metadata
 from resources.storage.json_text import canonical, storable
+from resources.storage.queries import load_queries
 from resources.storage.settings import Settings
 
 VERSION_MARK = "#v"
@@ -100,10 +101,7 @@ request_versions = Table(
     Column("created_at", Float, nullable=False),
 )
 
-_VERSION_COLUMNS = (
-    "base_key, version, key, job_type, request_id, previous_key, previous_request_id,"
-    " previous_record_id, actor, reason, diff, created_at"
-)
+_Q = load_queries(Path(__file__).with_suffix(".sql"))
 
 
 class AmendRefused(SekaliError):
@@ -229,45 +227,34 @@ class Versions:
 
     def of_key(self, key: str) -> Version | None:
         """The link that made ``key`` (None for a base key)."""
-        return self._one("key = :k", key)
+        return self._one("version_of_key", key)
 
     def successor(self, key: str) -> Version | None:
         """The link that superseded ``key``, if any."""
-        return self._one("previous_key = :k", key)
+        return self._one("version_after_key", key)
 
     def chain(self, key: str) -> list[Version]:
         """Every version of the intent ``key`` belongs to, oldest first."""
         made = self.of_key(key)
         base = made.base_key if made else key
         with self.db.statement() as conn:
-            rows = conn.execute(
-                text(
-                    f"SELECT {_VERSION_COLUMNS} FROM request_versions WHERE base_key = :b"
-                    " ORDER BY version"  # nosec B608: SQL from code constants, values bound
-                ),
-                {"b": base},
-            ).all()
+            rows = conn.execute(text(_Q["chain"]), {"b": base}).all()
         return [Version.from_row(r) for r in rows]
 
     def of_records(self, record_ids: Sequence[int]) -> list[Version]:
         """The versions made from these DLQ records."""
         if not record_ids:
             return []
-        ids = ", ".join(str(int(i)) for i in record_ids)
         with self.db.statement() as conn:
             rows = conn.execute(
-                text(
-                    f"SELECT {_VERSION_COLUMNS} FROM request_versions"
-                    f" WHERE previous_record_id IN ({ids}) ORDER BY created_at"  # nosec B608: SQL from code constants, values bound
-                )
+                text(_Q["versions_of_records"]).bindparams(bindparam("ids", expanding=True)),
+                {"ids": [int(i) for i in record_ids]},
             ).all()
         return [Version.from_row(r) for r in rows]
 
-    def _one(self, where: str, key: str) -> Version | None:
+    def _one(self, query: str, key: str) -> Version | None:
         with self.db.statement() as conn:
-            row = conn.execute(
-                text(f"SELECT {_VERSION_COLUMNS} FROM request_versions WHERE {where}"), {"k": key}  # nosec B608: SQL from code constants, values bound
-            ).first()
+            row = conn.execute(text(_Q[query]), {"k": key}).first()
         return None if row is None else Version.from_row(row)
 
 
@@ -452,12 +439,7 @@ def amend(
     now = store.clock()
     with db.transaction() as conn:
         linked = conn.execute(
-            text(
-                "INSERT INTO request_versions (base_key, version, key, job_type, previous_key,"
-                " previous_request_id, previous_record_id, actor, reason, diff, created_at)"
-                " VALUES (:base, :version, :key, :jt, :prev, :preq, :prec, :actor, :reason,"
-                " :diff, :now) ON CONFLICT DO NOTHING"
-            ),
+            text(_Q["link_version"]),
             {
                 "base": base,
                 "version": version,
@@ -498,7 +480,7 @@ def amend(
             conn=conn,
         )
         conn.execute(
-            text("UPDATE request_versions SET request_id = :rid WHERE key = :key"),
+            text(_Q["set_version_request"]),
             {"rid": enqueued.id, "key": admitted.key},
         )
         changes = "; ".join(
@@ -520,7 +502,7 @@ def amend(
 
 def _lost_race(record_id: int, key: str, *, versions_in: Any) -> str:
     row = versions_in.execute(
-        text("SELECT key, version FROM request_versions WHERE previous_key = :k"), {"k": key}
+        text(_Q["superseding_version"]), {"k": key}
     ).first()
     if row is not None:
         return (

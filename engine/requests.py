@@ -49,7 +49,7 @@ from engine.tenants import (
 )
 from resources.dlq import UNRESOLVED, DlqStatus, DlqStore, sources_of
 from resources.errors import CancelUnavailable, IdempotencyConflict
-from resources.idempotency import payload_hash
+from resources.idempotency import IdempotencyStore, payload_hash
 from resources.storage.db import Database, metadata
 from resources.storage.json_text import canonical, digest, masked_digest, storable
 from resources.storage.migrations import ReaderFloor
@@ -83,7 +83,10 @@ class RequestStatus(StrEnum):
                                 its worker's run ended holding it
     launched                    its run ended before any step took it               pending
     pending                     debounced: another request of its group ran         coalesced
-    pending/launched/failed     cancelled (:meth:`RequestStore.cancel`)             cancelled
+    pending/launched/failed     cancelled (:meth:`RequestStore.cancel`), its key    cancelled
+                                held by no live holder; or, cancel requested, the
+                                holder of its key gave up
+                                (:meth:`RequestStore.settle_requested_cancel`)
     running                     its op stopped at a cancel point after a cancel     cancelled
     completed                   (terminal)
     coalesced                   (terminal; ``coalesced_into`` names the one that
@@ -109,8 +112,9 @@ class CancelState(StrEnum):
     """Where a cancel of a request stands (``request_cancels.cancel_state``; no row: never asked).
 
     ===========  ========================================================================
-    requested    the request was running: its op stops at its next cancel point
-                 (:meth:`engine.context.JobContext.cancel_point`), or it completes first
+    requested    the request was running, or a live holder held its key: its op stops at
+                 its next cancel point (:meth:`engine.context.JobContext.cancel_point`), it
+                 completes first, or (not running) its key's holder gives up
     cancelled    decided: the request never ran, or stopped before its next side effect
     refused      decided: it had completed (or sent an effect it must record) first
     ===========  ========================================================================
@@ -146,7 +150,8 @@ TRANSITIONS: dict[RequestStatus | None, frozenset[RequestStatus]] = {
     _S.CANCELLED: frozenset(),
 }
 _NOT_STARTED = (_S.PENDING, _S.LAUNCHED, _S.FAILED)
-"""Statuses a cancel ends at once: no attempt of the request is running."""
+"""Statuses a cancel ends at once, unless a delivery still holds the request's key: no
+attempt of the request is running under its row."""
 
 
 def _sources(target: RequestStatus) -> list[str]:
@@ -1238,8 +1243,9 @@ class RequestStore:
         """Cancel one request, audited (``by``, ``reason``, when). One transaction holding the
         request's row (``FOR UPDATE``; SQLite's ``BEGIN IMMEDIATE``), decided by its status:
 
-        - pending, launched (claimed, its run not started), failed (dead-lettered): ``cancelled``
-          at once. The intake claims only pending/launched rows and every run path starts with
+        - pending, launched (claimed, its run not started), failed (dead-lettered), with its key
+          held by no live holder in the ledger: ``cancelled`` at once. The intake claims only
+          pending/launched rows and every run path starts with
           :meth:`mark_running`, whose conditional update has no ``cancelled`` source, so the
           request never runs, whichever of cancel and claim commits first::
 
@@ -1247,6 +1253,18 @@ class RequestStore:
                                        mark_running moves nothing and the op runs nothing
               cancel commits first  -> the claim skips it (not pending)
               mark_running first    -> the row is ``running``: the case below
+
+        - the same with its key held by a live holder (:meth:`IdempotencyStore.held`): only
+          ``requested``, as for a running one. The row says nothing of that holder: a second
+          delivery of a running request took the row (``running`` to ``running``), found the
+          key held and gave up, failing the request, while the first still works::
+
+              w1 holds the key, passes its last cancel point; w2 takes the row, gives up: failed
+              cancel at once  -> cancelled; w1 sends: an effect after the cancel (the model's
+                                 finding_cancel)
+              cancel requested -> w1 completes (the cancel refused), stops at a cancel point
+                                 (cancelled), or gives up: its failure path, the key free, ends
+                                 the request cancelled (:meth:`settle_requested_cancel`)
 
         - running: ``requested``. The op stops at its next cancel point
           (:meth:`engine.context.JobContext.cancel_point`: before its next checkpoint or
@@ -1273,14 +1291,20 @@ class RequestStore:
                 raise KeyError(request_id)
             request = JobRequest.from_row(row)
             now = self.clock()
+            held = IdempotencyStore.held(conn, request.key, now)
             decided = request.cancel_state in (CancelState.CANCELLED, CancelState.REFUSED)
             if decided or (request.cancel_state is CancelState.REQUESTED
-                           and request.status is _S.RUNNING):
+                           and (request.status is _S.RUNNING or held)):
                 assert request.cancel_state is not None
                 return CancelDecision(request, request.cancel_state,
                                       request.cancel_detail or "", new=False)
             status: RequestStatus = request.status
-            if request.status in _NOT_STARTED and request.superseded_by is None:
+            if request.status in _NOT_STARTED and request.superseded_by is None and held:
+                state = CancelState.REQUESTED
+                detail = ("requested: another delivery still holds its key; it stops at its"
+                          " next cancel point, completes first, or the cancel ends when it"
+                          " gives up")
+            elif request.status in _NOT_STARTED and request.superseded_by is None:
                 state, status = CancelState.CANCELLED, _S.CANCELLED
                 detail = ("cancelled before it ran" if request.status is not _S.FAILED else
                           "cancelled after a failed run: no replay runs it")
@@ -1322,6 +1346,65 @@ class RequestStore:
             row = conn.execute(text(f"{_READ} WHERE job_requests.id = :id"),
                                {"id": request_id}).first()
             return CancelDecision(JobRequest.from_row(row), state, detail, new=True)
+
+    def settle_requested_cancel(self, request_id: int, why: str, *, conn: Connection) -> bool:
+        """End a cancel that waited for the holder of the request's key, once that holder gave
+        up: a request not running under its row (pending, launched, failed) whose cancel is
+        ``requested`` and whose key no live holder holds any more ends ``cancelled``, in the
+        caller's transaction (the one that dead-letters it: :func:`engine.dead_letters.
+        dead_letter`, which then records no dead letter and closes the open ones). ``why``:
+        the failure, for the cancel's detail. True if it ended so; False leaves everything as
+        it was (no cancel asked, or still held: the holder decides it later)."""
+        lock = " FOR UPDATE OF job_requests" if self.db.is_postgres else ""
+        row = conn.execute(text(f"{_READ} WHERE job_requests.id = :id{lock}"),
+                           {"id": request_id}).first()
+        if row is None:
+            return False
+        request = JobRequest.from_row(row)
+        now = self.clock()
+        if (request.cancel_state is not CancelState.REQUESTED
+                or request.status not in _NOT_STARTED or request.superseded_by is not None
+                or IdempotencyStore.held(conn, request.key, now)):
+            return False
+        params = {"id": request_id, "now": now, "seen": str(request.status),
+                  "detail": f"cancelled: the delivery holding its key ended ({why})"[:2000]}
+        moved = conn.execute(
+            text("UPDATE job_requests SET status = 'cancelled', updated_at = :now"
+                 " WHERE id = :id AND status = :seen"), params,
+        ).rowcount
+        if moved:
+            conn.execute(
+                text("UPDATE request_cancels SET cancel_state = 'cancelled',"
+                     " cancel_detail = :detail, cancel_decided_at = :now"
+                     " WHERE request_id = :id AND cancel_state = 'requested'"), params,
+            )
+        return bool(moved)
+
+    def settle_waiting_cancels(self, *, actor: str, limit: int = 200) -> list[int]:
+        """End the cancels still waiting for a holder of the key that ended without a failure
+        path (killed, its run gone): each request not running under its row whose cancel is
+        ``requested`` ends ``cancelled`` once no live holder holds its key
+        (:meth:`settle_requested_cancel`, one transaction each), its open dead letters closed.
+        The DLQ sweep's safety net; returns the ids ended."""
+        with self.db.statement() as conn:
+            waiting = conn.execute(
+                text("SELECT c.request_id FROM request_cancels c"
+                     " JOIN job_requests r ON r.id = c.request_id"
+                     " WHERE c.cancel_state = 'requested'"
+                     " AND r.status IN ('pending', 'launched', 'failed')"
+                     " ORDER BY c.request_id LIMIT :n"),
+                {"n": limit},
+            ).scalars().all()
+        ended = []
+        for request_id in waiting:
+            with self.db.transaction() as conn:
+                if self.settle_requested_cancel(
+                    int(request_id), "it ended without deciding; its lease ran out", conn=conn
+                ):
+                    ended.append(int(request_id))
+        for request_id in ended:
+            close_dead_letters(self.db, request_id, actor, "cancelled: the holder of its key ended")
+        return ended
 
     def mark_cancelled(self, request_id: int, detail: str, *, run_id: str | None = None) -> bool:
         """The op stopped at a cancel point: the request ends ``cancelled`` with what was done
@@ -1618,7 +1701,7 @@ def cancel_requests(
             continue
         decision = store.cancel(request.id, by=by, reason=reason)
         if decision.new and request.status is _S.FAILED and decision.state is CancelState.CANCELLED:
-            _close_dead_letters(store.db, request.id, by, reason)
+            close_dead_letters(store.db, request.id, by, reason)
         out.append(decision)
     return out
 
@@ -1637,7 +1720,7 @@ def cancel_view(ref: int | str, decided: CancelDecision | KeyError) -> dict[str,
             "detail": "no request with this id or key", "new": False}
 
 
-def _close_dead_letters(db: Database, request_id: int, by: str, reason: str | None) -> None:
+def close_dead_letters(db: Database, request_id: int, by: str, reason: str | None) -> None:
     """A cancelled request's open dead letters are discarded, so no replay is offered."""
     dlq = DlqStore(db)
     ids = [r.id for r in dlq.list_records(request_id=request_id,

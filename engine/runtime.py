@@ -71,7 +71,7 @@ from resources.errors import (
 )
 from resources.idempotency import BatchLeaseKeeper, Claim, Completed
 from resources.retry import ErrorClass, classify
-from resources.telemetry.tracing import inject, set_attributes, span, tracing_enabled
+from resources.telemetry.tracing import inject, set_attributes, span, traced, tracing_enabled
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -92,6 +92,16 @@ class RequestOutcome:
     attempt_id: str
 
 
+def _worker() -> dict[str, str]:
+    return {"worker": f"{socket.gethostname()}:{os.getpid()}"}
+
+
+@traced(
+    "sekali.execute", parent="traceparent", fixed=_worker,
+    attributes={"job_type": "job_type", "idempotency_key": "key", "run_id": "run_id",
+                "step": "step", "attempt": "attempt", "request_id": "request_id",
+                "correlation_id": "correlation_id"},
+)
 def execute_request(
     job_type: str,
     payload: dict[str, Any],
@@ -112,31 +122,6 @@ def execute_request(
     outcome): a child of ``traceparent`` (the request's own trace, in a batch of many) or else
     of the caller's current span (the run's).
     """
-    with span(
-        "sekali.execute", parent=traceparent, job_type=job_type, idempotency_key=key,
-        run_id=run_id, step=step, attempt=attempt, request_id=request_id,
-        correlation_id=correlation_id,
-        worker=f"{socket.gethostname()}:{os.getpid()}",
-    ):
-        return _execute_request(
-            job_type, payload, services=services, key=key, run_id=run_id, step=step,
-            attempt=attempt, correlation_id=correlation_id, request_id=request_id, decide=decide,
-        )
-
-
-def _execute_request(
-    job_type: str,
-    payload: dict[str, Any],
-    *,
-    services: Services,
-    key: str | None = None,
-    run_id: str | None = None,
-    step: str | None = None,
-    attempt: int = 0,
-    correlation_id: str | None = None,
-    request_id: int | None = None,
-    decide: Decide | None = None,
-) -> RequestOutcome:
     jt = get_job_type(job_type)
     decide = decide or FailurePath(attempt=attempt).outcome
     personal = personal_values(jt, payload)
@@ -158,7 +143,7 @@ def _execute_request(
         with span("ledger.claim", idempotency_key=key):
             claimed = services.store.begin(key, payload=clean)
         record.add_duration("claim", time.perf_counter() - started)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - recorded, then raised again by _refused
         raise _refused(services, record, exc, decide)  # noqa: B904 - the same error, recorded
     if isinstance(claimed, Completed):
         return _duplicate(services, record, claimed)
@@ -189,7 +174,7 @@ def _execute_request(
                 with span("ledger.complete", idempotency_key=key, fence=claimed.fence):
                     services.store.complete(claimed, result)
                 record.add_duration("complete", time.perf_counter() - started)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - recorded, then raised again by _failed
         raise _failed(services, record, claimed, exc, decide)  # noqa: B904 - see _failed
     _finish(services, record, Outcome.COMPLETED)
     if jt.downstream and services.retry_budget is not None:
@@ -251,7 +236,7 @@ def execute_batch(
     for job_type, indexes in by_type.items():
         try:
             jt = get_job_type(job_type)
-        except Exception as exc:  # an unknown job type: each of its requests fails as it would
+        except Exception as exc:  # noqa: BLE001 - an unknown job type: each request fails as it would
             for i in indexes:
                 out[i] = _unknown(services, requests[i], exc, run_id, step, attempt)
             continue
@@ -283,7 +268,7 @@ def execute_batch(
                     item.clean, item.key = _prepare(
                         jt, item.record, item.request.payload, item.request.key
                     )
-                except Exception as exc:
+                except Exception as exc:  # noqa: BLE001 - this request fails, the batch goes on
                     out[item.index] = _refused(services, item.record, exc, item.decide)
                     continue
                 (later if item.key in seen else now).append(item)
@@ -321,7 +306,7 @@ def _run_batch(jt: JobType, items: list[_Item], out: list[Any], services: Servic
     started = time.perf_counter()
     try:
         answers = services.store.begin_many([(item.key, item.clean) for item in items])
-    except Exception as exc:  # the store is down: every claim fails as begin would have
+    except Exception as exc:  # noqa: BLE001 - the store is down: every claim fails as begin would
         for item in items:
             out[item.index] = _refused(services, item.record, exc, item.decide)
         return

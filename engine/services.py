@@ -49,7 +49,8 @@ class Services:
     (:meth:`client`); ``cache`` may be None for job types that do not use it.
     Without ``concurrency`` the job types' concurrency keys are not enforced.
     ``settle_seconds``: how long after a send whose answer never came a lookup at the
-    downstream is conclusive (longer than the downstream's longest processing time).
+    downstream is conclusive (longer than 0.4 of a lease, the latest a send written down may
+    leave after its ``sent_at``, plus the downstream's longest processing time).
     ``crash_loop_limit``: the deaths mid-run a key may cause before it is dead-lettered as
     ``crash_loop`` (``SEKALI_CRASH_LOOP_LIMIT``, 3).
     """

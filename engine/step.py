@@ -39,6 +39,7 @@ from engine.services import Services
 from engine.validation import ValidationError, admit, check_id
 from resources.errors import RequestCancelled
 from resources.retry import RetryDecision
+from resources.telemetry.redact import loggable
 
 logger = logging.getLogger(__name__)
 
@@ -425,7 +426,7 @@ def run_batch(
     for result in results:
         if result.error is not None and result.request is not None:
             logger.warning("request %s (%s) failed: %s", result.request.request_id,
-                           result.request.key, error_text(result.error))
+                           loggable(str(result.request.key)), loggable(error_text(result.error)))
     return summary(results)
 
 

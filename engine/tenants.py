@@ -35,6 +35,7 @@ import math
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import BigInteger, Column, Float, Table, Text, text
@@ -42,6 +43,9 @@ from sqlalchemy.engine import Connection
 
 from resources.errors import ValidationError, shown
 from resources.storage.db import Database, metadata
+from resources.storage.queries import load_queries
+
+_Q = load_queries(Path(__file__).with_suffix(".sql"))
 
 DEFAULT_TENANT = "default"
 """The tenant of a request whose job type declares no fairness key."""
@@ -233,7 +237,7 @@ class TenantStore:
         now = self.clock()
         with self.db.transaction() as conn:
             others = conn.execute(
-                text("SELECT COALESCE(SUM(min_share), 0) FROM tenants WHERE name <> :n"),
+                text(_Q["other_minimums"]),
                 {"n": name},
             ).scalar_one()
             total = float(others) + (min_share or 0.0)
@@ -243,12 +247,7 @@ class TenantStore:
                     "another tenant's first"
                 )
             conn.execute(
-                text(
-                    "INSERT INTO tenants (name, weight, min_share, max_share, set_at, updated_at)"
-                    " VALUES (:n, :w, :lo, :hi, :now, :now) ON CONFLICT (name) DO UPDATE SET"
-                    " weight = :w, min_share = :lo, max_share = :hi, set_at = :now,"
-                    " updated_at = :now"
-                ),
+                text(_Q["set_tenant"]),
                 {"n": name, "w": weight, "lo": min_share, "hi": max_share, "now": now},
             )
         return TenantSetting(name, weight, min_share, max_share, now)
@@ -256,12 +255,7 @@ class TenantStore:
     def list(self) -> list[TenantSetting]:
         """Every tenant set or served, by name."""
         with self.db.statement() as conn:
-            rows = conn.execute(
-                text(
-                    "SELECT name, weight, min_share, max_share, set_at, claimed FROM tenants"
-                    " WHERE name NOT LIKE '~%' ORDER BY name"
-                )
-            ).all()
+            rows = conn.execute(text(_Q["list_tenants"])).all()
         return [setting_from_row(r) for r in rows]
 
     @staticmethod
@@ -275,12 +269,11 @@ class TenantStore:
     def lock_clock(conn: Connection, now: float) -> float:
         """Take the scheduler's lock (the ``~clock`` row) and return the virtual clock."""
         row = conn.execute(
-            text("UPDATE tenants SET updated_at = :now WHERE name = :c RETURNING pass"),
+            text(_Q["lock_clock"]),
             {"now": now, "c": CLOCK},
         ).first()
         if row is None:  # a table emptied by hand: the clock starts again
-            conn.execute(text("INSERT INTO tenants (name, updated_at) VALUES (:c, :now)"),
-                         {"c": CLOCK, "now": now})
+            conn.execute(text(_Q["start_clock"]), {"c": CLOCK, "now": now})
             return 0.0
         return float(row[0])
 
@@ -296,14 +289,7 @@ class TenantStore:
         params: dict[str, Any] = {"now": now}
         for i, (name, pass_, count) in enumerate(rows):
             params.update({f"n{i}": name, f"p{i}": pass_, f"k{i}": count})
-        conn.execute(
-            text(
-                f"INSERT INTO tenants (name, pass, claimed, updated_at) VALUES {values}"  # nosec B608: placeholders only, values bound
-                " ON CONFLICT (name) DO UPDATE SET pass = excluded.pass,"
-                " claimed = tenants.claimed + excluded.claimed, updated_at = excluded.updated_at"
-            ),
-            params,
-        )
+        conn.execute(text(_Q["charge"].format(values=values)), params)
 
 
 def setting_from_row(row: Any) -> TenantSetting:

@@ -41,6 +41,7 @@ from engine.tenants import DEFAULT_TENANT
 from resources.errors import ValidationError, shown
 from resources.headers import refuse_found
 from resources.storage.settings import ID_BYTES, KEY_BYTES, InputLimits
+from resources.telemetry.redact import loggable
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +117,7 @@ def admit(
             dedupe_at=dedupe_at,
         )
     except ValidationError as exc:
-        own_connection = conn is None or requests.db.is_postgres
+        own_connection = conn is None or not requests.db.sql_dialect.writers_wait
         try:
             rejection = requests.reject(
                 job_type,
@@ -133,14 +134,14 @@ def admit(
             if not kept_elsewhere:
                 raise
             log.warning("refused a request at %s, rejection not kept (%s): %s", source,
-                        type(unstored).__name__, exc)
+                        type(unstored).__name__, loggable(str(exc)))
             raise exc from None
         exc.rejection_id = rejection
         log.warning(
             "refused a request at %s (rejection %d): %s",
             source,
             rejection,
-            exc,
+            loggable(str(exc)),
             extra={"field": exc.field, "source": source, "rejection_id": rejection},
         )
         raise

@@ -28,8 +28,14 @@ def instance_template(profile: str) -> Path:
 
 
 def prepare_dagster_home(home: Path, *, profile: str = "embedded", extra_yaml: str = "") -> Path:
-    """Create ``home`` with the profile's ``dagster.yaml`` and initialise its storage once."""
+    """Create ``home`` with the profile's ``dagster.yaml`` and initialise its storage once.
+
+    Dagster's "Join the community" dialog never covers the UI: the profiles turn it off
+    (``nux: enabled: false``); a home that already had its own ``dagster.yaml`` is marked as
+    having shown it (``.nux/nux.yaml``, where Dagster keeps that flag), since its settings are
+    not ours to rewrite."""
     from dagster import DagsterInstance  # noqa: PLC0415 - heavy import, only when used
+    from dagster._core.nux import set_nux_seen  # noqa: PLC0415
 
     home = private_folder(home.resolve())
     target = home / "dagster.yaml"
@@ -47,6 +53,8 @@ def prepare_dagster_home(home: Path, *, profile: str = "embedded", extra_yaml: s
                 instance.get_runs(limit=1)
                 instance.all_instigator_state()
                 instance.get_run_records(limit=1)
+                if instance.nux_enabled:  # a home whose dagster.yaml predates ``nux: off``
+                    set_nux_seen()  # type: ignore[no-untyped-call]
         finally:
             if previous is None:
                 os.environ.pop("DAGSTER_HOME", None)

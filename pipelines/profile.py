@@ -39,8 +39,8 @@ class DownstreamResource(SettingsResource):
     (``50/s,burst=20``) defaults to ``SEKALI_RATE_<NAME>``: every call then takes a token from
     the rate shared by all workers; unset, unlimited. ``settle_seconds`` (default
     ``SEKALI_GATEWAY_SETTLE_SECONDS``) is how long after a send whose answer never came a lookup
-    at the downstream is conclusive: longer than its longest processing time (and than the
-    longest wait for a rate token).
+    at the downstream is conclusive: longer than 0.4 of a lease plus its longest processing
+    time (and than the longest wait for a rate token).
     """
 
     downstream: str

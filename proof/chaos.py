@@ -58,6 +58,7 @@ from sqlalchemy import create_engine, make_url, text
 from sqlalchemy.pool import NullPool
 
 from engine import tags as tag
+from engine.context import SEND_BOUND
 from engine.registry import get_job_type
 from engine.upkeep.reconciliation import Reconciler
 from pipelines.domain.inventory import Inventory
@@ -248,8 +249,9 @@ class ChaosConfig:
         return bool({"slow-provider", "drip-provider"} & set(self.faults))
 
     # the payment client's bounds and the provider's slowness when a provider fault is on: a
-    # slow charge commits after the client's deadline, and the settle window outlasts it (plus
-    # the largest disagreement of two workers' clocks)
+    # slow charge commits after the client's deadline, and the settle window outlasts it, the
+    # latest a send written down may leave (0.4 of the lease) and the largest disagreement of
+    # two workers' clocks
     GATEWAY_TIMEOUT = 1.0
     GATEWAY_DEADLINE = 2.0
 
@@ -261,7 +263,7 @@ class ChaosConfig:
     def settle_seconds(self) -> float:
         if self.settle is not None:
             return self.settle
-        return 1.0 + self.charge_delay + 2 * self.skew
+        return SEND_BOUND * self.lease_seconds + 0.2 + self.charge_delay + 2 * self.skew
 
     @property
     def kill_count(self) -> int:

@@ -19,17 +19,19 @@ from __future__ import annotations
 import inspect
 import logging
 import re
+import uuid
 from typing import Any, Literal
 
 from dagster import ConfigurableResource, Failure, RetryRequested
+from dagster._utils.error import USER_FACING_ERROR_ID_ATTR_NAME
 from pydantic import PrivateAttr
 
-from resources.cache import StampedeCache
+from resources.cache import CachePolicy, StampedeCache
 from resources.dlq import DlqStore
 from resources.flow import ConcurrencyLimits, RateLimits
 from resources.idempotency import IdempotencyStore
 from resources.locks import DbLock, NoLock, RedisLock
-from resources.retry import RetryBudget, RetryDecision, RetryPolicy
+from resources.retry import ErrorClass, RetryBudget, RetryDecision, RetryPolicy
 from resources.storage.db import Database, shared_database
 from resources.storage.migrations import ensure_schema
 from resources.storage.redis import RedisClient, redis_client
@@ -164,14 +166,16 @@ class CacheResource(SettingsResource):
         return StampedeCache(
             self.redis(),
             namespace=self.namespace,
-            ttl=self.ttl,
-            stale_ttl=self.stale_ttl,
-            jitter=self.jitter,
-            beta=self.beta,
-            spread_first_refresh=self.spread_first_refresh,
-            lock_ttl=self.lock_ttl,
-            wait_timeout=self.wait_timeout,
-            negative_ttl=self.negative_ttl,
+            policy=CachePolicy(
+                ttl=self.ttl,
+                stale_ttl=self.stale_ttl,
+                jitter=self.jitter,
+                beta=self.beta,
+                spread_first_refresh=self.spread_first_refresh,
+                lock_ttl=self.lock_ttl,
+                wait_timeout=self.wait_timeout,
+                negative_ttl=self.negative_ttl,
+            ),
         )
 
     def get_cache(self) -> StampedeCache:
@@ -319,7 +323,9 @@ def dagster_signal(exc: BaseException, decision: RetryDecision, policy: RetryPol
 
     Retry -> ``RetryRequested(max_retries=policy.max_attempts - 1, seconds_to_wait=delay)``.
     Give up -> ``Failure(allow_retries=False)`` with metadata ``error_class``, ``reason``,
-    ``attempt``, ``error_type``. The run-retry daemon ignores ``allow_retries``: jobs that use
+    ``attempt``, ``error_type``; for a classified error (permanent, transient) an
+    :func:`expected_failure`, whose failure events read one line; an ``unknown`` one keeps its
+    stack traces (a bug to read). The run-retry daemon ignores ``allow_retries``: jobs that use
     run retries must also set ``dagster/retry_on_asset_or_op_failure: false``.
     """
     if decision.retry:
@@ -333,25 +339,58 @@ def dagster_signal(exc: BaseException, decision: RetryDecision, policy: RetryPol
             extra={"attempt": decision.attempt, "error_class": str(decision.error_class)},
         )
         return RetryRequested(max_retries=policy.max_attempts - 1, seconds_to_wait=decision.delay)
+    metadata: dict[str, Any] = {
+        "error_class": str(decision.error_class),
+        "reason": decision.reason or "",
+        "attempt": decision.attempt,
+        "error_type": type(exc).__name__,
+    }
+    expected = decision.error_class is not ErrorClass.UNKNOWN
+    lines = str(exc).strip().splitlines()
+    why = "" if decision.reason == str(decision.error_class) else f": {decision.reason}"
+    description = (f"{decision.error_class}: {type(exc).__name__}: "
+                   f"{lines[0] if expected and lines else exc} "
+                   f"(given up at attempt {decision.attempt + 1}{why})")
+    if expected:
+        failure = expected_failure(description, metadata=metadata)
+        said = f"; error id {error_id(failure)}"
+    else:
+        failure = Failure(description=description, allow_retries=False, metadata=metadata)
+        said = ""
     log.warning(
-        "giving up after attempt %d: %s (%s: %s)",
+        "giving up after attempt %d: %s (%s: %s)%s",
         decision.attempt,
         decision.reason,
         decision.error_class,
         type(exc).__name__,
+        said,
         extra={"attempt": decision.attempt, "error_class": str(decision.error_class)},
     )
-    return Failure(
-        description=f"{decision.reason} after attempt {decision.attempt} "
-        f"({decision.error_class}): {type(exc).__name__}: {exc}",
-        allow_retries=False,
-        metadata={
-            "error_class": str(decision.error_class),
-            "reason": decision.reason or "",
-            "attempt": decision.attempt,
-            "error_type": type(exc).__name__,
-        },
-    )
+    return failure
+
+
+def expected_failure(description: str, *, metadata: dict[str, Any] | None = None) -> Failure:
+    """``Failure(description, allow_retries=False)`` for an outcome the code expected (a
+    classified business error, a refused input): Dagster's ``STEP_FAILURE`` and
+    ``RUN_FAILURE`` events carry its description with no stack trace and no chained error, so
+    the run page reads one line where a raised error shows Dagster's frames and the cause's.
+
+    How (Dagster 1.13.27, ``dagster._utils.error.serializable_error_info_from_exc_info``): an
+    exception that carries ``USER_FACING_ERROR_ID_ATTR_NAME`` (what
+    ``DAGSTER_REDACT_USER_CODE_ERRORS`` sets on every error) is stored with an empty stack and
+    no cause, its message followed by ``Error ID <id>. ... Search in logs for this error ID``
+    (:func:`error_id`; :func:`dagster_signal` logs it in its giving-up line). The one failure
+    path keeps the full error where it belongs (the attempt row, the dead letter's
+    ``--trace``). ``tests/test_failure_events.py`` fails if an upgrade changes this.
+    """
+    failure = Failure(description=description, allow_retries=False, metadata=metadata)
+    setattr(failure, USER_FACING_ERROR_ID_ATTR_NAME, uuid.uuid4().hex[:12])
+    return failure
+
+
+def error_id(failure: Failure) -> str:
+    """The id an :func:`expected_failure`'s events name ("Error ID ...")."""
+    return str(getattr(failure, USER_FACING_ERROR_ID_ATTR_NAME, ""))
 
 
 def to_dagster(

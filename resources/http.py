@@ -201,7 +201,7 @@ class _BoundedHTTPSPool(_Pinned, HTTPSConnectionPool):
     ConnectionCls = _BoundedHTTPSConnection
 
 
-class _DeadlinePassed(Exception):  # noqa: N818 - internal signal, mapped to HttpNoAnswer
+class _DeadlinePassed(Exception):  # internal signal, mapped to HttpNoAnswer
     pass
 
 

@@ -32,7 +32,7 @@ client that sends half a request holds a handler thread this long, not forever. 
 httpx keeps an idle pooled connection (5 s): a pooled client rarely finds its idle one closed."""
 
 
-class RequestRefused(Exception):  # noqa: N818 - answered with its status, never raised further
+class RequestRefused(Exception):  # answered with its status, never raised further
     """The request cannot be served: answered with ``status`` and the message."""
 
     def __init__(self, status: int, message: str) -> None:

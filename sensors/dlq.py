@@ -273,7 +273,9 @@ SWEEP_OVERLAP_SECONDS = 600.0
 def sweep(
     instance: dg.DagsterInstance, store: DlqStore, cursor: float | None, *, limit: int = 200
 ) -> tuple[int, int, float | None]:
-    """One sweep: (failed runs examined, new records, next cursor)."""
+    """One sweep: (failed runs examined, new records, next cursor). It also ends the cancels
+    that waited for a holder of the key that ended without deciding (killed), once its lease
+    ran out (:meth:`RequestStore.settle_waiting_cancels`)."""
     after = (
         None if cursor is None else datetime.fromtimestamp(cursor - SWEEP_OVERLAP_SECONDS, tz=UTC)
     )
@@ -295,6 +297,7 @@ def sweep(
     created += sum(
         r.created for r in dead_letter_failed_requests(store, limit=limit, instance=instance)
     )
+    RequestStore(store.db).settle_waiting_cancels(actor="dlq_sweep_sensor", limit=limit)
     if len(records) >= limit and next_cursor is not None:
         next_cursor += SWEEP_OVERLAP_SECONDS  # page on; the overlap is only for the quiet case
     return len(records), created, next_cursor

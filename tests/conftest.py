@@ -228,3 +228,16 @@ def mail_sink(tmp_path: Path) -> Iterator[MailSink]:
         yield server
     finally:
         server.stop()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  # type: ignore[no-untyped-def]
+    """A test's captured output as UTF-8 can carry it: hostile-input tests log lone surrogates
+    on purpose, and xdist's channel to the controller cannot encode them (an INTERNALERROR that
+    ends the whole run instead of one test's report)."""
+    outcome = yield
+    report = outcome.get_result()
+    report.sections = [
+        (name, text.encode("utf-8", "backslashreplace").decode("utf-8"))
+        for name, text in report.sections
+    ]

@@ -25,7 +25,12 @@ from engine.services import Services
 from engine.step import run_batch
 from pipelines.domain.mail import SmtpMailer, message_id_for
 from resources.dlq import DlqStatus, DlqStore, FailureClass, FailureInfo
-from resources.errors import RequestCancelled, StoredFailure
+from resources.errors import (
+    PermanentJobError,
+    RequestCancelled,
+    StoredFailure,
+    TransientJobError,
+)
 from resources.idempotency import IdempotencyStore
 from resources.storage.db import Database
 from sandbox.mailsink import MailSink
@@ -62,7 +67,7 @@ def run_one(store: RequestStore, services: Services, request_id: int) -> str:
     try:
         execute_request(request.job_type, request.payload, services=services, key=request.key,
                         request_id=request_id, decide=path.outcome)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - every failure settles as the worker's would
         path.settle_request(store, request_id, exc, run_id="r")
         return type(exc).__name__
     store.mark_completed(request_id, run_id="r")
@@ -190,6 +195,7 @@ def probe(db: Database) -> Any:
         effects.append("reserved")
         hooks.get("before_send", lambda: None)()
         ctx.confirm_lease()
+        hooks.get("after_confirm", lambda: None)()
         effects.append("sent")
         hooks.get("after_send", lambda: None)()
         with ctx.transaction("record") as conn:
@@ -233,6 +239,175 @@ def test_a_cancel_is_honoured_only_before_a_send(
             request.cancel_detail or "")
     else:
         assert outcome == "completed" and request.status is RequestStatus.COMPLETED
+
+
+def _probe_request(db: Database, n: int) -> tuple[RequestStore, Services, int]:
+    store = RequestStore(db)
+    request_id = store.enqueue("cancel_probe", f"probe:{n}", {"n": n}, queue="light").id
+    services = Services(db=db, store=IdempotencyStore(db), attempts=AttemptRecorder(db))
+    return store, services, request_id
+
+
+def _open_dead_letters(db: Database, request_id: int) -> list[Any]:
+    return [r for r in DlqStore(db).list_records(request_id=request_id)
+            if r.status is DlqStatus.OPEN]
+
+
+def _duplicate_gives_up_then_cancel(
+    store: RequestStore, services: Services, request_id: int, decided: list[Any]
+) -> Callable[[], None]:
+    """A second delivery of the running request takes its row, finds the key held by the
+    first and gives up (a micro-batch never retries in the step): the request reads
+    ``failed``. Then the operator cancels it."""
+    def hook() -> None:
+        assert run_one(store, services, request_id) == "AlreadyInProgress"
+        assert store.get(request_id).status is RequestStatus.FAILED  # type: ignore[union-attr]
+        decided.extend(cancel_requests(store, [request_id], by="ops", reason="mistake"))
+    return hook
+
+
+def test_a_cancel_while_another_delivery_holds_the_key_waits_for_that_holder(
+    db: Database, probe: Any
+) -> None:
+    """Regression caught (the model's ``finding_cancel``): a failed request was cancelled at
+    once ("no attempt is running") while the first delivery still held its key past its cancel
+    point; that delivery then sent: a cancelled request with an effect made after the cancel.
+    The cancel of a request whose key a live holder holds is only requested: the holder
+    completes and the cancel is refused."""
+    hooks, done = probe
+    store, services, request_id = _probe_request(db, 1)
+    decided: list[Any] = []
+    hooks["after_confirm"] = _duplicate_gives_up_then_cancel(store, services, request_id,
+                                                             decided)
+    outcome = run_one(store, services, request_id)
+    request = store.get(request_id)
+    assert request is not None
+    assert [d.state for d in decided] == [CancelState.REQUESTED], decided
+    assert (outcome, done) == ("completed", ["reserved", "sent", "recorded"])
+    assert request.status is RequestStatus.COMPLETED
+    assert request.cancel_state is CancelState.REFUSED
+
+
+def test_a_requested_cancel_ends_cancelled_when_the_holder_gives_up(
+    db: Database, probe: Any
+) -> None:
+    """Catches a cancel left ``requested`` for good, or a dead letter left open on a cancelled
+    request: the holder the cancel waited for fails (permanently, before its send); its
+    failure path finds the key free and ends the request ``cancelled``, its dead letters
+    closed."""
+    hooks, done = probe
+    store, services, request_id = _probe_request(db, 2)
+    decided: list[Any] = []
+    cancel = _duplicate_gives_up_then_cancel(store, services, request_id, decided)
+
+    def cancel_then_fail() -> None:
+        cancel()
+        raise PermanentJobError("the downstream refused the request")
+
+    hooks["before_send"] = cancel_then_fail
+    assert run_one(store, services, request_id) == "PermanentJobError"
+    request = store.get(request_id)
+    assert request is not None
+    assert [d.state for d in decided] == [CancelState.REQUESTED], decided
+    assert (request.status, request.cancel_state) == (RequestStatus.CANCELLED,
+                                                      CancelState.CANCELLED)
+    assert "sent" not in done
+    assert _open_dead_letters(db, request_id) == []
+
+
+def test_a_cancel_waiting_for_a_holder_that_died_ends_once_its_lease_ran_out(
+    db: Database,
+) -> None:
+    """Catches a cancel that trusts a dead holder's row forever, or one that ignores a live
+    lease: the key's holder dies (no failure path runs); while its lease lasts a cancel of
+    the failed request is only requested, and asked again once the lease ran out (judged on
+    the cancel's clock, as a takeover judges it) it cancels the request and closes its dead
+    letter."""
+    now = [1_000.0]
+    store = RequestStore(db, clock=lambda: now[0])
+    request_id = store.enqueue("send_email", key_of(email(7)), email(7), queue="light").id
+    holder = IdempotencyStore(db, lease_seconds=30.0, clock=lambda: now[0])
+    holder.begin(key_of(email(7)), payload=email(7))  # then it dies, holding the key
+    store.mark_running(request_id)
+    store.mark_failed(request_id, "AlreadyInProgress: a second delivery gave up")
+    DlqStore(db).record_failure(FailureInfo(
+        job_type="send_email", dedupe_key=f"request:{request_id}",
+        error_type="AlreadyInProgress", message="held", run_id="r-2", request_id=request_id,
+        idempotency_key=key_of(email(7)), error_class=FailureClass.TRANSIENT,
+    ))
+    (first,) = cancel_requests(store, [request_id], by="ops", reason="mistake")
+    assert not isinstance(first, KeyError) and first.state is CancelState.REQUESTED
+    assert "holds its key" in first.detail
+    now[0] += 31.0
+    (again,) = cancel_requests(store, [request_id], by="ops", reason="mistake")
+    assert not isinstance(again, KeyError) and again.new
+    assert again.state is CancelState.CANCELLED
+    assert store.get(request_id).status is RequestStatus.CANCELLED  # type: ignore[union-attr]
+    assert _open_dead_letters(db, request_id) == []
+
+
+@pytest.mark.dagster
+def test_the_dlq_sweep_ends_a_cancel_whose_holder_died(db: Database) -> None:
+    """Catches a cancel left ``requested`` for good when nobody asks again: the holder the
+    cancel waited for dies (no failure path runs); once its lease ran out, the DLQ sweep ends
+    the request ``cancelled`` and closes its dead letter."""
+    import dagster as dg
+
+    from sensors.dlq import sweep
+
+    store = RequestStore(db)
+    request_id = store.enqueue("send_email", key_of(email(8)), email(8), queue="light").id
+    began = time.time()
+    holder = IdempotencyStore(db, lease_seconds=5.0, clock=lambda: began)
+    holder.begin(key_of(email(8)), payload=email(8))  # then it dies, holding the key
+    store.mark_running(request_id)
+    store.mark_failed(request_id, "AlreadyInProgress: a second delivery gave up")
+    DlqStore(db).record_failure(FailureInfo(
+        job_type="send_email", dedupe_key=f"request:{request_id}",
+        error_type="AlreadyInProgress", message="held", run_id="r-2", request_id=request_id,
+        idempotency_key=key_of(email(8)), error_class=FailureClass.TRANSIENT,
+    ))
+    (asked,) = cancel_requests(store, [request_id], by="ops", reason="mistake")
+    assert not isinstance(asked, KeyError) and asked.state is CancelState.REQUESTED
+    with dg.DagsterInstance.ephemeral() as instance:
+        sweep(instance, DlqStore(db), None)  # the lease still runs: nothing ends
+        assert store.get(request_id).cancel_state is CancelState.REQUESTED  # type: ignore[union-attr]
+        time.sleep(max(0.0, began + 5.0 - time.time()) + 0.1)
+        sweep(instance, DlqStore(db), None)
+    request = store.get(request_id)
+    assert request is not None and request.status is RequestStatus.CANCELLED
+    assert request.cancel_state is CancelState.CANCELLED
+    assert "ended" in (request.cancel_detail or "")
+    assert _open_dead_letters(db, request_id) == []
+
+
+def test_a_cancel_stops_a_send_after_an_earlier_attempts_recovery_point(
+    db: Database, probe: Any
+) -> None:
+    """Regression caught (the model's ``finding_cancel``, second trail): a duplicate delivery
+    took the running request; the first attempt wrote its first phase (a recovery point) and
+    failed, failing the request; the cancel found it failed and its key free and cancelled it
+    at once; the duplicate then claimed the key, skipped every cancel point because of the
+    earlier recovery point, and sent. The cancel point right before a downstream call is
+    skipped only once this attempt may have sent."""
+    hooks, done = probe
+    store, services, request_id = _probe_request(db, 3)
+
+    def duplicate_takes_it_then_fail() -> None:
+        del hooks["before_send"]
+        assert store.mark_running(request_id, run_id="duplicate")
+        raise TransientJobError("the downstream is away")
+
+    hooks["before_send"] = duplicate_takes_it_then_fail
+    assert run_one(store, services, request_id) == "TransientJobError"
+    (decided,) = cancel_requests(store, [request_id], by="ops", reason="mistake")
+    assert not isinstance(decided, KeyError) and decided.state is CancelState.CANCELLED
+    with pytest.raises(RequestCancelled):  # the duplicate's op, which had taken the row
+        execute_request("cancel_probe", {"n": 3}, services=services, key="probe:3",
+                        request_id=request_id)
+    request = store.get(request_id)
+    assert request is not None and request.status is RequestStatus.CANCELLED
+    assert done.count("sent") == 0, done
 
 
 @pytest.mark.parametrize("batch", [False, True], ids=["per_request", "micro_batch"])

@@ -294,24 +294,31 @@ def test_a_passed_doctor_check_prints_no_fix_line(
     assert "PASS" in out and body and all(not x.strip().startswith("fix:") for x in body), out
 
 
+@pytest.mark.parametrize("existing", [False, True], ids=["fresh-home", "existing-home"])
 def test_the_dev_instance_opens_without_dagsters_community_dialog(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, existing: bool,
 ) -> None:
     """Catches: "Join the Dagster community" covering the UI on its first open. The UI shows it
     when the GraphQL field ``shouldShowNux`` is true (the instance's ``nux`` setting on, no
-    ``.nux/nux.yaml`` under ``DAGSTER_HOME``); the home ``sekali dev`` prepares turns it off."""
+    ``.nux/nux.yaml`` under ``DAGSTER_HOME``); the home ``sekali dev`` prepares turns it off,
+    also a home that already had a ``dagster.yaml`` of its own without that setting."""
     import dagster as dg
     from dagster_graphql.test.utils import define_out_of_process_context, execute_dagster_graphql
 
     from pipelines.instance import prepare_dagster_home
 
+    if existing:
+        (tmp_path / "home").mkdir()
+        (tmp_path / "home" / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
     home = prepare_dagster_home(tmp_path / "home", profile="embedded")
     monkeypatch.setenv("DAGSTER_HOME", str(home))
     code = tmp_path / "defs.py"
     code.write_text("import dagster as dg\ndefs = dg.Definitions()\n")
     with dg.DagsterInstance.get() as instance:
-        assert instance.nux_enabled is False
+        assert instance.nux_enabled is existing
         with define_out_of_process_context(str(code), None, instance) as context:
             answer: Any = execute_dagster_graphql(context, "query { shouldShowNux }")
     assert answer.errors is None and answer.data == {"shouldShowNux": False}
-    assert not (home / ".nux").exists()  # off by setting, not by a "seen" mark
+    # Off by setting where the profile's dagster.yaml was written, by Dagster's "seen" mark
+    # where the home's own one stays.
+    assert (home / ".nux" / "nux.yaml").exists() is existing

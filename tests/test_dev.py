@@ -357,7 +357,7 @@ def test_quiet_filter_keeps_warnings_and_errors(line: str, kept: bool) -> None:
 EXPECTED_FAILURE = """\
 2026-12-02 04:45:43 +0000 - dagster - ERROR - reserve_inventory - 34ea - 3234 - reserve_inventory_op - STEP_FAILURE - Execution of step "reserve_inventory_op" failed.
 
-dagster._core.definitions.events.Failure: permanent after attempt 0 (permanent): UnknownSku: sku 'x' is not stocked
+dagster._core.definitions.events.Failure: permanent: UnknownSku: sku 'x' is not stocked (given up at attempt 1)
 
 Stack Trace:
   File "/x/execute_plan.py", line 243, in dagster_event_sequence_for_step
@@ -381,10 +381,33 @@ def test_quiet_filter_drops_an_expected_failure_s_tracebacks_and_keeps_an_unknow
     lines = EXPECTED_FAILURE.splitlines()
     kept = [out for line in lines for out in quiet.feed(line)] + quiet.flush()
     assert kept == lines[-1:]
-    unknown = [line.replace("(permanent): UnknownSku", "(unknown): KeyError")
+    unknown = [line.replace("Failure: permanent: UnknownSku", "Failure: unknown: KeyError")
                for line in lines[:15]]
     kept = [out for line in unknown for out in quiet.feed(line)] + quiet.flush()
     assert kept == unknown
+
+
+EXPECTED_FAILURE_ONE_LINE = """\
+2026-12-06 04:45:43 +0000 - dagster - ERROR - reserve_inventory - 34ea - 3234 - reserve_inventory_op - STEP_FAILURE - Execution of step "reserve_inventory_op" failed.
+
+dagster._core.definitions.events.Failure: permanent: UnknownSku: sku 'x' is not stocked (given up at attempt 1)
+Error ID 3f2a9c01b7de. The error has been masked to prevent leaking sensitive information. Search in logs for this error ID for more details.
+2026-12-06 04:45:43 +0000 - dagster - ERROR - reserve_inventory - 34ea - 3234 - RUN_FAILURE - Execution of run for "reserve_inventory" failed. Steps failed: ['reserve_inventory_op'].
+
+dagster._core.definitions.events.Failure: permanent: UnknownSku: sku 'x' is not stocked (given up at attempt 1)
+Error ID 3f2a9c01b7de. The error has been masked to prevent leaking sensitive information. Search in logs for this error ID for more details.
+giving up after attempt 0: permanent (permanent: UnknownSku); error id 3f2a9c01b7de
+reserve_inventory key=inventory-reserve:c-1 (permanent, UnknownSku) dead-lettered as 6: sekali dlq show 6
+"""  # noqa: E501 - Dagster's lines as printed
+
+
+def test_quiet_filter_drops_an_expected_failure_without_a_stack() -> None:
+    """Catches the ``Error ID`` line of a failure event without a stack trace (the failure
+    path's one-line form, :func:`resources.dagster_resources.expected_failure`) printed."""
+    quiet = QuietFilter()
+    lines = EXPECTED_FAILURE_ONE_LINE.splitlines()
+    kept = [out for line in lines for out in quiet.feed(line)] + quiet.flush()
+    assert kept == lines[-1:]
 
 
 def test_quiet_filter_drops_maturity_notices_with_their_source_line() -> None:

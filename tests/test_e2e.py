@@ -111,7 +111,7 @@ class Stack:
         return DagsterGraphQLClient("127.0.0.1", port_number=self.port, timeout=30)
 
     def graphql(self, query: str, variables: dict[str, Any]) -> Any:
-        return self.client()._execute(query, variables)  # noqa: SLF001 - the UI's own API
+        return self.client()._execute(query, variables)  # the UI's own API
 
     def close(self) -> None:
         for process in reversed(self.processes):

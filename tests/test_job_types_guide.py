@@ -81,6 +81,7 @@ def _env(tmp_path: Path, module: str, db_url: str, redis_url: str) -> dict[str, 
         "PYTHONPATH": f"{tmp_path / 'site'}:{ROOT}",
         "SEKALI_JOB_MODULES": module,
         "SEKALI_LOYALTY_LEDGER_URL": f"http://127.0.0.1:{free_port()}",
+        "SEKALI_EGRESS_ALLOW": "127.0.0.1",  # the user's own service, as the guide says
         "SEKALI_STATE_DIR": str(tmp_path / "state"),
         "DATABASE_URL": db_url,
         "REDIS_URL": redis_url,

@@ -20,7 +20,8 @@ import pytest
 
 from pipelines.domain.mail import single_address
 from pipelines.jobs.email import validate as validate_email
-from resources.dlq.store import normalise_message, parse_age, top_frame
+from resources.dlq.fingerprints import normalise_message, top_frame
+from resources.dlq.views import parse_age
 from resources.errors import ValidationError
 from resources.headers import http_header_value, refuse_control
 from resources.telemetry.patterns import key_pattern

@@ -4,9 +4,10 @@ real spin and gcc (``.ci/run`` installs them).
 Each real check would fail if a protocol step the model names were weakened so that one of
 its properties broke (the broken variants show SPIN catching exactly that: each removes one
 defence and must be refuted). Each broken variant would fail if its defence stopped mattering
-to the model (a model too coarse to see the race). Each finding pins a counterexample on
-today's code: it fails once the code and its model step change, which is the moment to update
-the model's mapping and turn the finding into a real check (proof/model/README.md).
+to the model (a model too coarse to see the race). Each finding pins the counterexample SPIN
+found on the code before its fix (proof/model/README.md, "Findings"): the fix is the default
+model, which the real checks verify, and the code before it stays a variant that must be
+refuted, so a change that brought the old behaviour back to the model would fail here.
 """
 
 from __future__ import annotations
@@ -30,7 +31,10 @@ BROKEN_PROPERTY = {
     "no_send_bound": "P4",
     "resend_no_lookup": "P1",
     "no_settle_wait": "P1",
+    "settle_provider_only": "P1",
     "redis_no_floor": "P7",
+    "cancel_at_once": "P5",
+    "cancel_point_skips_recovery": "P5",
     "finding_cancel": "P5",
     "finding_settle_window": "P1",
 }

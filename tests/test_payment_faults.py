@@ -256,6 +256,50 @@ def test_slow_provider_charges_once_and_completes_after_the_settle_window(
     assert "gateway_charge" not in rows[2]["durations"]
 
 
+def test_a_pause_between_writing_the_send_down_and_confirming_cannot_outlast_the_window(
+    db: Database, db_url: str, redis_url: str, namespace: str, redis_client: Any,
+    gateway: GatewayServer, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Regression caught (the model's ``finding_settle_window``): the send bound was counted
+    from the lease confirmation, which may come long after ``charge_sent_at`` (a pause between
+    the two, the keeper still beating). The charge left 2.5 s after ``charge_sent_at``, the
+    slow provider committed it 0.8 s later, and the retry's lookup at ``charge_sent_at`` plus
+    a settle window of 0.4 lease + the provider's time found nothing and charged again: two
+    charges. The bound is now capped at ``sent_at + 0.4 x lease``: the paused try sends
+    nothing, writes the send down again, and the lookup after the window is conclusive."""
+    from engine.context import JobContext
+
+    gateway.set_faults(honour_idempotency_key=False, charge_delay_ms=800)
+    settle = 0.4 * LEASE + 0.8 + 0.6  # what docs/job-types.md asks, with a margin
+    services = services_for(db_url, redis_url, namespace, gateway, keys=False, timeout=0.3,
+                            settle=settle)
+    confirm = JobContext.confirm_lease
+    paused: list[float] = []
+
+    def paused_once(self: JobContext) -> float:
+        if not paused:  # the first send was just written down: the process stalls here
+            paused.append(time.time())
+            time.sleep(2.5)
+        return confirm(self)
+
+    monkeypatch.setattr(JobContext, "confirm_lease", paused_once)
+    payload = {"order_id": "o-paused-send", "amount_cents": 800, "currency": "EUR"}
+    statuses = []
+    for _ in range(6):
+        try:
+            statuses.append(execute_request("charge_payment", payload, services=services).status)
+            break
+        except PaymentNotSettled as exc:
+            statuses.append("not settled")
+            time.sleep(max(0.0, exc.settles_at - time.time()))
+        except SendDeadlinePassed:
+            statuses.append("bound passed")
+    time.sleep(1.5)  # a charge still in the provider's hands has committed by now
+    charges = gateway.ledger.by_reference(reference_for("payment:o-paused-send"))
+    assert paused and statuses[-1] == "completed", statuses
+    assert len(charges) == 1, (statuses, charges)
+
+
 @pytest.mark.dagster
 def test_the_dagster_retry_after_an_unanswered_charge_waits_out_the_window(
     sqlite_url: str, redis_url: str, namespace: str, redis_client: Any, gateway: GatewayServer,

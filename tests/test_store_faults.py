@@ -420,7 +420,7 @@ def _tmpfs(path: Path, size: str, owner: str | None = None) -> Iterator[Path]:
 
 def test_sqlite_on_a_full_disk_is_store_full_transient(tmp_path: Path) -> None:
     """Catches: SQLite "database or disk is full" coming out raw and ``unknown``."""
-    with _tmpfs(tmp_path / "disk", "1m") as disk:
+    with _tmpfs(tmp_path / "disk", "4m") as disk:
         url = f"sqlite:///{disk / 'app.db'}"
         db = Database.from_url(url)
         upgrade(db)

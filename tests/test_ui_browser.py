@@ -8,21 +8,32 @@ example twice, and checks that the runs list shows one ``effect`` and one ``dupl
 the duplicate links to the run that charged; then, after a permanent failure, that the
 ``dead_letters`` asset shows its row and its check fails, the failed run names its dead letter
 (``sekali/dlq_id``), and a cancelled request's run runs nothing and says who cancelled it.
-Screenshots go to
-``test-results/ui/`` (gitignored; CI leaves them there).
+
+The second test goes through docs/job-types.md's example as a user would: the guide's module
+written to a package outside the tree, ``sekali dev`` started with it (``SEKALI_JOB_MODULES``),
+its Launchpad filled and launched, the failed run's page reading one line (no stack trace), and
+the dead letter reached from the run's ``sekali/dlq_id`` tag. Neither test ever sees Dagster's
+"Join the community" dialog.
+
+Screenshots go to ``test-results/ui/`` (gitignored; CI leaves them there).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
+import signal
+import subprocess
+import time
+import urllib.request
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
-from playwright.sync_api import TimeoutError as PlaywrightTimeout
 from playwright.sync_api import sync_playwright
 
 from engine import tags as tag
@@ -30,6 +41,9 @@ from engine.intake import enqueue
 from engine.requests import CancelState, RequestStore
 from resources.dlq import DlqStore
 from resources.storage.db import Database
+from tests.guide_example import JOB_TYPE as GUIDE_JOB_TYPE
+from tests.guide_example import install_example
+from tests.test_dev import SEKALI, _ui_answers, descendants, dev_env, free_port, wait_gone
 from tests.test_e2e import ROOT, Stack, _location_loaded, stack, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.dagster, pytest.mark.timeout(600)]
@@ -112,16 +126,20 @@ def _sensor_ticked(stack: Stack, name: str) -> bool:
     return bool(state.get("ticks"))
 
 
-def _dismiss_welcome(page: Any) -> None:
-    """A fresh browser profile gets Dagster's "Join the community" dialog once: skip it."""
-    with contextlib.suppress(PlaywrightTimeout):
-        page.get_by_role("button", name="Skip").click(timeout=10_000)
+COMMUNITY_DIALOG = "Join the Dagster community"
+
+
+def _no_community_dialog(page: Any) -> None:
+    """Dagster's first-open dialog (shown a second after the page loads, on a localhost UI
+    whose instance has not turned it off) never covers the UI."""
+    page.wait_for_timeout(2_000)
+    assert page.get_by_text(COMMUNITY_DIALOG).count() == 0, "the community dialog is shown"
 
 
 def _launch_from_launchpad(page: Any, base: str, shot: str) -> None:
     page.goto(f"{base}/locations/sekali/jobs/charge_payment/playground")
     page.get_by_text("o-example-1").first.wait_for(timeout=WAIT_MS)  # the example is there
-    _dismiss_welcome(page)
+    _no_community_dialog(page)
     page.screenshot(path=str(SHOTS / shot), full_page=True)
     page.get_by_role("button", name=re.compile("Launch Run")).click(timeout=WAIT_MS)
     page.wait_for_url(re.compile(r".*/runs/[0-9a-f-]{36}.*"), timeout=WAIT_MS)
@@ -199,7 +217,7 @@ def test_launch_twice_from_the_launchpad_then_see_outcomes_and_the_dlq(
     page.get_by_text("no_permanent_dead_letters").first.wait_for(timeout=WAIT_MS)
     page.screenshot(path=str(SHOTS / "06-dead-letters-check.png"), full_page=True)
     bad_tags = {t["key"]: t["value"] for r in _runs(stack) if r["runId"] == bad for t in r["tags"]}
-    assert bad_tags[tag.OUTCOME] == "dead_lettered"
+    assert bad_tags[tag.OUTCOME] == "failed"  # refused for good; a sick downstream: dead_lettered
 
     # 5. The failed run points at its dead letter, and the record names the run back.
     dlq_id = bad_tags[tag.DLQ_ID]
@@ -230,3 +248,136 @@ def test_launch_twice_from_the_launchpad_then_see_outcomes_and_the_dlq(
     _see_run_tag(page, base, again, rf"{re.escape(tag.CANCELLED_BY)}\W+browser-test")
     page.screenshot(path=str(SHOTS / "08-cancelled-run.png"), full_page=True)
     assert len(stack.gateway.charges()) == 1  # nothing charged for the cancelled order
+
+
+@dataclass
+class GuideDev:
+    """``sekali dev`` serving the guide's job type from a package outside the tree."""
+
+    process: subprocess.Popen[bytes]
+    port: int
+    env: dict[str, str]
+    log: Path
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+    def sekali(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([SEKALI, *args], env=self.env, capture_output=True, text=True,
+                              timeout=120)
+
+
+@pytest.fixture
+def guide_dev(tmp_path: Path) -> Iterator[GuideDev]:
+    code = tmp_path / "code"
+    module = install_example(code)
+    port = free_port()
+    env = dev_env(tmp_path / "state", free_port(), free_port())
+    env.update(
+        PYTHONPATH=os.pathsep.join(p for p in (str(code), env.get("PYTHONPATH", "")) if p),
+        SEKALI_JOB_MODULES=module,
+        SEKALI_LOYALTY_LEDGER_URL=f"http://127.0.0.1:{free_port()}",
+    )
+    log = tmp_path / "dev.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen([SEKALI, "dev", "--port", str(port)], env=env, stdout=out,
+                                   stderr=subprocess.STDOUT, start_new_session=True)
+    dev = GuideDev(process, port, env, log)
+    try:
+        ready = f"sekali dev: Dagster UI ready on http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 240
+        while not (ready in dev.output() and _ui_answers(port)):
+            if process.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"sekali dev did not serve its UI:\n{dev.output()[-4000:]}")
+            time.sleep(1)
+        yield dev
+    finally:
+        tree = descendants(process.pid)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(process.pid, signal.SIGTERM)
+        for pid in wait_gone(tree, 30.0):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        process.wait(30)
+
+
+GUIDE_RUNS = """
+query Runs($filter: RunsFilter) {
+  runsOrError(filter: $filter) {
+    ... on Runs { results { runId status tags { key value } } }
+  }
+}
+"""
+
+
+def _guide_runs(dev: GuideDev) -> list[dict[str, Any]]:
+    body = json.dumps({"query": GUIDE_RUNS,
+                       "variables": {"filter": {"pipelineName": GUIDE_JOB_TYPE}}}).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{dev.port}/graphql", data=body,
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=10) as answer:  # nosec B310: our own UI
+        return list(json.load(answer)["data"]["runsOrError"]["results"])
+
+
+def test_the_guides_job_type_from_the_launchpad_to_its_dead_letter(
+    guide_dev: GuideDev, browser: Any
+) -> None:
+    """Catches, for a job type a user wrote from the guide: a Launchpad that does not list it
+    or opens without its example, Dagster's community dialog over the UI, a refused request
+    whose run page shows stack traces under the one line that says what was wrong, and a failed
+    run that does not lead to its dead letter."""
+    base = f"http://127.0.0.1:{guide_dev.port}"
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.set_default_timeout(WAIT_MS)
+
+    # 1. The Launchpad of the guide's job type opens on its example.
+    page.goto(f"{base}/locations/sekali/jobs/{GUIDE_JOB_TYPE}/playground")
+    page.get_by_text("acct-1").first.wait_for(timeout=WAIT_MS)
+    _no_community_dialog(page)
+    page.screenshot(path=str(SHOTS / "guide-01-launchpad.png"), full_page=True)
+
+    # 2. Fill it with an award above the model's maximum, and launch it.
+    editor = page.locator(".CodeMirror").first
+    editor.click()
+    page.keyboard.press("Control+A")
+    page.keyboard.press("Delete")
+    page.keyboard.insert_text(
+        "ops:\n  award_loyalty_points_op:\n    config:\n      payload:\n"
+        "        account_id: acct-browser\n        points: 500000\n        reason: signup\n")
+    page.get_by_text("acct-browser").first.wait_for(timeout=WAIT_MS)
+    page.screenshot(path=str(SHOTS / "guide-02-launchpad-filled.png"), full_page=True)
+    page.get_by_role("button", name=re.compile("Launch Run")).click(timeout=WAIT_MS)
+    page.wait_for_url(re.compile(r".*/runs/[0-9a-f-]{36}.*"), timeout=WAIT_MS)
+    run_id = re.findall(r"/runs/([0-9a-f-]{36})", page.url)[0]
+
+    def failed() -> dict[str, str] | None:
+        for run in _guide_runs(guide_dev):
+            if run["runId"] == run_id and run["status"] == "FAILURE":
+                return {t["key"]: t["value"] for t in run["tags"]}
+        return None
+
+    tags = wait_for("the launched run to fail", failed, 180, guide_dev.log.parent)
+
+    # 3. Its page says what was wrong in one line: the class and the reason, no stack trace.
+    page.goto(f"{base}/runs/{run_id}")
+    line = page.get_by_text(re.compile(r"permanent: ValidationError: points: ")).first
+    line.wait_for(timeout=WAIT_MS)
+    page.screenshot(path=str(SHOTS / "guide-03-failed-run.png"), full_page=True)
+    assert page.get_by_text("Stack Trace").count() == 0
+    assert page.get_by_text("The above exception was caused by").count() == 0
+
+    # 4. The run names its dead letter; that record is the request refused, with its key.
+    dlq_id = tags[tag.DLQ_ID]
+    _see_run_tag(page, base, run_id, rf"{re.escape(tag.DLQ_ID)}\W+{dlq_id}\b")
+    page.screenshot(path=str(SHOTS / "guide-04-run-tags.png"), full_page=True)
+    shown = guide_dev.sekali("dlq", "show", dlq_id, "--json")
+    assert shown.returncode == 0, shown.stderr
+    record = json.loads(shown.stdout)
+    assert record["run_id"] == run_id
+    assert record["job_type"] == GUIDE_JOB_TYPE
+    assert record["idempotency_key"] == "loyalty:acct-browser:signup"
+    said = guide_dev.sekali("dlq", "show", dlq_id)
+    assert said.returncode == 0, said.stderr
+    first = said.stdout.splitlines()[0]
+    assert f"dead letter {dlq_id} (open): permanent: " in first and "points" in first, first
+    assert "Traceback" not in said.stdout

@@ -40,7 +40,7 @@ from pipelines.jobs.webhook import (
 from pipelines.profile import DownstreamResource
 from resources.dagster_resources import DlqResource
 from resources.dlq import DlqStore, FailureClass
-from resources.errors import ValidationError
+from resources.errors import SendDeadlinePassed, ValidationError
 from resources.http import BoundedHttp, HttpNoAnswer, retry_after
 from resources.idempotency import IdempotencyStore, Status
 from resources.retry import ErrorClass, RetryPolicy, classify
@@ -379,6 +379,50 @@ def test_a_receiver_slower_than_the_client_is_not_asked_before_the_window(
     time.sleep(max(0.0, unknown.value.settles_at - time.time()) + 0.05)
     assert execute_request(JOB, p, services=services).result["found"] is not None
     assert receiver.deliveries(webhook_id) == 1 and len(receiver.effects(webhook_id)) == 1
+
+
+def test_a_pause_between_writing_the_send_down_and_confirming_cannot_outlast_the_window(
+    db: Database, db_url: str, redis_url: str, namespace: str, redis_client: Any,
+    receiver: WebhookReceiver, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Regression caught (the model's ``finding_settle_window``, through the engine so every
+    job type with a settle window gets it): the handler's thread stalled between writing the
+    send down (``sent_at``) and confirming the lease, the keeper beating; the bound, counted
+    from the confirmation, let the POST leave 2.5 s after ``sent_at``; the retry asked the
+    receiver at ``sent_at`` plus a window of 0.4 lease + the receiver's time, found nothing yet
+    and sent again: two deliveries. The bound is now capped at the send's stamp plus 0.4 of a
+    lease (``JobContext.stamp_send``)."""
+    from engine.context import JobContext
+
+    receiver.set_faults(latency_ms=800)
+    lease = 1.5
+    services = services_for(db_url, redis_url, namespace, settle=0.4 * lease + 0.8 + 0.6,
+                            webhooks=client(timeout=0.3, deadline=0.6), lease=lease)
+    confirm = JobContext.confirm_lease
+    paused: list[float] = []
+
+    def paused_once(self: JobContext) -> float:
+        if not paused:
+            paused.append(time.time())
+            time.sleep(2.5)
+        return confirm(self)
+
+    monkeypatch.setattr(JobContext, "confirm_lease", paused_once)
+    p = payload(receiver, "evt-paused")
+    statuses = []
+    for _ in range(6):
+        try:
+            statuses.append(execute_request(JOB, p, services=services).status)
+            break
+        except WebhookNotSettled as exc:
+            statuses.append("not settled")
+            time.sleep(max(0.0, exc.settles_at - time.time()))
+        except SendDeadlinePassed:
+            statuses.append("bound passed")
+    time.sleep(1.5)  # a POST still in the receiver's hands has been acted on by now
+    webhook_id = webhook_id_for("webhook:ep-1:evt-paused")
+    assert paused and statuses[-1] == "completed", statuses
+    assert receiver.deliveries(webhook_id) == 1, statuses
 
 
 def test_a_worker_killed_after_sending_is_taken_over_and_nothing_is_sent_twice(

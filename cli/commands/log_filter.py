@@ -37,8 +37,7 @@ _NOTICE = re.compile(r"^\S+\.py:\d+: (?:BetaWarning|PreviewWarning|SupersessionW
 _QUIET_LEVELS = frozenset({"DEBUG", "INFO"})
 _FAILURE_EVENT = re.compile(r" - (?:STEP_FAILURE|RUN_FAILURE) - ")
 _EXPECTED_ERROR = re.compile(
-    r"^dagster\._core\.definitions\.events\.Failure: .* after attempt \d+ "
-    r"\((?:permanent|transient|data_bug)\): "
+    r"^dagster\._core\.definitions\.events\.Failure: (?:permanent|transient|data_bug): "
 )
 """The first line of a failure event's error when the failure path classified it
 (``resources.dagster_resources.dagster_signal``'s ``Failure`` description)."""
@@ -99,10 +98,12 @@ class QuietFilter:
 
     def _in_error_block(self, plain: str) -> bool:
         """Whether ``plain`` still belongs to the error being skipped: Dagster prints blank
-        lines, ``Stack Trace:``, indented frames, and ``The above exception was ...`` followed
-        by the chained error's line. Anything else is someone else's output."""
+        lines, ``Stack Trace:``, indented frames, ``The above exception was ...`` followed by
+        the chained error's line, and for an expected failure (no stack) ``Error ID ...``.
+        Anything else is someone else's output."""
         chained, self._chained = self._chained, False
-        if plain == "" or plain[:1].isspace() or plain == "Stack Trace:":
+        if (plain == "" or plain[:1].isspace() or plain == "Stack Trace:"
+                or plain.startswith("Error ID ")):
             self._chained = chained and plain == ""
             return True
         if plain.startswith("The above exception was "):

@@ -2,7 +2,7 @@
 the ledger protocol (``proof/model/``).
 
 Runs every check (or those named with ``--variant``), one exhaustive verification each: the
-real model must verify, every broken variant and every finding on today's code must be
+real model must verify, every broken variant and the code before each finding's fix must be
 refuted by a counterexample, which is printed as a timeline. Prints per check the states
 stored, transitions, depth, memory and seconds, with the command that ran it. Progress goes
 to stderr. Exit status: 0 when every check came out as expected, 1 when one did not (the real

@@ -34,7 +34,7 @@ from engine.health.metrics import percentile
 from engine.requests import RequestStore
 from engine.upkeep.reconciliation import retention_expiries
 from engine.upkeep.retention import backlog
-from resources.dlq import MIN_RETENTION_SECONDS, UNRESOLVED, DlqStore
+from resources.dlq import MIN_RETENTION_SECONDS, UNRESOLVED, DlqStore, DlqViews
 from resources.errors import ValidationError
 from resources.idempotency import IdempotencyStore, Status
 from resources.outbox.publisher import held_by_dead_letters
@@ -591,21 +591,10 @@ def check_dlq(s: DiagnosisSetup) -> Finding:
         return _finding("dlq", WARN, True, "no DLQ table (not installed).", "Nothing to change.")
     now = s.clock()
     half = s.window_seconds / 2
-    with s.db.statement() as conn:
-        open_rows = conn.execute(text(
-            "SELECT error_class, COUNT(*) AS n FROM dlq_records"
-            " WHERE status NOT IN ('resolved', 'discarded') GROUP BY error_class"
-        )).all()
-        recent = conn.execute(
-            text("SELECT COUNT(*) FROM dlq_records WHERE first_failed_at >= :t"),
-            {"t": now - half},
-        ).scalar_one()
-        earlier = conn.execute(
-            text("SELECT COUNT(*) FROM dlq_records WHERE first_failed_at >= :a"
-                 " AND first_failed_at < :b"),
-            {"a": now - 2 * half, "b": now - half},
-        ).scalar_one()
-    by_class = {str(r.error_class): int(r.n) for r in open_rows}
+    views = DlqViews(s.db)
+    by_class = views.open_by_class()
+    recent = views.inflow_between(now - half)
+    earlier = views.inflow_between(now - 2 * half, now - half)
     total = sum(by_class.values())
     dominant = max(by_class, key=lambda c: by_class[c]) if by_class else None
     growing = recent >= s.min_samples and recent > 1.5 * earlier
@@ -669,13 +658,8 @@ def check_unique_constraints(s: DiagnosisSetup) -> Finding:
                 present.append(f"{table}({', '.join(cols)})")
             else:
                 missing.append(f"{table}({', '.join(cols)})")
-        if s.db.is_postgres:
-            boundary = "Postgres: conditional single statements and FOR UPDATE row locks"
-        else:
-            mode = conn.exec_driver_sql("PRAGMA journal_mode").scalar()
-            boundary = f"SQLite journal_mode={mode}, transactions opened with BEGIN IMMEDIATE"
-            if str(mode).lower() != "wal":
-                missing.append("SQLite not in WAL mode (readers block the writer)")
+        boundary, wrong = s.db.sql_dialect.write_boundary(conn)
+        missing += wrong
     evidence = {"unique": present, "missing": missing}
     if missing:
         return _finding(
@@ -967,7 +951,7 @@ def check_replication(s: DiagnosisSetup) -> Finding:
     A failover to a standby that had not received the commit rolls the completion back while
     the effect stays, and the request runs again: the primary's replication mode decides
     whether that can happen (:mod:`resources.storage.replication`)."""
-    if not s.db.is_postgres:
+    if not s.db.sql_dialect.has_replicas:
         return _finding("replication", ERROR, True, "SQLite: no replica, nothing to fail over.",
                         "Nothing to change.")
     with s.db.statement() as conn:

@@ -41,11 +41,12 @@ from typing import Any
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
-from sqlalchemy import inspect, text
+from sqlalchemy import inspect
 
 from engine.attempts import AttemptRecorder, nearest_rank
 from engine.requests import RequestStore
 from engine.tenants import OTHER
+from resources.dlq import DlqViews
 from resources.locks import lock_stats
 from resources.storage.db import Database
 
@@ -306,32 +307,21 @@ class MetricsCollector:
             snap.add("sekali_lock_wait_seconds", value, "wait for the lock", quantile=str(q))
 
     def _dlq(self, snap: MetricsSnapshot, _now: float, since: float) -> None:
-        with self.db.statement() as conn:
-            inflow = conn.execute(
-                text(
-                    "SELECT error_class, COUNT(*) AS n FROM dlq_records"
-                    " WHERE first_failed_at >= :since GROUP BY error_class"
-                ),
-                {"since": since},
-            ).all()
-            open_rows = conn.execute(
-                text(
-                    "SELECT error_class, COUNT(*) AS n FROM dlq_records"
-                    " WHERE status NOT IN ('resolved', 'discarded') GROUP BY error_class"
-                )
-            ).all()
-        for row in sorted(inflow, key=lambda r: str(r.error_class)):
+        views = DlqViews(self.db)
+        inflow = views.inflow_by_class(since)
+        open_rows = views.open_by_class()
+        for error_class, n in sorted(inflow.items()):
             snap.add(
-                "sekali_dlq_inflow", int(row.n), "new DLQ records in the window by class",
-                error_class=str(row.error_class),
+                "sekali_dlq_inflow", n, "new DLQ records in the window by class",
+                error_class=error_class,
             )
-        snap.add("sekali_dlq_inflow_total", sum(int(r.n) for r in inflow), "new DLQ records")
-        for row in sorted(open_rows, key=lambda r: str(r.error_class)):
+        snap.add("sekali_dlq_inflow_total", sum(inflow.values()), "new DLQ records")
+        for error_class, n in sorted(open_rows.items()):
             snap.add(
-                "sekali_dlq_open", int(row.n), "DLQ records not resolved or discarded",
-                error_class=str(row.error_class),
+                "sekali_dlq_open", n, "DLQ records not resolved or discarded",
+                error_class=error_class,
             )
-        snap.add("sekali_dlq_open_total", sum(int(r.n) for r in open_rows), "open DLQ records")
+        snap.add("sekali_dlq_open_total", sum(open_rows.values()), "open DLQ records")
 
     def _cache(self, snap: MetricsSnapshot, stats: Mapping[str, Mapping[str, float]]) -> None:
         for pattern in sorted(stats):

@@ -32,6 +32,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import Column, Float, Table, Text, text
@@ -58,9 +59,11 @@ from resources.outbox.publisher import (
     unpublished_older_than,
 )
 from resources.storage.db import Database, metadata
+from resources.storage.queries import load_queries
 from resources.storage.retention import Expiry
 from resources.storage.settings import DEFAULT_GATEWAY_SETTLE_SECONDS, RetentionSettings
 
+_Q = load_queries(Path(__file__).with_suffix(".sql"))
 log = logging.getLogger(__name__)
 
 reconciliation_actions = Table(
@@ -190,7 +193,7 @@ class Reconciler:
         with self.db.statement() as conn:
             return (
                 conn.execute(
-                    text("SELECT 1 FROM reconciliation_actions WHERE action_key = :k"),
+                    text(_Q["action_done"]),
                     {"k": action_key},
                 ).first()
                 is not None
@@ -217,11 +220,7 @@ class Reconciler:
             with self.db.transaction() as conn:
                 detail = fix(conn)
                 conn.execute(
-                    text(
-                        "INSERT INTO reconciliation_actions (action_key, kind, subject, detail,"
-                        " created_at) VALUES (:k, :kind, :s, :d, :now)"
-                        " ON CONFLICT (action_key) DO NOTHING"
-                    ),
+                    text(_Q["record_action"]),
                     {
                         "k": action_key,
                         "kind": kind,
@@ -246,11 +245,7 @@ class Reconciler:
     def _stuck_claims(self, report: ReconciliationResult) -> None:
         with self.db.statement() as conn:
             claims = conn.execute(
-                text(
-                    "SELECT key, fence FROM idempotency_records WHERE status = 'in_progress'"
-                    " AND lease_expires_at <= :cutoff AND key NOT LIKE 'reconcile:%'"
-                    " AND key NOT LIKE 'compensate:%' ORDER BY key"
-                ),
+                text(_Q["stuck_claims"]),
                 {"cutoff": self.clock() - self.grace},
             ).all()
         for claim in claims:
@@ -375,7 +370,7 @@ def record_only(detail: dict[str, Any]) -> Callable[[Connection], Any]:
     return fix
 
 
-class NotGivenUp(Exception):  # noqa: N818 - a signal to skip, not an error
+class NotGivenUp(Exception):  # a signal to skip, not an error
     """The key became retryable or in progress since the check: do not compensate (the fix
     raises it inside :meth:`Reconciler.act`, which then records nothing)."""
 

@@ -23,12 +23,13 @@ Two rules make that lookup trustworthy:
 2. **An unknown outcome is never charged blind.** When no answer came (a timeout, a reset or
    the deadline after the request was sent; the worker died mid-call), a slow provider may
    still commit the charge, and a lookup now would miss it. Until ``charge_sent_at`` plus the
-   settle window (``Services.settle_seconds``, longer than the provider's longest
-   processing time) has passed, every retry or redelivery raises :class:`PaymentNotSettled`
-   (transient, ``retry_after`` = the time left). After it, a lookup is conclusive: a charge
-   found is recorded; none found means nothing was charged, and the job charges again, once
-   (its new send is written down first). Reconciliation resolves the same state the same way
-   when nothing retries the job.
+   settle window (``Services.settle_seconds``, longer than 0.4 of a lease plus the provider's
+   longest processing time: the send bound is capped at ``charge_sent_at`` plus 0.4 of a
+   lease, :meth:`JobContext.stamp_send`) has passed, every retry or redelivery raises
+   :class:`PaymentNotSettled` (transient, ``retry_after`` = the time left). After it, a
+   lookup is conclusive: a charge found is recorded; none found means nothing was charged, and
+   the job charges again, once (its new send is written down first). Reconciliation resolves
+   the same state the same way when nothing retries the job.
 
 An answer that says the charge did not happen (a refusal, 503, 429, 409, no connection) puts the
 order back to ``payment_pending`` (or ``payment_failed`` for a 4xx refusal) at once.
@@ -57,7 +58,8 @@ A timeline of the crash this design survives (``SEKALI_CRASH_AT=after_charge``):
 
 And the slow provider (keys ignored): attempt 1 sends at t=0, times out at t=5 while the provider
 still works; the provider commits ch_1 at t=30; any retry before t=W is told to wait; at t=W
-(W > the provider's longest processing time) the lookup finds ch_1. One charge.
+(W > 0.4 of a lease + the provider's longest processing time) the lookup finds ch_1. One
+charge.
 """
 
 from __future__ import annotations
@@ -261,7 +263,7 @@ def _send_charge(
     ctx.crash_point("before_charge")
     with ctx.concurrency_slot(JOB_TYPE):
         for tries_left in range(SEND_TRIES - 1, -1, -1):
-            sent_at = time.time()
+            sent_at = ctx.stamp_send()
             with ctx.locked_row("orders", "order_id", order_id, "record_send") as (conn, _):
                 fenced_update(
                     conn, "orders", "order_id", order_id, fence_column="payment_fence",
@@ -422,9 +424,10 @@ def reconcile_payments(rec: Reconciling, report: Tally) -> None:
       (the worker died between charge and record). Fix: confirm it
       (``reconcile:confirm-charge:{o}``). Also a charge whose answer never came
       (``charged_not_confirmed`` without a ``charge_id``) that the gateway still does not know
-      once ``charge_sent_at`` is past the settle window (longer than the provider's longest
-      processing time, so "not found" is conclusive): nothing was charged, and the order is
-      reopened (``payment_pending``) so a retry or replay charges it, once per unanswered send
+      once ``charge_sent_at`` is past the settle window (longer than 0.4 of a lease plus the
+      provider's longest processing time, so "not found" is conclusive): nothing was charged,
+      and the order is reopened (``payment_pending``) so a retry or replay charges it, once per
+      unanswered send
       (``reconcile:reopen-unsettled:{o}:{sent_at}``).
     - ``double_charged``: more than one charge for one order, under its reference or any other
       reference a charge of it went out under (``payment_references``: a run under another key

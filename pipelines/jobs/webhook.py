@@ -11,7 +11,8 @@ one intent is the same message, which receivers dedupe on. sekali does not rely 
 2. **An unknown outcome is never resent blind.** A send that got no answer (a read timeout, a
    reset after the body went out, the deadline, 502/504 from a proxy) may have been delivered,
    and a slow receiver may act on it later. Until ``sent_at`` plus the settle window
-   (``Services.settle_seconds``, longer than the receiver's longest processing time) every
+   (``Services.settle_seconds``, longer than 0.4 of a lease plus the receiver's longest
+   processing time: the send bound never passes ``sent_at`` plus 0.4 of a lease) every
    retry, redelivery or takeover raises :class:`WebhookNotSettled` (transient, ``retry_after``
    the time left). After it the endpoint is asked (:func:`lookup`, ``GET <url>?webhook_id=``,
    signed): a delivery found completes the intent; none found sends again, once. An endpoint
@@ -482,7 +483,7 @@ def _answered(ctx: JobContext, status: int | None) -> None:
 def _send(ctx: JobContext, client: WebhookClient, p: WebhookEvent, webhook_id: str) -> int:
     body = body_of(p)
     for tries_left in range(SEND_TRIES - 1, -1, -1):
-        sent_at = time.time()
+        sent_at = ctx.stamp_send()
         with ctx.transaction("record_send") as conn:
             ctx.checkpoint(SENT, {"sent_at": sent_at, "webhook_id": webhook_id}, conn=conn)
         send_by = ctx.confirm_lease()

@@ -38,7 +38,7 @@ from engine.registry import downstreams
 from engine.services import Services
 from engine.step import run_batch
 from pipelines.ops.failures import run_row_step, step_services, unready_signal
-from resources.dagster_resources import PlainDocs
+from resources.dagster_resources import PlainDocs, expected_failure
 from sensors.intake import (
     FAN_OUT_JOB,
     FAN_OUT_OP,
@@ -123,7 +123,7 @@ def execute_fanned_request(context: dg.OpExecutionContext, request_id: int) -> s
     except Exception as exc:  # noqa: BLE001 - the database is away: the one path decides
         raise unready_signal(context, step, exc, services) from exc
     if request is None:
-        raise dg.Failure(f"job request {request_id} does not exist", allow_retries=False)
+        raise expected_failure(f"job request {request_id} does not exist")
     result = run_row_step(context, services, request, step)
     status = "skipped" if result.skipped or result.outcome is None else result.outcome.status
     context.log.info(json.dumps({"request_id": request.id, "key": request.key, "status": status}))

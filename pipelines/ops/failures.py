@@ -32,7 +32,7 @@ from engine.step import (
     run_step,
     run_steps,
 )
-from resources.dagster_resources import dagster_signal
+from resources.dagster_resources import dagster_signal, expected_failure
 from resources.errors import ValidationError
 from resources.retry import RetryDecision, RetryPolicy
 from resources.telemetry.redact import loggable
@@ -300,6 +300,6 @@ def signal(path: FailurePath, exc: BaseException) -> Exception:
 
 
 def refused_input(exc: ValidationError) -> dg.Failure:
-    """An operations job's config refused: the step fails at once, naming the field, never
-    retried (nothing was done)."""
-    return dg.Failure(description=str(exc), allow_retries=False, metadata={"field": exc.field})
+    """An operations job's config refused: the step fails at once, naming the field in one line
+    (:func:`resources.dagster_resources.expected_failure`), never retried (nothing was done)."""
+    return expected_failure(str(exc), metadata={"field": exc.field})

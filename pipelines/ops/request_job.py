@@ -53,7 +53,7 @@ from engine.requests import JobRequest, RequestStore
 from engine.services import Services
 from engine.validation import check_key, check_request
 from pipelines.ops.failures import run_op_step, step_services, tag_cancelled, unready_signal
-from resources.dagster_resources import PlainDocs
+from resources.dagster_resources import PlainDocs, expected_failure
 from resources.errors import ValidationError
 from resources.storage.settings import InputLimits
 
@@ -226,10 +226,9 @@ def _stored_request(
     if stored is None and payload_of(request) is not None:
         return None
     if stored is None or stored.job_type != jt.name:
-        raise dg.Failure(
+        raise expected_failure(
             f"request_id: job request {request_id} does not exist"
-            + ("" if stored is None else f" for {jt.name} (it is a {stored.job_type} request)"),
-            allow_retries=False)
+            + ("" if stored is None else f" for {jt.name} (it is a {stored.job_type} request)"))
     return stored
 
 

@@ -18,10 +18,12 @@
  * and 0 once passed: time is unbounded, the state space finite.
  *
  * Broken variants (each must be refuted): NO_FENCE_CHECK, NO_SEND_BOUND, RESEND_NO_LOOKUP,
- * NO_SETTLE_WAIT. Findings on today's code: SETTLE_ONLY_PROVIDER (the settle window only longer
- * than the provider's processing time) and the cancel of a failed request whose key is held;
- * FIX_CANCEL_BEFORE_SEND and FIX_CANCEL_CHECKS_LEDGER are the proposed fixes. Scope switches:
- * NO_CANCEL, NO_BATCH, BATCH_REDELIVERY, PROGRESS (the LTL claim). The Redis fence is in
+ * NO_SETTLE_WAIT. The code before the two findings were fixed (README.md, "Findings"), also
+ * refuted: OLD_SEND_BOUND (the send bound counted from the confirmation alone, not capped at
+ * the send's stamp), OLD_CANCEL_AT_ONCE (a pending or failed request cancelled at once though a
+ * live holder holds its key), OLD_CANCEL_POINT (the cancel point before a downstream call
+ * skipped for an earlier attempt's recovery point). Scope switches: NO_CANCEL, NO_BATCH,
+ * BATCH_REDELIVERY, PROGRESS (the LTL claim). The Redis fence is in
  * redis_fence.pml; runner.py holds the checks, README.md maps every step to its code.
  */
 
@@ -33,17 +35,15 @@
 #define L 3             /* lease, ticks */
 #endif
 #ifndef B
-#define B 1             /* send bound after a confirmation: asked + 0.4 L (rounded down) */
+#define B 1             /* send bound: 0.4 L (rounded down) after a confirmation, and after
+                         * the send's stamp (JobContext.stamp_send) */
 #endif
 #ifndef P
 #define P 1             /* the provider's longest processing time */
 #endif
 #ifndef W
-#ifdef SETTLE_ONLY_PROVIDER
-#define W (P + 1)       /* what the docs ask: longer than the provider's processing time */
-#else
-#define W (P + L + B)   /* what the protocol needs (see README.md, "Findings") */
-#endif
+#define W (P + B)       /* the settle window the docs ask: longer than 0.4 L plus the
+                         * provider's longest processing time */
 #endif
 #ifndef SKEW
 #define SKEW 0          /* how much earlier the taking-over worker's clock judges expiry */
@@ -118,6 +118,7 @@ byte w_fence[NW];                       /* the fence of the claim the worker hol
 byte k_left[NW];                        /* ticks until LeaseKeeper.expires, the expiry it confirmed */
 bit  k_lost[NW];                        /* LeaseKeeper.lost */
 byte b_left[NW];                        /* ticks until the send bound confirm_lease returned */
+byte s_left[NW];                        /* ticks until the send's stamp + 0.4 L (stamp_send) */
 bit  w_sent[NW];                        /* lock_order read a charge_sent_at */
 byte w_settle[NW];                      /* ticks until it settles, as read */
 bit  started = 0;                       /* init has delivered R */
@@ -137,6 +138,7 @@ end_clock:
     :: atomic { can_tick ->
         down(l_left); down(o_settle); down(fl_left[0]); down(fl_left[1]);
         down(k_left[0]); down(k_left[1]); down(b_left[0]); down(b_left[1]);
+        down(s_left[0]); down(s_left[1]);
         down(w_settle[0]); down(w_settle[1]);
         printf("TICK\n") }
     od
@@ -193,12 +195,13 @@ end_killer:
 }
 
 /* RequestStore.cancel (engine/requests.py): one transaction holding the row. A request not
- * running (pending, failed) is cancelled at once. FIX_CANCEL_CHECKS_LEDGER (a proposed fix):
- * not while its key is held in the ledger (in_progress): then the cancel is only requested. */
-#ifdef FIX_CANCEL_CHECKS_LEDGER
-#define key_held (l_status == INP)
-#else
+ * running (pending, failed) is cancelled at once, unless a live holder holds its key in the
+ * ledger (IdempotencyStore.held: in_progress, lease not run out, judged as a takeover judges
+ * it): then the cancel is only requested. OLD_CANCEL_AT_ONCE: the code before, at once. */
+#ifdef OLD_CANCEL_AT_ONCE
 #define key_held (false)
+#else
+#define key_held (l_status == INP && l_left > SKEW)
 #endif
 active proctype Canceller() {
 #ifndef NO_CANCEL
@@ -206,7 +209,7 @@ active proctype Canceller() {
     atomic {
         if
         :: (r_cancel == C_CANCELLED || r_cancel == C_REFUSED ||
-            (r_cancel == C_REQUESTED && r_status == R_RUNNING)) -> skip
+            (r_cancel == C_REQUESTED && (r_status == R_RUNNING || key_held))) -> skip
         :: else ->
             if
             :: (r_status == R_PENDING || r_status == R_FAILED) && !key_held ->
@@ -216,7 +219,7 @@ active proctype Canceller() {
             :: r_status == R_RUNNING || ((r_status == R_PENDING || r_status == R_FAILED) &&
                                          key_held) ->
                 r_cancel = C_REQUESTED;
-                printf("EV operator cancels R: running, cancel requested\n")
+                printf("EV operator cancels R: running or its key held, cancel requested\n")
             :: else ->
                 r_cancel = C_REFUSED;
                 printf("EV operator cancels R: refused (it completed)\n")
@@ -289,13 +292,14 @@ mtype = { E_NONE, E_LEASE_LOST, E_TRANSIENT, E_PERMANENT, E_CANCELLED, E_FENCED,
 
 /* JobContext.cancel_point: not once this attempt may have sent, nor after a recovery point */
 #define cancel_asked (!sent && !rp && (r_cancel == C_REQUESTED || r_cancel == C_CANCELLED))
-/* confirm_lease's cancel point, right before a downstream call. FIX_CANCEL_BEFORE_SEND (a
- * proposed fix): not skipped for an earlier attempt's recovery point, only once this attempt
- * may have sent (an earlier send that settled unfound is no effect under way) */
-#ifdef FIX_CANCEL_BEFORE_SEND
-#define cancel_before_send (!sent && (r_cancel == C_REQUESTED || r_cancel == C_CANCELLED))
-#else
+/* confirm_lease's cancel point, right before a downstream call (_stop_if_cancelled): skipped
+ * only once this attempt may have sent, not for an earlier attempt's recovery point (an
+ * earlier send that settled unfound is no effect under way). OLD_CANCEL_POINT: the code
+ * before, skipped for a recovery point too. */
+#ifdef OLD_CANCEL_POINT
 #define cancel_before_send cancel_asked
+#else
+#define cancel_before_send (!sent && (r_cancel == C_REQUESTED || r_cancel == C_CANCELLED))
 #endif
 
 /* LeaseKeeper._beat: the keeper thread heartbeats (_HEARTBEAT, conditional on the owner) while
@@ -505,8 +509,8 @@ STEP_lookup:        /* _lookup: gateway.find_charges(reference) before a retry's
             /* ---- _send_charge ---- */
 send_try:
             maybe_beat;
-STEP_record_send:   /* locked_row (check_lease), fenced_update + ctx.checkpoint(CHARGE_SENT),
-                     * one transaction */
+STEP_record_send:   /* ctx.stamp_send(), then locked_row (check_lease), fenced_update +
+                     * ctx.checkpoint(CHARGE_SENT), one transaction */
             atomic {
                 if
                 :: check_lease_fails -> err = E_LEASE_LOST; say_lease_lost
@@ -521,21 +525,27 @@ STEP_record_send:   /* locked_row (check_lease), fenced_update + ctx.checkpoint(
                 :: !check_lease_fails && fence_ok && !cancel_asked && owner_ok ->
                     fenced_write_asserts;
                     o_status = O_CNC; o_charge = 0; o_sent = 1; o_settle = W; o_fence = w_fence[i];
-                    l_rp = 1; l_left = L;
+                    s_left[i] = B; l_rp = 1; l_left = L;
                     printf("EV w%d record_send: charged_not_confirmed, charge_sent_at now (fence %d)\n",
                            i, w_fence[i])
                 fi }
             if :: err != E_NONE -> goto failed :: else -> skip fi;
 
-STEP_confirm_lease: /* JobContext.confirm_lease: check_lease, cancel_point, _sent = True,
-                     * asked = now, LeaseKeeper.confirm (_HEARTBEAT, owner); bound asked + 0.4 L */
+STEP_confirm_lease: /* JobContext.confirm_lease: check_lease, _stop_if_cancelled, _sent = True,
+                     * asked = now, LeaseKeeper.confirm (_HEARTBEAT, owner); bound asked + 0.4 L,
+                     * capped at the send's stamp + 0.4 L */
             atomic {
                 if
                 :: check_lease_fails -> err = E_LEASE_LOST; say_lease_lost
                 :: !check_lease_fails && cancel_before_send -> err = E_CANCELLED;
                     printf("EV w%d confirm_lease: cancel_point: RequestCancelled\n", i)
                 :: !check_lease_fails && !cancel_before_send && owner_ok ->
-                    sent = 1; l_left = L; k_left[i] = L; b_left[i] = B;
+                    sent = 1; l_left = L; k_left[i] = L;
+#ifdef OLD_SEND_BOUND
+                    b_left[i] = B;
+#else
+                    if :: s_left[i] < B -> b_left[i] = s_left[i] :: else -> b_left[i] = B fi;
+#endif
                     printf("EV w%d confirm_lease: heartbeat, lease for %d ticks, send bound in %d\n",
                            i, l_left, b_left[i])
                 :: !check_lease_fails && !cancel_before_send && !owner_ok ->
@@ -703,6 +713,17 @@ STEP_mark_failed:       /* RequestStore.mark_failed, dead-lettered at the decisi
                         r_status = R_FAILED; dlq = D_OPEN
                     :: else -> skip
                     fi;
+#ifndef OLD_CANCEL_AT_ONCE
+                    /* RequestStore.settle_requested_cancel, same transaction: a cancel that
+                     * waited for the key's holder ends once no live holder holds it */
+                    if
+                    :: (r_status == R_PENDING || r_status == R_FAILED) &&
+                       r_cancel == C_REQUESTED && !key_held ->
+                        r_status = R_CANCELLED; r_cancel = C_CANCELLED;
+                        if :: dlq == D_OPEN -> dlq = D_CLOSED :: else -> skip fi
+                    :: else -> skip
+                    fi;
+#endif
                     printf("EV w%d gives up (%e): R %e, DLQ %e\n", i, err, r_status, dlq) }
             fi;
 run_end:
@@ -737,7 +758,7 @@ run_end:
             :: else -> skip
             fi;
             kill[i] = 0; busy[i] = 0; w_fence[i] = 0; k_left[i] = 0;
-            k_lost[i] = 0; b_left[i] = 0; w_sent[i] = 0; w_settle[i] = 0; w_ans[i] = A_NONE;
+            k_lost[i] = 0; b_left[i] = 0; s_left[i] = 0; w_sent[i] = 0; w_settle[i] = 0; w_ans[i] = A_NONE;
             mode = SOLO; err = E_NONE; cause = E_NONE; attempt = 0; claimed = 0;
             takeover = 0; rp = 0; sent = 0; charged = 0; tries = 0; k = 0; rrun = 0 }
     od
@@ -748,7 +769,7 @@ init {
     atomic {
         i = 0;
         do
-        :: i < NW -> k_left[i] = 0; b_left[i] = 0; w_sent[i] = 0; w_settle[i] = 0; w_ans[i] = A_NONE;
+        :: i < NW -> k_left[i] = 0; b_left[i] = 0; s_left[i] = 0; w_sent[i] = 0; w_settle[i] = 0; w_ans[i] = A_NONE;
                      run Worker(i); i++
         :: else -> break
         od;

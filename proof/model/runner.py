@@ -3,8 +3,8 @@
 A check compiles a model (``ledger.pml`` or ``redis_fence.pml``) with its switches
 (``spin -a -D...``), builds the verifier (``gcc``), runs it (``./pan``) and reads what it
 says: states stored, transitions, depth reached, memory, seconds, errors. A check expected to
-verify passes with no error; a check expected to be refuted (a broken variant, or a finding on
-today's code) passes only when SPIN finds the counterexample, whose trail is replayed
+verify passes with no error; a check expected to be refuted (a broken variant, or the code
+before a finding was fixed) passes only when SPIN finds the counterexample, whose trail is replayed
 (``spin -t``) and rendered as a timeline, one line per step, as the race timelines in the
 code's docstrings::
 
@@ -41,6 +41,10 @@ TIMEOUT = 900.0
 # Each part of a check's configuration, once.
 TAKEOVER = ("NO_CANCEL", "MAX_REPLAY=0", "MAX_KILLS=1", "NO_BATCH", "MAX_REDELIVER=1",
             "MAX_LOST=1", "L=3", "MAXA=1")
+LONG_LEASE = ("NO_CANCEL", "MAX_REPLAY=0", "MAX_KILLS=1", "NO_BATCH", "MAX_REDELIVER=1",
+              "MAX_LOST=1", "L=5", "B=2", "MAXA=1")
+"""TAKEOVER with a lease of 5 ticks, so the send bound (2) is more than the model's one-tick
+grain: a settle window of the provider's time plus one tick is then shorter than P + B."""
 CANCEL = ("MAX_REPLAY=0", "MAX_KILLS=0", "NO_BATCH", "MAX_REDELIVER=1", "MAX_LOST=1", "L=3",
           "MAXA=1")
 RETRY_REPLAY = ("NO_CANCEL", "MAX_REPLAY=1", "MAX_KILLS=1", "NO_BATCH", "MAX_REDELIVER=0",
@@ -70,7 +74,7 @@ class Check:
     model: str
     defines: tuple[str, ...]
     expect: str  # "verifies" | "refuted"
-    role: str  # "real" | "broken" | "finding" | "fix"
+    role: str  # "real" | "broken" | "finding" (the code before a finding's fix)
     says: str
     liveness: bool = False
     shortest: bool = True
@@ -84,6 +88,8 @@ CHECKS: tuple[Check, ...] = (
     Check("takeover", "ledger.pml", TAKEOVER, "verifies", "real",
           "two deliveries of one request, takeover after a pause, a kill, a lost answer: "
           "P1-P4"),
+    Check("takeover_long_lease", "ledger.pml", LONG_LEASE, "verifies", "real",
+          "takeover with a lease of 5 ticks, send bound 2, the settle window P + B: P1-P4"),
     Check("retry_replay", "ledger.pml", RETRY_REPLAY, "verifies", "real",
           "retries after an unanswered charge, a kill, the operator's replay: P1-P4, P6"),
     Check("batch", "ledger.pml", BATCH, "verifies", "real",
@@ -102,18 +108,29 @@ CHECKS: tuple[Check, ...] = (
           shortest=False),
     Check("no_settle_wait", "ledger.pml", (*TAKEOVER, "NO_SETTLE_WAIT"), "refuted", "broken",
           "the takeover looks up at once, before the settle window"),
+    Check("settle_provider_only", "ledger.pml", (*LONG_LEASE, "W=2"), "refuted", "broken",
+          "a settle window only longer than the provider's processing time (P + 1 < P + B): "
+          "a send leaving within its bound is committed after the lookup"),
     Check("redis_no_floor", "redis_fence.pml", ("REDIS_NO_FLOOR",), "refuted", "broken",
           "the Redis fence as INCR alone: a Redis that lost writes hands out a lower fence"),
-    Check("finding_settle_window", "ledger.pml", (*TAKEOVER, "SETTLE_ONLY_PROVIDER"),
+    Check("cancel", "ledger.pml", CANCEL, "verifies", "real",
+          "a cancel beside a delivery and a redelivery that gives up on AlreadyInProgress, a "
+          "lost answer: P1-P5"),
+    Check("cancel_at_once", "ledger.pml", (*CANCEL, "OLD_CANCEL_AT_ONCE"), "refuted",
+          "broken", "RequestStore.cancel ends a failed request at once though a live holder "
+          "holds its key: the holder, past its cancel point, sends"),
+    Check("cancel_point_skips_recovery", "ledger.pml", (*CANCEL, "OLD_CANCEL_POINT"),
+          "refuted", "broken",
+          "the cancel point before a downstream call skipped for an earlier attempt's "
+          "recovery point: a delivery claiming the key after the cancel sends"),
+    Check("finding_settle_window", "ledger.pml", (*TAKEOVER, "OLD_SEND_BOUND"),
           "refuted", "finding",
-          "today's rule, a settle window just longer than the provider's processing time: "
-          "a send leaves after charge_sent_at, so a lookup at sent_at + window can miss it"),
-    Check("finding_cancel", "ledger.pml", CANCEL, "refuted", "finding",
-          "today's code: a request cancelled at once from failed (a redelivery gave up on "
-          "AlreadyInProgress) while another delivery holds its key and then sends"),
-    Check("cancel_fixed", "ledger.pml",
-          (*CANCEL, "FIX_CANCEL_BEFORE_SEND", "FIX_CANCEL_CHECKS_LEDGER"), "verifies", "fix",
-          "the two proposed cancel fixes together: P1-P5 hold"),
+          "the code before the fix: the send bound counted from the confirmation alone, so "
+          "a send leaves after charge_sent_at + 0.4 L and a lookup at sent_at + window misses"),
+    Check("finding_cancel", "ledger.pml", (*CANCEL, "OLD_CANCEL_AT_ONCE", "OLD_CANCEL_POINT"),
+          "refuted", "finding",
+          "the code before the fix: a request cancelled at once from failed (a redelivery gave "
+          "up on AlreadyInProgress) while another delivery holds its key and then sends"),
 )
 
 

@@ -6,7 +6,7 @@ Its Dagster resource (``resources.dagster_resources.CacheResource``) only holds 
 and builds the cache on first use, so importing this package or the definitions opens no socket.
 """
 
-from resources.cache.core import NO_VALUE, Envelope, SingleFlight, StampedeCache
+from resources.cache.core import NO_VALUE, CachePolicy, Envelope, SingleFlight, StampedeCache
 from resources.cache.stats import FIELDS as STAT_FIELDS
 from resources.errors import CacheLoaderFailed, CacheLoadTimeout
 from resources.telemetry.patterns import key_pattern
@@ -15,6 +15,7 @@ __all__ = [
     "NO_VALUE",
     "STAT_FIELDS",
     "CacheLoadTimeout",
+    "CachePolicy",
     "CacheLoaderFailed",
     "Envelope",
     "SingleFlight",

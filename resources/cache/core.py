@@ -60,6 +60,7 @@ within a TTL since expiries are absolute times written by one process and read b
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -253,6 +254,41 @@ class SingleFlight:
         return result, True
 
 
+@dataclass(frozen=True)
+class CachePolicy:
+    """What a :class:`StampedeCache` decides, apart from its I/O (the Redis client, the clock,
+    the randomness), as dogpile's ``Lock`` takes its expiry apart from the mutex and the
+    creator. The module docstring says what each field buys; one policy serves many caches.
+    """
+
+    ttl: float = 60.0
+    """Seconds a value is fresh (before jitter)."""
+    stale_ttl: float = 0.0
+    """Seconds after ``ttl`` a stale value is served at once while one refresh runs."""
+    jitter: float = 0.1
+    """Every write's TTL is scaled by ``1 + jitter * U(-1, 1)``."""
+    beta: float = 1.0
+    """XFetch's early-refresh eagerness (0: never early)."""
+    spread_first_refresh: bool = True
+    """A value loaded on a miss gets its first refresh point drawn within its TTL."""
+    lock_ttl: float = 15.0
+    """Seconds the rebuild lock lives: a loader must finish within it."""
+    wait_timeout: float = 20.0
+    """Seconds a waiter waits for another caller's load before :class:`CacheLoadTimeout`."""
+    negative_ttl: float = 0.0
+    """Seconds a loader's failure is cached (0: not cached)."""
+    error_backoff: float = 1.0
+    """Seconds a failed background refresh holds the lock, so not every caller retries it."""
+    safety_tick: float = 2.0
+    """A waiter re-checks at least this often, in case the loader's holder died."""
+    refresh_workers: int = 2
+    """Threads running background refreshes in this process."""
+    stats_flush_interval: float = 1.0
+    """Seconds between flushes of the hit/miss counters to Redis."""
+    hot_half_life: float = 300.0
+    """Half-life, in seconds, of the hot-key scores."""
+
+
 class StampedeCache:
     """Get-or-load over Redis with one rebuild per expiry. Thread-safe; share one per process."""
 
@@ -261,49 +297,33 @@ class StampedeCache:
         client: RedisClient,
         *,
         namespace: str,
-        ttl: float = 60.0,
-        stale_ttl: float = 0.0,
-        jitter: float = 0.1,
-        beta: float = 1.0,
-        spread_first_refresh: bool = True,
-        lock_ttl: float = 15.0,
-        wait_timeout: float = 20.0,
-        negative_ttl: float = 0.0,
-        error_backoff: float = 1.0,
-        refresh_workers: int = 2,
-        safety_tick: float = 2.0,
-        stats_flush_interval: float = 1.0,
-        hot_half_life: float = 300.0,
+        policy: CachePolicy | None = None,
         clock: Callable[[], float] = time.time,
         random: Callable[[], float] = _random.random,
+        **policy_fields: Any,
     ) -> None:
+        """``policy`` (the defaults of :class:`CachePolicy` when None), with any of its fields
+        given by name overriding it (``ttl=30``: the policy's other fields stay); an unknown
+        name is a TypeError."""
         if not namespace:
             raise ValueError("namespace must be a non-empty string")
+        self.policy = dataclasses.replace(policy or CachePolicy(), **policy_fields)
         self.client = client
         self._timeouts = client_timeouts(client)
         self.namespace = namespace
-        self.ttl = ttl
-        self.stale_ttl = stale_ttl
-        self.jitter = jitter
-        self.beta = beta
-        self.spread_first_refresh = spread_first_refresh
-        self.lock_ttl = lock_ttl
-        self.wait_timeout = wait_timeout
-        self.negative_ttl = negative_ttl
-        self.error_backoff = error_backoff
-        self.safety_tick = safety_tick
         self.clock = clock
         self.random = random
         self.recorder = CacheRecorder(
             client,
             namespace,
-            flush_interval=stats_flush_interval,
-            half_life=hot_half_life,
+            flush_interval=self.policy.stats_flush_interval,
+            half_life=self.policy.hot_half_life,
             clock=clock,
         )
         self._flight = SingleFlight()
         self._refreshes = SingleFlight()
-        self._pool = ThreadPoolExecutor(refresh_workers, thread_name_prefix="cache-refresh")
+        self._pool = ThreadPoolExecutor(
+            self.policy.refresh_workers, thread_name_prefix="cache-refresh")
         self._pending: set[Future[Any]] = set()
         self._pending_lock = threading.Lock()
         self._refreshing: set[str] = set()
@@ -312,6 +332,11 @@ class StampedeCache:
         self._write = Script(client, WRITE, keeps=None)
         self._fail = Script(client, FAIL, keeps=None)
         self._invalidate = Script(client, INVALIDATE, keeps=None)
+
+    @property
+    def ttl(self) -> float:
+        """The policy's fresh lifetime (:attr:`CachePolicy.ttl`)."""
+        return self.policy.ttl
 
     @classmethod
     def from_url(cls, url: str, *, namespace: str, **kwargs: Any) -> StampedeCache:
@@ -386,7 +411,7 @@ class StampedeCache:
             now = self.clock()
             if now < hard:
                 gap = soft - now
-                if gap > 0 and gap > delta * self.beta * _XFETCH_NEGLIGIBLE:
+                if gap > 0 and gap > delta * self.policy.beta * _XFETCH_NEGLIGIBLE:
                     return _scan(raw.decode(), header.end())[0], "hit"
                 factor = self._xfetch_factor()
                 if now + delta * factor < soft:
@@ -444,7 +469,7 @@ class StampedeCache:
         value afterwards; the next reader loads afresh.
         """
         layout = KeyLayout.of(self.namespace, key)
-        keep = str(int(max(self.lock_ttl * 4, 86400) * 1000))
+        keep = str(int(max(self.policy.lock_ttl * 4, 86400) * 1000))
         return int(
             self._call(self._invalidate, keys=keys_for(layout, INVALIDATE_KEYS), args=[keep])
         )
@@ -480,16 +505,16 @@ class StampedeCache:
         self, ttl: float | None, stale_ttl: float | None, jitter: float | None
     ) -> tuple[float, float, float]:
         opts = (
-            self.ttl if ttl is None else ttl,
-            self.stale_ttl if stale_ttl is None else stale_ttl,
-            self.jitter if jitter is None else jitter,
+            self.policy.ttl if ttl is None else ttl,
+            self.policy.stale_ttl if stale_ttl is None else stale_ttl,
+            self.policy.jitter if jitter is None else jitter,
         )
         if opts[0] <= 0 or opts[1] < 0 or not 0 <= opts[2] < 1:
             raise ValueError("need ttl > 0, stale_ttl >= 0 and 0 <= jitter < 1")
         return opts
 
     def _xfetch_factor(self) -> float:
-        return xfetch_factor(self.beta, 1.0 - self.random()) if self.beta > 0 else 0.0
+        return xfetch_factor(self.policy.beta, 1.0 - self.random()) if self.policy.beta > 0 else 0.0
 
     def _resolve(
         self,
@@ -503,7 +528,7 @@ class StampedeCache:
         """One flight's work after the hit path missed (or a forced refresh). Returns
         (value, outcome): hit, stale, early, loaded or waited."""
         layout = KeyLayout.of(self.namespace, key)
-        deadline = time.monotonic() + self.wait_timeout
+        deadline = time.monotonic() + self.policy.wait_timeout
         wait_started: float | None = None
         waited_on: bytes | None = None
         while True:
@@ -552,7 +577,7 @@ class StampedeCache:
             if now >= deadline:
                 self.recorder.record(key, "wait_time", now - wait_started)
                 raise CacheLoadTimeout(key, now - wait_started)
-            tick = self._timeouts.blocking_wait(min(deadline - now, self.safety_tick))
+            tick = self._timeouts.blocking_wait(min(deadline - now, self.policy.safety_tick))
             woken = self._call(self.client.blpop, [layout.signal], timeout=tick)
             if woken is not None and waited_on is not None:
                 # The holder we wait for pushed "<its token> <the envelope it stored>": that is
@@ -593,17 +618,17 @@ class StampedeCache:
                 args=[
                     token,
                     marker,
-                    str(int((self.wait_timeout + self.lock_ttl) * 1000)),
-                    str(int(self.negative_ttl * 1000)),
+                    str(int((self.policy.wait_timeout + self.policy.lock_ttl) * 1000)),
+                    str(int(self.policy.negative_ttl * 1000)),
                     str(int(hold * 1000)),
-                    str(int(self.wait_timeout * 1000)),
+                    str(int(self.policy.wait_timeout * 1000)),
                 ],
             )
             raise
         now = self.clock()
         expires = now + jittered(ttl, jitter, self.random())
         soft = expires
-        if cold and self.spread_first_refresh:
+        if cold and self.policy.spread_first_refresh:
             soft = now + (expires - now) * self.random()
         hard = expires + stale_ttl
         envelope = Envelope.encode_raw(
@@ -617,7 +642,7 @@ class StampedeCache:
                 version,
                 envelope,
                 str(max(1, int((hard - now) * 1000))),
-                str(int(self.wait_timeout * 1000)),
+                str(int(self.policy.wait_timeout * 1000)),
             ],
         )
         if result != b"ok":
@@ -641,8 +666,8 @@ class StampedeCache:
                 repr(self.clock() if now is None else now),
                 repr(factor),
                 token,
-                str(int(self.lock_ttl * 1000)),
-                str(int((self.wait_timeout + self.lock_ttl) * 1000)),
+                str(int(self.policy.lock_ttl * 1000)),
+                str(int((self.policy.wait_timeout + self.policy.lock_ttl) * 1000)),
                 "1" if force else "0",
                 waited_on.decode() if waited_on else "",
             ],
@@ -682,7 +707,8 @@ class StampedeCache:
                 if state == "early":
                     self.recorder.record(key, "early_refreshes")
                 version = reply[3].decode()
-                self._load(key, layout, loader, token, version, opts, hold=self.error_backoff)
+                self._load(key, layout, loader, token, version, opts,
+                           hold=self.policy.error_backoff)
             except Exception:
                 log.warning("background refresh of %r failed; stale value kept", key, exc_info=True)
             finally:
@@ -707,7 +733,8 @@ class StampedeCache:
     ) -> None:
         def job() -> None:
             try:
-                self._load(key, layout, loader, token, version, opts, hold=self.error_backoff)
+                self._load(key, layout, loader, token, version, opts,
+                           hold=self.policy.error_backoff)
             except Exception:
                 log.warning("background refresh of %r failed; stale value kept", key, exc_info=True)
 

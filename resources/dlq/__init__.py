@@ -1,13 +1,13 @@
 """The dead letter queue: what failed for good, kept with its reason until a person decides."""
 
-from resources.dlq.store import (
+from resources.dlq.fingerprints import failure_line, fingerprint, normalise_message, top_frame
+from resources.dlq.records import (
     MIN_RETENTION_SECONDS,
     SUPERSEDED,
     UNRESOLVED,
     DlqRecord,
     DlqRecordNotFound,
     DlqStatus,
-    DlqStore,
     FailureInfo,
     RecordedFailure,
     ReplayDecision,
@@ -16,13 +16,10 @@ from resources.dlq.store import (
     dlq_audit,
     dlq_failures,
     dlq_records,
-    failure_line,
-    fingerprint,
-    normalise_message,
-    parse_age,
     sources_of,
-    top_frame,
 )
+from resources.dlq.store import DlqStore
+from resources.dlq.views import DlqViews, parse_age
 from resources.retry.classify import FailureClass
 
 __all__ = [
@@ -31,6 +28,7 @@ __all__ = [
     "DlqRecordNotFound",
     "DlqStatus",
     "DlqStore",
+    "DlqViews",
     "FailureClass",
     "FailureInfo",
     "RecordedFailure",

@@ -832,6 +832,20 @@ class IdempotencyStore:
         return out
 
     @staticmethod
+    def held(conn: Connection, key: str, now: float) -> bool:
+        """Does a live holder hold ``key`` at ``now``: claimed (``in_progress``) under a lease
+        not yet run out, read in the caller's transaction. Such a holder may still reach an
+        effect, so what would end its intent (a cancel) must wait for it. Expiry is judged as
+        a takeover judges it: a holder past its lease can no longer heartbeat its way back
+        (its keeper stops at the expiry it last confirmed), and a takeover then finds the key
+        claimable."""
+        return conn.execute(
+            text("SELECT 1 FROM idempotency_records WHERE key = :key"
+                 " AND status = 'in_progress' AND lease_expires_at > :now"),
+            {"key": key, "now": now},
+        ).first() is not None
+
+    @staticmethod
     def unfinished_key_reference(column: str) -> str:
         """SQL, true while the key in ``column`` is claimed and not completed (in progress,
         retryable or failed): what its attempts and actions still explain."""

@@ -7,6 +7,7 @@ import random
 import re
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import BigInteger, Column, Float, Table, Text, text
@@ -16,6 +17,7 @@ from resources.errors import LockNotAcquired
 from resources.locks.base import BaseLock
 from resources.locks.stats import LockObserver
 from resources.storage.db import Database, metadata
+from resources.storage.queries import load_dialect_queries, load_queries
 
 log = logging.getLogger(__name__)
 Clock = Callable[[], float]
@@ -33,24 +35,13 @@ lock_leases = Table(
     Column("updated_at", Float, nullable=False),
 )
 
-_DB_ACQUIRE = text(
-    "INSERT INTO lock_leases AS l (name, owner_token, expires_at, fence, acquired_at, updated_at)"
-    " VALUES (:name, :token, :expires, 1, :now, :now)"
-    " ON CONFLICT (name) DO UPDATE SET owner_token = excluded.owner_token,"
-    " expires_at = excluded.expires_at, fence = l.fence + 1,"
-    " acquired_at = excluded.acquired_at, updated_at = excluded.updated_at"
-    " WHERE l.owner_token IS NULL OR l.expires_at <= :now"
-    " RETURNING fence"
-)
-_DB_EXTEND = text(
-    "UPDATE lock_leases SET expires_at = :expires, updated_at = :now"
-    " WHERE name = :name AND owner_token = :token AND expires_at > :now"
-)
-_DB_RELEASE = text(
-    "UPDATE lock_leases SET owner_token = NULL, expires_at = NULL, updated_at = :now"
-    " WHERE name = :name AND owner_token = :token"
-)
-_DB_OWNER = text("SELECT owner_token, expires_at FROM lock_leases WHERE name = :name")
+_QUERY_FILE = Path(__file__).with_suffix(".sql")
+_Q = load_queries(_QUERY_FILE)
+_DIALECT_Q = load_dialect_queries(_QUERY_FILE)
+_DB_ACQUIRE = text(_Q["acquire"])
+_DB_EXTEND = text(_Q["extend"])
+_DB_RELEASE = text(_Q["release"])
+_DB_OWNER = text(_Q["owner"])
 
 _IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)?$")
 
@@ -175,9 +166,7 @@ def lock_row(conn: Connection, table: str, key_column: str, key: Any) -> Any:
     for ident in (table, key_column):
         if not _IDENTIFIER.match(ident):
             raise ValueError(f"not a plain SQL identifier: {ident!r}")
-    suffix = " FOR UPDATE" if conn.dialect.name == "postgresql" else ""
-    return conn.execute(
-        text(f"SELECT * FROM {table} WHERE {key_column} = :key{suffix}"), {"key": key}  # nosec B608: SQL from code constants, values bound
-    ).first()
+    statement = _DIALECT_Q[conn.dialect.name]["lock_row"].format(table=table, key_column=key_column)
+    return conn.execute(text(statement), {"key": key}).first()
 
 

@@ -38,6 +38,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import BigInteger, Column, Float, Table, Text, text
@@ -46,6 +47,7 @@ from sqlalchemy.engine import Connection
 from resources.errors import FencedWriteRejected
 from resources.locks.stats import LockObserver
 from resources.storage.db import Database, metadata
+from resources.storage.queries import load_queries
 
 log = logging.getLogger(__name__)
 
@@ -59,20 +61,9 @@ fence_registry = Table(
     Column("holder", Text),
 )
 
-_ADVANCE = text(
-    "INSERT INTO fence_registry AS f (resource, highest_fence, holder, rejected, updated_at)"
-    " VALUES (:resource, :fence, :holder, 0, :now)"
-    " ON CONFLICT (resource) DO UPDATE SET"
-    " highest_fence = excluded.highest_fence, holder = excluded.holder,"
-    " updated_at = excluded.updated_at"
-    " WHERE f.highest_fence < excluded.highest_fence"
-    " OR (f.highest_fence = excluded.highest_fence AND f.holder = excluded.holder)"
-    " RETURNING highest_fence"
-)
-_COUNT_REJECTION = text(
-    "UPDATE fence_registry SET rejected = rejected + 1 WHERE resource = :resource"
-    " RETURNING highest_fence"
-)
+_Q = load_queries(Path(__file__).with_suffix(".sql"))
+_ADVANCE = text(_Q["advance"])
+_COUNT_REJECTION = text(_Q["count_rejection"])
 
 
 @dataclass(frozen=True)
@@ -148,10 +139,7 @@ def fence_status(db: Database, resource: str) -> FenceStatus | None:
     """The registry row of ``resource``, or ``None`` if no fenced write ever reached it."""
     with db.statement() as conn:
         row = conn.execute(
-            text(
-                "SELECT resource, highest_fence, rejected FROM fence_registry"
-                " WHERE resource = :resource"
-            ),
+            text(_Q["status"]),
             {"resource": resource},
         ).first()
     if row is None:

@@ -30,12 +30,14 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
 from resources.storage.db import Database
+from resources.storage.queries import load_queries
 from resources.storage.retention import Expiry
 
 Clock = Callable[[], float]
@@ -99,20 +101,7 @@ class OutboxDeadLetter:
         }
 
 
-_COLUMNS = (
-    "id, outbox_id, event_id, aggregate_type, aggregate_id, event_type, payload, failures,"
-    " last_error, deaths, status, detail, created_at, updated_at"
-)
-
-_RECORD = text(
-    "INSERT INTO outbox_dead_letters (outbox_id, event_id, aggregate_type, aggregate_id,"
-    " event_type, payload, traceparent, failures, last_error, status, created_at, updated_at)"
-    " SELECT id, event_id, aggregate_type, aggregate_id, event_type, payload, traceparent,"
-    " failures, last_error, 'open', :now, :now FROM outbox WHERE id = :id"
-    " ON CONFLICT (event_id) DO UPDATE SET status = 'open', failures = excluded.failures,"
-    " last_error = excluded.last_error, deaths = outbox_dead_letters.deaths + 1,"
-    " detail = NULL, updated_at = excluded.updated_at"
-)
+_Q = load_queries(Path(__file__).with_suffix(".sql"))
 
 
 class OutboxDeadLetters:
@@ -126,23 +115,11 @@ class OutboxDeadLetters:
         """In the caller's transaction: dead-letter the outbox row ``outbox_id`` (its failures
         and last error as the row holds them), take it out of publication; returns the dead
         letter's id."""
-        conn.execute(_RECORD, {"id": outbox_id, "now": self.clock()})
+        conn.execute(text(_Q["record"]), {"id": outbox_id, "now": self.clock()})
         dead_id = int(
-            conn.execute(
-                text(
-                    "SELECT d.id FROM outbox_dead_letters d JOIN outbox o"
-                    " ON o.event_id = d.event_id WHERE o.id = :id"
-                ),
-                {"id": outbox_id},
-            ).scalar_one()
+            conn.execute(text(_Q["dead_letter_of"]), {"id": outbox_id}).scalar_one()
         )
-        conn.execute(
-            text(
-                "UPDATE outbox SET dead_letter_id = :dead, claimed_by = NULL,"
-                " claimed_until = NULL WHERE id = :id"
-            ),
-            {"dead": dead_id, "id": outbox_id},
-        )
+        conn.execute(text(_Q["mark_dead"]), {"dead": dead_id, "id": outbox_id})
         return dead_id
 
     def page(
@@ -153,13 +130,10 @@ class OutboxDeadLetters:
         limit: int = 100,
     ) -> list[OutboxDeadLetter]:
         """Dead letters (``status``, or all with None) with ``id > after_id``, oldest first."""
-        where = "id > :after" + (" AND status = :status" if status is not None else "")
+        query = _Q["page"] if status is None else _Q["page_of_status"]
         with self.db.statement() as conn:
             rows = conn.execute(
-                text(
-                    f"SELECT {_COLUMNS} FROM outbox_dead_letters WHERE {where}"
-                    " ORDER BY id LIMIT :limit"  # nosec B608: SQL from code constants, values bound
-                ),
+                text(query),
                 {"after": after_id, "status": str(status), "limit": limit},
             ).all()
         return [OutboxDeadLetter.from_row(r) for r in rows]
@@ -167,7 +141,7 @@ class OutboxDeadLetters:
     def get(self, dead_id: int) -> OutboxDeadLetter | None:
         with self.db.statement() as conn:
             row = conn.execute(
-                text(f"SELECT {_COLUMNS} FROM outbox_dead_letters WHERE id = :id"),  # nosec B608: SQL from code constants, values bound
+                text(_Q["by_id"]),
                 {"id": dead_id},
             ).first()
         return None if row is None else OutboxDeadLetter.from_row(row)
@@ -178,21 +152,16 @@ class OutboxDeadLetters:
         return Expiry.of(
             "outbox_dead_letters",
             "id",
-            "status IN ('replayed', 'discarded') AND updated_at <= :cutoff",
+            _Q["expired"],
             {"cutoff": self.clock() - retention_seconds},
-            keep=[
-                "EXISTS (SELECT 1 FROM outbox o WHERE o.event_id = outbox_dead_letters.event_id"
-                " AND o.published_at IS NULL)"
-            ],
+            keep=[_Q["unpublished_event"]],
         )
 
     def replay(self, ids: Sequence[int], *, actor: str) -> list[int]:
         """Put the open dead letters ``ids`` back for publication (failures at zero, first of
         their aggregate again); returns the ids replayed (others were not open)."""
-        return self._close(ids, DeadLetterStatus.REPLAYED, f"replayed by {actor}", (
-            "UPDATE outbox SET dead_letter_id = NULL, failures = 0, claimed_by = NULL,"
-            " claimed_until = NULL WHERE dead_letter_id = :id"
-        ))
+        return self._close(ids, DeadLetterStatus.REPLAYED, f"replayed by {actor}",
+                           _Q["republish"])
 
     def discard(self, ids: Sequence[int], *, actor: str, reason: str) -> list[int]:
         """Give up on the open dead letters ``ids``: their outbox rows go (the dead letter is
@@ -200,7 +169,7 @@ class OutboxDeadLetters:
         discarded."""
         return self._close(
             ids, DeadLetterStatus.DISCARDED, f"discarded by {actor}: {reason}",
-            "DELETE FROM outbox WHERE dead_letter_id = :id",
+            _Q["drop_discarded"],
         )
 
     def _close(
@@ -210,10 +179,7 @@ class OutboxDeadLetters:
         for dead_id in ids:
             with self.db.transaction() as conn:
                 changed = conn.execute(
-                    text(
-                        "UPDATE outbox_dead_letters SET status = :status, detail = :detail,"
-                        " updated_at = :now WHERE id = :id AND status = 'open'"
-                    ),
+                    text(_Q["close"]),
                     {"status": str(status), "detail": detail[:2000], "now": self.clock(),
                      "id": dead_id},
                 ).rowcount

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import BigInteger, Column, Float, Integer, Table, Text, text
@@ -20,6 +21,7 @@ from sqlalchemy.engine import Connection
 
 from resources.storage.db import metadata
 from resources.storage.json_text import to_text
+from resources.storage.queries import load_queries
 from resources.telemetry.tracing import inject
 
 outbox = Table(
@@ -50,13 +52,9 @@ inbox = Table(
     Column("processed_at", Float, nullable=False),
 )
 
-_INSERT = text(
-    "INSERT INTO outbox (event_id, aggregate_type, aggregate_id, event_type, payload,"
-    " created_at, attempts, traceparent)"
-    " VALUES (:event_id, :aggregate_type, :aggregate_id, :event_type, :payload, :now, 0,"
-    " :traceparent)"
-    " ON CONFLICT (event_id) DO NOTHING"
-)
+QUERIES = load_queries(Path(__file__).with_suffix(".sql"))
+"""The statements and conditions of the outbox's writers and retention."""
+_INSERT = text(QUERIES["write_event"])
 
 
 def write_event(

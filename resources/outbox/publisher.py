@@ -43,6 +43,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from sqlalchemy import bindparam, text
@@ -50,12 +51,14 @@ from sqlalchemy.engine import Connection
 
 from resources.outbox.dead_letters import DEFAULT_MAX_FAILURES, OutboxDeadLetters
 from resources.storage.db import Database
+from resources.storage.queries import load_dialect_queries
 from resources.telemetry.tracing import SpanKind, span
 
 log = logging.getLogger(__name__)
 
 Clock = Callable[[], float]
 _CLAIM_LOCK_ID = 0x0B0C5E  # arbitrary, constant: serialises claimers on Postgres
+_Q = load_dialect_queries(Path(__file__).with_suffix(".sql"))
 
 
 @dataclass(frozen=True)
@@ -122,15 +125,13 @@ class Inbox:
     def __init__(self, db: Database, *, clock: Clock = time.time) -> None:
         self.db = db
         self.clock = clock
+        self._q = _Q[db.dialect]
 
     def process(self, consumer: str, event: OutboxEvent, handler: Handler) -> bool:
         """Apply ``handler`` unless ``consumer`` has processed this event; True if applied."""
         with self.db.transaction() as conn:
             inserted = conn.execute(
-                text(
-                    "INSERT INTO inbox (consumer, event_id, processed_at)"
-                    " VALUES (:c, :e, :now) ON CONFLICT DO NOTHING"
-                ),
+                text(self._q["inbox_insert"]),
                 {"c": consumer, "e": event.event_id, "now": self.clock()},
             ).rowcount
             if not inserted:
@@ -143,7 +144,7 @@ class Inbox:
         with self.db.statement() as conn:
             return (
                 conn.execute(
-                    text("SELECT 1 FROM inbox WHERE consumer = :c AND event_id = :e"),
+                    text(self._q["inbox_seen"]),
                     {"c": consumer, "e": event_id},
                 ).first()
                 is not None
@@ -189,24 +190,6 @@ class PublishStats:
         self.errors += other.errors
 
 
-_CLAIM = """
-SELECT o.id FROM outbox o
-WHERE o.published_at IS NULL AND o.dead_letter_id IS NULL
-  AND (o.claimed_until IS NULL OR o.claimed_until <= :now OR o.claimed_by = :me)
-  AND NOT EXISTS (
-    SELECT 1 FROM outbox b
-    WHERE b.aggregate_type = o.aggregate_type AND b.aggregate_id = o.aggregate_id
-      AND b.published_at IS NULL AND b.id < o.id
-      AND (b.dead_letter_id IS NOT NULL OR (b.claimed_until > :now AND b.claimed_by <> :me)))
-ORDER BY o.id LIMIT :limit{skip}
-"""
-
-_COLUMNS = (
-    "id, event_id, aggregate_type, aggregate_id, event_type, payload, created_at, attempts,"
-    " traceparent"
-)
-
-
 class OutboxPublisher:
     """Claims, publishes and marks outbox rows. One per process or thread is fine; many may run
     at once on one database."""
@@ -232,36 +215,28 @@ class OutboxPublisher:
         self.claim_seconds = claim_seconds
         self.owner = owner or uuid.uuid4().hex
         self.clock = clock
+        self._q = _Q[db.dialect]
 
     def claim(self) -> list[OutboxEvent]:
         """Claim up to ``batch_size`` publishable rows, oldest first."""
         now = self.clock()
-        # FOR UPDATE waits for a row another publisher is releasing or marking, then re-reads
-        # it; claimers never wait for each other's row locks (the advisory lock comes first)
-        skip = " FOR UPDATE" if self.db.is_postgres else ""
         with self.db.transaction() as conn:
-            if self.db.is_postgres:
-                conn.execute(text("SELECT pg_advisory_xact_lock(:id)"), {"id": _CLAIM_LOCK_ID})
+            self.db.sql_dialect.advisory_lock(conn, _CLAIM_LOCK_ID)
             ids = [
                 int(r.id)
                 for r in conn.execute(
-                    text(_CLAIM.format(skip=skip)),
+                    text(self._q["claim_ids"]),
                     {"now": now, "me": self.owner, "limit": self.batch_size},
                 )
             ]
             if not ids:
                 return []
             conn.execute(
-                text(
-                    "UPDATE outbox SET claimed_by = :me, claimed_until = :until,"
-                    " attempts = attempts + 1 WHERE id IN :ids"
-                ).bindparams(bindparam("ids", expanding=True)),
+                text(self._q["mark_claimed"]).bindparams(bindparam("ids", expanding=True)),
                 {"me": self.owner, "until": now + self.claim_seconds, "ids": ids},
             )
             rows = conn.execute(
-                text(f"SELECT {_COLUMNS} FROM outbox WHERE id IN :ids ORDER BY id").bindparams(  # nosec B608: SQL from code constants, values bound
-                    bindparam("ids", expanding=True)
-                ),
+                text(self._q["events_by_ids"]).bindparams(bindparam("ids", expanding=True)),
                 {"ids": ids},
             ).all()
         return [OutboxEvent.from_row(r) for r in rows]
@@ -328,20 +303,13 @@ class OutboxPublisher:
         this row's claim as expired (its snapshot predates the extension) and take the next
         row of the aggregate while this one is being published. Extensions do not wait for
         each other."""
-        if not self.db.is_postgres:  # BEGIN IMMEDIATE already serialises writers on SQLite
-            with self.db.statement() as conn:
-                return self._extend(conn, event)
-        with self.db.transaction() as conn:
-            conn.execute(text("SELECT pg_advisory_xact_lock_shared(:id)"), {"id": _CLAIM_LOCK_ID})
+        with self.db.sql_dialect.shared_section(self.db, _CLAIM_LOCK_ID) as conn:
             return self._extend(conn, event)
 
     def _extend(self, conn: Connection, event: OutboxEvent) -> bool:
         return bool(
             conn.execute(
-                text(
-                    "UPDATE outbox SET claimed_until = :until"
-                    " WHERE id = :id AND claimed_by = :me AND published_at IS NULL"
-                ),
+                text(self._q["extend_claim"]),
                 {"until": self.clock() + self.claim_seconds, "id": event.id, "me": self.owner},
             ).rowcount
         )
@@ -351,11 +319,7 @@ class OutboxPublisher:
         row, dead-letter it in the same transaction. Returns the dead letter's id, if any."""
         with self.db.transaction() as conn:
             failures = conn.execute(
-                text(
-                    "UPDATE outbox SET failures = failures + 1, last_error = :error"
-                    " WHERE id = :id AND claimed_by = :me AND published_at IS NULL"
-                    " RETURNING failures"
-                ),
+                text(self._q["count_failure"]),
                 {"error": error[:4000], "id": event.id, "me": self.owner},
             ).scalar()
             if failures is None or int(failures) < self.max_failures:
@@ -366,37 +330,20 @@ class OutboxPublisher:
         with self.db.statement() as conn:
             return bool(
                 conn.execute(
-                    text(
-                        "UPDATE outbox SET published_at = :now, claimed_by = NULL,"
-                        " claimed_until = NULL, failures = 0"
-                        " WHERE id = :id AND claimed_by = :me AND published_at IS NULL"
-                    ),
+                    text(self._q["mark_published"]),
                     {"now": self.clock(), "id": event.id, "me": self.owner},
                 ).rowcount
             )
 
     def _release(self, aggregates: set[tuple[str, str]]) -> None:
         with self.db.transaction() as conn:
-            if self.db.is_postgres:  # as in _still_mine; also no deadlock with a claim's FOR UPDATE
-                conn.execute(
-                    text("SELECT pg_advisory_xact_lock_shared(:id)"), {"id": _CLAIM_LOCK_ID}
-                )
+            # as in _still_mine; also no deadlock with a claim's row locks
+            self.db.sql_dialect.advisory_lock(conn, _CLAIM_LOCK_ID, shared=True)
             for aggregate_type, aggregate_id in aggregates:
                 conn.execute(
-                    text(
-                        "UPDATE outbox SET claimed_by = NULL, claimed_until = NULL"
-                        " WHERE claimed_by = :me AND published_at IS NULL"
-                        " AND aggregate_type = :t AND aggregate_id = :a"
-                    ),
+                    text(self._q["release_aggregate"]),
                     {"me": self.owner, "t": aggregate_type, "a": aggregate_id},
                 )
-
-
-_BEHIND_DEAD = (
-    "EXISTS (SELECT 1 FROM outbox b WHERE b.aggregate_type = outbox.aggregate_type"
-    " AND b.aggregate_id = outbox.aggregate_id AND b.published_at IS NULL AND b.id < outbox.id"
-    " AND b.dead_letter_id IS NOT NULL)"
-)
 
 
 def unpublished_older_than(db: Database, seconds: float, *, now: float | None = None) -> list[int]:
@@ -408,11 +355,7 @@ def unpublished_older_than(db: Database, seconds: float, *, now: float | None = 
         return [
             int(r.id)
             for r in conn.execute(
-                text(
-                    "SELECT id FROM outbox WHERE published_at IS NULL AND created_at <= :cutoff"
-                    f" AND dead_letter_id IS NULL AND NOT {_BEHIND_DEAD} ORDER BY id"  # nosec B608: SQL from code constants, values bound
-                ),
-                {"cutoff": cutoff},
+                text(_Q[db.dialect]["unpublished_older_than"]), {"cutoff": cutoff}
             )
         ]
 
@@ -421,11 +364,5 @@ def held_by_dead_letters(db: Database) -> tuple[int, int]:
     """Unpublished rows that wait for an operator's replay or discard (`sekali outbox`): how
     many are dead-lettered, and how many later events of their aggregates wait behind them."""
     with db.statement() as conn:
-        row = conn.execute(
-            text(
-                "SELECT COALESCE(SUM(CASE WHEN dead_letter_id IS NOT NULL THEN 1 ELSE 0 END), 0),"
-                f" COALESCE(SUM(CASE WHEN dead_letter_id IS NULL AND {_BEHIND_DEAD}"  # nosec B608: SQL from code constants
-                " THEN 1 ELSE 0 END), 0) FROM outbox WHERE published_at IS NULL"
-            )
-        ).one()
+        row = conn.execute(text(_Q[db.dialect]["held_by_dead_letters"])).one()
     return int(row[0]), int(row[1])

@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import time
 
+from resources.outbox.events import QUERIES
 from resources.storage.retention import Expiry
 
 
 def expired_outbox(older_than: float, *, now: float | None = None) -> Expiry:
     """Outbox rows published more than ``older_than`` seconds before ``now``."""
     return Expiry.of(
-        "outbox", "id", "published_at IS NOT NULL AND published_at <= :cutoff",
-        _cutoff(older_than, now),
+        "outbox", "id", QUERIES["published_before"], _cutoff(older_than, now),
     )
 
 
@@ -32,12 +32,9 @@ def expired_inbox(older_than: float, *, now: float | None = None) -> Expiry:
     return Expiry.of(
         "inbox",
         "consumer, event_id",
-        "processed_at <= :cutoff",
+        QUERIES["processed_before"],
         _cutoff(older_than, now),
-        keep=[
-            "EXISTS (SELECT 1 FROM outbox o WHERE o.event_id = inbox.event_id"
-            " AND o.published_at IS NULL)"
-        ],
+        keep=[QUERIES["event_unpublished"]],
     )
 
 

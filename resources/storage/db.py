@@ -41,6 +41,7 @@ from sqlalchemy import exc as sa_exc
 from sqlalchemy.engine import Connection, Engine, make_url
 from sqlalchemy.engine.url import URL
 
+from resources.storage.dialects import Dialect, dialect_named
 from resources.storage.driver import errors_as_ours
 from resources.storage.files import FILE_MODE, FOLDER_MODE
 from resources.storage.settings import DatabaseTimeouts, normalize_url
@@ -329,6 +330,8 @@ class Database:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.dialect: str = engine.dialect.name
+        self.sql_dialect: Dialect = dialect_named(self.dialect)
+        """What differs between the dialects, behind one interface (:mod:`.dialects`)."""
         self._autocommit = (
             engine.execution_options(isolation_level="AUTOCOMMIT")
             if self.dialect == "postgresql"

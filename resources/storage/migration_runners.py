@@ -34,6 +34,7 @@ import re
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 from sqlalchemy import exc as sa_exc
@@ -44,6 +45,7 @@ from resources.errors import SekaliError, StoreUnavailable
 from resources.storage import ddl
 from resources.storage.db import Database
 from resources.storage.migration_files import Migration, Statement
+from resources.storage.queries import load_dialect_queries, load_queries
 from resources.storage.settings import MigrationSettings
 
 log = logging.getLogger(__name__)
@@ -54,20 +56,10 @@ RECORDS = "sekali_schema_migrations"
 STATE = "sekali_schema_state"
 READERS_KNOW = "readers_know"
 
-_RECORDS_DDL = (
-    f"CREATE TABLE IF NOT EXISTS {RECORDS} ("
-    " name TEXT PRIMARY KEY, checksum TEXT NOT NULL, applied_at DOUBLE PRECISION NOT NULL,"
-    " replaced_by TEXT)"
-)
-"""As the previous release's runner created it, with ``replaced_by`` (added where it lacks it:
-that runner inserts naming its three columns, so it lives with the fourth)."""
-_STATE_DDL = (
-    f"CREATE TABLE IF NOT EXISTS {STATE} ("
-    " name TEXT PRIMARY KEY, value TEXT NOT NULL, changed_at DOUBLE PRECISION NOT NULL)"
-)
-_RECORD = text(
-    f"INSERT INTO {RECORDS} (name, checksum, applied_at, replaced_by) VALUES (:n, :c, :t, :r)"  # nosec B608: SQL from code constants, values bound
-)
+_QUERY_FILE = Path(__file__).with_suffix(".sql")
+_Q = load_queries(_QUERY_FILE)
+_DIALECT_Q = load_dialect_queries(_QUERY_FILE)
+_RECORD = text(_Q["record"])
 _ADD_COLUMN_IF_NOT_EXISTS = re.compile(
     r"^ALTER\s+TABLE\s+(\w+)\s+ADD\s+(?:COLUMN\s+)?IF\s+NOT\s+EXISTS\s+(\w+)\s+(.*)$",
     re.I | re.S,
@@ -148,9 +140,9 @@ class Runner(Protocol):
 
 def runner_for(db: Database, settings: MigrationSettings,
                progress: Callable[[str], None] | None = None) -> Runner:
-    if db.is_postgres:
-        return PostgresRunner(db, settings, progress)
-    return SqliteRunner(db, settings, progress)
+    runners: dict[str, type[PostgresRunner] | type[SqliteRunner]] = {
+        "postgresql": PostgresRunner, "sqlite": SqliteRunner}
+    return runners[db.sql_dialect.name](db, settings, progress)
 
 
 def read_records(conn: Connection) -> dict[str, Record]:
@@ -158,7 +150,7 @@ def read_records(conn: Connection) -> dict[str, Record]:
     table has, so it serves a database a previous release created."""
     if not inspect(conn).has_table(RECORDS):
         return {}
-    rows = conn.execute(text(f"SELECT * FROM {RECORDS}")).mappings().all()  # nosec B608: SQL from code constants, values bound
+    rows = conn.execute(text(_Q["records"])).mappings().all()
     return {
         r["name"]: Record(r["name"], r["checksum"], float(r["applied_at"]), r.get("replaced_by"))
         for r in rows
@@ -169,7 +161,7 @@ def read_readers_know(conn: Connection) -> str | None:
     if not inspect(conn).has_table(STATE):
         return None
     value = conn.execute(
-        text(f"SELECT value FROM {STATE} WHERE name = :n"), {"n": READERS_KNOW}  # nosec B608: SQL from code constants, values bound
+        text(_Q["state_value"]), {"n": READERS_KNOW}
     ).scalar()
     return None if value is None else str(value)
 
@@ -188,23 +180,16 @@ def _record(conn: Connection, migration: Migration, replaced: list[Migration], *
 
 def _recorded(conn: Connection, name: str) -> bool:
     return conn.execute(
-        text(f"SELECT 1 FROM {RECORDS} WHERE name = :n"), {"n": name}  # nosec B608: SQL from code constants, values bound
+        text(_Q["recorded"]), {"n": name}
     ).first() is not None
 
 
 def _write_readers_know(conn: Connection, name: str) -> bool:
     """Raise the recorded floor to ``name`` (never lower it); True when it moved."""
     params = {"n": READERS_KNOW, "v": name, "t": time.time()}
-    moved = conn.execute(
-        text(f"UPDATE {STATE} SET value = :v, changed_at = :t WHERE name = :n AND value < :v"),  # nosec B608: SQL from code constants, values bound
-        params,
-    ).rowcount
+    moved = conn.execute(text(_Q["raise_state"]), params).rowcount
     if not moved:
-        moved = conn.execute(
-            text(f"INSERT INTO {STATE} (name, value, changed_at) SELECT :n, :v, :t"
-                 f" WHERE NOT EXISTS (SELECT 1 FROM {STATE} WHERE name = :n)"),  # nosec B608: SQL from code constants, values bound
-            params,
-        ).rowcount
+        moved = conn.execute(text(_Q["insert_state"]), params).rowcount
     return bool(moved)
 
 
@@ -227,7 +212,7 @@ def _ranges(conn: Connection, statement: Statement) -> Iterator[tuple[int, int]]
     batch = statement.batch
     assert batch is not None
     low, high = conn.execute(
-        text(f"SELECT MIN({batch.column}), MAX({batch.column}) FROM {batch.table}")  # nosec B608: SQL from code constants, values bound
+        text(_Q["batch_range"].format(column=batch.column, table=batch.table))
     ).one()
     if low is None:
         return
@@ -254,10 +239,10 @@ class SqliteRunner:
 
     def prepare(self, newest: str) -> None:
         def create(conn: Connection) -> bool:
-            conn.exec_driver_sql(_RECORDS_DDL)
-            conn.exec_driver_sql(_STATE_DDL)
+            conn.exec_driver_sql(_Q["create_records"])
+            conn.exec_driver_sql(_Q["create_state"])
             if "replaced_by" not in _columns(conn, RECORDS):
-                conn.exec_driver_sql(f"ALTER TABLE {RECORDS} ADD COLUMN replaced_by TEXT")
+                conn.exec_driver_sql(_DIALECT_Q["sqlite"]["add_replaced_by"])
             return _start_readers_know(conn, newest)
 
         self._transaction(create)
@@ -347,11 +332,9 @@ def _keep_sequences(conn: Connection, before: dict[str, int]) -> None:
         if name not in tables or after.get(name, -1) >= seq:
             continue
         if name in after:
-            conn.execute(text("UPDATE sqlite_sequence SET seq = :s WHERE name = :n"),
-                         {"s": seq, "n": name})
+            conn.execute(text(_Q["set_sequence"]), {"s": seq, "n": name})
         else:
-            conn.execute(text("INSERT INTO sqlite_sequence (name, seq) VALUES (:n, :s)"),
-                         {"s": seq, "n": name})
+            conn.execute(text(_Q["add_sequence"]), {"s": seq, "n": name})
 
 
 class PostgresRunner:
@@ -406,11 +389,10 @@ class PostgresRunner:
 
     def prepare(self, newest: str) -> None:
         def create(conn: Connection) -> bool:
-            conn.exec_driver_sql(_RECORDS_DDL)
-            conn.exec_driver_sql(_STATE_DDL)
+            conn.exec_driver_sql(_Q["create_records"])
+            conn.exec_driver_sql(_Q["create_state"])
             if "replaced_by" not in _columns(conn, RECORDS):
-                conn.exec_driver_sql(f"ALTER TABLE {RECORDS} ADD COLUMN IF NOT EXISTS"
-                                     " replaced_by TEXT")
+                conn.exec_driver_sql(_DIALECT_Q["postgresql"]["add_replaced_by"])
             return _start_readers_know(conn, newest)
 
         self._transaction("(records)", create)
@@ -563,7 +545,7 @@ class PostgresRunner:
 
     def _drop_invalid_index(self, name: str) -> None:
         valid = self.conn.execute(
-            text("SELECT indisvalid FROM pg_index WHERE indexrelid = to_regclass(:n)"),
+            text(_Q["index_valid"]),
             {"n": name},
         ).scalar()
         if valid is False:

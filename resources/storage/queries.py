@@ -9,12 +9,21 @@ The file holds blocks in procrastinate's style::
 A block starts with a ``-- name --`` line; the comment lines after it describe the statement;
 everything up to the next block is the statement (a trailing ``;`` is dropped). Only the owning
 store loads its file, once, at import.
+
+Where the dialects need different text for a statement, ``NAME.postgresql.sql`` and
+``NAME.sqlite.sql`` beside ``NAME.sql`` hold that block for their dialect
+(:func:`load_dialect_queries`), as the migrations' dialect files do: the store picks the set of
+its database's dialect once and never branches on it.
 """
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
+
+DIALECTS = ("sqlite", "postgresql")
+"""The dialects, as SQLAlchemy names them and as variant query (and migration) files end; each
+has its class in :mod:`resources.storage.dialects`."""
 
 _HEADER = re.compile(r"^--\s*([a-z_][a-z0-9_]*)\s*--\s*$")
 
@@ -45,3 +54,20 @@ def load_queries(path: Path) -> dict[str, str]:
             body.append(line)
     close()
     return queries
+
+
+def load_dialect_queries(path: Path) -> dict[str, dict[str, str]]:
+    """``{dialect: {name: statement}}``: the blocks of ``path``, each overridden by the block of
+    the same name in ``path``'s ``.postgresql.sql`` / ``.sqlite.sql`` sibling when there is one.
+    A name that some dialect lacks is a ValueError (a store would fail only on that dialect)."""
+    shared = load_queries(path)
+    by_dialect: dict[str, dict[str, str]] = {}
+    for dialect in DIALECTS:
+        own = path.with_suffix(f".{dialect}.sql")
+        by_dialect[dialect] = {**shared, **(load_queries(own) if own.exists() else {})}
+    names = set().union(*(set(q) for q in by_dialect.values()))
+    for dialect, queries in by_dialect.items():
+        missing = sorted(names - set(queries))
+        if missing:
+            raise ValueError(f"{path.name}: no {dialect} text for {', '.join(missing)}")
+    return by_dialect

@@ -31,15 +31,18 @@ import logging
 import os
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import text
 
 from resources.errors import AsyncReplication
+from resources.storage.queries import load_queries
 
 log = logging.getLogger(__name__)
 
 ACCEPT_ENV = "SEKALI_ACCEPT_ASYNC_REPLICATION"
+_Q = load_queries(Path(__file__).with_suffix(".sql"))
 MANAGED_PREFIXES = ("rds.", "aurora", "cloudsql.", "azure.", "alloydb", "neon.", "google.")
 DURABLE = "durable"
 ASYNC = "async"
@@ -116,18 +119,15 @@ class Replication:
 def read_replication(conn: Any) -> Replication:
     """The mode from a Postgres connection (any user; the standbys' states need
     ``pg_monitor`` or superuser, else they read as unknown)."""
-    row = conn.execute(text(
-        "SELECT current_setting('synchronous_commit'), "
-        "current_setting('synchronous_standby_names'), pg_is_in_recovery()")).one()
+    row = conn.execute(text(_Q["commit_mode"])).one()
     standbys = [
         {"name": r.application_name, "state": r.state, "sync_state": r.sync_state,
          "replay_lag": None if r.replay_lag is None else r.replay_lag.total_seconds()}
-        for r in conn.execute(text(
-            "SELECT application_name, state, sync_state, replay_lag FROM pg_stat_replication"))
+        for r in conn.execute(text(_Q["standbys"]))
     ]
-    managed = {str(r.name): str(r.setting) for r in conn.execute(text(
-        "SELECT name, setting FROM pg_settings WHERE "
-        + " OR ".join(f"name LIKE '{p}%'" for p in MANAGED_PREFIXES)))}  # nosec B608: constants
+    patterns = [f"{prefix}%" for prefix in MANAGED_PREFIXES]
+    managed = {str(r.name): str(r.setting) for r in conn.execute(
+        text(_Q["managed_settings"]), {"patterns": patterns})}
     return Replication(str(row[0]), str(row[1]), bool(row[2]), standbys, managed)
 
 
@@ -143,7 +143,7 @@ def require_durable_commits(db: Any) -> None:
     """Refuse (:class:`AsyncReplication`, permanent) a Postgres primary whose completed keys a
     failover can roll back, unless ``SEKALI_ACCEPT_ASYNC_REPLICATION=1`` (then one warning);
     checked once per database URL per process. SQLite has no replicas: nothing to check."""
-    if not db.is_postgres:
+    if not db.sql_dialect.has_replicas:
         return
     url = str(db.engine.url)
     with _checked_guard:

@@ -18,11 +18,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import bindparam, text
 
 from resources.storage.db import Database
+from resources.storage.queries import load_dialect_queries
+
+_Q = load_dialect_queries(Path(__file__).with_suffix(".sql"))
 
 BATCH_SIZE = 1000
 MAX_BATCHES = 20
@@ -63,10 +67,10 @@ class Expiry:
         transactions; returns how many were deleted."""
         if batch_size < 1 or max_batches < 1:
             raise ValueError("batch_size and max_batches must be at least 1")
-        lock = " FOR UPDATE SKIP LOCKED" if db.is_postgres else ""
-        choose = text(
-            f"SELECT {self.key} FROM {self.table} WHERE {self.where} LIMIT :_batch_size{lock}"  # nosec B608: SQL from code constants, values bound
-        )
+        q = _Q[db.dialect]
+        names = {"table": self.table, "key": self.key, "where": self.where}
+        choose = text(q["choose_batch"].format(**names))
+        delete = _keyed(q["delete_rows"].format(**names))
         single = "," not in self.key
         deleted = 0
         for _ in range(max_batches):
@@ -74,11 +78,9 @@ class Expiry:
                 rows = conn.execute(choose, {**self.params, "_batch_size": batch_size}).all()
                 keys = [row[0] if single else tuple(row) for row in rows]
                 if keys:
-                    for table, column in self.children:
-                        conn.execute(_in(f"DELETE FROM {table} WHERE {column}"), {"_keys": keys})  # nosec B608: SQL from code constants, values bound
-                    delete = _in(
-                        f"DELETE FROM {self.table} WHERE ({self.key})", f" AND ({self.where})"  # nosec B608: SQL from code constants, values bound
-                    )
+                    for child, column in self.children:
+                        children = q["delete_children"].format(child=child, column=column)
+                        conn.execute(_keyed(children), {"_keys": keys})
                     deleted += int(
                         conn.execute(delete, {**self.params, "_keys": keys}).rowcount
                     )
@@ -89,16 +91,18 @@ class Expiry:
     def count(self, db: Database) -> int:
         """How many rows :meth:`purge` would delete now (all of them, not one run's worth)."""
         with db.statement() as conn:
-            sql = text(f"SELECT COUNT(*) FROM {self.table} WHERE {self.where}")  # nosec B608: SQL from code constants, values bound
+            sql = text(_Q[db.dialect]["count_expired"].format(table=self.table, where=self.where))
             return int(conn.execute(sql, dict(self.params)).scalar_one())
 
 
-def _in(head: str, tail: str = "") -> Any:
-    """``{head} IN (the chosen keys){tail}``: the delete goes by key (an index), not a scan."""
-    return text(f"{head} IN :_keys{tail}").bindparams(bindparam("_keys", expanding=True))
+def _keyed(statement: str) -> Any:
+    """``statement`` with ``:_keys`` expanded to the chosen keys: the delete goes by key (an
+    index), not a scan."""
+    return text(statement).bindparams(bindparam("_keys", expanding=True))
 
 
 def count_rows(db: Database, table: str) -> int:
     """Every row of ``table`` (the doctor puts it beside the expired ones)."""
     with db.statement() as conn:
-        return int(conn.execute(text(f"SELECT COUNT(*) FROM {table}")).scalar_one())  # nosec B608: SQL from code constants, values bound
+        count = _Q[db.dialect]["count_rows"].format(table=table)
+        return int(conn.execute(text(count)).scalar_one())

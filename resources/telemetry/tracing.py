@@ -27,11 +27,13 @@ use it with the SDK's in-memory exporter).
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import os
 import threading
 import weakref
-from collections.abc import Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, ParamSpec, TypeVar
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -46,6 +48,7 @@ __all__ = [
     "set_attributes",
     "span",
     "trace_id_of",
+    "traced",
     "tracer",
     "tracing_enabled",
     "use_provider",
@@ -214,6 +217,55 @@ def _span(
             current.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}"))
             current.set_attribute("sekali.error_type", type(exc).__name__)
             raise
+
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def traced(
+    name: str,
+    *,
+    attributes: Mapping[str, str] | None = None,
+    parent: str | None = None,
+    fixed: Callable[[], Mapping[str, Any]] | None = None,
+    returned: Callable[[Any], Mapping[str, Any]] | None = None,
+    before: Callable[[], object] | None = None,
+) -> Callable[[Callable[P, R]], Callable[P, R]]:
+    """The decorated function runs as the span ``name``: one function, no twin that only opens
+    the span.
+
+    ``attributes`` maps span attribute names to the function's parameter names (defaults
+    included); ``parent`` names the parameter holding a ``traceparent`` to continue; ``fixed``
+    gives attributes that depend on no argument (the worker); ``returned`` adds attributes from
+    the result; ``before`` runs first, on every call (setting tracing up from the
+    environment). With tracing off the function is called straight, arguments unread.
+    """
+    names = dict(attributes or {})
+
+    def decorate(fn: Callable[P, R]) -> Callable[P, R]:
+        signature = inspect.signature(fn)
+
+        @functools.wraps(fn)
+        def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+            if before is not None:
+                before()
+            if _off():
+                return fn(*args, **kwargs)
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            given = bound.arguments
+            values = {attr: given[param] for attr, param in names.items()}
+            with span(name, parent=given[parent] if parent else None,
+                      **values, **(fixed() if fixed else {})):
+                result = fn(*args, **kwargs)
+                if returned is not None:
+                    set_attributes(**returned(result))
+                return result
+
+        return wrapper
+
+    return decorate
 
 
 def set_attributes(**attributes: Any) -> None:

@@ -119,7 +119,7 @@ def redis_ok(url: str, timeout: float = 2.0) -> bool:
 
 def http_ok(url: str, timeout: float = 3.0) -> bool:
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:  # noqa: S310 - our host  # nosec B310: http URL of our own service
+        with urllib.request.urlopen(url, timeout=timeout) as response:  # nosec B310: http URL of our own service
             return 200 <= int(response.status) < 300
     except (OSError, urllib.error.URLError, ValueError):
         return False
@@ -151,7 +151,7 @@ class GraphQL:
             headers["Authorization"] = f"Basic {token}"
         request = urllib.request.Request(self.url, data=body, headers=headers)
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout) as response:  # noqa: S310  # nosec B310: http URL of our own service
+            with urllib.request.urlopen(request, timeout=self.timeout) as response:  # nosec B310: http URL of our own service
                 payload = json.loads(response.read())
         except (OSError, urllib.error.URLError, ValueError) as exc:
             raise ClusterError(f"GraphQL at {self.url}: {exc}") from exc

@@ -1,0 +1,9 @@
+-- Named statements of resources/storage/dialects.py's PostgresDialect.
+
+-- advisory_lock --
+-- Hold the transaction-scoped advisory lock :key, exclusive, until the transaction ends.
+SELECT pg_advisory_xact_lock(:key);
+
+-- advisory_lock_shared --
+-- Hold the transaction-scoped advisory lock :key, shared, until the transaction ends.
+SELECT pg_advisory_xact_lock_shared(:key);
