@@ -43,6 +43,7 @@ import contextvars
 import functools
 import logging
 import os
+import queue
 import socket
 import sys
 import sysconfig
@@ -631,31 +632,86 @@ def run_bounded(fn: Callable[[], T], *, until: float, name: str) -> T:
     its result, or its exception re-raised here; :class:`Overran` when it is still running
     then (the thread is abandoned, not stopped: Python cannot stop a thread, so it runs on
     until its call returns or its process ends, and whatever it raises or returns then is
-    only logged). The thread carries the caller's context variables (the trace)."""
+    only logged). The thread carries the caller's context variables (the trace).
+
+    Threads that returned in time are kept for the next call (:class:`_Runner`), since
+    starting one per call cost more CPU than handing work to one already there; an abandoned
+    thread is never given another call."""
     box: dict[str, Any] = {}
     done = threading.Event()
     context = contextvars.copy_context()
 
-    def target() -> None:
+    def job() -> bool:
+        threading.current_thread().name = name
         try:
             box["result"] = context.run(fn)
         except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
             box["error"] = exc
         finally:
             done.set()
-            if box.get("abandoned"):
-                logger.warning("%s, abandoned at its bound, ended late: %s", name,
-                               box.get("error", "returned"))
+        if box.get("abandoned"):
+            logger.warning("%s, abandoned at its bound, ended late: %s", name,
+                           box.get("error", "returned"))
+            return False
+        return True
 
-    thread = threading.Thread(target=target, name=name, daemon=True)
-    thread.start()
-    if not done.wait(max(0.0, until - time.monotonic())):
+    runner = _Runner.take()
+    runner.work.put(job)
+    if done.wait(max(0.0, until - time.monotonic())):
+        _Runner.keep(runner)
+    else:
         box["abandoned"] = True
         if not done.is_set():
-            raise Overran(_where(thread))
+            raise Overran(_where(runner.thread))
     if "error" in box:
         raise box["error"]
     return box["result"]  # type: ignore[no-any-return]
+
+
+class _Runner:
+    """A daemon thread that runs :func:`run_bounded`'s calls, one at a time. It goes back to
+    the idle ones (at most :attr:`IDLE`) when its call returned in time, and ends once a call
+    it was abandoned on returns (or with its process, if that call never does). A call that
+    returns in the instant between its bound and the caller's second look is answered, and its
+    thread, not kept, may wait for work for good: a daemon thread, idle. A forked child starts
+    with none (the parent's threads are not in it)."""
+
+    IDLE = 32
+    _idle: list[_Runner] = []
+    _lock = threading.Lock()
+
+    def __init__(self) -> None:
+        self.work: queue.SimpleQueue[Callable[[], bool] | None] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._loop, name="handler", daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while (job := self.work.get()) is not None:
+            if not job():
+                return
+
+    @classmethod
+    def take(cls) -> _Runner:
+        with cls._lock:
+            if cls._idle:
+                return cls._idle.pop()
+        return cls()
+
+    @classmethod
+    def keep(cls, runner: _Runner) -> None:
+        with cls._lock:
+            if len(cls._idle) < cls.IDLE:
+                cls._idle.append(runner)
+                return
+        runner.work.put(None)
+
+    @classmethod
+    def forget(cls) -> None:
+        cls._idle = []
+        cls._lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_Runner.forget)
 
 
 _LIBRARIES = tuple(sysconfig.get_paths()[k] for k in ("stdlib", "purelib", "platlib"))
