@@ -4,9 +4,10 @@ benchmarks.bounded_handlers [--json]``.
 1. **Cost**: a trivial handler through the one execution path
    (:func:`engine.runtime.execute_request`) on a SQLite app database, 7 rounds of 300 fresh
    keys; the figure is the CPU time per request (``time.process_time``, so other processes on
-   the machine do not count), min and median over the rounds. Each handler runs in a thread of
-   its own (:func:`engine.runtime.run_bounded`): this is that thread's price, beside the lease
-   keeper's thread every request already had. Compare with the code before bounded handlers:
+   the machine do not count), min and median over the rounds. Each handler is handed to a
+   thread of its own (:func:`engine.runtime.run_bounded`, a kept thread when one is idle): this
+   is that hand-over's price, beside the lease keeper's thread every request already had.
+   Compare with the code before bounded handlers:
    ``PYTHONPATH=<its checkout> python benchmarks/bounded_handlers.py --only cost``.
 2. **Letting go**: one handler that never returns (it waits on an event nobody sets), bound
    ``--bound`` seconds, lease ``--lease`` seconds: when its request's step returned with
