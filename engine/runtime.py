@@ -17,6 +17,21 @@ took the key) raises :class:`LeaseLost`, chained to whatever it was failing with
 means nothing now, the retry finds the key completed by the new owner (a suppressed duplicate)
 or still in progress, and nothing is dead-lettered in the new owner's name.
 
+A handler is bounded by its job type's ``max_runtime_seconds``, counted from just before the
+claim, whoever runs it (a Dagster op, a resident worker, the chaos harness, a caller of its
+own): it runs in a thread of its own (:func:`run_bounded`) while the caller's thread waits for
+it up to the bound. At the bound the handler is abandoned: its keeper renews no more (the lease
+runs out within the bound + one lease, then a redelivery takes the key over and counts the
+abandoned holder towards the crash-loop bound), its send bound has ended (a late
+``confirm_lease()`` raises, so nothing is sent), its late writes through the context are
+refused, and the attempt fails with :class:`HandlerTimedOut` (``timed_out`` in the DLQ,
+permanent: not retried) without waiting for the thread. Python cannot stop a thread: the
+abandoned one lives on until its call returns or its process ends, holding whatever it holds
+(a connection, a transaction's row locks, a concurrency slot until its lease). So where the
+engine owns the process it ends it: a resident worker ends itself after the batch
+(:class:`engine.worker.ResidentWorker`), a per-request run ends with its op, the chaos worker
+exits; a caller of its own should do the same.
+
 Outcomes recorded: completed, duplicate_suppressed, retried, failed_permanent, dead_lettered
 (via ``decide``), lease_lost, in_progress_elsewhere.
 """
@@ -24,13 +39,21 @@ Outcomes recorded: completed, duplicate_suppressed, retried, failed_permanent, d
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import functools
 import logging
 import os
+import queue
 import socket
+import sys
+import sysconfig
+import threading
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, TypeVar
 
 from engine.attempts import Attempt, Outcome
 from engine.context import CancelWatch, JobContext, batch_slots
@@ -40,12 +63,19 @@ from engine.privacy import personal_values
 from engine.registry import get_job_type
 from engine.requests import RequestStore
 from engine.services import Services
-from resources.errors import AlreadyInProgress, CrashLoop, LeaseLost, StoredFailure
-from resources.idempotency import Claim, Completed
+from resources.errors import (
+    AlreadyInProgress,
+    CrashLoop,
+    HandlerTimedOut,
+    LeaseLost,
+    StoredFailure,
+)
+from resources.idempotency import BatchLeaseKeeper, Claim, Completed
 from resources.retry import ErrorClass, classify
 from resources.telemetry.tracing import inject, set_attributes, span, traced, tracing_enabled
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 Decide = Callable[[BaseException], str]
 """Maps a failure to the outcome to record: ``retried``, ``dead_lettered`` or
@@ -127,10 +157,18 @@ def execute_request(
     )
     try:
         check_crash_loop(services, claimed, record)
-        with services.store.keep_alive(claimed, confirmed_at=asked) as keeper:
+        bound = jt.max_runtime_seconds
+        with services.store.keep_alive(claimed, confirmed_at=asked, runtime=bound) as keeper:
             ctx.keeper = keeper
             ctx.cancel_point("start")
-            result = jt.handler(ctx, jt.typed(clean))
+            typed = jt.typed(clean)
+            try:
+                result = run_bounded(lambda: jt.handler(ctx, typed), until=asked + bound,
+                                     name=f"handler:{key}")
+            except Overran as late:
+                raise HandlerTimedOut(key, bound, where=late.where) from None
+            finally:
+                keeper.met()
             if not ctx.completed:  # once completed, a late heartbeat's "lost" means nothing
                 keeper.check()
                 started = time.perf_counter()
@@ -300,14 +338,14 @@ def _run_batch(jt: JobType, items: list[_Item], out: list[Any], services: Servic
                 keeper=keeper.keeper_for(item.claim), cancels=cancels,
             )
         fresh, suspects = _triage(services, claimed, results)
-        _round(jt, services, claimed, fresh, results)
+        _round(jt, services, keeper, claimed, fresh, results)
         for n in suspects:
             try:
                 services.store.run_alone(_claim(claimed[n]))
             except LeaseLost as lost:
                 results[n] = lost
                 continue
-            _round(jt, services, claimed, [n], results)
+            _round(jt, services, keeper, claimed, [n], results)
         for item in claimed:
             keeper.release(_claim(item).key)
     done = []
@@ -353,24 +391,29 @@ def _triage(
 
 
 def _round(
-    jt: JobType, services: Services, claimed: list[_Item], part: list[int], results: list[Any]
+    jt: JobType, services: Services, keeper: BatchLeaseKeeper, claimed: list[_Item],
+    part: list[int], results: list[Any],
 ) -> None:
     """Run and complete the requests ``part`` (indexes into ``claimed``) together, so a death
     in a later round finds them done."""
     if not part:
         return
     items = [claimed[n] for n in part]
-    got = _handle(jt, items)
+    got = _handle(jt, keeper, items)
     _complete(services, items, got)
     for n, result in zip(part, got, strict=True):
         results[n] = result
 
 
-def _handle(jt: JobType, items: list[_Item]) -> list[Any]:
+def _handle(jt: JobType, keeper: BatchLeaseKeeper, items: list[_Item]) -> list[Any]:
     """Every claimed request's result or exception, through ``handler_many`` when the job type
     has one (under the batch's concurrency slots: :func:`batch_slots`), else ``handler`` one by
-    one (each holds its own slot)."""
+    one (each holds its own slot). Each handler is bounded from its own start (the requests of
+    a batch run one after another); ``handler_many`` by one bound for its group, which names
+    no culprit when it overruns (:class:`HandlerTimedOut` with ``alone`` False, unless the
+    group is one request)."""
     pairs = [(item.ctx, jt.typed(item.clean)) for item in items if item.ctx is not None]
+    bound = jt.max_runtime_seconds
     if jt.handler_many is not None:
         results: list[Any] = [None] * len(pairs)
         with batch_slots(jt, [ctx for ctx, _ in pairs]) as refused:
@@ -378,22 +421,36 @@ def _handle(jt: JobType, items: list[_Item]) -> list[Any]:
             for n, error in refused.items():
                 results[n] = error
             if run:
-                for n, result in zip(run, _handle_many(jt, [pairs[n] for n in run]), strict=True):
+                group = [pairs[n] for n in run]
+                until = min(keeper.bound(ctx.key, bound) for ctx, _ in group)
+                for n, result in zip(run, _handle_many(jt, group, until), strict=True):
                     results[n] = result
+                for ctx, _ in group:
+                    keeper.met(ctx.key)
         return results
     results = []
     for ctx, typed in pairs:
+        until = keeper.bound(ctx.key, bound)
         try:
-            results.append(jt.handler(ctx, typed))
+            results.append(run_bounded(functools.partial(jt.handler, ctx, typed), until=until,
+                                       name=f"handler:{ctx.key}"))
+        except Overran as late:
+            results.append(HandlerTimedOut(ctx.key, bound, where=late.where))
         except Exception as exc:  # noqa: BLE001 - this request's failure, not the batch's
             results.append(exc)
+        keeper.met(ctx.key)
     return results
 
 
-def _handle_many(jt: JobType, pairs: list[tuple[JobContext, Any]]) -> list[Any]:
-    assert jt.handler_many is not None
+def _handle_many(jt: JobType, pairs: list[tuple[JobContext, Any]], until: float) -> list[Any]:
+    handle_many = jt.handler_many
+    assert handle_many is not None
     try:
-        results = jt.handler_many(pairs)
+        results = run_bounded(lambda: handle_many(pairs), until=until,
+                              name=f"handler_many:{jt.name}")
+    except Overran as late:
+        return [HandlerTimedOut(ctx.key, jt.max_runtime_seconds, where=late.where,
+                                alone=len(pairs) == 1) for ctx, _ in pairs]
     except Exception as exc:  # noqa: BLE001 - the hook failed as a whole: so did each request
         return [exc] * len(pairs)
     if len(results) != len(pairs):
@@ -510,6 +567,10 @@ def _failed(
             _stalled(services, claim)
         _finish(services, record, Outcome.LEASE_LOST, exc)
         return exc
+    if isinstance(exc, HandlerTimedOut):
+        _abandoned(services, claim, exc, solo)
+        _finish(services, record, decide(exc), exc)
+        return exc
     kind = "permanent" if classify(exc) is ErrorClass.PERMANENT else "transient"
     try:
         services.store.fail(claim, exc, kind)
@@ -523,6 +584,22 @@ def _failed(
         logger.exception("could not record the failure of %s on its claim", claim.key)
     _finish(services, record, decide(exc), exc)
     return exc
+
+
+def _abandoned(services: Services, claim: Claim, exc: HandlerTimedOut, solo: bool) -> None:
+    """A handler abandoned at its bound keeps its claim as it is: nothing is written on the key
+    (its thread may still be in a call it started in time), so the key passes on only once the
+    last lease has run out, to a takeover. A handler that ran alone is then counted as a crash
+    towards the crash-loop bound: a per-request claim always is; a batch's member that overran
+    alone is made so here (:meth:`IdempotencyStore.run_alone`); a group that overran together
+    counts none (it names no culprit: its members are retried, each alone)."""
+    logger.error("%s", exc)
+    if solo or not exc.alone:
+        return
+    try:
+        services.store.run_alone(claim)
+    except Exception:  # noqa: BLE001 - taken over already, or the store away: nothing to count
+        logger.warning("could not mark the abandoned holder of %s as alone", claim.key)
 
 
 def _stalled(services: Services, claim: Claim) -> None:
@@ -540,3 +617,122 @@ def _finish(
     set_attributes(outcome=outcome)
     kind = str(classify(error)) if error is not None else None
     services.attempts.finish(record, outcome, error=error, error_kind=kind)
+
+
+class Overran(Exception):  # noqa: N818 - what run_bounded tells its caller, not a failure
+    """:func:`run_bounded`'s call was still running at its bound; ``where`` it was."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__(where)
+        self.where = where
+
+
+def run_bounded(fn: Callable[[], T], *, until: float, name: str) -> T:
+    """Run ``fn`` in a daemon thread of its own and wait for it until ``until`` (monotonic):
+    its result, or its exception re-raised here; :class:`Overran` when it is still running
+    then (the thread is abandoned, not stopped: Python cannot stop a thread, so it runs on
+    until its call returns or its process ends, and whatever it raises or returns then is
+    only logged). The thread carries the caller's context variables (the trace).
+
+    Threads that returned in time are kept for the next call (:class:`_Runner`), since
+    starting one per call cost more CPU than handing work to one already there; an abandoned
+    thread is never given another call."""
+    box: dict[str, Any] = {}
+    done = threading.Event()
+    context = contextvars.copy_context()
+
+    def job() -> bool:
+        threading.current_thread().name = name
+        try:
+            box["result"] = context.run(fn)
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting caller
+            box["error"] = exc
+        finally:
+            done.set()
+        if box.get("abandoned"):
+            logger.warning("%s, abandoned at its bound, ended late: %s", name,
+                           box.get("error", "returned"))
+            return False
+        return True
+
+    runner = _Runner.take()
+    runner.work.put(job)
+    if done.wait(max(0.0, until - time.monotonic())):
+        _Runner.keep(runner)
+    else:
+        box["abandoned"] = True
+        if not done.is_set():
+            raise Overran(_where(runner.thread))
+    if "error" in box:
+        raise box["error"]
+    return box["result"]  # type: ignore[no-any-return]
+
+
+class _Runner:
+    """A daemon thread that runs :func:`run_bounded`'s calls, one at a time. It goes back to
+    the idle ones (at most :attr:`IDLE`) when its call returned in time, and ends once a call
+    it was abandoned on returns (or with its process, if that call never does). A call that
+    returns in the instant between its bound and the caller's second look is answered, and its
+    thread, not kept, may wait for work for good: a daemon thread, idle. A forked child starts
+    with none (the parent's threads are not in it)."""
+
+    IDLE = 32
+    _idle: list[_Runner] = []
+    _lock = threading.Lock()
+
+    def __init__(self) -> None:
+        self.work: queue.SimpleQueue[Callable[[], bool] | None] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._loop, name="handler", daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while (job := self.work.get()) is not None:
+            if not job():
+                return
+
+    @classmethod
+    def take(cls) -> _Runner:
+        with cls._lock:
+            if cls._idle:
+                return cls._idle.pop()
+        return cls()
+
+    @classmethod
+    def keep(cls, runner: _Runner) -> None:
+        with cls._lock:
+            if len(cls._idle) < cls.IDLE:
+                cls._idle.append(runner)
+                return
+        runner.work.put(None)
+
+    @classmethod
+    def forget(cls) -> None:
+        cls._idle = []
+        cls._lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_Runner.forget)
+
+
+_LIBRARIES = tuple(sysconfig.get_paths()[k] for k in ("stdlib", "purelib", "platlib"))
+
+
+def _where(thread: threading.Thread) -> str:
+    """Where ``thread`` is now: the innermost frame of code outside the standard library and
+    installed packages (the job type's own), and the innermost frame if that is elsewhere."""
+    frame = sys._current_frames().get(thread.ident or -1)
+    if frame is None:
+        return "unknown"
+    stack = traceback.extract_stack(frame)
+    inner = stack[-1]
+    own = next((f for f in reversed(stack) if not f.filename.startswith(_LIBRARIES)
+                and not f.filename.endswith(("engine/runtime.py",))), inner)
+
+    def shown(f: traceback.FrameSummary) -> str:
+        try:
+            path = str(Path(f.filename).resolve().relative_to(Path.cwd()))
+        except ValueError:
+            path = f.filename
+        return f"{path}:{f.lineno} in {f.name}"
+
+    return shown(own) if own is inner else f"{shown(own)} (waiting in {shown(inner)})"

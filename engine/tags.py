@@ -79,6 +79,10 @@ class RunOutcome(StrEnum):
 
 # Dagster's
 MAX_RUNTIME: Final = "dagster/max_runtime"
+"""Run monitoring ends a run still going after this many seconds: set by :func:`run_bound`."""
+RUN_MARGIN_SECONDS: Final = 120.0
+"""What a run adds to its handlers' bounds in ``dagster/max_runtime``: its start (a fresh
+interpreter importing Dagster and the definitions) and settling its requests."""
 PRIORITY_RUN: Final = "dagster/priority"
 """Dagster's run queue launches higher values first; the intake sets the request's priority."""
 RUN_KEY: Final = "dagster/run_key"
@@ -92,6 +96,15 @@ DAGSTER_PREFIX: Final = "dagster/"
 
 NO_RUN_RETRY: Final = {RETRY_ON_ASSET_OR_OP_FAILURE: "false"}
 """The op gives up on its own (the DLQ replays it): the run-retry daemon must not re-run it."""
+
+
+def run_bound(handler_bounds: float) -> str:
+    """The ``dagster/max_runtime`` of a run whose handlers may take ``handler_bounds`` seconds
+    in all: above them by :data:`RUN_MARGIN_SECONDS`. The engine ends a hung handler at its own
+    bound (``timed_out``, :func:`engine.runtime.execute_request`); run monitoring is the
+    backstop for a run whose process stopped answering, and must not decide first (it would
+    cancel the run, and the request would be settled by another path)."""
+    return str(int(handler_bounds + RUN_MARGIN_SECONDS))
 
 
 def run_correlation_id(configured: str | None, tags: Mapping[str, str], run_id: str) -> str:

@@ -27,6 +27,18 @@ then, counted towards the crash-loop bound as today).
 Every move a worker makes on a request names its owner, so a worker declared dead that comes
 back (a long pause) changes nothing a newer owner holds; the ledger's fence keeps its late
 writes out.
+
+A handler that hangs is abandoned at its job type's ``max_runtime_seconds``
+(:func:`engine.runtime.run_bounded`) and its request dead-lettered ``timed_out``; the rest of
+its batch runs after it, each request bounded from its own start, so they wait at most that
+bound. The hung thread cannot be stopped, and it may hold what the rest of the process needs:
+a pooled connection, an open transaction with its row locks (on SQLite the database's one
+write lock, which every other writer then waits for until its busy timeout and fails
+transiently), a concurrency slot until its lease. So once the batch is settled the worker ends
+itself (``WorkerStats.reason`` says why): its process exits with the thread, the operating
+system closes the thread's connections (the database rolls its transaction back), and the
+supervisor (:mod:`sensors.workers`) starts a fresh worker. Requests the worker holds are all in
+that batch (it never holds a claim across a wait), so none is left behind.
 """
 
 from __future__ import annotations
@@ -52,6 +64,7 @@ from engine.step import (
     run_steps,
     summary,
 )
+from resources.errors import HandlerTimedOut
 from resources.idempotency import IdempotencyStore
 from resources.storage.settings import Settings
 from resources.wakeup import PollWakeup, RedisWakeup, Wakeup
@@ -166,6 +179,8 @@ class WorkerStats:
     batches: int = 0
     requests: int = 0
     counts: dict[str, int] = field(default_factory=dict)
+    abandoned: int = 0
+    """Handlers abandoned past their bound in the batch that ended the worker (0: none)."""
 
 
 Deferral = Callable[[], Any]
@@ -239,6 +254,14 @@ class ResidentWorker:
             if results:
                 last_work = self.clock()
                 done.add(results, took)
+            hung = [r for r in results if isinstance(r.error, HandlerTimedOut)]
+            if hung:
+                self.stats.abandoned = len(hung)
+                self.stats.reason = (
+                    f"timed out: {len(hung)} handler(s) abandoned past their bound; ending so "
+                    "their threads end with this process (the supervisor starts a fresh one)")
+                log.error("%s worker %s: %s", self.policy.queue, self.owner, self.stats.reason)
+                break
             if done.batches and (not results or self.clock() - last_told
                                    >= self.policy.progress_seconds):
                 self._tell(done)

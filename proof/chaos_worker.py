@@ -24,11 +24,18 @@ Fault hooks, chosen per delivery by the coordinator (so a run is reproducible fr
   completed, ``done`` not yet reported).
 - ``stop``: SIGSTOP itself at ``before_effect`` or ``after_effect``; the coordinator sends
   SIGCONT once the lease has run out, so every later write is a stale one.
+
+A handler that hangs (a job type's downstream that never answers) is abandoned by the engine at
+its job type's ``max_runtime_seconds`` and its delivery reported failed, ``timed_out``; the
+worker then exits (:data:`TIMED_OUT_EXIT`), as a resident worker does, so the hung thread ends
+with its process, and the coordinator starts a fresh worker (deliveries in flight on its other
+threads are redelivered, as after a crash).
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import json
 import logging
@@ -46,6 +53,7 @@ from typing import Any
 
 from sqlalchemy import text
 
+from engine.contract import freeze_here
 from engine.downstreams import ClientOptions
 from engine.registry import get_job_type
 from engine.services import Services
@@ -54,11 +62,14 @@ from pipelines.domain.mail import SMTP
 from pipelines.domain.payments import GATEWAY
 from pipelines.jobs import email, payment
 from proof.chaos_outbox import Relay
+from resources.errors import HandlerTimedOut
 from resources.retry import RetryBudget, RetryPolicy, classify, failure_class
 from resources.storage.redis import redis_client
 from resources.storage.settings import SETTLE_ENV, RedisTimeouts, Settings
 
 logger = logging.getLogger(__name__)
+TIMED_OUT_EXIT = 3
+"""The exit code of a worker that ended itself after the engine abandoned a hung handler."""
 
 CRASH_POINTS = ("before_effect", "after_effect", "after_record")
 STOP_POINTS = ("before_effect", "after_effect")
@@ -199,23 +210,65 @@ class TransactionGate:
                 self._cond.notify_all()
 
 
-class Hooks(threading.local):
-    """The faults armed for the delivery this thread runs."""
+@dataclass
+class _Armed:
+    """The faults armed for one delivery."""
+
+    tok: str = ""
+    crash: str | None = None
+    stop: str | None = None
+    drop: bool = False
+
+
+_ARMED: contextvars.ContextVar[_Armed] = contextvars.ContextVar("chaos_armed")
+
+
+class Hooks:
+    """The faults armed for the delivery being run. Kept in a context variable, not per
+    thread: the engine runs each handler in a thread of its own with its caller's context
+    (:func:`engine.runtime.run_bounded`), so the fault points the handler reaches see what its
+    delivery's consumer thread armed (per thread, they saw nothing armed)."""
 
     gate = TransactionGate()
 
     def __init__(self, channel: _Channel) -> None:
         self.channel = channel
-        self.tok = ""
-        self.crash: str | None = None
-        self.stop: str | None = None
-        self.drop = False
+
+    @property
+    def _armed(self) -> _Armed:
+        try:
+            return _ARMED.get()
+        except LookupError:
+            armed = _Armed()
+            _ARMED.set(armed)
+            return armed
+
+    @property
+    def tok(self) -> str:
+        return self._armed.tok
+
+    @property
+    def crash(self) -> str | None:
+        return self._armed.crash
+
+    @property
+    def stop(self) -> str | None:
+        return self._armed.stop
+
+    @stop.setter
+    def stop(self, value: str | None) -> None:
+        self._armed.stop = value
+
+    @property
+    def drop(self) -> bool:
+        return self._armed.drop
+
+    @drop.setter
+    def drop(self, value: bool) -> None:
+        self._armed.drop = value
 
     def arm(self, msg: dict[str, Any], *, job_hooks: bool) -> None:
-        self.tok = msg["tok"]
-        self.crash = msg.get("crash")
-        self.stop = msg.get("stop")
-        self.drop = bool(msg.get("drop"))
+        _ARMED.set(_Armed(msg["tok"], msg.get("crash"), msg.get("stop"), bool(msg.get("drop"))))
         if self.crash == "after_effect" and job_hooks and msg["job_type"] == "reserve_inventory":
             # inside the reservation transaction only the job type's own hook can strike; it
             # reads the (process-wide) environment, so another thread may hit it first: the
@@ -229,7 +282,7 @@ class Hooks(threading.local):
             self.stop = None
             with self.gate.quiesced():
                 self.channel.send("stopping", self.tok, point=name)
-                os.kill(os.getpid(), signal.SIGSTOP)
+                freeze_here()
             self.channel.send("resumed", self.tok, point=name)
 
 
@@ -448,6 +501,10 @@ class Worker:
                 reason=decision.reason, outcome=str(result.recorded),
                 dlq_class=str(failure_class(error)),
             )
+            if isinstance(error, HandlerTimedOut):  # its thread hangs on: end with it
+                logger.error("worker %s exits: %s", self.config.worker_id, error)
+                sys.stderr.flush()
+                os._exit(TIMED_OUT_EXIT)
             return
         assert result.outcome is not None
         self.hooks.point("after_record")

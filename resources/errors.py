@@ -222,6 +222,36 @@ class CrashLoop(PermanentJobError):
         self.evidence = evidence
 
 
+class HandlerTimedOut(PermanentJobError):
+    """A handler ran past its job type's ``max_runtime_seconds`` (a downstream that never
+    answers, a client without a timeout) and was abandoned: its lease is no longer renewed, its
+    sends are refused (the send bound ends at the bound), its key passes to a takeover once the
+    last lease has run out, and the abandoned holder counts towards the crash-loop bound.
+
+    Permanent when the handler ran alone (``alone``): it is dead-lettered as ``timed_out``,
+    not retried, since a retry would most likely hang again and the abandoned call may still
+    be in flight. ``where`` says where the handler was when it was abandoned. Fix the
+    downstream or give its client a timeout, then replay the record (the replay takes the key
+    over and looks the effect up first). A group of handlers that overran together
+    (``handler_many``) names no culprit: transient, each retried alone."""
+
+    def __init__(self, key: str, bound: float, *, where: str = "", alone: bool = True
+                 ) -> None:
+        at = f"; abandoned at {where}" if where else ""
+        who = "its handler" if alone else "the handlers of its batch, run together,"
+        super().__init__(
+            f"idempotency key {key!r}: {who} ran past the job type's bound of {bound:g} s"
+            f" (max_runtime_seconds){at}. Its lease is no longer renewed and its sends are"
+            " refused; the key is taken over once the lease runs out. Give the downstream's"
+            " client a timeout (or raise the bound), then replay"
+        )
+        self.key = key
+        self.bound = bound
+        self.where = where
+        self.alone = alone
+        self.permanent = alone
+
+
 class LockNotAcquired(TransientJobError):
     """The lock is held by someone else and the wait ran out. Retry later."""
 

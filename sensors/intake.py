@@ -153,7 +153,7 @@ def _tags(mode: IntakeMode, requests: Sequence[JobRequest]) -> dict[str, str]:
     if coalesced:
         tags[tag.COALESCED] = str(coalesced)
     if mode is not IntakeMode.PER_REQUEST:  # per-request jobs carry their own
-        tags[tag.MAX_RUNTIME] = str(int(sum(_max_runtime(r.job_type) for r in requests)))
+        tags[tag.MAX_RUNTIME] = tag.run_bound(sum(_max_runtime(r.job_type) for r in requests))
     if len(requests) == 1:
         only = requests[0]
         tags[tag.KEY] = only.key

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import sys
 import time
 from pathlib import Path
@@ -97,9 +96,11 @@ class _StopInCharge:
         self.stopped = False
 
     def charge(self, **kwargs: Any) -> Any:
+        from engine.contract import freeze_here
+
         if not self.stopped:
             self.stopped = True
-            os.kill(os.getpid(), signal.SIGSTOP)
+            freeze_here()
         return self.inner.charge(**kwargs)
 
     def find_charges(self, reference: str) -> Any:
@@ -164,7 +165,6 @@ def request_loop(args: dict[str, Any]) -> list[dict[str, Any]]:
 def _wait_for_go(folder: Path) -> None:
     """Say "ready" (a file named after this pid and thread), then wait for the "go" file, so
     every process and thread starts its requests at the same moment."""
-    import os
     import threading
 
     (folder / f"ready-{os.getpid()}-{threading.get_ident()}").touch()

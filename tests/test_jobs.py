@@ -224,7 +224,8 @@ def test_jobs_carry_queue_runtime_and_no_run_retry_tags() -> None:
     for job in ops.all_jobs:
         jt = JOB_TYPES[job.name]
         assert job.tags["sekali/queue"] == jt.queue in ("heavy", "light")
-        assert float(job.tags["dagster/max_runtime"]) == jt.max_runtime_seconds > 0
+        # above the engine's own bound: the engine decides a hung handler, not run monitoring
+        assert float(job.tags["dagster/max_runtime"]) > jt.max_runtime_seconds > 0
         assert job.tags["dagster/retry_on_asset_or_op_failure"] == "false"
         assert job.executor_def.name == dg.in_process_executor.name
     assert all(jt.side_effect for n, jt in JOB_TYPES.items() if n != "rebuild_report_cache")

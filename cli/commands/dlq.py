@@ -77,7 +77,7 @@ from engine.replay import (
     lookup_client,
 )
 from engine.requests import RequestStore
-from resources.dlq import DlqRecordNotFound, DlqStore, failure_line
+from resources.dlq import DlqRecordNotFound, DlqStore, FailureClass, failure_line
 from resources.errors import ValidationError
 from resources.telemetry.redact import redact_data
 
@@ -95,7 +95,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         p.add_argument("--job-type", dest="job_type")
         p.add_argument(
             "--class", dest="error_class",
-            choices=["permanent", "transient", "data_bug", "unknown", "crash_loop"],
+            choices=[str(c) for c in FailureClass],
         )
         p.add_argument("--fingerprint")
         p.add_argument("--older-than", dest="older_than", type=age,

@@ -577,6 +577,11 @@ _DLQ_FIX = {
     "data_bug": "A bug in the job's code met this data: fix and deploy, then replay.",
     "unknown": "Unclassified errors: classify them in resources/retry.py, fix the cause, "
                "then replay.",
+    "crash_loop": "A handler kills its worker (os._exit, out of memory, a native crash): read "
+                  "the dead runs named in the records, fix, then replay.",
+    "timed_out": "A handler hung past its job type's max_runtime_seconds (each record says "
+                 "where): give that downstream's client a timeout shorter than the bound (or "
+                 "raise the bound), then replay; the replay takes the key over.",
 }
 
 

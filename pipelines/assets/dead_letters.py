@@ -67,7 +67,7 @@ def reason_text(record: DlqRecord, limit: int = 120) -> str:
     return cut + " …"
 
 
-STUCK = ("permanent", "crash_loop")
+STUCK = ("permanent", "crash_loop", "timed_out")
 """Classes no retry can help: the check fails while a record of one waits."""
 STUCK_IDS = 20
 
@@ -160,7 +160,8 @@ def check_evaluation(view: Snapshot) -> tuple[bool, str, dict[str, Any]]:
     )
     return (
         False,
-        f"{view.stuck_count} permanent failure(s) (permanent or crash_loop) waiting in the DLQ"
+        f"{view.stuck_count} permanent failure(s) (permanent, crash_loop or timed_out) waiting"
+        " in the DLQ"
         f" (ids {ids}): fix the cause, then replay them (dlq_operations, `sekali dlq replay`)"
         " or discard them with a reason",
         {"permanent": dg.MetadataValue.int(view.stuck_count), "ids": dg.MetadataValue.text(ids)},

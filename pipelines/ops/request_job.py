@@ -138,7 +138,7 @@ def job_tags(jt: JobType) -> dict[str, str]:
     return {
         tag.QUEUE: jt.queue,
         tag.JOB_TYPE: jt.name,
-        tag.MAX_RUNTIME: str(int(jt.max_runtime_seconds)),
+        tag.MAX_RUNTIME: tag.run_bound(jt.max_runtime_seconds),
         **tag.NO_RUN_RETRY,
     }
 

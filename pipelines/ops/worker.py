@@ -9,6 +9,10 @@ wrote), so a run's event log grows with its lifetime, not with the traffic; the 
 metadata sums its life. Each request names the run that executed it (``job_requests.run_id``,
 ``sekali requests show``), and so does each dead letter.
 
+A handler that hangs is abandoned at its job type's bound and dead-lettered ``timed_out``; the
+worker then ends after its batch (:class:`engine.worker.ResidentWorker`), so the run and its
+process end with the hung thread, and the supervisor launches a fresh run for the slot.
+
 Termination (the UI's "Terminate", run monitoring): the signal waits for the batch in hand
 (:func:`deferred_interrupts`), so a batch is never cut between a send and its record; the
 worker then stops claiming and the run ends CANCELED. A worker killed outright leaves its
@@ -93,6 +97,8 @@ def resident_worker(context: dg.OpExecutionContext, config: WorkerConfig) -> dic
                      f" (batches of {policy.batch_size}, lifetime {policy.lifetime_seconds:.0f}"
                      f" s, idle {policy.idle_seconds:.0f} s)")
     stats = worker.run()
+    if stats.abandoned:  # the run ends now, so its process takes the hung threads with it
+        context.log.error(f"{config.queue} worker ended: {stats.reason}")
     context.add_output_metadata({
         "ended": stats.reason, "requests": stats.requests, "batches": stats.batches,
         **{k: v for k, v in stats.counts.items() if v},

@@ -46,6 +46,7 @@ from sqlalchemy.engine import Connection
 
 from resources.errors import (
     AlreadyInProgress,
+    HandlerTimedOut,
     IdempotencyConflict,
     LeaseLost,
     SekaliError,
@@ -543,9 +544,15 @@ class IdempotencyStore:
         if rowcount != 1:
             raise LeaseLost(claim.key, claim.owner_token)
 
-    def heartbeat(self, claim: Claim, *, conn: Connection | None = None) -> float:
-        """Extend the lease; returns the new expiry. :class:`LeaseLost` if it was taken over."""
+    def heartbeat(
+        self, claim: Claim, *, conn: Connection | None = None, until: float | None = None
+    ) -> float:
+        """Extend the lease; returns the new expiry. :class:`LeaseLost` if it was taken over.
+        ``until``: the latest expiry the holder may have (store time: its claim + its bound +
+        a lease), so a renewal never carries a bounded holder past it."""
         expires = self.clock() + self.lease_seconds
+        if until is not None:
+            expires = min(expires, until)
         self._owner_update(claim, _HEARTBEAT, {"expires": expires}, conn)
         return expires
 
@@ -851,16 +858,23 @@ class IdempotencyStore:
 
     @contextlib.contextmanager
     def keep_alive(
-        self, claim: Claim, *, interval: float | None = None, confirmed_at: float | None = None
+        self,
+        claim: Claim,
+        *,
+        interval: float | None = None,
+        confirmed_at: float | None = None,
+        runtime: float | None = None,
     ) -> Iterator[LeaseKeeper]:
         """Heartbeat in the background while the block runs; ``keeper.check()`` raises
         :class:`LeaseLost` once a heartbeat found the lease taken over.
 
         ``confirmed_at``: the ``time.monotonic()`` taken just before the claim (or the last
         heartbeat) was asked for, so :meth:`LeaseKeeper.confirm` can skip a heartbeat while the
-        claim is that fresh.
+        claim is that fresh. ``runtime``: the work's bound in seconds from then (the job
+        type's ``max_runtime_seconds``): the keeper renews no further (:class:`LeaseKeeper`).
         """
-        keeper = LeaseKeeper(self, claim, interval or self.lease_seconds / 3, confirmed_at)
+        keeper = LeaseKeeper(self, claim, interval or self.lease_seconds / 3, confirmed_at,
+                             runtime=runtime)
         keeper.start()
         try:
             yield keeper
@@ -923,7 +937,12 @@ class IdempotencyStore:
 
 
 class Keeper(Protocol):
-    """What a job sees of the keeper of its claim."""
+    """What a job sees of the keeper of its claim. ``until``: the monotonic time at which the
+    work's bound runs out (None: unbounded); from then on :meth:`check` and :meth:`confirm`
+    raise :class:`HandlerTimedOut` and no renewal is made."""
+
+    @property
+    def until(self) -> float | None: ...
 
     def check(self) -> None:
         """Raise :class:`LeaseLost` if a heartbeat found the lease taken over."""
@@ -948,6 +967,16 @@ class LeaseKeeper:
         t=20   A's heartbeat: no answer; StoreUnavailable at t=55 at the latest (35 s bound)
         t=60   the lease A last confirmed (t=0 + 60) runs out: A's check() raises LeaseLost
         later  the database answers again; B's begin(K) takes over; A writes nothing more
+
+    With ``runtime`` (the work's bound, seconds from ``confirmed_at``) the keeper renews only
+    until the bound: no beat after it, and none carries the lease past the claim's first expiry
+    + ``runtime`` (store time), so a holder that hangs (a call that never returns) gives its key
+    up within its bound + one lease whatever its process does. From the bound on, :meth:`check`
+    and :meth:`confirm` raise :class:`HandlerTimedOut`::
+
+        t=0    A claims K (lease 30 s, bound 120 s); A's call to a downstream never returns
+        t=120  the bound: no more beats; A's confirm() (a late send) raises HandlerTimedOut
+        t<=150 the last lease runs out; B's begin(K) takes over (a crash counted against K)
     """
 
     def __init__(
@@ -956,6 +985,8 @@ class LeaseKeeper:
         claim: Claim,
         interval: float,
         confirmed_at: float | None = None,
+        *,
+        runtime: float | None = None,
     ) -> None:
         self.store = store
         self.claim = claim
@@ -964,15 +995,40 @@ class LeaseKeeper:
         self.expires = claim.lease_expires_at
         self.beats = 0
         self.confirmed_at = confirmed_at if confirmed_at is not None else -math.inf
+        self.runtime = runtime
+        start = confirmed_at if confirmed_at is not None else time.monotonic()
+        self._until = None if runtime is None else start + runtime
+        self.cap = None if runtime is None else claim.lease_expires_at + runtime
+        self.overran: HandlerTimedOut | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"lease:{claim.key}", daemon=True)
 
     def start(self) -> None:
         self._thread.start()
 
+    @property
+    def until(self) -> float | None:
+        return self._until
+
+    def met(self) -> None:
+        """The work returned within its bound: lift it (what follows, the completion, is the
+        store's own call, bounded by the store's timeouts)."""
+        if not self._overran():
+            self._until = self.cap = None
+
+    def _overran(self) -> bool:
+        if self._until is None or time.monotonic() < self._until:
+            return False
+        if self.overran is None:
+            assert self.runtime is not None
+            self.overran = HandlerTimedOut(self.claim.key, self.runtime)
+        return True
+
     def _run(self) -> None:
         delay = self.interval
         while not self._stop.wait(delay):
+            if self._overran():
+                return  # the bound: renew no more, the lease runs out on its own
             try:
                 self._beat()
                 self.beats += 1
@@ -1001,12 +1057,18 @@ class LeaseKeeper:
 
     def _beat(self) -> None:
         asked = time.monotonic()
-        self.expires = self.store.heartbeat(self.claim)
+        self.expires = self.store.heartbeat(self.claim, until=self.cap)
         self.confirmed_at = asked
 
     def check(self) -> None:
-        """Raise :class:`LeaseLost` if the lease was taken over or may have run out."""
-        if self.lost is not None or self._expired():
+        """Raise :class:`LeaseLost` if the lease was taken over or may have run out, and
+        :class:`HandlerTimedOut` once the work's bound has passed."""
+        if self.lost is not None:
+            raise self.lost
+        if self._overran():
+            assert self.overran is not None
+            raise self.overran
+        if self._expired():
             assert self.lost is not None
             raise self.lost
 
@@ -1041,6 +1103,10 @@ class BatchLeaseKeeper:
     confirmed for it has passed (no beat got through: from then on another worker may take the
     key over), so each job stops before its next effect. An expired key is never beaten again,
     so a store that comes back does not revive a lease its holder gave up.
+
+    :meth:`bound` gives a key its work's bound once its handler starts (the keys of a batch
+    run one after another): from then on the key is beaten no more and its :meth:`check`
+    raises :class:`HandlerTimedOut`, as :class:`LeaseKeeper` does with ``runtime``.
     """
 
     def __init__(
@@ -1057,6 +1123,8 @@ class BatchLeaseKeeper:
         self.confirmed_at = confirmed_at if confirmed_at is not None else -math.inf
         self._claims = {claim.key: claim for claim in claims}
         self._expires = {claim.key: claim.lease_expires_at for claim in claims}
+        self._until: dict[str, tuple[float, float]] = {}
+        self.overran: dict[str, HandlerTimedOut] = {}
         self._lock = threading.Lock()
         self._beating = threading.Lock()
         self._stop = threading.Event()
@@ -1074,11 +1142,38 @@ class BatchLeaseKeeper:
             self._claims.pop(key, None)
             self._expires.pop(key, None)
 
+    def bound(self, key: str, runtime: float) -> float:
+        """Start ``key``'s bound of ``runtime`` seconds now; returns its monotonic end."""
+        until = time.monotonic() + runtime
+        with self._lock:
+            self._until[key] = (until, runtime)
+        return until
+
+    def until(self, key: str) -> float | None:
+        found = self._until.get(key)
+        return None if found is None else found[0]
+
+    def met(self, key: str) -> None:
+        """``key``'s work returned within its bound: lift it, so the batch's completion after
+        its later members ran is not refused."""
+        if self._overran(key) is None:
+            with self._lock:
+                self._until.pop(key, None)
+
+    def _overran(self, key: str) -> HandlerTimedOut | None:
+        found = self._until.get(key)
+        if found is None or time.monotonic() < found[0]:
+            return None
+        with self._lock:
+            return self.overran.setdefault(key, HandlerTimedOut(key, found[1]))
+
     def check(self, key: str) -> None:
-        """Raise :class:`LeaseLost` if ``key`` was taken over or its lease may have run out."""
-        lost = self.lost.get(key) or self._expired(key)
-        if lost is not None:
-            raise lost
+        """Raise :class:`LeaseLost` if ``key`` was taken over or its lease may have run out,
+        :class:`HandlerTimedOut` once its bound has passed."""
+        error: SekaliError | None = self.lost.get(key) or self._overran(key)
+        error = error or self._expired(key)
+        if error is not None:
+            raise error
 
     def _expired(self, key: str) -> LeaseLost | None:
         with self._lock:
@@ -1124,8 +1219,10 @@ class BatchLeaseKeeper:
                 keys = list(self._claims)
             for key in keys:
                 self._expired(key)
+                self._overran(key)
             with self._lock:
-                live = [c for key, c in self._claims.items() if key not in self.lost]
+                live = [c for key, c in self._claims.items()
+                        if key not in self.lost and key not in self.overran]
             if not live:
                 return
             asked = time.monotonic()
@@ -1149,6 +1246,10 @@ class _BatchMember:
 
     def confirm(self) -> None:
         self.keeper.confirm(self.key)
+
+    @property
+    def until(self) -> float | None:
+        return self.keeper.until(self.key)
 
 
 def _claim_sqlite(

@@ -33,6 +33,9 @@ function, with the exception object itself, so a failure is never classified twi
   which is permanent.
 - CRASH_LOOP (a DLQ class, permanent for the retry decision): :class:`resources.errors.CrashLoop`,
   a key whose worker died mid-run more than the crash-loop limit.
+- TIMED_OUT (a DLQ class, permanent for the retry decision when the handler ran alone):
+  :class:`resources.errors.HandlerTimedOut`, a handler abandoned at its job type's
+  ``max_runtime_seconds``.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from sqlalchemy import exc as sa_exc
 from resources.errors import (
     AlreadyInProgress,
     CrashLoop,
+    HandlerTimedOut,
     LimitNotAcquired,
     LockNotAcquired,
     NotYetSettled,
@@ -77,6 +81,10 @@ class FailureClass(enum.StrEnum):
     CRASH_LOOP = "crash_loop"
     """Permanent: the key's worker died mid-run more than the crash-loop limit allows
     (:class:`resources.errors.CrashLoop`). Read the dead runs' logs, fix, then replay."""
+    TIMED_OUT = "timed_out"
+    """The handler ran past its job type's ``max_runtime_seconds`` and was abandoned
+    (:class:`resources.errors.HandlerTimedOut`): a downstream that never answered, a client
+    without a timeout. Fix that, then replay (the replay takes the key over)."""
 
     @classmethod
     def parse(cls, value: object) -> FailureClass:
@@ -235,6 +243,8 @@ def failure_class(exc: BaseException) -> FailureClass:
     ...) reported as ``data_bug``."""
     if isinstance(exc, CrashLoop):
         return FailureClass.CRASH_LOOP
+    if isinstance(exc, HandlerTimedOut):
+        return FailureClass.TIMED_OUT
     error_class = classify(exc)
     if error_class is ErrorClass.UNKNOWN and isinstance(exc, _DATA_BUG_TYPES):
         return FailureClass.DATA_BUG
