@@ -19,7 +19,10 @@ Without a server a test may skip on a laptop, never under CI (``CI=true``): ther
 from __future__ import annotations
 
 import os
+import signal
+import threading
 import uuid
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -241,3 +244,30 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  
         (name, text.encode("utf-8", "backslashreplace").decode("utf-8"))
         for name, text in report.sections
     ]
+
+
+_ENDING = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+
+
+def _ignored() -> set[signal.Signals]:
+    """The ending signals this process ignores, as the kernel has it (a library may set SIG_IGN
+    from C, where ``signal.getsignal`` does not see it)."""
+    with open("/proc/self/status", encoding="ascii") as status:
+        mask = next(int(line.split()[1], 16) for line in status if line.startswith("SigIgn:"))
+    return {s for s in _ENDING if mask >> (s - 1) & 1}
+
+
+@pytest.fixture(autouse=True)
+def _ending_signals_not_left_ignored(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A test that leaves SIGTERM (or another ending signal) ignored in this worker process
+    makes every process it spawns later ignore it too (the disposition survives exec), and
+    ``multiprocessing.Pool.terminate`` then waits forever for children that will not end. The
+    disposition is put back and the test named."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = _ignored()
+    yield
+    for sig in _ignored() - before:
+        signal.signal(sig, signal.SIG_DFL)
+        warnings.warn(f"{request.node.nodeid} left {sig.name} ignored; put back", stacklevel=1)
