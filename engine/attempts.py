@@ -450,6 +450,17 @@ class AttemptRecorder:
                 counts[(r.job_type, m, label, b)] += n
         return AttemptTotals(since, counts)
 
+    def duration_bins(self, since: float) -> dict[str, dict[int, int]]:
+        """``{job_type: {bin: n}}`` of the completed durations in the whole minutes from
+        ``since`` on (:mod:`engine.durations`): a bounded read of the aggregates."""
+        boundary = math.ceil(since / ROLLUP_BUCKET_SECONDS) * ROLLUP_BUCKET_SECONDS
+        out: dict[str, dict[int, int]] = {}
+        with self.db.statement() as conn:
+            for r in conn.execute(text(_Q["duration_bins"]), {"from_bucket": boundary}):
+                if int(r.n) > 0:
+                    out.setdefault(r.job_type, {})[int(r.bin)] = int(r.n)
+        return out
+
     def nearest_rank(
         self,
         totals: AttemptTotals,

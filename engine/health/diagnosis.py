@@ -30,6 +30,7 @@ from typing import Any, Protocol
 from sqlalchemy import inspect, text
 
 from engine.attempts import AttemptRecorder
+from engine.durations import AdaptivePolicy, DurationModel, lease_table
 from engine.health.metrics import percentile
 from engine.requests import RequestStore
 from engine.upkeep.reconciliation import retention_expiries
@@ -129,6 +130,7 @@ class DiagnosisSetup:
     retention_slack_seconds: float = 86400.0
     reconciliation_watch_seconds: float = 2 * 86400.0 + 600.0
     tenant_starved_seconds: float = 600.0
+    adaptive: AdaptivePolicy = field(default_factory=AdaptivePolicy.from_env)
     critical_section_keys: tuple[str, ...] = (
         "lock_held", "critical_section", "transaction", "lock_order",
     )
@@ -156,6 +158,14 @@ class DiagnosisSetup:
 
     def _read_attempts(self) -> list[dict[str, Any]]:
         return AttemptRecorder(self.db).since(self.since())
+
+    def leases(self) -> dict[str, dict[str, Any]]:
+        """Per job type: the observed durations and the lease in force, and why
+        (:func:`engine.durations.lease_table`), read once per diagnosis run."""
+        if "leases" not in self._memo:
+            model = DurationModel(AttemptRecorder(self.db), self.adaptive, clock=self.clock)
+            self._memo["leases"] = lease_table(model, self.job_types, self.lease_seconds)
+        return dict(self._memo["leases"])
 
 
 @dataclass(frozen=True)
@@ -244,33 +254,37 @@ def check_lease_vs_duration(s: DiagnosisSetup) -> Finding:
     for a in s.attempts():
         if a["outcome"] == "completed" and a["duration_seconds"] is not None:
             per_type[a["job_type"]].append(float(a["duration_seconds"]))
-    limit = s.lease_margin * s.lease_seconds
+    leases = s.leases()
     stats = {}
     bad = {}
     for job_type, values in sorted(per_type.items()):
+        lease = float(leases.get(job_type, {}).get("lease_seconds", s.lease_seconds))
         p99 = percentile(values, 0.99)
-        past = sum(1 for v in values if v >= s.lease_seconds)
-        stats[job_type] = {"p99": p99, "n": len(values), "past_lease": past}
-        if p99 > limit:
+        past = sum(1 for v in values if v >= lease)
+        stats[job_type] = {"p99": p99, "n": len(values), "past_lease": past, "lease": lease}
+        if p99 > s.lease_margin * lease:
             bad[job_type] = stats[job_type]
     if bad:
         worst = max(v["p99"] for v in bad.values())
         desc = ", ".join(
-            f"{jt} p99={_fmt(v['p99'])} ({v['past_lease']}/{v['n']} ran past the lease)"
+            f"{jt} p99={_fmt(v['p99'])} against its lease {v['lease']:g}s ({v['past_lease']}/"
+            f"{v['n']} ran past the lease)"
             for jt, v in bad.items()
         )
         return _finding(
             "lease_vs_duration", ERROR, False,
-            f"lease is {s.lease_seconds:g}s but {desc}: above {s.lease_margin:g} x lease, so "
+            f"{desc}: above {s.lease_margin:g} x lease, so "
             "another worker can take the key over while the first still works.",
             f"Raise IdempotencyResource.lease_seconds to at least {math.ceil(worst * 2):d}s "
-            "(2 x the worst p99), or heartbeat in long steps (IdempotencyStore.keep_alive) so "
+            "(2 x the worst p99) or the type's LeaseBounds (its ceiling clamps the adaptive "
+            "lease), or heartbeat in long steps (IdempotencyStore.keep_alive) so "
             "the lease is renewed; also check dagster/max_runtime covers the job.",
             lease_seconds=s.lease_seconds, job_types=stats,
         )
     found = (
-        f"lease {s.lease_seconds:g}s; p99 per job type: "
-        + (", ".join(f"{jt}={_fmt(v['p99'])}" for jt, v in stats.items()) or "no data")
+        f"declared lease {s.lease_seconds:g}s; p99 / lease in force per job type: "
+        + (", ".join(f"{jt}={_fmt(v['p99'])} / {v['lease']:g}s" for jt, v in stats.items())
+           or "no data")
         + f" (all under {s.lease_margin:g} x lease)."
     )
     return _finding(
@@ -998,6 +1012,42 @@ def check_replication(s: DiagnosisSetup) -> Finding:
                     fix, **evidence)
 
 
+# -- 17 -----------------------------------------------------------------------------------------
+
+
+def check_adaptive_timing(s: DiagnosisSetup) -> Finding:
+    """The numbers sekali chose from the observed durations, with why (:mod:`engine.durations`):
+    per job type p50/p99/p99.9 over the window and their sample size, the lease in force and
+    its heartbeat. Fails (WARN) when a job type's p99.9 outlasts the lease in force (a ceiling
+    or a declared lease below the work): a pause of a heartbeat's length then costs a
+    takeover."""
+    leases = s.leases()
+    short = {jt: row for jt, row in leases.items() if "lease_seconds" in row
+             and not math.isnan(float(row["p999"]))
+             and float(row["p999"]) > float(row["lease_seconds"])}
+    lines = [
+        f"{jt}: n={row['samples']} p50={_fmt(float(row['p50']))} p99={_fmt(float(row['p99']))} "
+        f"p99.9={_fmt(float(row['p999']))}, lease "
+        + (f"{float(row['lease_seconds']):g}s ({row['lease_why']})" if "lease_seconds" in row
+           else "n/a (not a registered job type)")
+        for jt, row in leases.items()
+    ]
+    found = "; ".join(lines) or "no job type"
+    if short:
+        return _finding(
+            "adaptive_timing", WARN, False,
+            f"p99.9 outlasts the lease in force for {', '.join(sorted(short))}. {found}.",
+            "Raise the job type's LeaseBounds.ceiling (or its declared lease while samples are "
+            "few) above its p99.9, or make the work shorter.",
+            job_types=leases, window_seconds=s.adaptive.window_seconds,
+        )
+    return _finding(
+        "adaptive_timing", WARN, True, found + ".",
+        "Nothing to change; the leases follow the durations (SEKALI_ADAPTIVE=0 turns that off).",
+        job_types=leases, window_seconds=s.adaptive.window_seconds,
+    )
+
+
 TITLES = {
     "real_duplicates": "1. Real duplicate effect or only a duplicate log line",
     "lease_vs_duration": "2. Lease against p99 duration per job type",
@@ -1015,6 +1065,7 @@ TITLES = {
     "replication": "16. A database failover cannot roll a completed key back",
     "tenant_starvation": "14. No tenant starved by the fair share",
     "outbox_dead_letters": "15. No outbox event waiting for an operator",
+    "adaptive_timing": "17. Leases from the observed durations, per job type",
 }
 
 CHECKS: tuple[Check, ...] = tuple(
@@ -1036,6 +1087,7 @@ CHECKS: tuple[Check, ...] = tuple(
         ("tenant_starvation", check_tenant_starvation),
         ("outbox_dead_letters", check_outbox_dead_letters),
         ("replication", check_replication),
+        ("adaptive_timing", check_adaptive_timing),
     )
 )
 """The checklist in order. Severity on failure: ERROR for broken invariants, WARN otherwise."""
@@ -1046,6 +1098,7 @@ DEFAULT_SEVERITY = {
     "ack_timing": ERROR, "dlq": WARN, "unique_constraints": ERROR, "correlation": WARN,
     "retention_backlog": WARN, "retention_agreement": ERROR, "redis_eviction": ERROR,
     "tenant_starvation": WARN, "outbox_dead_letters": WARN, "replication": ERROR,
+    "adaptive_timing": WARN,
 }
 
 
