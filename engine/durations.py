@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from engine.attempts import HISTOGRAM_EDGES, AttemptRecorder, nearest_rank
+from engine.attempts import HISTOGRAM_EDGES, AttemptRecorder, bin_bounds, nearest_rank
 
 Clock = Callable[[], float]
 
@@ -101,20 +101,34 @@ class AdaptivePolicy:
 
 @dataclass(frozen=True)
 class DurationStats:
-    """One job type's completed durations in the window: ``samples`` and the upper bin edges
-    holding p50, p99 and p99.9 (NaN without samples)."""
+    """One job type's completed durations in the window: ``samples``, the upper bin edges
+    holding p50, p99 and p99.9, and the mean (bin middles) that Little's law sizes workers
+    with (NaN without samples)."""
 
     job_type: str
     samples: int
     p50: float
     p99: float
     p999: float
+    mean: float = math.nan
 
     @classmethod
     def of(cls, job_type: str, bins: Mapping[int, int]) -> DurationStats:
         n = sum(bins.values())
         p50, p99, p999 = (upper_quantile(bins, q, n) for q in QUANTILES)
-        return cls(job_type, n, p50, p99, p999)
+        mean = sum(c * _middle(b) for b, c in bins.items()) / n if n else math.nan
+        return cls(job_type, n, p50, p99, p999, mean)
+
+    def at(self, quantile: str) -> float:
+        """``mean``, ``p50``, ``p99`` or ``p999``: the duration workers are sized with."""
+        return float(getattr(self, quantile))
+
+
+def _middle(b: int) -> float:
+    lo, hi = bin_bounds(b)
+    if math.isinf(lo):
+        return hi / 2
+    return lo if math.isinf(hi) else (lo + hi) / 2
 
 
 @dataclass(frozen=True)

@@ -1483,6 +1483,12 @@ class RequestStore:
         with self.db.statement() as conn:
             return [dict(r._mapping) for r in conn.execute(text(_Q["queue_stats"]))]
 
+    def arrivals(self, since: float) -> dict[str, int]:
+        """Requests created since ``since`` per job type (an index on ``created_at``)."""
+        with self.db.statement() as conn:
+            rows = conn.execute(text(_Q["arrivals"]), {"since": since}).all()
+        return {str(r.job_type): int(r.n) for r in rows}
+
     def cancel_stats(self, since: float) -> dict[str, int]:
         """Cancels asked since ``since``, per :class:`CancelState` (every state, zero if none)."""
         with self.db.statement() as conn:

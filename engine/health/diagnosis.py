@@ -30,11 +30,14 @@ from typing import Any, Protocol
 from sqlalchemy import inspect, text
 
 from engine.attempts import AttemptRecorder
+from engine.capacity import CapacityPolicy, measure
+from engine.delivery import DeliveryPolicy
 from engine.durations import AdaptivePolicy, DurationModel, lease_table
 from engine.health.metrics import percentile
 from engine.requests import RequestStore
 from engine.upkeep.reconciliation import retention_expiries
 from engine.upkeep.retention import backlog
+from engine.worker import WorkerTargets
 from resources.dlq import MIN_RETENTION_SECONDS, UNRESOLVED, DlqStore
 from resources.errors import ValidationError
 from resources.idempotency import IdempotencyStore, Status
@@ -131,6 +134,7 @@ class DiagnosisSetup:
     reconciliation_watch_seconds: float = 2 * 86400.0 + 600.0
     tenant_starved_seconds: float = 600.0
     adaptive: AdaptivePolicy = field(default_factory=AdaptivePolicy.from_env)
+    capacity: CapacityPolicy = field(default_factory=CapacityPolicy.from_env)
     critical_section_keys: tuple[str, ...] = (
         "lock_held", "critical_section", "transaction", "lock_order",
     )
@@ -1048,6 +1052,35 @@ def check_adaptive_timing(s: DiagnosisSetup) -> Finding:
     )
 
 
+# -- 18 -----------------------------------------------------------------------------------------
+
+
+def check_worker_capacity(s: DiagnosisSetup) -> Finding:
+    """How many resident workers the observed load needs per queue (Little's law,
+    :mod:`engine.capacity`), against the bounds ``SEKALI_WORKERS`` gives, and whether the
+    backlog drains. Fails (WARN) when a queue needs more than its ceiling: the backlog grows
+    whatever the supervisor does."""
+    delivery, targets = DeliveryPolicy.from_env(), WorkerTargets.from_env()
+    queues = {q: delivery.resident(q) for q in delivery.queues()}
+    model = DurationModel(AttemptRecorder(s.db), s.adaptive, clock=s.clock)
+    bounds = {q: targets.bounds(q) for q in queues}
+    loads = measure(RequestStore(s.db), model, queues, bounds, s.capacity, s.clock())
+    evidence = {q: load.as_dict(load.needed) for q, load in loads.items()}
+    short = [q for q, load in loads.items() if load.unbounded > load.ceiling]
+    found = "; ".join(load.describe(load.needed) for load in loads.values()) or (
+        "no queue served by resident workers")
+    if short:
+        return _finding(
+            "worker_capacity", WARN, False,
+            f"{', '.join(short)} need(s) more workers than the ceiling allows. {found}.",
+            "Raise the ceiling in SEKALI_WORKERS (QUEUE=FLOOR..CEILING), or make the work "
+            "shorter; a fixed count (QUEUE=N) is never sized from the load.",
+            queues=evidence,
+        )
+    return _finding("worker_capacity", WARN, True, found + ".",
+                    "Nothing to change.", queues=evidence)
+
+
 TITLES = {
     "real_duplicates": "1. Real duplicate effect or only a duplicate log line",
     "lease_vs_duration": "2. Lease against p99 duration per job type",
@@ -1066,6 +1099,7 @@ TITLES = {
     "tenant_starvation": "14. No tenant starved by the fair share",
     "outbox_dead_letters": "15. No outbox event waiting for an operator",
     "adaptive_timing": "17. Leases from the observed durations, per job type",
+    "worker_capacity": "18. Workers the observed load needs, and whether the backlog drains",
 }
 
 CHECKS: tuple[Check, ...] = tuple(
@@ -1088,6 +1122,7 @@ CHECKS: tuple[Check, ...] = tuple(
         ("outbox_dead_letters", check_outbox_dead_letters),
         ("replication", check_replication),
         ("adaptive_timing", check_adaptive_timing),
+        ("worker_capacity", check_worker_capacity),
     )
 )
 """The checklist in order. Severity on failure: ERROR for broken invariants, WARN otherwise."""
@@ -1098,7 +1133,7 @@ DEFAULT_SEVERITY = {
     "ack_timing": ERROR, "dlq": WARN, "unique_constraints": ERROR, "correlation": WARN,
     "retention_backlog": WARN, "retention_agreement": ERROR, "redis_eviction": ERROR,
     "tenant_starvation": WARN, "outbox_dead_letters": WARN, "replication": ERROR,
-    "adaptive_timing": WARN,
+    "adaptive_timing": WARN, "worker_capacity": WARN,
 }
 
 
