@@ -236,9 +236,9 @@ class DurationModel:
         """The lease a claim of ``job_type`` takes now (``default``: the store's lease)."""
         return choose_lease(
             self.stats().get(job_type.name) if self.policy.enabled else None,
-            job_type.lease or LeaseBounds(),
+            getattr(job_type, "lease", None) or LeaseBounds(),  # a stand-in may declare none
             default=default,
-            max_runtime=job_type.max_runtime_seconds,
+            max_runtime=float(getattr(job_type, "max_runtime_seconds", 3600.0)),
             policy=self.policy,
         )
 

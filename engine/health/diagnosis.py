@@ -1022,11 +1022,11 @@ def check_replication(s: DiagnosisSetup) -> Finding:
 def check_adaptive_timing(s: DiagnosisSetup) -> Finding:
     """The numbers sekali chose from the observed durations, with why (:mod:`engine.durations`):
     per job type p50/p99/p99.9 over the window and their sample size, the lease in force and
-    its heartbeat. Fails (WARN) when a job type's p99.9 outlasts the lease in force (a ceiling
-    or a declared lease below the work): a pause of a heartbeat's length then costs a
-    takeover."""
+    its heartbeat. Fails (WARN) when a job type's p99.9 outlasts the adaptive lease (its
+    ceiling clamps it below the work): a pause of a heartbeat's length then costs a takeover.
+    A declared lease below the work is check 2's (``lease_vs_duration``) to report."""
     leases = s.leases()
-    short = {jt: row for jt, row in leases.items() if "lease_seconds" in row
+    short = {jt: row for jt, row in leases.items() if row.get("lease_observed")
              and not math.isnan(float(row["p999"]))
              and float(row["p999"]) > float(row["lease_seconds"])}
     lines = [
@@ -1041,8 +1041,8 @@ def check_adaptive_timing(s: DiagnosisSetup) -> Finding:
         return _finding(
             "adaptive_timing", WARN, False,
             f"p99.9 outlasts the lease in force for {', '.join(sorted(short))}. {found}.",
-            "Raise the job type's LeaseBounds.ceiling (or its declared lease while samples are "
-            "few) above its p99.9, or make the work shorter.",
+            "Raise the job type's LeaseBounds.ceiling above its p99.9, or make the work "
+            "shorter.",
             job_types=leases, window_seconds=s.adaptive.window_seconds,
         )
     return _finding(
@@ -1058,21 +1058,22 @@ def check_adaptive_timing(s: DiagnosisSetup) -> Finding:
 def check_worker_capacity(s: DiagnosisSetup) -> Finding:
     """How many resident workers the observed load needs per queue (Little's law,
     :mod:`engine.capacity`), against the bounds ``SEKALI_WORKERS`` gives, and whether the
-    backlog drains. Fails (WARN) when a queue needs more than its ceiling: the backlog grows
-    whatever the supervisor does."""
+    backlog drains. Fails (WARN) when even the ceiling's workers finish fewer requests than
+    arrive: the backlog grows whatever the supervisor does."""
     delivery, targets = DeliveryPolicy.from_env(), WorkerTargets.from_env()
     queues = {q: delivery.resident(q) for q in delivery.queues()}
     model = DurationModel(AttemptRecorder(s.db), s.adaptive, clock=s.clock)
     bounds = {q: targets.bounds(q) for q in queues}
     loads = measure(RequestStore(s.db), model, queues, bounds, s.capacity, s.clock())
     evidence = {q: load.as_dict(load.needed) for q, load in loads.items()}
-    short = [q for q, load in loads.items() if load.unbounded > load.ceiling]
+    short = [q for q, load in loads.items() if not load.draining(load.ceiling)]
     found = "; ".join(load.describe(load.needed) for load in loads.values()) or (
         "no queue served by resident workers")
     if short:
         return _finding(
             "worker_capacity", WARN, False,
-            f"{', '.join(short)} need(s) more workers than the ceiling allows. {found}.",
+            f"{', '.join(short)}: more arrives than the ceiling's workers can finish, the "
+            f"backlog grows. {found}.",
             "Raise the ceiling in SEKALI_WORKERS (QUEUE=FLOOR..CEILING), or make the work "
             "shorter; a fixed count (QUEUE=N) is never sized from the load.",
             queues=evidence,

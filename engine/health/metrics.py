@@ -169,7 +169,7 @@ class MetricsCollector:
         for needed, part in (
             (("job_requests",), self._queue),
             (("job_attempts", "job_attempt_rollups"), self._attempts),
-            (("job_attempt_rollups",), self._durations),
+            (("job_attempts", "job_attempt_rollups"), self._durations),
             (("dlq_records",), self._dlq),
             (("job_requests", "tenants"), self._tenants),
         ):
