@@ -77,3 +77,11 @@ SELECT job_type, COUNT(*) AS n
 FROM job_requests
 WHERE created_at >= :since
 GROUP BY job_type;
+
+-- arrivals_between --
+-- Requests created per job type in [since, until) (a minute of the arrivals-against-capacity
+-- picture).
+SELECT job_type, COUNT(*) AS n
+FROM job_requests
+WHERE created_at >= :since AND created_at < :until
+GROUP BY job_type;
