@@ -86,8 +86,9 @@ FROM ranked
 WHERE {picks};
 
 -- duration_bins --
--- The histogram of completed durations per job type from one bucket on (the duration model's
--- sliding window): at most one row per job type and bin, whatever the traffic.
+-- The histogram of durations per job type from one bucket on (the duration model's sliding
+-- window: completed attempts and those that lost their lease): at most one row per job type
+-- and bin, whatever the traffic.
 SELECT job_type, bin, SUM(n) AS n
 FROM job_attempt_rollups
 WHERE metric = 'duration' AND bucket >= :from_bucket

@@ -1,7 +1,10 @@
 """The observed duration of each job type, and the lease a claim takes from it.
 
 Operators guess leases; this module measures instead. Per job type it keeps the distribution of
-completed attempts' durations over a sliding window (``SEKALI_DURATION_WINDOW``, 15 minutes):
+attempts' durations over a sliding window (``SEKALI_DURATION_WINDOW``, 15 minutes), of the
+completed attempts and of those that lost their lease (their work needed at least that long:
+leaving them out would hide exactly the durations a lease too short cuts off, and the lease
+would never grow past them):
 the per-minute histogram bins :mod:`engine.attempts` already writes with every attempt
 (``job_attempt_rollups``, bins 20% wide from 100 microseconds to a day), summed over the
 window's whole minutes. Memory and reading cost are bounded whatever the traffic: at most one

@@ -30,6 +30,12 @@ from resources.idempotency import IdempotencyStore
 from resources.storage.db import Database
 
 
+def _type(name: str) -> JobType:
+    return JobType(name=name, queue="light", validate=dict, key_for=lambda p: f"x:{p['n']}",
+                   max_runtime_seconds=60, side_effect=False, handler=_note_lease,
+                   resource_id=lambda p: "r")
+
+
 class Clock:
     def __init__(self, now: float = 1_800_000_000.0) -> None:
         self.now = now
@@ -67,15 +73,17 @@ def test_a_bin_percentile_is_never_below_the_true_one_and_at_most_a_bin_above(
 
 
 def test_the_model_reads_the_window_per_job_type_with_its_sample_size(db: Database) -> None:
-    """Catches a model that mixes job types, counts attempts that did not complete, keeps
-    minutes that slid out of the window, or reads every row instead of the aggregates."""
+    """Catches a model that mixes job types, leaves out an attempt that lost its lease (the
+    lease would never grow past the durations it cuts off), keeps minutes that slid out of the
+    window, or reads every row instead of the aggregates."""
     clock = Clock()
-    _record(db, clock, "fast", [0.05] * 990 + [0.4] * 10)
+    _record(db, clock, "fast", [0.05] * 990 + [0.4] * 9)
     _record(db, clock, "slow", [2.0] * 50)
     recorder = AttemptRecorder(db, clock=clock)
     lost = recorder.new("fast")
     clock.now += 30
     recorder.finish(lost, Outcome.LEASE_LOST)
+    recorder.finish(recorder.new("fast"), Outcome.RETRIED)  # a failure says nothing of it
     model = DurationModel(AttemptRecorder(db), AdaptivePolicy(window_seconds=600), clock=clock)
     stats = model.stats()
     fast, slow = stats["fast"], stats["slow"]
@@ -85,6 +93,9 @@ def test_the_model_reads_the_window_per_job_type_with_its_sample_size(db: Databa
     assert 2.0 <= slow.p999 <= 2.4
     _record(db, clock, "slow", [0.5] * 5)
     assert model.stats()["slow"].samples == 50  # read again only after refresh_seconds
+    model.policy = AdaptivePolicy(window_seconds=600, refresh_seconds=0, min_samples=1000)
+    assert model.stats()["fast"].p999 <= 0.48  # the one of 1,000 past p99.9 is the lost
+    assert model.lease_for(_type("fast"), 60).observed
     clock.now += 3600  # the window slides past every minute written
     assert model.stats() == {}  # nothing observed: leases go back to declared
 
