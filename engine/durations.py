@@ -18,7 +18,14 @@ The lease of a claim (:meth:`DurationModel.lease_for`)::
 
     samples < min_samples  ->  the declared lease (the type's LeaseBounds.declared, else the
                                store's lease_seconds)
-    otherwise              ->  clamp(p99.9 x factor, floor, ceiling)
+    otherwise              ->  clamp(p99.9 x factor x widen, floor, ceiling)
+    widen                  =   sqrt(1000 / samples) below 1,000 samples, else 1
+
+Below 1,000 samples the nearest-rank p99.9 is the longest duration seen, and the next attempt
+passes it with probability about 1 / samples whatever the distribution; on a heavy tail (a
+downstream that just turned slow) it passes it by more than the factor often enough to cost
+takeovers while the window fills. The widening pays for that with a longer lease (a dead
+holder's work waits longer), only until the window holds the samples p99.9 needs.
 
 ``floor`` and ``ceiling`` come from the job type's :class:`LeaseBounds` (by default 1 s and the
 type's ``max_runtime_seconds``). Why each bound is safe is in ``docs/locks.md`` ("Adaptive
@@ -41,6 +48,8 @@ from engine.attempts import HISTOGRAM_EDGES, AttemptRecorder, bin_bounds, neares
 Clock = Callable[[], float]
 
 QUANTILES = (0.5, 0.99, 0.999)
+P999_SAMPLES = 1000
+"""Samples below which p99.9 (nearest rank) is only the longest seen: the lease widens."""
 
 
 @dataclass(frozen=True)
@@ -180,12 +189,15 @@ def choose_lease(
         return LeaseChoice(declared, f"declared, {samples}<{policy.min_samples} samples", False)
     floor = bounds.floor
     ceiling = max(floor, bounds.ceiling if bounds.ceiling is not None else max_runtime)
-    raw = stats.p999 * policy.factor
+    widen = math.sqrt(P999_SAMPLES / samples) if samples < P999_SAMPLES else 1.0
+    factor = policy.factor * widen
+    raw = stats.p999 * factor
     seconds = min(max(raw, floor), ceiling)
     return LeaseChoice(
         round(seconds, 3),
-        f"p99.9 {stats.p999:.3g}s x {policy.factor:g} = {raw:.3g}s clamped to "
-        f"[{floor:g}, {ceiling:g}]",
+        f"p99.9 {stats.p999:.3g}s x {factor:.3g} = {raw:.3g}s clamped to [{floor:g}, "
+        f"{ceiling:g}]" + (f" (factor {policy.factor:g} widened for {samples}<"
+                           f"{P999_SAMPLES} samples)" if widen > 1 else ""),
         True,
     )
 
