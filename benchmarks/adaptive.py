@@ -26,11 +26,12 @@ holder later recorded ``lease_lost``; counted after the adaptation window for th
 attempts thrown away (``lease_lost``), crash-loop and other dead letters, queue wait p99 of the
 burst's requests (enqueue to first claim), worker processes started, the most alive at once and
 worker-seconds, the scale-down time (from the burst's end until the count is back at what the
-base load after it keeps: the count at the last arrival, at least the floor),
-duplicates (two effect rows for one key) and lost requests (neither completed nor
-dead-lettered). Headline: ``adaptive_live_takeovers`` (adaptive, after the window; target 0),
-``adaptive_wait_p99_ratio`` (adaptive over fixed, target <= 0.5), ``adaptive_scale_down_s``
-(target <= 120), and ``adaptive_duplicates_lost`` (0 and 0 in both modes).
+base load after it keeps: the count at the last arrival, at least the floor), duplicates (two
+effect rows for one key), lost requests (neither completed, dead-lettered nor still waiting:
+invariant 2), and those still waiting when the run gave up draining. Headline:
+``adaptive_live_takeovers`` (adaptive, after the window; target 0), ``adaptive_wait_p99_ratio``
+(adaptive over fixed, target <= 0.5), ``adaptive_scale_down_s`` (target <= 120), and
+``adaptive_duplicates_lost`` (0 and 0 in both modes).
 
     .venv/bin/python -m benchmarks.adaptive [--quick] [--json]
 """
@@ -115,7 +116,7 @@ class Plan:
 
 QUICK = Plan(rate=2.0, warm_s=50, tail_s=40, burst_s=20, calm_s=50, tick_s=2.0,
              drain_s=180, env={"SEKALI_ARRIVAL_WINDOW": "20", "SEKALI_SCALE_DOWN_AFTER": "10"})
-FULL = Plan(rate=2.0, warm_s=60, tail_s=120, burst_s=60, calm_s=150)
+FULL = Plan(rate=2.0, warm_s=60, tail_s=120, burst_s=60, calm_s=150, drain_s=900)
 
 MODES: dict[str, dict[str, str]] = {
     "fixed": {"SEKALI_ADAPTIVE": "0", "SEKALI_WORKERS": "light=2,heavy=0"},
@@ -307,10 +308,14 @@ def _measure(mode: str, plan: Plan, db: Database, pool: Pool,
         dead = dict(conn.execute(text(
             "SELECT error_class, COUNT(*) FROM dlq_records WHERE request_id BETWEEN :lo AND :hi"
             " GROUP BY error_class"), {"lo": lo, "hi": hi}).all())
-        lost = int(conn.execute(text(
+        lost = int(conn.execute(text(  # invariant 2: completed, dead-lettered, or waiting
             "SELECT COUNT(*) FROM job_requests r WHERE id BETWEEN :lo AND :hi"
-            " AND r.status <> 'completed' AND NOT EXISTS"
-            " (SELECT 1 FROM dlq_records d WHERE d.request_id = r.id)"),
+            " AND r.status NOT IN ('completed', 'pending', 'running', 'launched')"
+            " AND NOT EXISTS (SELECT 1 FROM dlq_records d WHERE d.request_id = r.id)"),
+            {"lo": lo, "hi": hi}).scalar_one())
+        unfinished = int(conn.execute(text(
+            "SELECT COUNT(*) FROM job_requests WHERE id BETWEEN :lo AND :hi"
+            " AND status IN ('pending', 'running', 'launched')"),
             {"lo": lo, "hi": hi}).scalar_one())
         duplicates = int(conn.execute(text(
             "SELECT COUNT(*) FROM (SELECT key FROM adaptive_effects GROUP BY key"
@@ -347,7 +352,8 @@ def _measure(mode: str, plan: Plan, db: Database, pool: Pool,
         "worker_seconds": round(worker_seconds), "killed_worker": killed,
         "scale_down_s": None if down is None else round(max(0.0, down - burst_end), 1),
         "workers_settled": settled, "workers_floor": floor,
-        "duplicates": duplicates, "lost": lost, "workers_over_time": alive_log,
+        "duplicates": duplicates, "lost": lost, "unfinished_when_stopped": unfinished,
+        "workers_over_time": alive_log,
     }
 
 
