@@ -56,9 +56,11 @@ from benchmarks.plotting import RESULTS
 
 SUITES = ["idempotency", "locks", "stampede", "retry_storm", "intake", "chaos", "observability",
           "outbox", "flow", "intake_flow", "tracing", "peers", "cluster", "retention", "upgrade",
-          "fairness", "dlq_sensor", "overload"]
+          "fairness", "dlq_sensor", "overload", "adaptive"]
 ON_REQUEST = {"cluster": "it builds network namespaces as root and takes about 10 minutes",
-              "overload": "it drains two bursts of 50,000 requests through sekali dev"}
+              "overload": "it drains two bursts of 50,000 requests through sekali dev",
+              "adaptive": "it runs worker processes through a shifting load twice (about 7 "
+                          "minutes with --quick, 15 without)"}
 """Suites left out of a run unless named with ``--only``, and why."""
 DEFAULT_SUITES = [name for name in SUITES if name not in ON_REQUEST]
 RESULTS_DIR = RESULTS
@@ -140,6 +142,21 @@ HEADLINE: dict[str, tuple[str, float | None, str]] = {
     ),
     "overload_peak_rss_mb": (
         "<=", None, "that burst: the largest process's peak resident memory, MB"
+    ),
+    "adaptive_live_takeovers": (
+        "<=", 0.0, "durations shifting from 50 ms to a heavy tail, then a 10x burst: takeovers "
+        "of live holders with adaptive leases after the adaptation window"
+    ),
+    "adaptive_wait_p99_ratio": (
+        "<=", 0.5, "that burst's queue wait p99, adaptive leases and workers over fixed ones"
+    ),
+    "adaptive_scale_down_s": (
+        "<=", 120.0, "seconds from the burst's end until the adaptive workers are back at the "
+        "base load's count"
+    ),
+    "adaptive_duplicates_lost": (
+        "zero", 0, "effects twice for one key and requests neither completed nor dead-lettered, "
+        "fixed and adaptive"
     ),
 }
 """Headline figure -> (comparison, target, what it is). Suites report them under "headline".

@@ -6,10 +6,11 @@ registry; the Dagster adapter, the CLI and the proof stand above. Public names:
 
 - the contract a job type module writes against: :class:`JobType`, :class:`PayloadField`,
   the payload model's :class:`Check`, ``formatted`` keys, the lookup hook's :class:`Effect`
-  and :data:`Lookup`, :class:`Debounce`, :class:`Retained`, :class:`Downstream`,
-  :class:`ClientOptions`, :class:`Sandbox`, the hook protocols :class:`Reconciling` and
-  :class:`Tally`, the handler's :class:`JobContext`, ``crash_point``, ``fenced_update``,
-  ``batch_slots``, ``SEND_TRIES`` and the ``require_*`` / ``reject_unknown`` checks;
+  and :data:`Lookup`, :class:`Debounce`, :class:`LeaseBounds`, :class:`Retained`,
+  :class:`Downstream`, :class:`ClientOptions`, :class:`Sandbox`, the hook protocols
+  :class:`Reconciling` and :class:`Tally`, the handler's :class:`JobContext`, ``crash_point``,
+  ``fenced_update``, ``batch_slots``, ``SEND_TRIES`` and the ``require_*`` /
+  ``reject_unknown`` checks;
 - the registry: :func:`get_job_type`, ``JOB_TYPES``, :func:`downstreams`;
 - the ways in: :func:`enqueue` (intake) and :func:`execute_request` (the one execution path),
   with the :class:`Services` they run on.
@@ -33,6 +34,7 @@ from engine.contract import (
     require_str,
 )
 from engine.downstreams import ClientOptions, Downstream, Sandbox
+from engine.durations import LeaseBounds
 from engine.intake import enqueue
 from engine.payloads import Check
 from engine.registry import JOB_TYPES, downstreams, get_job_type
@@ -49,6 +51,7 @@ __all__ = [
     "Effect",
     "JobContext",
     "JobType",
+    "LeaseBounds",
     "Lookup",
     "PayloadField",
     "Reconciling",

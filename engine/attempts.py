@@ -163,7 +163,14 @@ def contribution(
         out["lock_wait", "", histogram_bin(float(lock_wait_seconds))] = 1
     if outcome == Outcome.COMPLETED and duration_seconds is not None:
         out["duration", "", histogram_bin(float(duration_seconds))] = 1
+    if outcome == Outcome.LEASE_LOST and duration_seconds is not None:
+        # the work needed at least this long: what a lease sized from durations must see
+        out["duration", LEASE_LOST_LABEL, histogram_bin(float(duration_seconds))] = 1
     return out
+
+
+LEASE_LOST_LABEL = "lease_lost"
+"""The ``duration`` bins of attempts that lost their lease (label ``""``: completed ones)."""
 
 
 def bucket_of(started_at: float) -> float:
@@ -227,11 +234,14 @@ class AttemptTotals:
                 out[job_type, label] += n
         return out
 
-    def histogram(self, metric: str, job_type: str | None = None) -> dict[int, int]:
-        """``{bin: n}`` of a histogram metric, of one job type or of all."""
+    def histogram(
+        self, metric: str, job_type: str | None = None, label: str = ""
+    ) -> dict[int, int]:
+        """``{bin: n}`` of a histogram metric, of one job type or of all (``label`` ``""``:
+        completed attempts' durations; :data:`LEASE_LOST_LABEL`: those that lost their lease)."""
         out: Counter[int] = Counter()
-        for (jt, m, _, b), n in self.counts.items():
-            if m == metric and (job_type is None or jt == job_type) and n:
+        for (jt, m, lb, b), n in self.counts.items():
+            if m == metric and lb == label and (job_type is None or jt == job_type) and n:
                 out[b] += n
         return dict(out)
 
@@ -439,6 +449,18 @@ class AttemptRecorder:
             ).items():
                 counts[(r.job_type, m, label, b)] += n
         return AttemptTotals(since, counts)
+
+    def duration_bins(self, since: float) -> dict[str, dict[int, int]]:
+        """``{job_type: {bin: n}}`` of the durations in the whole minutes from ``since`` on
+        (:mod:`engine.durations`), of completed attempts and of those that lost their lease
+        (their work needed at least that long): a bounded read of the aggregates."""
+        boundary = math.ceil(since / ROLLUP_BUCKET_SECONDS) * ROLLUP_BUCKET_SECONDS
+        out: dict[str, dict[int, int]] = {}
+        with self.db.statement() as conn:
+            for r in conn.execute(text(_Q["duration_bins"]), {"from_bucket": boundary}):
+                if int(r.n) > 0:
+                    out.setdefault(r.job_type, {})[int(r.bin)] = int(r.n)
+        return out
 
     def nearest_rank(
         self,

@@ -131,3 +131,12 @@ SELECT {fields} FROM job_attempts WHERE job_type = :jt ORDER BY started_at;
 -- expired --
 -- The condition of an attempt started before :cutoff.
 started_at <= :cutoff;
+
+-- duration_bins --
+-- The histogram of durations per job type from one bucket on (the duration model's sliding
+-- window: completed attempts and those that lost their lease): at most one row per job type
+-- and bin, whatever the traffic.
+SELECT job_type, bin, SUM(n) AS n
+FROM job_attempt_rollups
+WHERE metric = 'duration' AND bucket >= :from_bucket
+GROUP BY job_type, bin;

@@ -145,7 +145,7 @@ class JobContext:
             self.keeper.confirm()
         else:
             self.services.store.heartbeat(self.claim)
-        lease = self.services.store.lease_seconds
+        lease = self.claim.lease_seconds
         bound = asked + SEND_BOUND * lease
         if self._stamped is not None:
             bound = min(bound, self._stamped + SEND_BOUND * lease)
@@ -211,7 +211,8 @@ class JobContext:
             return
         self.check_lease()
         started = time.perf_counter()
-        with limits.hold(job_type.name, key, job_type.concurrency_limit) as slot:
+        with limits.hold(job_type.name, key, job_type.concurrency_limit,
+                         lease=self.claim.lease_seconds) as slot:
             self.attempt.add_duration("concurrency_wait", time.perf_counter() - started)
             self.check_lease()
             yield slot
@@ -331,7 +332,8 @@ def batch_slots(
             started = time.perf_counter()
             try:
                 slot = held.enter_context(
-                    limits.hold(job_type.name, key, job_type.concurrency_limit)
+                    limits.hold(job_type.name, key, job_type.concurrency_limit,
+                                lease=min(contexts[i].claim.lease_seconds for i in by_key[key]))
                 )
             except Exception as exc:  # noqa: BLE001 - this key's requests fail, not the batch
                 refused.update(dict.fromkeys(by_key[key], exc))

@@ -29,6 +29,7 @@ from sqlalchemy.engine import Connection
 from engine import payloads
 from engine.downstreams import Downstream
 from engine.downstreams import Effect as Effect  # re-exported: the lookup hook's value
+from engine.durations import LeaseBounds
 from engine.payloads import PayloadField as PayloadField  # re-exported: the contract names it
 from engine.tenants import DEFAULT_TENANT, check_tenant
 from resources.errors import FencedWriteRejected, ValidationError, shown
@@ -254,6 +255,10 @@ class JobType:
     reconciliation, the chaos checker and a person tell "it happened" from "it never did" when
     the outcome of a send is unknown. A job type with a side effect at a downstream should
     declare it (:meth:`missing_lookup` says when one does not)."""
+
+    lease: LeaseBounds | None = None
+    """The lease of a claim: declared until durations are observed, then p99.9 x a factor
+    between a floor and a ceiling (:mod:`engine.durations`); None: the platform's defaults."""
 
     lookup_first: bool | None = None
     """Whether the handler looks its effect up before its first send too, not only on a retry

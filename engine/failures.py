@@ -64,7 +64,9 @@ class FailurePath:
     re-run its finished neighbours) gives up at once and leaves the retry to a DLQ replay.
     ``first_started`` returns when the step's first attempt began, for the policy's time
     budget; when it cannot answer (the database is down, often the very failure being decided)
-    the decision is made without the time budget: it ends, it never raises.
+    the decision is made without the time budget: it ends, it never raises. ``follow``
+    adapts the policy when a transient failure is decided (the downstream's observed failure
+    bursts, :mod:`engine.recovery`): read only then, never on the success path.
     """
 
     attempt: int = 0
@@ -73,6 +75,7 @@ class FailurePath:
     downstream: str | None = None
     retries_here: bool = True
     first_started: Callable[[], float | None] = lambda: None
+    follow: Callable[[RetryPolicy], RetryPolicy] | None = None
     clock: Callable[[], float] = time.time
     decision: RetryDecision | None = field(default=None, init=False)
     _decided_for: BaseException | None = field(default=None, init=False, repr=False)
@@ -101,7 +104,8 @@ class FailurePath:
             log.warning("first attempt's start unknown (store unavailable); deciding without "
                         "the time budget", exc_info=True)
             first = None
-        return self.policy.decide(
+        policy = self.follow(self.policy) if self.follow is not None else self.policy
+        return policy.decide(
             exc,
             attempt=self.attempt,
             elapsed=0.0 if first is None else max(0.0, self.clock() - first),

@@ -1566,6 +1566,17 @@ class RequestStore:
         with self.db.statement() as conn:
             return [dict(r._mapping) for r in conn.execute(text(_Q["queue_stats"]))]
 
+    def arrivals(self, since: float, until: float | None = None) -> dict[str, int]:
+        """Requests created since ``since`` (and before ``until``) per job type (an index on
+        ``created_at``)."""
+        with self.db.statement() as conn:
+            if until is None:
+                rows = conn.execute(text(_Q["arrivals"]), {"since": since}).all()
+            else:
+                rows = conn.execute(text(_Q["arrivals_between"]),
+                                    {"since": since, "until": until}).all()
+        return {str(r.job_type): int(r.n) for r in rows}
+
     def cancel_stats(self, since: float) -> dict[str, int]:
         """Cancels asked since ``since``, per :class:`CancelState` (every state, zero if none)."""
         with self.db.statement() as conn:

@@ -70,3 +70,18 @@ GROUP BY tenant;
 SELECT COUNT(*)
 FROM job_requests
 WHERE claimed_at >= :since AND created_at > :since AND tenant <> :tenant;
+
+-- arrivals --
+-- Requests created per job type since a moment (the arrival rate the workers are sized for).
+SELECT job_type, COUNT(*) AS n
+FROM job_requests
+WHERE created_at >= :since
+GROUP BY job_type;
+
+-- arrivals_between --
+-- Requests created per job type in [since, until) (a minute of the arrivals-against-capacity
+-- picture).
+SELECT job_type, COUNT(*) AS n
+FROM job_requests
+WHERE created_at >= :since AND created_at < :until
+GROUP BY job_type;

@@ -3,7 +3,8 @@ ops, DLQ replay, chaos harness).
 
 For one request it: validates the payload (a :class:`ValidationError` names the field and is
 permanent), derives the idempotency key, claims it (a completed key returns its stored result:
-``duplicate``), runs the job type's handler under a lease keeper that heartbeats, lets the
+``duplicate``) under the lease its observed durations call for (:mod:`engine.durations`),
+runs the job type's handler under a lease keeper that heartbeats, lets the
 handler complete the key inside its final business transaction, and records the attempt in
 ``job_attempts`` with its outcome. On failure it records the error on the claim
 (``store.fail(claim, exc, "permanent" | "transient")``; transient releases the key for the
@@ -142,7 +143,8 @@ def execute_request(
         clean, key = _prepare(jt, record, payload, key)
         started = time.perf_counter()
         with span("ledger.claim", idempotency_key=key):
-            claimed = services.store.begin(key, payload=clean)
+            claimed = services.store.begin(key, payload=clean,
+                                           lease_seconds=services.lease_for(jt).seconds)
         record.add_duration("claim", time.perf_counter() - started)
     except Exception as exc:  # noqa: BLE001 - recorded, then raised again by _refused
         raise _refused(services, record, exc, decide)  # noqa: B904 - the same error, recorded
@@ -306,7 +308,8 @@ def _run_batch(jt: JobType, items: list[_Item], out: list[Any], services: Servic
     asked = time.monotonic()
     started = time.perf_counter()
     try:
-        answers = services.store.begin_many([(item.key, item.clean) for item in items])
+        answers = services.store.begin_many([(item.key, item.clean) for item in items],
+                                            lease_seconds=services.lease_for(jt).seconds)
     except Exception as exc:  # noqa: BLE001 - the store is down: every claim fails as begin would
         for item in items:
             out[item.index] = _refused(services, item.record, exc, item.decide)

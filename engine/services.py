@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.attempts import AttemptRecorder
+from engine.durations import DurationModel, LeaseChoice, LeasedType
+from engine.recovery import RecoveryWatch
 from engine.registry import downstreams
 from resources.cache import StampedeCache
 from resources.errors import SekaliError
@@ -65,14 +67,39 @@ class Services:
     concurrency: ConcurrencyLimits | None = None
     settle_seconds: float = DEFAULT_GATEWAY_SETTLE_SECONDS
     crash_loop_limit: int = field(default_factory=crash_loop_limit)
+    durations: DurationModel | None = None
+    """The observed durations the leases follow (:mod:`engine.durations`); None: one over
+    ``attempts`` with the policy of the environment."""
+
+    recovery: RecoveryWatch | None = None
+    """The downstreams' observed failure bursts the retry delays follow
+    (:mod:`engine.recovery`); None: one over ``retry_budget``."""
 
     def __post_init__(self) -> None:
+        if self.durations is None:
+            self.durations = DurationModel(self.attempts)
+        if self.recovery is None:
+            self.recovery = RecoveryWatch(self.retry_budget)
         if str(self.store.db.engine.url) != str(self.db.engine.url):
             raise ValueError(
                 "the idempotency store and the app database must be the same database "
                 f"(store {self.store.db.engine.url!r}, app {self.db.engine.url!r}): set one "
                 "DATABASE_URL for both, so a key completes in the business transaction"
             )
+
+    def lease_for(self, job_type: LeasedType) -> LeaseChoice:
+        """The lease a claim of ``job_type`` takes now: observed, or the store's declared."""
+        assert self.durations is not None
+        return self.durations.lease_for(job_type, self.store.lease_seconds)
+
+    def retry_policy_for(
+        self, downstream: str | None, declared: RetryPolicy | None = None
+    ) -> RetryPolicy:
+        """The retry policy for a failure at ``downstream``: the declared one (default the
+        services') with its base and cap following the downstream's observed failure bursts,
+        never below the declared ones."""
+        assert self.recovery is not None
+        return self.recovery.policy(declared or self.retry_policy, downstream)[0]
 
     def client(self, name: str) -> Any:
         """The client of the downstream ``name``; :class:`MissingClient` when there is none."""

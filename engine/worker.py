@@ -346,27 +346,50 @@ class WorkerTargets:
     """How many resident worker runs each queue keeps alive: ``SEKALI_WORKERS`` (``light=2,
     heavy=1``; a queue it does not name keeps its default). By default a worker per core for
     ``light`` and one for ``heavy``: a worker is one process running one batch at a time, so
-    light work uses the machine and a sick heavy downstream holds one worker, not all."""
+    light work uses the machine and a sick heavy downstream holds one worker, not all.
+
+    ``light=1..8`` gives bounds instead of a count: the supervisor sizes the queue from its
+    observed load between them (:mod:`engine.capacity`); ``light=2..`` a floor, with a ceiling
+    of :data:`DEFAULT_CEILING`."""
 
     counts: dict[str, int]
+    """The fixed count, or the floor of a sized queue."""
+    ceilings: dict[str, int] = field(default_factory=dict)
+    """The ceiling of each queue sized from its load."""
 
     def of(self, queue: str) -> int:
         return self.counts.get(queue, 1)
+
+    def bounds(self, queue: str) -> tuple[int, int]:
+        floor = self.of(queue)
+        return floor, self.ceilings.get(queue, floor)
+
+    def sized(self, queue: str) -> bool:
+        return queue in self.ceilings
 
     @classmethod
     def from_env(cls, env: dict[str, str] | None = None) -> WorkerTargets:
         env = dict(os.environ) if env is None else env
         counts = {"light": max(1, os.cpu_count() or 1), "heavy": 1}
+        ceilings: dict[str, int] = {}
         for item in env.get("SEKALI_WORKERS", "").split(","):
             if not item.strip():
                 continue
             queue, _, raw = item.partition("=")
+            low, dots, high = raw.partition("..")
             try:
-                count = int(raw)
+                count = int(low)
+                ceiling = (int(high) if high.strip() else DEFAULT_CEILING) if dots else count
             except ValueError:
-                count = -1
-            if not queue.strip() or count < 0:
-                raise ValueError(f"SEKALI_WORKERS: {item.strip()!r} is not QUEUE=COUNT "
-                                 "(e.g. light=2,heavy=1)")
+                count = ceiling = -1
+            if not queue.strip() or count < 0 or ceiling < max(count, 1 if dots else 0):
+                raise ValueError(f"SEKALI_WORKERS: {item.strip()!r} is not QUEUE=COUNT or "
+                                 "QUEUE=FLOOR..CEILING (e.g. light=1..8,heavy=1)")
             counts[queue.strip()] = count
-        return cls(counts)
+            if dots:
+                ceilings[queue.strip()] = ceiling
+        return cls(counts, ceilings)
+
+
+DEFAULT_CEILING = 16
+"""The ceiling of a queue given only a floor (``light=2..``)."""

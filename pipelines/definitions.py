@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dagster as dg
 
-from pipelines.assets import dead_letters, observability, reconciliation, warming
+from pipelines.assets import dead_letters, durations, observability, reconciliation, warming
 from pipelines.domain.consumers import default_consumers
 from pipelines.ops import all_jobs, dlq_ops, request_ops, tenant_ops
 from pipelines.ops.batch import BATCH_JOBS
@@ -21,16 +21,16 @@ dlq_sensor, dlq_sweep_sensor, dlq_replay_sensor = dlq_sensors(all_jobs, dead_let
 outbox_publisher, = outbox_sensors(default_consumers)
 
 defs = dg.Definitions(
-    jobs=[*all_jobs, *BATCH_JOBS, sekali_worker, *observability.jobs, *dlq_ops.jobs,
-          *tenant_ops.jobs, *request_ops.jobs],
+    jobs=[*all_jobs, *BATCH_JOBS, sekali_worker, *observability.jobs, *durations.jobs,
+          *dlq_ops.jobs, *tenant_ops.jobs, *request_ops.jobs],
     sensors=[
         intake_sensor, worker_supervisor, dlq_sensor, dlq_sweep_sensor, dlq_replay_sensor,
         outbox_publisher, *observability.sensors,
     ],
     schedules=[reconciliation.reconciliation_schedule, warming.cache_warming_schedule],
     assets=[
-        *observability.assets, *dead_letters.assets, reconciliation.reconciliation,
-        warming.cache_warming,
+        *observability.assets, *durations.assets, *dead_letters.assets,
+        reconciliation.reconciliation, warming.cache_warming,
     ],
     asset_checks=[
         *observability.asset_checks, *dead_letters.asset_checks,

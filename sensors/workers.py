@@ -10,7 +10,12 @@ requests without a click):
    ledger's lease on its key has run out. A worker run Dagster still shows as started counts as
    alive, however dead its process: run monitoring ends it first (its worker's death, or its
    ``dagster/max_runtime``).
-2. **Keep the count**: for every queue with job types delivered by resident workers
+2. **Size**: a queue ``SEKALI_WORKERS`` gives bounds (``light=1..8``) gets the workers its
+   observed load needs by Little's law (:mod:`engine.capacity`: arrivals x duration over the
+   target utilisation, plus the backlog's drain), up at once, down only after the need stayed
+   lower for ``SEKALI_SCALE_DOWN_AFTER`` seconds (the state in the cursor); a plain count is
+   kept as is.
+3. **Keep the count**: for every queue with job types delivered by resident workers
    (:class:`engine.delivery.DeliveryPolicy`), one run per slot ``0..target-1``, tagged
    ``sekali/worker=<queue>/<slot>``. A slot whose run is queued, starting or started is filled;
    an empty one gets a run under the run key ``worker:<queue>/<slot>:<generation>``, the
@@ -34,7 +39,10 @@ from typing import Any
 import dagster as dg
 
 from engine import tags as tag
+from engine.attempts import AttemptRecorder
+from engine.capacity import CapacityPolicy, QueueLoad, Scale, plan
 from engine.delivery import DeliveryPolicy
+from engine.durations import DurationModel
 from engine.registry import JOB_TYPES
 from engine.requests import RequestStore
 from engine.worker import WorkerPolicy, WorkerTargets
@@ -185,22 +193,53 @@ def end_surplus(instance: dg.DagsterInstance, run_id: str) -> None:
                     exc_info=True)
 
 
+def sized_targets(
+    requests: RequestStore, delivery: DeliveryPolicy, targets: WorkerTargets,
+    scales: dict[str, Scale], now: float, policy: CapacityPolicy | None = None,
+) -> tuple[WorkerTargets, dict[str, Scale], dict[str, QueueLoad]]:
+    """The worker count of each queue this tick (:func:`engine.capacity.plan`): a queue
+    ``SEKALI_WORKERS`` gives bounds is sized from its load; when the load cannot be read, each
+    keeps the count it had (or its floor)."""
+    queues = {q: delivery.resident(q) for q in delivery.queues()}
+    model = DurationModel(AttemptRecorder(requests.db), clock=lambda: now)
+    before = {q: s.target for q, s in scales.items()}
+    try:
+        counts, scales, loads = plan(requests, model, queues, targets, scales,
+                                     policy or CapacityPolicy.from_env(), now)
+    except Exception:  # noqa: BLE001 - the database is away: keep the workers running
+        log.warning("could not measure the queues' load; keeping the worker counts",
+                    exc_info=True)
+        counts = {q: before.get(q, targets.of(q)) for q in queues}
+        return WorkerTargets(counts), scales, {}
+    for queue, load in loads.items():
+        if before.get(queue) != scales[queue].target:
+            log.warning("worker target of %s", load.describe(scales[queue].target))
+    return WorkerTargets(counts), scales, loads
+
+
 def supervise(
-    context: dg.SensorEvaluationContext, requests: RequestStore, worker_job: str
+    context: dg.SensorEvaluationContext, requests: RequestStore, worker_job: str,
+    *, now: float | None = None,
 ) -> dg.SensorResult:
     """One tick (see the module docstring); usable from tests with ``build_sensor_context``."""
+    now = time.time() if now is None else now
     state: dict[str, Any] = json.loads(context.cursor) if context.cursor else {}
     given = give_back(context.instance, requests)
     origin = context.code_location_origin
+    delivery = DeliveryPolicy.from_env()
+    scales = {q: s for q, raw in (state.get("scale") or {}).items()
+              if (s := Scale.from_json(raw)) is not None}
+    targets, scales, _ = sized_targets(requests, delivery, WorkerTargets.from_env(), scales, now)
     launch, surplus, generations = worker_run_requests(
         context.instance, worker_job, dict(state.get("generations") or {}),
-        delivery=DeliveryPolicy.from_env(), targets=WorkerTargets.from_env(),
+        delivery=delivery, targets=targets, now=now,
         location=origin.location_name if origin is not None else None,
     )
     for run_id in surplus:
         log.warning("worker run %s is above its queue's target: terminating it", run_id)
         end_surplus(context.instance, run_id)
-    cursor = json.dumps({"generations": generations})
+    cursor = json.dumps({"generations": generations,
+                         "scale": {q: s.as_json() for q, s in scales.items()}})
     if not launch:
         return dg.SensorResult(
             skip_reason=f"every worker slot filled; gave back {given} request(s)", cursor=cursor)

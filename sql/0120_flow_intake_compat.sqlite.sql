@@ -12,11 +12,11 @@
 -- of two. The runner keeps the AUTOINCREMENT counter across the rebuild; the last two
 -- statements heal a counter 0110 lowered, from the request ids other tables still hold.
 -- The rebuilt table also has 0150's tenant and claimed_at (with their defaults), 0170's
--- available_at and the indexes of 0151, 0164 and 0171, so that running this file again after
--- them leaves the schema as it was; a database that applied it before they existed gets them
--- from 0150/0151/0164/0170/0171 (same columns, same order).
+-- available_at and the indexes of 0151, 0164, 0171 and 0180, so that running this file again
+-- after them leaves the schema as it was; a database that applied it before they existed gets
+-- them from 0150/0151/0164/0170/0171/0180 (same columns, same order).
 -- sekali: replaces 0110_flow_intake
--- sekali: accepts 0513497f0966faca e6de2938b6c3666b 5c3eb8ba6c010290
+-- sekali: accepts 0513497f0966faca e6de2938b6c3666b 5c3eb8ba6c010290 1b3d61094bb45b22
 ALTER TABLE job_requests ADD COLUMN IF NOT EXISTS priority INTEGER NOT NULL DEFAULT 0;
 ALTER TABLE job_requests ADD COLUMN IF NOT EXISTS claim_rank DOUBLE PRECISION;
 ALTER TABLE job_requests ADD COLUMN IF NOT EXISTS dedupe_window DOUBLE PRECISION;
@@ -86,6 +86,7 @@ CREATE INDEX IF NOT EXISTS job_requests_tenant_waiting
     WHERE status IN ('pending', 'launched');
 CREATE INDEX IF NOT EXISTS job_requests_held ON job_requests (run_id)
     WHERE status IN ('running', 'launched');
+CREATE INDEX IF NOT EXISTS job_requests_created ON job_requests (created_at);
 CREATE TRIGGER IF NOT EXISTS job_requests_claim_rank AFTER INSERT ON job_requests
     FOR EACH ROW WHEN NEW.claim_rank IS NULL
 BEGIN

@@ -379,5 +379,5 @@ def test_sekali_doctor_table_json_and_exit_status(
     findings = {f["check"]: f for f in json.loads(sick.stdout)}
     assert len(findings) == len(CHECKS)
     lease = findings["lease_vs_duration"]
-    assert lease["verdict"] == "FAIL (ERROR)" and "lease is 2s" in lease["found"]
+    assert lease["verdict"] == "FAIL (ERROR)" and "against its lease 2s" in lease["found"]
     assert "lease_seconds" in lease["fix"]

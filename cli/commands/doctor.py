@@ -33,6 +33,7 @@ CHECK_NAMES = (
     "retry_synchronisation", "cache_expiry_clusters", "ack_timing", "dlq",
     "unique_constraints", "correlation", "retention_backlog", "retention_agreement",
     "redis_eviction", "tenant_starvation", "outbox_dead_letters", "replication",
+    "adaptive_timing", "worker_capacity",
 )
 
 

@@ -30,10 +30,14 @@ from typing import Any, Protocol
 from sqlalchemy import inspect, text
 
 from engine.attempts import AttemptRecorder
+from engine.capacity import CapacityPolicy, measure
+from engine.delivery import DeliveryPolicy
+from engine.durations import AdaptivePolicy, DurationModel, lease_table
 from engine.health.metrics import percentile
 from engine.requests import RequestStore
 from engine.upkeep.reconciliation import retention_expiries
 from engine.upkeep.retention import backlog
+from engine.worker import WorkerTargets
 from resources.dlq import MIN_RETENTION_SECONDS, UNRESOLVED, DlqStore, DlqViews
 from resources.errors import ValidationError
 from resources.idempotency import IdempotencyStore, Status
@@ -129,6 +133,8 @@ class DiagnosisSetup:
     retention_slack_seconds: float = 86400.0
     reconciliation_watch_seconds: float = 2 * 86400.0 + 600.0
     tenant_starved_seconds: float = 600.0
+    adaptive: AdaptivePolicy = field(default_factory=AdaptivePolicy.from_env)
+    capacity: CapacityPolicy = field(default_factory=CapacityPolicy.from_env)
     critical_section_keys: tuple[str, ...] = (
         "lock_held", "critical_section", "transaction", "lock_order",
     )
@@ -156,6 +162,14 @@ class DiagnosisSetup:
 
     def _read_attempts(self) -> list[dict[str, Any]]:
         return AttemptRecorder(self.db).since(self.since())
+
+    def leases(self) -> dict[str, dict[str, Any]]:
+        """Per job type: the observed durations and the lease in force, and why
+        (:func:`engine.durations.lease_table`), read once per diagnosis run."""
+        if "leases" not in self._memo:
+            model = DurationModel(AttemptRecorder(self.db), self.adaptive, clock=self.clock)
+            self._memo["leases"] = lease_table(model, self.job_types, self.lease_seconds)
+        return dict(self._memo["leases"])
 
 
 @dataclass(frozen=True)
@@ -244,33 +258,37 @@ def check_lease_vs_duration(s: DiagnosisSetup) -> Finding:
     for a in s.attempts():
         if a["outcome"] == "completed" and a["duration_seconds"] is not None:
             per_type[a["job_type"]].append(float(a["duration_seconds"]))
-    limit = s.lease_margin * s.lease_seconds
+    leases = s.leases()
     stats = {}
     bad = {}
     for job_type, values in sorted(per_type.items()):
+        lease = float(leases.get(job_type, {}).get("lease_seconds", s.lease_seconds))
         p99 = percentile(values, 0.99)
-        past = sum(1 for v in values if v >= s.lease_seconds)
-        stats[job_type] = {"p99": p99, "n": len(values), "past_lease": past}
-        if p99 > limit:
+        past = sum(1 for v in values if v >= lease)
+        stats[job_type] = {"p99": p99, "n": len(values), "past_lease": past, "lease": lease}
+        if p99 > s.lease_margin * lease:
             bad[job_type] = stats[job_type]
     if bad:
         worst = max(v["p99"] for v in bad.values())
         desc = ", ".join(
-            f"{jt} p99={_fmt(v['p99'])} ({v['past_lease']}/{v['n']} ran past the lease)"
+            f"{jt} p99={_fmt(v['p99'])} against its lease {v['lease']:g}s ({v['past_lease']}/"
+            f"{v['n']} ran past the lease)"
             for jt, v in bad.items()
         )
         return _finding(
             "lease_vs_duration", ERROR, False,
-            f"lease is {s.lease_seconds:g}s but {desc}: above {s.lease_margin:g} x lease, so "
+            f"{desc}: above {s.lease_margin:g} x lease, so "
             "another worker can take the key over while the first still works.",
             f"Raise IdempotencyResource.lease_seconds to at least {math.ceil(worst * 2):d}s "
-            "(2 x the worst p99), or heartbeat in long steps (IdempotencyStore.keep_alive) so "
+            "(2 x the worst p99) or the type's LeaseBounds (its ceiling clamps the adaptive "
+            "lease), or heartbeat in long steps (IdempotencyStore.keep_alive) so "
             "the lease is renewed; also check dagster/max_runtime covers the job.",
             lease_seconds=s.lease_seconds, job_types=stats,
         )
     found = (
-        f"lease {s.lease_seconds:g}s; p99 per job type: "
-        + (", ".join(f"{jt}={_fmt(v['p99'])}" for jt, v in stats.items()) or "no data")
+        f"declared lease {s.lease_seconds:g}s; p99 / lease in force per job type: "
+        + (", ".join(f"{jt}={_fmt(v['p99'])} / {v['lease']:g}s" for jt, v in stats.items())
+           or "no data")
         + f" (all under {s.lease_margin:g} x lease)."
     )
     return _finding(
@@ -987,6 +1005,72 @@ def check_replication(s: DiagnosisSetup) -> Finding:
                     fix, **evidence)
 
 
+# -- 17 -----------------------------------------------------------------------------------------
+
+
+def check_adaptive_timing(s: DiagnosisSetup) -> Finding:
+    """The numbers sekali chose from the observed durations, with why (:mod:`engine.durations`):
+    per job type p50/p99/p99.9 over the window and their sample size, the lease in force and
+    its heartbeat. Fails (WARN) when a job type's p99.9 outlasts the adaptive lease (its
+    ceiling clamps it below the work): a pause of a heartbeat's length then costs a takeover.
+    A declared lease below the work is check 2's (``lease_vs_duration``) to report."""
+    leases = s.leases()
+    short = {jt: row for jt, row in leases.items() if row.get("lease_observed")
+             and not math.isnan(float(row["p999"]))
+             and float(row["p999"]) > float(row["lease_seconds"])}
+    lines = [
+        f"{jt}: n={row['samples']} p50={_fmt(float(row['p50']))} p99={_fmt(float(row['p99']))} "
+        f"p99.9={_fmt(float(row['p999']))}, lease "
+        + (f"{float(row['lease_seconds']):g}s ({row['lease_why']})" if "lease_seconds" in row
+           else "n/a (not a registered job type)")
+        for jt, row in leases.items()
+    ]
+    found = "; ".join(lines) or "no job type"
+    if short:
+        return _finding(
+            "adaptive_timing", WARN, False,
+            f"p99.9 outlasts the lease in force for {', '.join(sorted(short))}. {found}.",
+            "Raise the job type's LeaseBounds.ceiling above its p99.9, or make the work "
+            "shorter.",
+            job_types=leases, window_seconds=s.adaptive.window_seconds,
+        )
+    return _finding(
+        "adaptive_timing", WARN, True, found + ".",
+        "Nothing to change; the leases follow the durations (SEKALI_ADAPTIVE=0 turns that off).",
+        job_types=leases, window_seconds=s.adaptive.window_seconds,
+    )
+
+
+# -- 18 -----------------------------------------------------------------------------------------
+
+
+def check_worker_capacity(s: DiagnosisSetup) -> Finding:
+    """How many resident workers the observed load needs per queue (Little's law,
+    :mod:`engine.capacity`), against the bounds ``SEKALI_WORKERS`` gives, and whether the
+    backlog drains. Fails (WARN) when even the ceiling's workers finish fewer requests than
+    arrive: the backlog grows whatever the supervisor does."""
+    delivery, targets = DeliveryPolicy.from_env(), WorkerTargets.from_env()
+    queues = {q: delivery.resident(q) for q in delivery.queues()}
+    model = DurationModel(AttemptRecorder(s.db), s.adaptive, clock=s.clock)
+    bounds = {q: targets.bounds(q) for q in queues}
+    loads = measure(RequestStore(s.db), model, queues, bounds, s.capacity, s.clock())
+    evidence = {q: load.as_dict(load.needed) for q, load in loads.items()}
+    short = [q for q, load in loads.items() if not load.draining(load.ceiling)]
+    found = "; ".join(load.describe(load.needed) for load in loads.values()) or (
+        "no queue served by resident workers")
+    if short:
+        return _finding(
+            "worker_capacity", WARN, False,
+            f"{', '.join(short)}: more arrives than the ceiling's workers can finish, the "
+            f"backlog grows. {found}.",
+            "Raise the ceiling in SEKALI_WORKERS (QUEUE=FLOOR..CEILING), or make the work "
+            "shorter; a fixed count (QUEUE=N) is never sized from the load.",
+            queues=evidence,
+        )
+    return _finding("worker_capacity", WARN, True, found + ".",
+                    "Nothing to change.", queues=evidence)
+
+
 TITLES = {
     "real_duplicates": "1. Real duplicate effect or only a duplicate log line",
     "lease_vs_duration": "2. Lease against p99 duration per job type",
@@ -1004,6 +1088,8 @@ TITLES = {
     "replication": "16. A database failover cannot roll a completed key back",
     "tenant_starvation": "14. No tenant starved by the fair share",
     "outbox_dead_letters": "15. No outbox event waiting for an operator",
+    "adaptive_timing": "17. Leases from the observed durations, per job type",
+    "worker_capacity": "18. Workers the observed load needs, and whether the backlog drains",
 }
 
 CHECKS: tuple[Check, ...] = tuple(
@@ -1025,6 +1111,8 @@ CHECKS: tuple[Check, ...] = tuple(
         ("tenant_starvation", check_tenant_starvation),
         ("outbox_dead_letters", check_outbox_dead_letters),
         ("replication", check_replication),
+        ("adaptive_timing", check_adaptive_timing),
+        ("worker_capacity", check_worker_capacity),
     )
 )
 """The checklist in order. Severity on failure: ERROR for broken invariants, WARN otherwise."""
@@ -1035,6 +1123,7 @@ DEFAULT_SEVERITY = {
     "ack_timing": ERROR, "dlq": WARN, "unique_constraints": ERROR, "correlation": WARN,
     "retention_backlog": WARN, "retention_agreement": ERROR, "redis_eviction": ERROR,
     "tenant_starvation": WARN, "outbox_dead_letters": WARN, "replication": ERROR,
+    "adaptive_timing": WARN, "worker_capacity": WARN,
 }
 
 

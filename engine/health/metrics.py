@@ -44,6 +44,7 @@ from prometheus_client.registry import Collector
 from sqlalchemy import inspect
 
 from engine.attempts import AttemptRecorder, nearest_rank
+from engine.durations import DurationModel, LeasedType, lease_table
 from engine.requests import RequestStore
 from engine.tenants import OTHER
 from resources.dlq import DlqViews
@@ -147,8 +148,10 @@ class MetricsCollector:
         lock_stats: StatsProvider | None = None,
         window_seconds: float = 3600.0,
         clock: Clock = time.time,
+        leases: tuple[Mapping[str, LeasedType], float] | None = None,
     ) -> None:
         self.db = db
+        self.leases = leases
         self.requests = RequestStore(db)
         self.attempts = AttemptRecorder(db)
         self.cache_stats = cache_stats
@@ -167,6 +170,7 @@ class MetricsCollector:
         for needed, part in (
             (("job_requests",), self._queue),
             (("job_attempts", "job_attempt_rollups"), self._attempts),
+            (("job_attempts", "job_attempt_rollups"), self._durations),
             (("dlq_records",), self._dlq),
             (("job_requests", "tenants"), self._tenants),
         ):
@@ -305,6 +309,27 @@ class MetricsCollector:
             QUANTILES, self.attempts.nearest_rank(totals, "lock_wait", QUANTILES)[None], strict=True
         ):
             snap.add("sekali_lock_wait_seconds", value, "wait for the lock", quantile=str(q))
+
+    def _durations(self, snap: MetricsSnapshot, _now: float, _since: float) -> None:
+        """The duration model's window (:mod:`engine.durations`) per job type: p50/p99/p99.9,
+        samples, and with ``leases`` (the job types and the store's lease) the lease in force
+        and its heartbeat, labelled ``source`` observed or declared."""
+        job_types, default = self.leases or ({}, 60.0)
+        model = DurationModel(self.attempts, clock=self.clock)
+        for job_type, row in lease_table(model, job_types, default).items():
+            for label, key in (("0.5", "p50"), ("0.99", "p99"), ("0.999", "p999")):
+                snap.add("sekali_duration_window_seconds", float(row[key]),
+                         "completed attempts' duration in the duration model's window (upper "
+                         "bin edge)", job_type=job_type, quantile=label)
+            snap.add("sekali_duration_window_samples", float(row["samples"]),
+                     "completed attempts in the duration model's window", job_type=job_type)
+            if "lease_seconds" in row:
+                source = "observed" if row["lease_observed"] else "declared"
+                snap.add("sekali_lease_in_force_seconds", float(row["lease_seconds"]),
+                         "the lease a claim of this job type takes now", job_type=job_type,
+                         source=source)
+                snap.add("sekali_heartbeat_seconds", float(row["heartbeat_seconds"]),
+                         "how often a holder renews its lease", job_type=job_type)
 
     def _dlq(self, snap: MetricsSnapshot, _now: float, since: float) -> None:
         views = DlqViews(self.db)

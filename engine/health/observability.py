@@ -80,6 +80,7 @@ def build_observability(
         cache_stats=cache_stats if caches else None,
         lock_stats=redis_lock_stats(client) if client is not None else None,
         window_seconds=metrics_window_minutes * 60,
+        leases=(job_types, lease_seconds),
     )
     setup = DiagnosisSetup(
         db=db,

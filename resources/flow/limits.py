@@ -4,6 +4,7 @@ limiter of each downstream that settings name (every other downstream is unlimit
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
@@ -88,19 +89,24 @@ class ConcurrencyLimits:
         self.lease = lease
         self.wait = wait
         self.prefix = prefix
-        self._limiters: dict[tuple[str, int], ConcurrencyLimiter] = {}
+        self._limiters: dict[tuple[str, int, float], ConcurrencyLimiter] = {}
 
-    def limiter(self, name: str, limit: int) -> ConcurrencyLimiter:
-        found = self._limiters.get((name, limit))
+    def limiter(self, name: str, limit: int, lease: float | None = None) -> ConcurrencyLimiter:
+        """``lease``: the slot follows the lease of the work it serves, never above
+        :attr:`lease` (whole seconds, at least one, so a bounded set of limiters is kept)."""
+        seconds = self.lease if lease is None else min(self.lease, max(1.0, math.ceil(lease)))
+        found = self._limiters.get((name, limit, seconds))
         if found is None:
             found = ConcurrencyLimiter(
-                self.client, name, limit=limit, lease=self.lease, prefix=self.prefix
+                self.client, name, limit=limit, lease=seconds, prefix=self.prefix
             )
-            self._limiters[(name, limit)] = found
+            self._limiters[(name, limit, seconds)] = found
         return found
 
-    def hold(self, name: str, key: str, limit: int) -> contextlib.AbstractContextManager[Slot]:
-        return self.limiter(name, limit).hold(key, blocking_timeout=self.wait)
+    def hold(
+        self, name: str, key: str, limit: int, *, lease: float | None = None
+    ) -> contextlib.AbstractContextManager[Slot]:
+        return self.limiter(name, limit, lease).hold(key, blocking_timeout=self.wait)
 
 
 class RateLimits:

@@ -355,6 +355,10 @@ class Claim:
     takeover: bool
     payload_hash: str
     crashes: int = 0
+    lease_seconds: float = 60.0
+    """The lease this claim was granted, renewed by every heartbeat: chosen per claim (the
+    job type's observed durations, :mod:`engine.durations`), so one store serves short and
+    long work alike."""
 
 
 @dataclass(frozen=True)
@@ -404,7 +408,9 @@ class IdempotencyStore:
 
     # -- claiming ---------------------------------------------------------------------------
 
-    def begin(self, key: str, *, payload: Any = None) -> Claim | Completed:
+    def begin(
+        self, key: str, *, payload: Any = None, lease_seconds: float | None = None
+    ) -> Claim | Completed:
         """Claim ``key``, or return its stored result.
 
         One round trip on Postgres (one conditional statement that also reads the record it did
@@ -412,10 +418,12 @@ class IdempotencyStore:
 
         Raises :class:`IdempotencyConflict` (payload differs), :class:`AlreadyInProgress`
         (another owner's lease is live: retry later) or :class:`StoredFailure` (failed
-        permanently before: an operator must reset it).
+        permanently before: an operator must reset it). ``lease_seconds``: this claim's lease
+        (default the store's), kept by its heartbeats.
         """
         if not key:
             raise ValueError("key must be a non-empty string")
+        lease = self._lease(lease_seconds)
         digest = payload_hash(payload)
         owner = uuid.uuid4().hex
         for _ in range(5):
@@ -425,7 +433,7 @@ class IdempotencyStore:
                 "hash": digest,
                 "owner": owner,
                 "now": now,
-                "expires": now + self.lease_seconds,
+                "expires": now + lease,
                 "solo": 1,
             }
             found: tuple[Record, bool, str | None] | None
@@ -438,17 +446,21 @@ class IdempotencyStore:
                     found = _claim_sqlite(conn, params)
             if found is None:
                 continue  # inserted concurrently after our snapshot: look again
-            return self._outcome(*found, digest, now)
+            return self._outcome(*found, digest, now, lease)
         raise SekaliError(f"could not read or claim {key!r} after 5 tries; the store is unstable")
 
-    def begin_many(self, items: Sequence[tuple[str, Any]]) -> list[BeginOutcome]:
+    def begin_many(
+        self, items: Sequence[tuple[str, Any]], *, lease_seconds: float | None = None
+    ) -> list[BeginOutcome]:
         """:meth:`begin` for a batch of ``(key, payload)``: one statement on Postgres, one
         transaction on SQLite, with exactly the single call's guarantees for every key.
 
         Returns one outcome per item, in order: a :class:`Claim`, a :class:`Completed`, or the
         error :meth:`begin` would raise for that key (returned, not raised), so one key's
         conflict or live lease never stops its neighbours. A key may appear once per batch.
+        Every claim of the batch takes ``lease_seconds`` (default the store's).
         """
+        lease = self._lease(lease_seconds)
         keys = [key for key, _ in items]
         if not all(keys):
             raise ValueError("every key must be a non-empty string")
@@ -462,7 +474,7 @@ class IdempotencyStore:
             if not todo:
                 break
             now = self.clock()
-            expires = now + self.lease_seconds
+            expires = now + lease
             if self.db.is_postgres:
                 rows = self._begin_many_pg(todo, digests, owners, now, expires)
                 found = {row[0]: (Record.from_row(row), bool(row[16]), row[17]) for row in rows}
@@ -477,7 +489,8 @@ class IdempotencyStore:
                             found[key] = one
             for key, (record, claimed, previous) in found.items():
                 try:
-                    answers[key] = self._outcome(record, claimed, previous, digests[key], now)
+                    answers[key] = self._outcome(record, claimed, previous, digests[key], now,
+                                                 lease)
                 except SekaliError as exc:
                     answers[key] = exc
             todo = [key for key in todo if key not in found]  # inserted after our snapshot
@@ -504,8 +517,16 @@ class IdempotencyStore:
         }
         return _retry_deadlock(lambda: _rows_autocommit(self.db, _BEGIN_MANY_PG, params))
 
+    def _lease(self, lease_seconds: float | None) -> float:
+        if lease_seconds is None:
+            return self.lease_seconds
+        if not lease_seconds > 0:
+            raise ValueError("lease_seconds must be positive")
+        return float(lease_seconds)
+
     def _outcome(
-        self, record: Record, claimed: bool, previous: str | None, digest: str, now: float
+        self, record: Record, claimed: bool, previous: str | None, digest: str, now: float,
+        lease: float,
     ) -> Claim | Completed:
         if record.payload_hash != digest:
             raise IdempotencyConflict(record.key, record.payload_hash, digest)
@@ -522,6 +543,7 @@ class IdempotencyStore:
                 takeover=previous == Status.IN_PROGRESS,
                 payload_hash=digest,
                 crashes=record.crashes,
+                lease_seconds=lease,
             )
         if record.status is Status.COMPLETED:
             return Completed(record.key, record.result, record.fence, record.attempt)
@@ -550,7 +572,7 @@ class IdempotencyStore:
         """Extend the lease; returns the new expiry. :class:`LeaseLost` if it was taken over.
         ``until``: the latest expiry the holder may have (store time: its claim + its bound +
         a lease), so a renewal never carries a bounded holder past it."""
-        expires = self.clock() + self.lease_seconds
+        expires = self.clock() + claim.lease_seconds
         if until is not None:
             expires = min(expires, until)
         self._owner_update(claim, _HEARTBEAT, {"expires": expires}, conn)
@@ -567,7 +589,7 @@ class IdempotencyStore:
         self._owner_update(
             claim,
             _CHECKPOINT,
-            {"point": point, "data": to_text(data), "expires": self.clock() + self.lease_seconds},
+            {"point": point, "data": to_text(data), "expires": self.clock() + claim.lease_seconds},
             conn,
         )
 
@@ -616,8 +638,9 @@ class IdempotencyStore:
 
         Returns the new expiry and the keys whose lease was lost (taken over, or no longer in
         progress): nothing is written for those, exactly as :meth:`heartbeat` would refuse.
+        Every lease is extended by the longest of the claims' (a batch claims them alike).
         """
-        expires = self.clock() + self.lease_seconds
+        expires = self.clock() + max((c.lease_seconds for c in claims), default=0.0)
         written = self._owner_update_many(
             claims, _HEARTBEAT, _HEARTBEAT_MANY_PG, {"expires": expires}, None, conn
         )
@@ -873,7 +896,7 @@ class IdempotencyStore:
         claim is that fresh. ``runtime``: the work's bound in seconds from then (the job
         type's ``max_runtime_seconds``): the keeper renews no further (:class:`LeaseKeeper`).
         """
-        keeper = LeaseKeeper(self, claim, interval or self.lease_seconds / 3, confirmed_at,
+        keeper = LeaseKeeper(self, claim, interval or claim.lease_seconds / 3, confirmed_at,
                              runtime=runtime)
         keeper.start()
         try:
@@ -890,18 +913,18 @@ class IdempotencyStore:
         confirmed_at: float | None = None,
     ) -> Iterator[BatchLeaseKeeper]:
         """:meth:`keep_alive` for a batch: one thread, one statement per beat for every claim."""
-        keeper = BatchLeaseKeeper(self, claims, interval or self.lease_seconds / 3, confirmed_at)
+        shortest = min((c.lease_seconds for c in claims), default=self.lease_seconds)
+        keeper = BatchLeaseKeeper(self, claims, interval or shortest / 3, confirmed_at)
         keeper.start()
         try:
             yield keeper
         finally:
             keeper.stop()
 
-    @property
-    def fresh_for(self) -> float:
+    def fresh_for(self, claims: Sequence[Claim]) -> float:
         """How long after a claim or heartbeat the lease is surely still ours without asking:
-        a tenth of the lease (a takeover needs the whole lease to pass first)."""
-        return self.lease_seconds / 10
+        a tenth of the (shortest) lease (a takeover needs the whole lease to pass first)."""
+        return min((c.lease_seconds for c in claims), default=self.lease_seconds) / 10
 
     def run_once(
         self, key: str, fn: Callable[[], Any], *, payload: Any = None, wait: float = 0.0
@@ -1074,10 +1097,10 @@ class LeaseKeeper:
 
     def confirm(self) -> None:
         """Heartbeat now, in this thread, unless the claim or a heartbeat was confirmed within
-        :attr:`IdempotencyStore.fresh_for` (monotonic time, so a paused process always asks).
+        :meth:`IdempotencyStore.fresh_for` (monotonic time, so a paused process always asks).
         Raises :class:`LeaseLost` if the key was taken over."""
         self.check()
-        if time.monotonic() - self.confirmed_at < self.store.fresh_for:
+        if time.monotonic() - self.confirmed_at < self.store.fresh_for([self.claim]):
             return
         try:
             self._beat()
@@ -1192,7 +1215,9 @@ class BatchLeaseKeeper:
     def confirm(self, key: str) -> None:
         """:meth:`LeaseKeeper.confirm` for one key; a heartbeat, when needed, beats them all."""
         self.check(key)
-        if time.monotonic() - self.confirmed_at >= self.store.fresh_for:
+        with self._lock:
+            claims = list(self._claims.values())
+        if time.monotonic() - self.confirmed_at >= self.store.fresh_for(claims):
             self._beat()
             self.check(key)
 

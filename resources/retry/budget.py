@@ -11,10 +11,12 @@ from __future__ import annotations
 
 from resources.storage.redis import RedisClient, Script
 
-# KEYS[1] - the bucket of one downstream
+# KEYS[1] - the bucket of one downstream      KEYS[2] - when its failure burst began (ms)
 # ARGV[1] - capacity (a missing bucket is full)      ARGV[2] - idle ttl in ms
 # returns {1, level} when a token was taken, {0, level} when the bucket is empty
 _SPEND = """
+local t = redis.call('TIME')
+redis.call('SET', KEYS[2], tostring(t[1] * 1000 + math.floor(t[2] / 1000)), 'NX', 'PX', ARGV[2])
 local level = tonumber(redis.call('GET', KEYS[1]) or ARGV[1])
 if level >= 1 then
     level = level - 1
@@ -24,10 +26,21 @@ end
 return {0, tostring(level)}
 """
 
-# KEYS[1] - the bucket of one downstream
+# KEYS[1] - the bucket of one downstream      KEYS[2] - when its failure burst began (ms)
+# KEYS[3] - the lengths of its last bursts (seconds, newest first)
 # ARGV[1] - capacity      ARGV[2] - tokens to add      ARGV[3] - idle ttl in ms
+# ARGV[4] - how many burst lengths to keep
 # returns the new level (a full bucket is deleted: missing means full)
 _REFUND = """
+local began = redis.call('GET', KEYS[2])
+if began then
+    local t = redis.call('TIME')
+    local now = t[1] * 1000 + math.floor(t[2] / 1000)
+    redis.call('DEL', KEYS[2])
+    redis.call('LPUSH', KEYS[3], tostring(math.max(0, now - tonumber(began)) / 1000))
+    redis.call('LTRIM', KEYS[3], 0, tonumber(ARGV[4]) - 1)
+    redis.call('PEXPIRE', KEYS[3], ARGV[3])
+end
 local capacity = tonumber(ARGV[1])
 local level = tonumber(redis.call('GET', KEYS[1]) or ARGV[1])
 level = math.min(capacity, level + tonumber(ARGV[2]))
@@ -40,6 +53,10 @@ return tostring(level)
 """
 
 
+KEPT_BURSTS = 50
+"""Failure-burst lengths kept per downstream (bounded memory in Redis)."""
+
+
 class RetryBudget:
     """A token bucket per downstream in Redis, shared by every worker of every process.
 
@@ -50,6 +67,12 @@ class RetryBudget:
     state (the gRPC retry-throttling rule). Keys: ``{namespace}:retry-budget:{<downstream>}``
     (hash tag: Redis Cluster safe). An idle bucket's key expires after ``idle_ttl_seconds``
     (back to full).
+
+    The same two scripts measure the downstream's **failure bursts** at no extra round trip: a
+    retry asked for opens a burst (the Redis server's time, if none is open), the next clean
+    success closes it and keeps its length among the last :data:`KEPT_BURSTS`
+    (:meth:`bursts`): how long the downstream takes to recover, which the retry delays follow
+    (:func:`resources.retry.policy.RetryPolicy.following`).
     """
 
     def __init__(
@@ -74,19 +97,30 @@ class RetryBudget:
     def key(self, downstream: str) -> str:
         return f"{self.namespace}:retry-budget:{{{downstream}}}"
 
+    def _burst_keys(self, downstream: str) -> list[str]:
+        return [f"{self.namespace}:retry-burst:{{{downstream}}}",
+                f"{self.namespace}:retry-bursts:{{{downstream}}}"]
+
     def try_spend(self, downstream: str) -> bool:
         """Take one token for one retry; False when the bucket is empty (do not retry)."""
-        ok, _level = self._spend(keys=[self.key(downstream)], args=[self.capacity, self._ttl_ms])
+        ok, _level = self._spend(keys=[self.key(downstream), self._burst_keys(downstream)[0]],
+                                 args=[self.capacity, self._ttl_ms])
         return bool(int(ok))
 
     def refund(self, downstream: str, successes: int = 1) -> float:
         """Record clean successes: add ``refill_per_success`` for each, up to capacity (a batch
         refunds its successes in one call). Returns the level."""
         level = self._refund(
-            keys=[self.key(downstream)],
-            args=[self.capacity, self.refill_per_success * successes, self._ttl_ms],
+            keys=[self.key(downstream), *self._burst_keys(downstream)],
+            args=[self.capacity, self.refill_per_success * successes, self._ttl_ms,
+                  KEPT_BURSTS],
         )
         return float(level)
+
+    def bursts(self, downstream: str) -> list[float]:
+        """The lengths in seconds of the downstream's last failure bursts, newest first."""
+        raw = self.client.lrange(self._burst_keys(downstream)[1], 0, KEPT_BURSTS - 1)
+        return [float(v) for v in raw]
 
     def level(self, downstream: str) -> float:
         raw = self.client.get(self.key(downstream))

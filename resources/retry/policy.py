@@ -16,8 +16,10 @@ attempts 0 and 1 and gives up after attempt 2.
 from __future__ import annotations
 
 import logging
+import math
 import random
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from resources.retry.classify import ErrorClass, classify, is_contention
@@ -101,6 +103,28 @@ class RetryPolicy:
         if self.max_attempts < 1:
             raise ValueError("max_attempts must be >= 1")
         jitter_named(self.jitter)
+
+    def following(
+        self, bursts: Sequence[float], *, min_bursts: int = 3
+    ) -> tuple[RetryPolicy, str]:
+        """This policy with its base and cap following how long the downstream's failure bursts
+        last (``bursts``: their lengths in seconds, :meth:`RetryBudget.bursts`), never below
+        the declared ones: ``base = max(base, p50 / 2)`` (with full jitter the first retries
+        then land around the typical recovery, not inside it), ``cap = max(cap, p90)`` (a long
+        burst's cohort spreads over its whole length). Jitter, attempts and the time budget
+        stay as declared. Returns the policy and why (the declared one with fewer than
+        ``min_bursts`` bursts observed)."""
+        if len(bursts) < min_bursts:
+            return self, f"declared, {len(bursts)}<{min_bursts} bursts observed"
+        ordered = sorted(bursts)
+        p50 = ordered[math.ceil(0.5 * len(ordered)) - 1]
+        p90 = ordered[math.ceil(0.9 * len(ordered)) - 1]
+        base = max(self.base_delay, p50 / 2)
+        cap = max(self.max_delay, p90, base)
+        why = (f"bursts p50 {p50:.3g}s p90 {p90:.3g}s over {len(bursts)}: base "
+               f"{base:.3g}s (declared {self.base_delay:g}s), cap {cap:.3g}s "
+               f"(declared {self.max_delay:g}s)")
+        return replace(self, base_delay=base, max_delay=cap), why
 
     def delay(
         self, attempt: int, *, previous: float | None = None, rng: random.Random | None = None

@@ -1,0 +1,3 @@
+-- Arrivals per job type in a recent window (engine/requests.py RequestStore.arrivals: the
+-- workers' sizing reads the arrival rate every supervisor tick).
+CREATE INDEX IF NOT EXISTS job_requests_created ON job_requests (created_at);
