@@ -19,7 +19,8 @@ kills processes (it lives above the platform, in ``proof/``), and a child proces
 keeps those signals and servers away from the test's own process. The job type's module reaches
 the child through ``SEKALI_JOB_MODULES``: the module of a :class:`JobType` given as an object,
 and of a name this process knows (registered here through its own ``SEKALI_JOB_MODULES``, or
-declared by a module already imported, e.g. by the test file) is added to it; a name known to
+declared by a module already imported, e.g. by the test file) is added to it unless ``env``
+names the modules itself (then that list stands as given); a name known to
 neither reaches the child as it is (its ``env`` may name the module), and a child that does not
 know it either refuses the run (:class:`ChaosRunFailed`).
 """
@@ -108,7 +109,9 @@ def run_under_faults(
     wants no count it cannot check."""
     given = [job_type] if isinstance(job_type, str | JobType) else list(job_type)
     names = [jt.name if isinstance(jt, JobType) else jt for jt in given]
-    modules = [_module_of(jt) if isinstance(jt, JobType) else _module_named(jt) for jt in given]
+    named_here = env is None or MODULES_ENV not in env  # else the caller named the modules
+    modules = [_module_of(jt) if isinstance(jt, JobType)
+               else _module_named(jt) if named_here else None for jt in given]
     child_env = {**os.environ, **(env or {})}
     listed = [m for m in child_env.get(MODULES_ENV, "").split(",") if m.strip()]
     extra = [m for m in modules if m is not None and m not in listed and not
@@ -148,11 +151,12 @@ def _module_of(jt: JobType) -> str | None:
 
 
 def _module_named(name: str) -> str | None:
-    """The module declaring job type ``name``: the registry's, else an imported module whose
-    ``JOB_TYPE`` / ``JOB_TYPES`` declares it; None when this process knows neither."""
+    """The module declaring job type ``name``: the registry's, else the imported module whose
+    ``JOB_TYPE`` / ``JOB_TYPES`` declares it (the one imported last, when several do); None
+    when this process knows neither."""
     if name in JOB_TYPES:
         return JOB_TYPES.module_of(name)
-    for module_name, module in list(sys.modules.items()):
+    for module_name, module in reversed(list(sys.modules.items())):  # the latest import first
         attributes = getattr(module, "__dict__", {})  # no module __getattr__ is triggered
         declared = attributes.get("JOB_TYPES")
         found = [attributes.get("JOB_TYPE"),

@@ -22,7 +22,6 @@ import os
 import signal
 import threading
 import uuid
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -246,28 +245,22 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):  
     ]
 
 
-_ENDING = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
-
-
-def _ignored() -> set[signal.Signals]:
-    """The ending signals this process ignores, as the kernel has it (a library may set SIG_IGN
-    from C, where ``signal.getsignal`` does not see it)."""
+def _term_ignored() -> bool:
+    """Whether this process ignores SIGTERM, as the kernel has it."""
     with open("/proc/self/status", encoding="ascii") as status:
         mask = next(int(line.split()[1], 16) for line in status if line.startswith("SigIgn:"))
-    return {s for s in _ENDING if mask >> (s - 1) & 1}
+    return bool(mask >> (signal.SIGTERM - 1) & 1)
 
 
 @pytest.fixture(autouse=True)
-def _ending_signals_not_left_ignored(request: pytest.FixtureRequest) -> Iterator[None]:
-    """A test that leaves SIGTERM (or another ending signal) ignored in this worker process
-    makes every process it spawns later ignore it too (the disposition survives exec), and
-    ``multiprocessing.Pool.terminate`` then waits forever for children that will not end. The
-    disposition is put back and the test named."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    before = _ignored()
+def _sigterm_not_ignored() -> Iterator[None]:
+    """Every test starts and ends with SIGTERM not ignored. Dagster maps SIGTERM onto the SIGINT
+    handler when it executes a job in process (``dagster._utils.interrupts``); where SIGINT is
+    ignored (a suite started in the background: ``.ci/run &``) SIGTERM then is too, every
+    process spawned later inherits that (it survives exec), and ``multiprocessing.Pool``'s
+    ``terminate`` waits forever for children that will not end."""
+    if threading.current_thread() is threading.main_thread() and _term_ignored():
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
     yield
-    for sig in _ignored() - before:
-        signal.signal(sig, signal.SIG_DFL)
-        warnings.warn(f"{request.node.nodeid} left {sig.name} ignored; put back", stacklevel=1)
+    if threading.current_thread() is threading.main_thread() and _term_ignored():
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)

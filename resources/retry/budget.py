@@ -9,7 +9,7 @@ successes keep arriving (and refilling the bucket) once the downstream is back.
 
 from __future__ import annotations
 
-from resources.storage.redis import RedisClient, Script
+from resources.storage.redis import RedisClient, Script, hash_tag
 
 # KEYS[1] - the bucket of one downstream      KEYS[2] - when its failure burst began (ms)
 # ARGV[1] - capacity (a missing bucket is full)      ARGV[2] - idle ttl in ms
@@ -95,11 +95,12 @@ class RetryBudget:
         self._refund = Script(client, _REFUND, keeps="the retry budget")
 
     def key(self, downstream: str) -> str:
-        return f"{self.namespace}:retry-budget:{{{downstream}}}"
+        return f"{self.namespace}:retry-budget:{{{hash_tag(downstream)}}}"
 
     def _burst_keys(self, downstream: str) -> list[str]:
-        return [f"{self.namespace}:retry-burst:{{{downstream}}}",
-                f"{self.namespace}:retry-bursts:{{{downstream}}}"]
+        tag = hash_tag(downstream)  # one slot for the bucket and its bursts, whatever the name
+        return [f"{self.namespace}:retry-burst:{{{tag}}}",
+                f"{self.namespace}:retry-bursts:{{{tag}}}"]
 
     def try_spend(self, downstream: str) -> bool:
         """Take one token for one retry; False when the bucket is empty (do not retry)."""
