@@ -83,7 +83,14 @@ from proof.chaos_truth import (
     check_send_bounds,
     unverified_note,
 )
-from proof.chaos_typed import TYPED_FAULTS, Sandboxes, effect_counter, job_types_of, typed_payloads
+from proof.chaos_typed import (
+    TYPED_FAULTS,
+    Sandboxes,
+    effect_counter,
+    environment,
+    job_types_of,
+    typed_payloads,
+)
 from proof.chaos_worker import (
     CONFIG_ENV,
     CRASH_POINTS,
@@ -1460,14 +1467,19 @@ class Coordinator:
             self._shutdown()
         return finished
 
+    _POLL = 0.02
+    """How long one turn of the loop waits for a worker's event."""
+
+    def _turn(self, now: float) -> None:
+        """What one turn of the loop starts before reading events: deliveries due."""
+        self._dispatch(now)
+
     def _loop(self, deadline: float, progress: Callable[[Coordinator], None] | None) -> bool:
         last_progress = 0.0
         while time.monotonic() < deadline:
-            now = time.monotonic()
-            self._dispatch(now)
+            self._turn(time.monotonic())
             try:
-                event = self.events.get(timeout=0.02)
-                self._on_event(*event)
+                self._on_event(*self.events.get(timeout=self._POLL))
                 while True:
                     self._on_event(*self.events.get_nowait())
             except queue.Empty:
@@ -2118,42 +2130,21 @@ class ResidentCoordinator(Coordinator):
                 del self.replaying[record_id]
 
     def run(self, progress: Callable[[Coordinator], None] | None = None) -> bool:
-        saved = {k: os.environ.get(k) for k in ("REDIS_URL", "SEKALI_WAKEUP_NAMESPACE")}
-        os.environ.update({"REDIS_URL": self.world.redis_url,
-                           "SEKALI_WAKEUP_NAMESPACE": self.namespace})
-        try:
+        with environment({"REDIS_URL": self.world.redis_url,
+                          "SEKALI_WAKEUP_NAMESPACE": self.namespace}):
             producer = threading.Thread(target=self._produce, name="chaos-producer",
                                         daemon=True)
             producer.start()
             return super().run(progress)
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
 
-    def _loop(self, deadline: float, progress: Callable[[Coordinator], None] | None) -> bool:
-        last_progress = 0.0
-        while time.monotonic() < deadline:
-            if self.evicted and not self.world.evicting:
-                self._replay_evicted()
-            self._arm_faults_due()
-            self._arm_workers()
-            try:
-                self._on_event(*self.events.get(timeout=0.05))
-                while True:
-                    self._on_event(*self.events.get_nowait())
-            except queue.Empty:
-                pass
-            now = time.monotonic()
-            self._watch(now)
-            if progress is not None and now - last_progress > 1.0:
-                progress(self)
-                last_progress = now
-            if self.unsettled() == 0 and self._quiet() and not self._strike_leftovers():
-                return True
-        return False
+    _POLL = 0.05
+
+    def _turn(self, now: float) -> None:
+        """Replays after an eviction window, faults due, and workers to (re)start."""
+        if self.evicted and not self.world.evicting:
+            self._replay_evicted()
+        self._arm_faults_due()
+        self._arm_workers()
 
     def _shutdown(self) -> None:
         """Every worker told to end (a stopped one woken first), what any still held given

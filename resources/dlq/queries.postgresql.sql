@@ -2,20 +2,14 @@
 
 -- lock_by_id --
 -- One record, locked until the transaction ends.
-SELECT id, dedupe_key, job_type, idempotency_key, request_id, run_id, step, payload, run_config,
-       tags, error_class, error_type, fingerprint, last_error, trace, failure_count,
-       replay_count, first_failed_at, last_failed_at, correlation_id, status,
-       status_changed_at, created_at, updated_at, trace_id
+SELECT {record_columns}
 FROM dlq_records
 WHERE id = :id
 FOR UPDATE;
 
 -- lock_by_key --
 -- The record of one dedupe key, locked until the transaction ends.
-SELECT id, dedupe_key, job_type, idempotency_key, request_id, run_id, step, payload, run_config,
-       tags, error_class, error_type, fingerprint, last_error, trace, failure_count,
-       replay_count, first_failed_at, last_failed_at, correlation_id, status,
-       status_changed_at, created_at, updated_at, trace_id
+SELECT {record_columns}
 FROM dlq_records
 WHERE dedupe_key = :k
 FOR UPDATE;

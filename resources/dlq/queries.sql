@@ -1,69 +1,49 @@
 -- Named statements of resources/dlq (DlqViews reads, DlqStore writes), the owner of dlq_records,
 -- dlq_failures and dlq_audit. A block in queries.postgresql.sql or queries.sqlite.sql wins for
--- its dialect. {column} and {unresolved} in a condition are filled from code (a column name,
--- the unresolved statuses), never from input.
+-- its dialect. {record_columns} is dlq_records' column list, filled at import; {column} and
+-- {unresolved} in a condition are filled from code (a column name, the unresolved statuses),
+-- never from input.
 
 -- record_by_id --
 -- One record.
-SELECT id, dedupe_key, job_type, idempotency_key, request_id, run_id, step, payload, run_config,
-       tags, error_class, error_type, fingerprint, last_error, trace, failure_count,
-       replay_count, first_failed_at, last_failed_at, correlation_id, status,
-       status_changed_at, created_at, updated_at, trace_id
+SELECT {record_columns}
 FROM dlq_records
 WHERE id = :id;
 
 -- record_by_key --
 -- The record of one dedupe key.
-SELECT id, dedupe_key, job_type, idempotency_key, request_id, run_id, step, payload, run_config,
-       tags, error_class, error_type, fingerprint, last_error, trace, failure_count,
-       replay_count, first_failed_at, last_failed_at, correlation_id, status,
-       status_changed_at, created_at, updated_at, trace_id
+SELECT {record_columns}
 FROM dlq_records
 WHERE dedupe_key = :k;
 
 -- lock_by_id --
 -- One record, locked until the transaction ends where the dialect locks rows.
-SELECT id, dedupe_key, job_type, idempotency_key, request_id, run_id, step, payload, run_config,
-       tags, error_class, error_type, fingerprint, last_error, trace, failure_count,
-       replay_count, first_failed_at, last_failed_at, correlation_id, status,
-       status_changed_at, created_at, updated_at, trace_id
+SELECT {record_columns}
 FROM dlq_records
 WHERE id = :id;
 
 -- lock_by_key --
 -- The record of one dedupe key, locked until the transaction ends where the dialect locks rows.
-SELECT id, dedupe_key, job_type, idempotency_key, request_id, run_id, step, payload, run_config,
-       tags, error_class, error_type, fingerprint, last_error, trace, failure_count,
-       replay_count, first_failed_at, last_failed_at, correlation_id, status,
-       status_changed_at, created_at, updated_at, trace_id
+SELECT {record_columns}
 FROM dlq_records
 WHERE dedupe_key = :k;
 
 -- records_by_ids --
 -- Several records (:ids expanding).
-SELECT id, dedupe_key, job_type, idempotency_key, request_id, run_id, step, payload, run_config,
-       tags, error_class, error_type, fingerprint, last_error, trace, failure_count,
-       replay_count, first_failed_at, last_failed_at, correlation_id, status,
-       status_changed_at, created_at, updated_at, trace_id
+SELECT {record_columns}
 FROM dlq_records
 WHERE id IN :ids;
 
 -- records_of_run --
 -- The records a run's failures were counted on, by id.
-SELECT id, dedupe_key, job_type, idempotency_key, request_id, run_id, step, payload, run_config,
-       tags, error_class, error_type, fingerprint, last_error, trace, failure_count,
-       replay_count, first_failed_at, last_failed_at, correlation_id, status,
-       status_changed_at, created_at, updated_at, trace_id
+SELECT {record_columns}
 FROM dlq_records
 WHERE id IN (SELECT record_id FROM dlq_failures WHERE run_id = :run)
 ORDER BY id;
 
 -- select_records --
 -- Every record; DlqViews.list_records appends its filters, order and limit.
-SELECT id, dedupe_key, job_type, idempotency_key, request_id, run_id, step, payload, run_config,
-       tags, error_class, error_type, fingerprint, last_error, trace, failure_count,
-       replay_count, first_failed_at, last_failed_at, correlation_id, status,
-       status_changed_at, created_at, updated_at, trace_id
+SELECT {record_columns}
 FROM dlq_records;
 
 -- insert_record --

@@ -22,6 +22,7 @@ from resources.dlq.records import (
     DlqRecord,
     DlqRecordNotFound,
     DlqStatus,
+    dlq_records,
 )
 from resources.storage.db import Database
 from resources.storage.json_text import storable_key
@@ -30,8 +31,12 @@ from resources.storage.queries import load_dialect_queries, load_queries
 Clock = Callable[[], float]
 
 _QUERY_FILE = Path(__file__).with_name("queries.sql")
-QUERIES = load_dialect_queries(_QUERY_FILE)
-"""The DLQ's named statements per dialect; only this package reads them."""
+_RECORD_COLUMNS = ", ".join(c.name for c in dlq_records.c)
+QUERIES = {dialect: {name: sql.replace("{record_columns}", _RECORD_COLUMNS)
+                     for name, sql in queries.items()}
+           for dialect, queries in load_dialect_queries(_QUERY_FILE).items()}
+"""The DLQ's named statements per dialect (a record's columns named once, by the table);
+only this package reads them."""
 _CONDITIONS = load_queries(_QUERY_FILE)
 _UNRESOLVED_SQL = ", ".join(f"'{s}'" for s in UNRESOLVED)
 
