@@ -175,9 +175,10 @@ def run_steps(
     results: list[StepResult | None] = [None] * len(requests)
     admitted: list[int] = []
     for i, request in enumerate(requests):
-        refused = admit_step(services, at, request, source=source, retry=retry, owner=owner)
+        refused, key = _admit(services, at, request, source=source, retry=retry, owner=owner)
         if refused is None:
             admitted.append(i)
+            requests[i] = replace(request, key=key)
         else:
             results[i] = _told(refused, on_failure)
     run = _take(services, store, at, requests, admitted, results, owner=owner,
@@ -238,12 +239,22 @@ def admit_step(
     (a run's config, a delivery, a row read back). None: admitted. A refusal runs nothing: it
     is kept in ``job_rejections``, recorded as a ``failed_permanent`` attempt, and the request
     is dead-lettered (permanent, never retried). ``request.job_type`` is the step's own."""
+    return _admit(services, at, request, source=source, retry=retry, owner=owner)[0]
+
+
+def _admit(
+    services: Services, at: StepAttempt, request: StepRequest, *, source: str, retry: Retry,
+    owner: str | None,
+) -> tuple[StepResult | None, str | None]:
+    """:func:`admit_step`, and the admitted request's key: the one it named, else its job
+    type's, so that a failure's dead letter names the key (it pins the key against the
+    retention purge while open, and reconciliation judges the record by it)."""
     requests = RequestStore(services.db)
     payload = _plain(request.payload)
     try:
-        admit(requests, request.job_type, payload, request.key, source=source,
-              request_id=request.request_id, correlation_id=request.correlation_id,
-              kept_elsewhere=True)
+        admitted = admit(requests, request.job_type, payload, request.key, source=source,
+                         request_id=request.request_id, correlation_id=request.correlation_id,
+                         kept_elsewhere=True)
     except ValidationError as exc:
         path = failure_path(services, request.job_type, at, request, retry=retry)
         row_id = request.request_id if request.request_id is not None and _is_row_id(
@@ -262,8 +273,8 @@ def admit_step(
         except Exception:  # noqa: BLE001 - the store is away: the refusal stays permanent
             logger.warning("refused %s: its attempt row not written now", request.job_type,
                            exc_info=True)
-        return _decided(requests, path, refused, exc, at, owner, retry)
-    return None
+        return _decided(requests, path, refused, exc, at, owner, retry), None
+    return None, admitted.key
 
 
 def _take(

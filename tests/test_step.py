@@ -8,6 +8,7 @@ without a retry and dead-letters a request a plain retry would have finished.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -18,11 +19,15 @@ from engine.registry import JOB_TYPES
 from engine.requests import RequestStore
 from engine.services import Services
 from engine.step import StepAttempt, StepResult, run_step
+from engine.upkeep.reconciliation import Reconciler
+from engine.upkeep.retention import purge_expired
+from resources.dlq import DlqStatus, DlqStore
 from resources.errors import StoreUnavailable, TransientJobError, ValidationError
 from resources.idempotency import IdempotencyStore
 from resources.retry import RetryPolicy
 from resources.storage.db import Database
 from resources.storage.migrations import upgrade
+from resources.storage.settings import RetentionSettings
 from sandbox.redis_server import free_port
 
 
@@ -97,3 +102,60 @@ def test_a_last_attempt_that_cannot_settle_its_row_still_gives_up_classified(
     assert str(result.decision.error_class) == "transient"
     assert result.recorded is Outcome.DEAD_LETTERED
     assert result.dead_letter is None  # its row and record could not be written: not raised
+
+
+def test_a_delivery_without_a_key_dead_letters_under_its_key_and_the_purge_keeps_it(
+    sqlite_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Catches a dead letter of a delivery that named no key (a run's config, a broker's
+    message: no ``job_requests`` row) written without the key its job type derives: nothing then
+    pins the key, so once another delivery completed it the retention purge drops it while the
+    record is open, and the record's replay claims the key afresh, fence 1 (below every fence the
+    key wrote: ``sekali chaos`` retention-travel saw a charge completed twice, fences 11 and 1),
+    and the reconciliation can never resolve the record (it judges it by its key)."""
+    failures = {"left": 1}
+
+    def _once(ctx: JobContext, payload: dict[str, Any]) -> dict[str, Any]:
+        if failures["left"]:
+            failures["left"] -= 1
+            raise TransientJobError("the downstream did not answer")
+        return {"done": payload["n"]}
+
+    monkeypatch.setitem(JOB_TYPES, "keyed_probe", JobType(
+        name="keyed_probe", queue="light", validate=dict, key_for=lambda p: f"keyed:{p['n']}",
+        max_runtime_seconds=60, side_effect=False, handler=_once, resource_id=lambda p: p["n"],
+    ))
+    db = Database.from_url(sqlite_url)
+    upgrade(db)
+    store, dlq = IdempotencyStore(db), DlqStore(db)
+    services = Services(db=db, store=store, attempts=AttemptRecorder(db),
+                        retry_policy=RetryPolicy(max_attempts=3))
+    try:
+        failed = run_step(  # its last attempt: given up, dead-lettered
+            services, StepAttempt(run_id="delivery-1", step="keyed_probe_op", attempt=2),
+            job_type="keyed_probe", payload={"n": "7"}, request_id=41,
+        )
+        assert failed.dead_letter is not None, failed
+        record = dlq.get(failed.dead_letter.record_id)
+        assert record.idempotency_key == "keyed:7", record
+
+        done = run_step(  # the broker delivers it again: the key completes
+            services, StepAttempt(run_id="delivery-2", step="keyed_probe_op"),
+            job_type="keyed_probe", payload={"n": "7"}, request_id=41,
+        )
+        assert done.outcome is not None and done.outcome.status == "completed", done
+        fence = store.records(["keyed:7"])["keyed:7"].fence
+
+        later = time.time() + 40 * 86400
+        reconciler = Reconciler(db, store=store, dlq=dlq, retention=RetentionSettings(),
+                                clock=lambda: later)
+        purge_expired(db, reconciler.expiries(), RetentionSettings())
+        kept = store.records(["keyed:7"])
+        assert "keyed:7" in kept, "the key was purged while its dead letter is open"
+        assert kept["keyed:7"].fence == fence
+
+        report = Reconciler(db, store=store, dlq=dlq).run()
+        assert record.id in report.resolved_dead_letters
+        assert dlq.get(record.id).status is DlqStatus.RESOLVED
+    finally:
+        db.dispose()
