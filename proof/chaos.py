@@ -967,6 +967,8 @@ class Coordinator:
         self.travelled: dict[str, Any] = {}  # the ledger just before the purge "days later"
         self.published_before_purge: set[str] = set()  # outbox events published by then
         self.pending_kills: list[str] = []
+        self.untouched = sum(1 for r in self.requests if self._carries(r))
+        """Requests that can carry a kill or a stop (:meth:`_carries`), never dispatched."""
         self.evicted: list[int] = []  # evicting-redis: requests refused, replayed once restored
         self.failovers_handled = 0  # pg-failover: failovers whose rolled-back work went again
         self.armed: dict[str, tuple[str, str]] = {}  # tok -> (crash | stop, point)
@@ -1031,6 +1033,8 @@ class Coordinator:
             return
         req = self.requests[d.request]
         self._arm_faults_due()
+        if req.deliveries == 0 and self._carries(req):
+            self.untouched -= 1
         d.attempts += 1
         req.deliveries += 1
         d.tok = f"{d.id}.{d.attempts}"
@@ -1044,11 +1048,10 @@ class Coordinator:
             # its handler kills the worker every time it runs (os._exit, out of memory)
             msg["crash"] = "before_effect"
             self.armed[d.tok] = ("loop", msg["crash"])
-        elif self.pending_kills and fresh:
+        elif self.pending_kills and fresh and self._carries(req):
             msg["crash"] = self.pending_kills.pop()
             self.armed[d.tok] = ("crash", msg["crash"])
-        elif (self.pending_stops and fresh and not self._stop_under_way()
-              and (self.config.job_types or req.job_type != "reserve_inventory")):
+        elif self.pending_stops and fresh and not self._stop_under_way() and self._carries(req):
             self.pending_stops -= 1
             msg["stop"] = STOP_POINTS[self.stats["stops_armed"] % len(STOP_POINTS)]
             self.stats["stops_armed"] += 1
@@ -1070,6 +1073,13 @@ class Coordinator:
         if not w.send(msg):
             self._worker_gone(w)
 
+    def _carries(self, req: Request) -> bool:
+        """Whether a kill or a stop armed on a delivery of ``req`` reaches its point: not on
+        a poison or crash-looping request, nor on the built-in reservation, whose effect is a
+        transaction of its own with no downstream call to stop or kill around."""
+        return not req.poison and not req.crash_loop and bool(
+            self.config.job_types or req.job_type != "reserve_inventory")
+
     def _stop_under_way(self) -> bool:
         """One stop at a time: a second frozen worker could hold the very redelivery that is
         to take the first one's key over."""
@@ -1077,12 +1087,17 @@ class Coordinator:
             w.state == "stopped" for w in self.workers.values())
 
     def _arm_faults_due(self) -> None:
+        """Arm each kill and stop whose dispatch has come, or earlier once no more requests
+        that could carry one are left untouched than are still to come: a delivery that finds
+        its request done (a duplicate) reaches no crash point, so a kill planned late in a small
+        run could otherwise find only such deliveries and never strike."""
         n = self.dispatches
-        while self.kill_at and self.kill_at[0] <= n:
+        while self.kill_at and (self.kill_at[0] <= n
+                                or self.untouched <= len(self.kill_at) + len(self.stop_at)):
             self.kill_at.pop(0)
             self.pending_kills.insert(0, CRASH_POINTS[self.stats["kills_planned"] % 3])
             self.stats["kills_planned"] += 1
-        while self.stop_at and self.stop_at[0] <= n:
+        while self.stop_at and (self.stop_at[0] <= n or self.untouched <= len(self.stop_at)):
             self.stop_at.pop(0)
             self.pending_stops += 1
         self._start_due(n)

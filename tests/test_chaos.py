@@ -410,3 +410,17 @@ def test_retention_travel_catches_a_purge_that_drops_keys_open_records_name(
     assert report.stats["travel_kept_keys"] == 0 and report.stats["travel_replayed"] >= 1, why
     assert any(v.startswith("duplicate mail") or v.startswith("duplicate effect")
                for v in report.violations), why
+
+
+@pytest.mark.parametrize("seed", [13, 20])
+def test_a_kill_planned_late_in_a_small_run_still_strikes(seed: int) -> None:
+    """Catches a kill that never strikes because it was planned (by dispatch count) after the
+    last request's first delivery, or armed on a delivery that reaches no crash point (a
+    duplicate of a completed request, a reservation without a downstream call): the run then
+    proves nothing about kills while its options say it does. Seeds 13 and 20 plan the kill at
+    82% of the dispatches, when every request may have completed."""
+    report = run_chaos(ChaosConfig(requests=4, workers=2, threads=1, redelivery=3,
+                                   faults=("kill",), kills=1, seed=seed, timeout=120))
+    assert report.ok, _explain(report)
+    assert report.stats["kills"] == 1, report.stats
+    assert report.stats["kills_not_struck"] == 0, report.stats
