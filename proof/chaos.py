@@ -1087,17 +1087,21 @@ class Coordinator:
             w.state == "stopped" for w in self.workers.values())
 
     def _arm_faults_due(self) -> None:
-        """Arm each kill and stop whose dispatch has come, or earlier once no more requests
-        that could carry one are left untouched than are still to come: a delivery that finds
-        its request done (a duplicate) reaches no crash point, so a kill planned late in a small
-        run could otherwise find only such deliveries and never strike."""
+        """Arm each kill and stop whose dispatch has come, or earlier once fewer than two
+        untouched requests that could carry one are left for each still to come: a delivery
+        that finds its request done (a duplicate) or its key held by a copy delivered beside it
+        reaches no point, so a kill planned late in a small run could otherwise find only such
+        deliveries and never strike (the second request is for a kill that found the first
+        one's key held)."""
         n = self.dispatches
-        while self.kill_at and (self.kill_at[0] <= n
-                                or self.untouched <= len(self.kill_at) + len(self.stop_at)):
+        while self.kill_at and (
+                self.kill_at[0] <= n
+                or self.untouched <= 2 * (len(self.kill_at) + len(self.stop_at))):
             self.kill_at.pop(0)
             self.pending_kills.insert(0, CRASH_POINTS[self.stats["kills_planned"] % 3])
             self.stats["kills_planned"] += 1
-        while self.stop_at and (self.stop_at[0] <= n or self.untouched <= len(self.stop_at)):
+        while self.stop_at and (self.stop_at[0] <= n
+                                or self.untouched <= 2 * len(self.stop_at)):
             self.stop_at.pop(0)
             self.pending_stops += 1
         self._start_due(n)
