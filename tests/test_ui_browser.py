@@ -3,23 +3,30 @@ Playwright; never a downloaded browser build).
 
 A real ``dagster-webserver`` and ``dagster-daemon`` run on a private Dagster home, a free port,
 a private SQLite app database, the test Redis and the sandbox gateway (the stack of
-:mod:`tests.test_e2e`). The test opens the Launchpad of ``charge_payment``, launches the default
-example twice, and checks that the runs list shows one ``effect`` and one ``duplicate`` and that
-the duplicate links to the run that charged; then, after a permanent failure, that the
+:mod:`tests.test_e2e`). The first test opens the Launchpad of ``charge_payment``, launches the
+default example twice, and checks that the runs list shows one ``effect`` and one ``duplicate``
+and that the duplicate links to the run that charged; then, after a permanent failure, that the
 ``dead_letters`` asset shows its row and its check fails, the failed run names its dead letter
 (``sekali/dlq_id``), and a cancelled request's run runs nothing and says who cancelled it.
 
 The second test goes through docs/job-types.md's example as a user would: the guide's module
 written to a package outside the tree, ``sekali dev`` started with it (``SEKALI_JOB_MODULES``),
 its Launchpad filled and launched, the failed run's page reading one line (no stack trace), and
-the dead letter reached from the run's ``sekali/dlq_id`` tag. Neither test ever sees Dagster's
-"Join the community" dialog.
+the dead letter reached from the run's ``sekali/dlq_id`` tag.
+
+The third runs a payment and an email, materialises ``sekali_durations`` with the asset page's
+"Materialize" button, and opens its pictures from the page's Metadata table (Dagster 1.13 puts
+a markdown value of 1,000 characters or more behind ``[Show Markdown]``, rendered in a dialog):
+each is the materialisation's PNG, loaded, with a panel per job type that ran; the leases entry
+prints the lease and percentiles behind the lines. No test ever sees Dagster's "Join the
+community" dialog.
 
 Screenshots go to ``test-results/ui/`` (gitignored; CI leaves them there).
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
@@ -39,12 +46,13 @@ from playwright.sync_api import sync_playwright
 from engine import tags as tag
 from engine.intake import enqueue
 from engine.requests import CancelState, RequestStore
+from pipelines.assets.durations import DURATIONS_ASSET
 from resources.dlq import DlqStore
 from resources.storage.db import Database
 from tests.guide_example import JOB_TYPE as GUIDE_JOB_TYPE
 from tests.guide_example import install_example
 from tests.test_dev import SEKALI, _ui_answers, descendants, dev_env, free_port, wait_gone
-from tests.test_e2e import ROOT, Stack, _location_loaded, stack, wait_for
+from tests.test_e2e import ROOT, Stack, _location_loaded, _status, stack, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.dagster, pytest.mark.timeout(600)]
 
@@ -381,3 +389,126 @@ def test_the_guides_job_type_from_the_launchpad_to_its_dead_letter(
     first = said.stdout.splitlines()[0]
     assert f"dead letter {dlq_id} (open): permanent: " in first and "points" in first, first
     assert "Traceback" not in said.stdout
+
+
+DURATIONS = """
+{ assetOrError(assetKey: {path: ["sekali_durations"]}) {
+    ... on Asset { assetMaterializations(limit: 1) { runId metadataEntries { label
+      ... on MarkdownMetadataEntry { mdStr }
+      ... on JsonMetadataEntry { jsonString } } } } } }
+"""
+PANEL_PX = (720, 216)  # one panel of the asset's figures: 8 x 2.4 inches at 90 dpi
+
+
+def _durations(stack: Stack, run: str) -> dict[str, str] | None:
+    """The materialisation of ``sekali_durations`` by the run whose id starts with ``run``:
+    label -> markdown or JSON text."""
+    found = stack.graphql(DURATIONS, {})["assetOrError"].get("assetMaterializations") or []
+    if not found or not found[0]["runId"].startswith(run):
+        return None
+    return {e["label"]: e.get("mdStr") or e.get("jsonString") or ""
+            for e in found[0]["metadataEntries"]}
+
+
+def _picture(markdown: str) -> tuple[str, tuple[int, int]]:
+    """The ``data:`` URL of the PNG in a markdown image, and the width and height its header
+    (IHDR) gives."""
+    found = re.fullmatch(r"!\[[^\]]*\]\((data:image/png;base64,([A-Za-z0-9+/=]+))\)", markdown)
+    assert found, markdown[:80]
+    head = base64.b64decode(found.group(2))[:24]
+    assert head.startswith(b"\x89PNG\r\n\x1a\n"), head
+    return found.group(1), (int.from_bytes(head[16:20], "big"), int.from_bytes(head[20:24], "big"))
+
+
+def _open_metadata(page: Any, label: str, action: str) -> Any:
+    """Dagster 1.13 shows a markdown (or JSON) value of 1,000 characters or more as a link
+    (``[Show Markdown]``) in the asset's Metadata table; the value is rendered in a dialog
+    titled with the entry's label. Open it and return the dialog."""
+    row = page.locator("tr").filter(has=page.get_by_text(label, exact=True))
+    row.get_by_text(action).first.click(timeout=WAIT_MS)
+    dialog = page.get_by_role("dialog").filter(has_text=label)
+    dialog.wait_for(timeout=WAIT_MS)
+    return dialog
+
+
+def _close(page: Any, dialog: Any) -> None:
+    dialog.get_by_role("button", name="Close").click(timeout=WAIT_MS)
+    dialog.wait_for(state="detached", timeout=WAIT_MS)
+
+
+def test_the_durations_picture_of_real_attempts_shows_on_the_asset_page(
+    stack: Stack, browser: Any
+) -> None:
+    """Catches a ``sekali_durations`` picture that a user does not see on the asset's page:
+    an image the UI's markdown drops or sanitises away (a ``data:`` URL rewritten or stripped),
+    one that does not decode (a broken image has no natural width), one that is not the
+    materialisation's picture or not drawn from the attempts recorded (a panel per job type
+    that ran), and lease and percentile numbers the page does not show."""
+    wait_for("the webserver and code location", lambda: _location_loaded(stack), 240, stack.logs)
+    base = f"http://127.0.0.1:{stack.port}"
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.set_default_timeout(WAIT_MS)
+
+    # 1. Attempts of two job types, recorded by the platform as it runs them.
+    client = stack.client()
+    ran = [
+        client.submit_job_execution("charge_payment", run_config={"ops": {"charge_payment_op": {
+            "config": {"payload": {"order_id": "o-picture", "amount_cents": 900,
+                                   "currency": "EUR"}}}}}),
+        client.submit_job_execution("send_email", run_config={"ops": {"send_email_op": {
+            "config": {"payload": {"template": "welcome", "user_id": "picture-1",
+                                   "date": "2026-11-29", "to": "p1@example.com"}}}}}),
+    ]
+    for run_id in ran:
+        wait_for(f"run {run_id} to succeed", lambda r=run_id: _status(stack, r), 240, stack.logs)
+
+    # 2. Materialise the asset from its page, as a user would: the toast names the run.
+    page.goto(f"{base}/assets/{DURATIONS_ASSET}")
+    materialize = page.get_by_role("button", name=re.compile(r"\bMaterialize$")).first
+    materialize.wait_for(timeout=WAIT_MS)
+    _no_community_dialog(page)
+    materialize.click(timeout=WAIT_MS)
+    toast = page.get_by_text(re.compile(r"Launched run [0-9a-f]{8}")).first
+    toast.wait_for(timeout=WAIT_MS)
+    launched = toast.inner_text().split()[-1]
+    page.screenshot(path=str(SHOTS / "09-durations-launched.png"), full_page=True)
+    stored = wait_for("the asset's materialisation", lambda: _durations(stack, launched), 240,
+                      stack.logs)
+    assert {"durations", "arrivals_vs_capacity", "leases"} <= set(stored), sorted(stored)
+    leases = json.loads(stored["leases"])
+    ran_types = [jt for jt, row in leases.items() if row["samples"]]
+    assert {"charge_payment", "send_email"} <= set(ran_types), leases
+
+    # 3. Its page: each picture opens from the Metadata table and is an image that loaded.
+    page.goto(f"{base}/assets/{DURATIONS_ASSET}")
+    sizes: dict[str, tuple[int, int]] = {}
+    for label, shot in (("durations", "10-durations.png"),
+                        ("arrivals_vs_capacity", "11-arrivals-vs-capacity.png")):
+        dialog = _open_metadata(page, label, "[Show Markdown]")
+        image = dialog.locator(".dagster-markdown img").first
+        image.wait_for(timeout=WAIT_MS)
+        page.wait_for_function("img => img.complete", arg=image.element_handle(),
+                               timeout=WAIT_MS)
+        shown = image.evaluate(
+            "img => ({src: img.getAttribute('src'), width: img.naturalWidth,"
+            " height: img.naturalHeight, seen: img.getBoundingClientRect().width})")
+        dialog.screenshot(path=str(SHOTS / shot))
+        url, size = _picture(stored[label])
+        assert shown["src"] == url, f"{label}: not the materialisation's ({shown['src'][:40]})"
+        assert (shown["width"], shown["height"]) == size and shown["seen"] > 0, (label, shown)
+        _close(page, dialog)
+        sizes[label] = size
+    # a panel per job type that ran (720 x 216 px each); a queue's panel is as wide
+    assert sizes["durations"] == (PANEL_PX[0], PANEL_PX[1] * len(ran_types)), (sizes, ran_types)
+    assert sizes["arrivals_vs_capacity"][0] == PANEL_PX[0], sizes
+
+    # 4. The numbers behind the lines: the leases entry, as the page prints it.
+    dialog = _open_metadata(page, "leases", "[Show JSON]")
+    text = dialog.inner_text()
+    printed = json.loads(text[text.index("{"):text.rindex("}") + 1])
+    page.screenshot(path=str(SHOTS / "12-leases.png"))
+    assert printed == leases
+    for jt in ("charge_payment", "send_email"):
+        row = printed[jt]
+        assert row["samples"] >= 1 and row["p99"] > 0 and row["p999"] >= row["p99"], row
+        assert row["lease_seconds"] > 0 and row["lease_why"], row
