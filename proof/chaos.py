@@ -54,7 +54,7 @@ import threading
 import time
 import uuid
 from collections import Counter, defaultdict, deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import IO, Any
@@ -66,6 +66,7 @@ from sqlalchemy.pool import NullPool
 from engine import tags as tag
 from engine.context import SEND_BOUND
 from engine.delivery import DeliveryPolicy
+from engine.durations import LeaseBounds
 from engine.intake import enqueue
 from engine.registry import get_job_type
 from engine.requests import RequestStore
@@ -181,6 +182,11 @@ class ChaosConfig:
     seed: int = 1
     naive: bool = False
     lease_seconds: float = 2.0
+    adaptive: bool = False
+    """False: every claim takes ``lease_seconds`` (the workers run with ``SEKALI_ADAPTIVE=0``),
+    so the faults timed from it (stops past the lease, the stall bound) are what they say.
+    True: the leases follow the observed durations as the platform's default does, up to each
+    job type's ceiling, and the stall bound follows the longest ceiling."""
     timeout: float = 300.0
     max_attempts: int = 8
     kills: int | None = None  # default: about one per 40 requests, at least 3
@@ -779,7 +785,8 @@ class ChaosWorld:
             smtp_port=0 if typed else self.sink.port,
             smtp_log_url="" if typed else self.sink.db_url,
             job_types=cfg.job_types,
-            env=dict(self.sandboxes.env) if self.sandboxes is not None else {},
+            env={**(self.sandboxes.env if self.sandboxes is not None else {}),
+                 "SEKALI_ADAPTIVE": "1" if cfg.adaptive else "0"},
             dagster_home=str((self.state / "dagster").resolve()) if cfg.dagster else "",
             budget_redis_url=str(self.budget_redis.url) if self.budget_redis is not None else "",
             crash_loop_limit=cfg.crash_loop_limit,
@@ -885,6 +892,19 @@ def _lane(fault: str) -> str:
     return "provider" if fault in ("slow-provider", "drip-provider") else "servers"
 
 
+def adaptive_stall_bound(job_types: Iterable[str]) -> float:
+    """With adaptive leases a dead holder's key is taken over once the lease in force runs
+    out, which may be as long as its job type's ceiling (its declared one, else its
+    ``max_runtime_seconds``): twice the longest ceiling of the run's job types, at least 60 s."""
+    ceilings = [30.0]
+    for name in job_types:
+        jt = get_job_type(name)
+        bounds = jt.lease or LeaseBounds()
+        ceilings.append(bounds.ceiling if bounds.ceiling is not None
+                        else float(jt.max_runtime_seconds))
+    return max(60.0, 2 * max(ceilings))
+
+
 class Coordinator:
     """An at-least-once broker for the workers, with the fault schedule. Single-threaded: every
     report arrives on one queue, so the state below needs no locks."""
@@ -916,7 +936,8 @@ class Coordinator:
             self.visibility += config.max_attempts * config.retry_cap + 20.0
         # every delivery must end (done or fail) within this, frozen workers aside: a worker
         # cut off from a server gives up within about one production lease (60 s)
-        self.stall_bound = 60.0
+        self.stall_bound = (adaptive_stall_bound({r.job_type for r in requests})
+                            if config.adaptive else 60.0)
         self.longest = 0.0
         self.unbounded: list[str] = []
         # a plain read connection with a short timeout: on SQLite the app Database begins

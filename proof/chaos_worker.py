@@ -103,7 +103,8 @@ class WorkerConfig:
     # this process's wall clock is off by this much (clock-skew; see proof.skewed_clock)
     clock_offset: float = 0.0
     # --job-type runs: the job types under test, whose declared downstreams get the generic
-    # fault points (HookedClient), and the environment that moves their sandboxes
+    # fault points (HookedClient); env: what the process's environment gets on top (the moved
+    # sandboxes' addresses, SEKALI_ADAPTIVE)
     job_types: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
     # --dagster: each delivery is a run of the job type's per-request Dagster job on the
@@ -384,8 +385,8 @@ def build_services(config: WorkerConfig) -> Services:
     """The services of a chaos worker process, as a run worker builds them, with the run's
     lease, retry policy, budget and crash-loop bound; every transaction passes the process's
     :class:`TransactionGate` (a stop fault freezes only outside one)."""
-    if config.job_types:  # the sandboxes' addresses, as the coordinator moved them
-        os.environ.update(config.env)
+    os.environ.update(config.env)  # the sandboxes' addresses, whether leases adapt
+    if config.job_types:
         os.environ.update({"DATABASE_URL": config.database_url,
                            "REDIS_URL": config.redis_url,
                            SETTLE_ENV: str(config.settle_seconds)})

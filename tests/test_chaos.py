@@ -12,6 +12,7 @@ duplicates and losses, which proves the checker can see a violation when there i
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -424,3 +425,43 @@ def test_a_kill_planned_late_in_a_small_run_still_strikes(seed: int) -> None:
     assert report.ok, _explain(report)
     assert report.stats["kills"] == 1, report.stats
     assert report.stats["kills_not_struck"] == 0, report.stats
+
+
+def _leases_in_force(state_dir: str) -> set[float]:
+    """The leases the run's charges confirmed (each send bound is 0.4 of its lease)."""
+    engine = create_engine(f"sqlite:///{Path(state_dir) / 'app.db'}")
+    try:
+        with engine.connect() as conn:
+            rows = conn.execute(text("SELECT send_bounds FROM job_attempts"
+                                     " WHERE send_bounds IS NOT NULL")).all()
+    finally:
+        engine.dispose()
+    return {round((bound - asked) / 0.4, 1)
+            for (cell,) in rows for asked, bound in json.loads(cell)}
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_the_run_times_its_faults_from_the_lease_its_claims_take(
+    adaptive: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Catches a harness whose workers quietly take the adaptive lease (the platform's
+    default) while it times stops, thaws and its stall bound from ``--lease``: a crash-looping
+    request then waits out leases of tens of seconds and the run cannot settle. Without
+    ``adaptive`` every claim takes ``--lease``; with it, the leases follow the durations."""
+    monkeypatch.setenv("SEKALI_LEASE_MIN_SAMPLES", "1")  # adaptive from the first completion
+    monkeypatch.setenv("SEKALI_DURATION_REFRESH", "0.2")
+    report = run_chaos(ChaosConfig(requests=40, workers=2, threads=1, redelivery=2,
+                                   faults=("kill",), kills=1, seed=5, timeout=200,
+                                   adaptive=adaptive, keep_state=True))
+    assert report.state_dir is not None
+    try:
+        assert report.ok, _explain(report)
+        leases = _leases_in_force(report.state_dir)
+        assert leases, "no charge confirmed its lease"
+        if adaptive:
+            assert leases != {2.0}, leases
+            assert report.stats["stall_bound_ms"] >= 60_000
+        else:
+            assert leases == {2.0}, leases
+    finally:
+        shutil.rmtree(report.state_dir, ignore_errors=True)

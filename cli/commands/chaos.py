@@ -82,6 +82,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--naive", action="store_true",
                    help="defences off: no claim, no lock, no Idempotency-Key, ack before work")
     p.add_argument("--lease", type=float, default=2.0, help="lease and lock TTL in seconds")
+    p.add_argument("--adaptive", action="store_true",
+                   help="leases follow the observed durations (the platform's default) instead "
+                        "of --lease, up to each job type's ceiling; the stall bound follows the "
+                        "longest ceiling (slower: raise --timeout)")
     p.add_argument("--kills", type=int, default=None, help="SIGKILLs (default requests/40, >=3)")
     p.add_argument("--stops", type=int, default=2, help="SIGSTOPs past the lease (default 2)")
     p.add_argument("--timeout", type=float, default=300.0, help="give up after this many seconds")
@@ -119,6 +123,7 @@ def config_from_args(args: argparse.Namespace) -> tuple[ChaosConfig, list[str]]:
         seed=args.seed,
         naive=args.naive,
         lease_seconds=args.lease,
+        adaptive=args.adaptive,
         kills=args.kills,
         stops=args.stops,
         timeout=args.timeout,
