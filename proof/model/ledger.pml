@@ -71,7 +71,7 @@
 #endif
 
 
-/* ---- the ledger: idempotency_records (resources/idempotency/store.py) ---- */
+/* ---- the ledger: idempotency_records (resources/idempotency/) ---- */
 mtype = { ABSENT, INP, COMPLETED, FAILED, RETRYABLE };                  /* Status */
 mtype l_status = ABSENT;
 byte l_fence = 0;       /* also the owner token: every claim takes a new fence */
@@ -276,7 +276,8 @@ ltl progress { <>[] decided }
     fi; \
     assert(w_fence[i] >= o_fence)   /* P3: no business write by a holder with a stale fence */
 
-/* The owner's conditional writes: _OWNER = key, owner_token, status = in_progress. */
+/* The owner's conditional writes: owner_check (queries.sql) = key, owner_token,
+ * status = in_progress. */
 #define owner_ok (l_status == INP && l_fence == w_fence[i])
 /* LeaseKeeper.check: lost, or the expiry it last confirmed has passed. */
 #define lease_ok (!k_lost[i] && k_left[i] > 0)
@@ -302,7 +303,7 @@ mtype = { E_NONE, E_LEASE_LOST, E_TRANSIENT, E_PERMANENT, E_CANCELLED, E_FENCED,
 #define cancel_before_send (!sent && (r_cancel == C_REQUESTED || r_cancel == C_CANCELLED))
 #endif
 
-/* LeaseKeeper._beat: the keeper thread heartbeats (_HEARTBEAT, conditional on the owner) while
+/* LeaseKeeper._beat: the keeper thread heartbeats (heartbeat, conditional on the owner) while
  * the expiry it last confirmed has not passed. It may beat at any time; a beat matters only
  * to the checks after it, so the model lets it beat right before the holder's next check. */
 #define maybe_beat \
@@ -369,7 +370,7 @@ STEP_mark_running:  /* RequestStore.mark_running: the request row's conditional 
                 fi }
             if :: err == E_SKIPPED -> goto run_end :: else -> skip fi;
 
-STEP_begin:         /* IdempotencyStore.begin (one conditional upsert, _BEGIN_PG), then
+STEP_begin:         /* IdempotencyStore.begin (one conditional upsert, claim), then
                      * check_crash_loop, keep_alive, cancel_point("start") */
             atomic {
                 if
@@ -532,7 +533,7 @@ STEP_record_send:   /* ctx.stamp_send(), then locked_row (check_lease), fenced_u
             if :: err != E_NONE -> goto failed :: else -> skip fi;
 
 STEP_confirm_lease: /* JobContext.confirm_lease: check_lease, _stop_if_cancelled, _sent = True,
-                     * asked = now, LeaseKeeper.confirm (_HEARTBEAT, owner); bound asked + 0.4 L,
+                     * asked = now, LeaseKeeper.confirm (heartbeat, owner); bound asked + 0.4 L,
                      * capped at the send's stamp + 0.4 L */
             atomic {
                 if
