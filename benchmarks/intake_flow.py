@@ -28,8 +28,8 @@ from sqlalchemy import text
 
 from benchmarks.intake import each_backend
 from benchmarks.suite import module_main
-from engine import requests as intake_table
 from engine.requests import JobRequest, RequestStore
+from engine.requests.base import QUERIES
 from resources.storage.db import Database
 from resources.storage.migrations import upgrade
 
@@ -67,14 +67,12 @@ def _reset(db: Database) -> None:
 
 def _old_claim(db: Database, now: float) -> int:
     """The claim as it was before priorities: the same rows read back as requests, id order."""
-    template = intake_table._CLAIM_PG if db.is_postgres else intake_table._CLAIM
-    columns = intake_table._COLUMNS
-    if db.is_postgres:
-        columns = ", ".join(f"job_requests.{c.strip()}" for c in columns.split(","))
-    sql = text(template.format(claimable=_OLD_CLAIMABLE, order="id", types="", columns=columns,
-                               indexed=""))
+    q = QUERIES[db.dialect]
+    sql = (q["claim"].replace(q["claimable"], _OLD_CLAIMABLE).replace("claim_rank, id", "id")
+           .replace("INDEXED BY job_requests_claim", ""))
     with db.transaction() as conn:
-        rows = conn.execute(sql, {"now": now, "cutoff": now - 120, "limit": PAGE}).all()
+        rows = conn.execute(text(sql.format(plain="", types="", set=q["to_launched"])),
+                            {"now": now, "cutoff": now - 120, "limit": PAGE}).all()
     return len(sorted((JobRequest.from_row(r) for r in rows), key=lambda r: r.id))
 
 

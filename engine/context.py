@@ -279,7 +279,7 @@ class CancelWatch:
 
     Reading a cancel up to ``max_age`` late is the same as the cancel arriving that much later,
     which the protocol already allows: the request stops at a later cancel point, or completes
-    and the statement that completes it refuses the cancel (``_REFUSE_ON_COMPLETION``). So a
+    and the statement that completes it refuses the cancel (``refuse_on_completion``). So a
     request is still either completed with its cancel refused, or made no effect after it. A
     cancel is decided at once only while no live holder holds the key, and the batch builds its
     watch after claiming its keys: a cancel it could miss finds the key held and is only

@@ -88,7 +88,7 @@ bit  o_sent = 0;        /* charge_sent_at is set */
 byte o_settle = 0;      /* ticks until charge_sent_at + the settle window */
 byte o_fence = 0;       /* payment_fence */
 
-/* ---- the request row: job_requests, request_cancels (engine/requests.py) ---- */
+/* ---- the request row: job_requests, request_cancels (engine/requests/) ---- */
 mtype = { R_PENDING, R_RUNNING, R_COMPLETED, R_FAILED, R_CANCELLED };  /* RequestStatus */
 mtype = { C_NONE, C_REQUESTED, C_CANCELLED, C_REFUSED };                /* CancelState */
 mtype r_status = R_PENDING;
@@ -194,7 +194,7 @@ end_killer:
     od
 }
 
-/* RequestStore.cancel (engine/requests.py): one transaction holding the row. A request not
+/* RequestStore.cancel (engine/requests/cancels.py): one transaction holding the row. A request not
  * running (pending, failed) is cancelled at once, unless a live holder holds its key in the
  * ledger (IdempotencyStore.held: in_progress, lease not run out, judged as a takeover judges
  * it): then the cancel is only requested. OLD_CANCEL_AT_ONCE: the code before, at once. */
