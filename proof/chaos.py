@@ -1094,6 +1094,11 @@ class Coordinator:
         if not w.send(msg):
             self._worker_gone(w)
 
+    def _carry_margin(self) -> int:
+        """Untouched requests kept for each kill or stop still to come (see
+        :meth:`_arm_faults_due`)."""
+        return 2
+
     def _carries(self, req: Request) -> bool:
         """Whether a kill or a stop armed on a delivery of ``req`` reaches its point: not on
         a poison or crash-looping request, nor on the built-in reservation, whose effect is a
@@ -1114,15 +1119,15 @@ class Coordinator:
         reaches no point, so a kill planned late in a small run could otherwise find only such
         deliveries and never strike (the second request is for a kill that found the first
         one's key held)."""
-        n = self.dispatches
+        n, margin = self.dispatches, self._carry_margin()
         while self.kill_at and (
                 self.kill_at[0] <= n
-                or self.untouched <= 2 * (len(self.kill_at) + len(self.stop_at))):
+                or self.untouched <= margin * (len(self.kill_at) + len(self.stop_at))):
             self.kill_at.pop(0)
             self.pending_kills.insert(0, CRASH_POINTS[self.stats["kills_planned"] % 3])
             self.stats["kills_planned"] += 1
         while self.stop_at and (self.stop_at[0] <= n
-                                or self.untouched <= 2 * len(self.stop_at)):
+                                or self.untouched <= margin * len(self.stop_at)):
             self.stop_at.pop(0)
             self.pending_stops += 1
         self._start_due(n)
@@ -1757,6 +1762,11 @@ class ResidentCoordinator(Coordinator):
     def _plan_total(self) -> int:
         return len(self.requests)
 
+    def _carry_margin(self) -> int:
+        """A fault goes to one worker of several (the others claim beside it): two untouched
+        requests per worker for each still to come."""
+        return 2 * len(self.queues)
+
     def _worker_count(self) -> int:
         return len(self.queues)  # at least one worker per queue
 
@@ -1862,6 +1872,8 @@ class ResidentCoordinator(Coordinator):
             for cid in r.in_hand:
                 held = self.by_cid.get(cid)
                 if held is not None:
+                    if held.deliveries == 0 and self._carries(held):
+                        self.untouched -= 1
                     held.deliveries += 1
                     held.faults.update(active)
                     if r.proc.clock_offset:
@@ -2009,6 +2021,8 @@ class ResidentCoordinator(Coordinator):
                     if self._current(r) and r.proc.state == "running" and r.armed is None]
             if not free:
                 return
+            waiting = self._queues_with_untouched()  # where a fault can still find an effect
+            free = [r for r in free if self.queues[r.proc.wid] in waiting] or free
             r = free[self.rng.randrange(len(free))]
             if self.pending_kills:
                 r.armed = ("crash", self.pending_kills.pop())
@@ -2020,6 +2034,11 @@ class ResidentCoordinator(Coordinator):
                 msg = {"t": "arm", "stop": r.armed[1]}
             self.armed[f"g{r.proc.generation}"] = r.armed
             r.proc.send(msg)
+
+    def _queues_with_untouched(self) -> set[str]:
+        """The queues still holding a request no worker has claimed that can carry a fault."""
+        return {get_job_type(r.job_type).queue for r in self.requests
+                if r.deliveries == 0 and self._carries(r)}
 
     def _watch(self, now: float) -> None:
         for wid, at in list(self.respawn_at.items()):
