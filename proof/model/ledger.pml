@@ -739,7 +739,7 @@ run_end:
                 :: redelivered < MAX_REDELIVER ->               /* a run retry redelivers R */
                     redelivered++; deliveries!mode, rrun;
                     printf("EV R delivered again after the death of w%d\n", i)
-                :: true ->                                      /* fail_unsettled */
+                :: true ->                                      /* settle_unsettled */
                     if
                     :: (r_status == R_PENDING || (r_status == R_RUNNING && r_by == rrun)) ->
                         r_status = R_FAILED; dlq = D_OPEN
