@@ -72,6 +72,11 @@ class LeaseBounds:
         if self.declared is not None and self.declared <= 0:
             raise ValueError("LeaseBounds.declared must be > 0 seconds")
 
+    def ceiling_for(self, max_runtime: float) -> float:
+        """The longest lease a claim may take: the declared ceiling, else ``max_runtime``
+        (past which the run is ended anyway), never below the floor."""
+        return max(self.floor, self.ceiling if self.ceiling is not None else max_runtime)
+
 
 @dataclass(frozen=True)
 class AdaptivePolicy:
@@ -188,7 +193,7 @@ def choose_lease(
     if stats is None or samples < policy.min_samples or math.isnan(stats.p999):
         return LeaseChoice(declared, f"declared, {samples}<{policy.min_samples} samples", False)
     floor = bounds.floor
-    ceiling = max(floor, bounds.ceiling if bounds.ceiling is not None else max_runtime)
+    ceiling = bounds.ceiling_for(max_runtime)
     widen = math.sqrt(P999_SAMPLES / samples) if samples < P999_SAMPLES else 1.0
     factor = policy.factor * widen
     raw = stats.p999 * factor

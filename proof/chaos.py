@@ -896,13 +896,9 @@ def adaptive_stall_bound(job_types: Iterable[str]) -> float:
     """With adaptive leases a dead holder's key is taken over once the lease in force runs
     out, which may be as long as its job type's ceiling (its declared one, else its
     ``max_runtime_seconds``): twice the longest ceiling of the run's job types, at least 60 s."""
-    ceilings = [30.0]
-    for name in job_types:
-        jt = get_job_type(name)
-        bounds = jt.lease or LeaseBounds()
-        ceilings.append(bounds.ceiling if bounds.ceiling is not None
-                        else float(jt.max_runtime_seconds))
-    return max(60.0, 2 * max(ceilings))
+    ceilings = [(jt.lease or LeaseBounds()).ceiling_for(float(jt.max_runtime_seconds))
+                for jt in map(get_job_type, job_types)]
+    return max(60.0, 2 * max(ceilings, default=0.0))
 
 
 class Coordinator:
@@ -1054,10 +1050,8 @@ class Coordinator:
             return
         req = self.requests[d.request]
         self._arm_faults_due()
-        if req.deliveries == 0 and self._carries(req):
-            self.untouched -= 1
+        self._deliver(req)
         d.attempts += 1
-        req.deliveries += 1
         d.tok = f"{d.id}.{d.attempts}"
         self.by_tok[d.tok] = d
         msg: dict[str, Any] = {
@@ -1093,6 +1087,12 @@ class Coordinator:
         d.history.append(f"w{w.wid}@{now - self.t0:.1f}")
         if not w.send(msg):
             self._worker_gone(w)
+
+    def _deliver(self, req: Request) -> None:
+        """Count a delivery of ``req`` (a dispatch, a claim): its first one touches it."""
+        if req.deliveries == 0 and self._carries(req):
+            self.untouched -= 1
+        req.deliveries += 1
 
     def _carry_margin(self) -> int:
         """Untouched requests kept for each kill or stop still to come (see
@@ -1872,9 +1872,7 @@ class ResidentCoordinator(Coordinator):
             for cid in r.in_hand:
                 held = self.by_cid.get(cid)
                 if held is not None:
-                    if held.deliveries == 0 and self._carries(held):
-                        self.untouched -= 1
-                    held.deliveries += 1
+                    self._deliver(held)
                     held.faults.update(active)
                     if r.proc.clock_offset:
                         held.faults.add("clock-skew")
@@ -2147,7 +2145,7 @@ class ResidentCoordinator(Coordinator):
                     "replay_of": record_id}
                 if req.crash_loop:
                     msg["crash"] = "before_effect"
-                req.deliveries += 1
+                self._deliver(req)
                 inflight[tok] = (request, record_id, attempt)
                 self.replayer.send(msg)
             try:

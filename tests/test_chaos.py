@@ -19,6 +19,7 @@ import pytest
 from sqlalchemy import create_engine, text
 
 from cli.main import main as sekali
+from engine.context import SEND_BOUND
 from proof.chaos import (
     FAULTS,
     ChaosConfig,
@@ -436,7 +437,7 @@ def _leases_in_force(state_dir: str) -> set[float]:
                                      " WHERE send_bounds IS NOT NULL")).all()
     finally:
         engine.dispose()
-    return {round((bound - asked) / 0.4, 1)
+    return {round((bound - asked) / SEND_BOUND, 1)
             for (cell,) in rows for asked, bound in json.loads(cell)}
 
 
