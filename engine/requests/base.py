@@ -9,27 +9,15 @@ from pathlib import Path
 from engine.requests.model import INTRODUCED_BY, Clock, RequestStatus, job_requests
 from resources.storage.db import Database
 from resources.storage.migrations import ReaderFloor
-from resources.storage.queries import load_dialect_queries, load_queries
-
-_COLUMNS = ", ".join(c.name for c in job_requests.c)
-_FRAGMENTS = {"{read}": "read_request", "{claimable}": "claimable", "{ready}": "ready"}
-"""Blocks other blocks include (``{claimable}``), in order: each may include the ones after it."""
-
-
-def _expanded(queries: dict[str, str]) -> dict[str, str]:
-    filled = dict(queries)
-    for token, fragment in _FRAGMENTS.items():
-        filled = {name: sql.replace(token, filled[fragment]) for name, sql in filled.items()}
-    qualified = ", ".join(f"job_requests.{c.name}" for c in job_requests.c)
-    return {name: sql.replace("{columns}", _COLUMNS).replace("{qualified}", qualified)
-            for name, sql in filled.items()}
-
+from resources.storage.queries import filled_queries, load_dialect_queries, load_queries
 
 _QUERY_FILE = Path(__file__).with_name("queries.sql")
-QUERIES = {dialect: _expanded(queries) for dialect, queries in
-           load_dialect_queries(_QUERY_FILE).items()}
-"""The request store's named statements per dialect, fragments and column lists filled in;
-only this package reads them."""
+QUERIES = {dialect: filled_queries(queries, fragments=("read_request", "claimable", "ready"),
+                                   columns=[c.name for c in job_requests.c])
+           for dialect, queries in load_dialect_queries(_QUERY_FILE).items()}
+"""The request store's named statements per dialect, the blocks other statements include
+(``{read_request}``, which includes ``{claimable}``, which includes ``{ready}``) and the column
+lists filled in; only this package reads them."""
 CONDITIONS = load_queries(_QUERY_FILE)
 """The blocks as written, for the conditions other stores' retention embeds (the same on every
 dialect)."""

@@ -14,7 +14,7 @@ WITH picked AS MATERIALIZED (
 UPDATE job_requests SET {set}
 FROM picked
 WHERE job_requests.id = picked.id
-RETURNING {qualified};
+RETURNING {job_requests.columns};
 
 -- due_groups --
 -- The debounce groups that are due: the newest request is debounce_wait old (the burst is
@@ -76,8 +76,8 @@ WITH picked AS MATERIALIZED ({branches})
 UPDATE job_requests SET {set}
 FROM picked
 WHERE job_requests.id = picked.id
-RETURNING {qualified};
+RETURNING {job_requests.columns};
 
 -- lock_request --
 -- One request with its cancel and source, its row locked until the transaction ends.
-{read} WHERE job_requests.id = :id FOR UPDATE OF job_requests;
+{read_request} WHERE job_requests.id = :id FOR UPDATE OF job_requests;

@@ -1,7 +1,7 @@
 -- Named statements of engine/requests (RequestStore), the owner of job_requests, job_rejections,
 -- request_cancels and request_sources. A block in queries.postgresql.sql or queries.sqlite.sql
 -- wins for its dialect (row locks, index hints, the shape of a claim). Filled at import:
--- {columns} (job_requests' columns), {qualified} (the same named with their table), {read} (the
+-- {columns} (job_requests' columns), {job_requests.columns} (the same named with their table), {read_request} (the
 -- read_request block), {claimable} and {ready} (the blocks of those names). Filled by the caller
 -- from code constants, never from input: {plain} (not_debounced or nothing), {types} (of_types
 -- or nothing), {set} (to_launched or to_running), {i}, {branches}, {filters}, {attempt},
@@ -10,7 +10,7 @@
 -- read_request --
 -- A request with its cancel and source (the side tables of 0140): what readers select; the
 -- statements that read requests append their WHERE to it.
-SELECT {qualified}, c.cancel_state, c.cancel_reason, c.cancel_by, c.cancel_requested_at,
+SELECT {job_requests.columns}, c.cancel_state, c.cancel_reason, c.cancel_by, c.cancel_requested_at,
     c.cancel_decided_at, c.cancel_detail, s.source
 FROM job_requests
 LEFT JOIN request_cancels c ON c.request_id = job_requests.id
@@ -141,7 +141,7 @@ SELECT superseded_by FROM job_requests WHERE id = :id;
 -- lock_request --
 -- One request with its cancel and source, its row locked until the transaction ends where the
 -- dialect locks rows.
-{read} WHERE job_requests.id = :id;
+{read_request} WHERE job_requests.id = :id;
 
 -- set_status_seen --
 -- A request's status, if it is still the one read (:seen).
@@ -203,19 +203,19 @@ WHERE r.key IN :keys;
 
 -- request_by_id --
 -- One request with its cancel and source.
-{read} WHERE job_requests.id = :id;
+{read_request} WHERE job_requests.id = :id;
 
 -- request_by_key --
 -- The request stored under a key, with its cancel and source.
-{read} WHERE job_requests.key = :key;
+{read_request} WHERE job_requests.key = :key;
 
 -- requests_by_ids --
 -- Several requests (:ids expanding) with their cancels and sources, by id.
-{read} WHERE job_requests.id IN :ids ORDER BY job_requests.id;
+{read_request} WHERE job_requests.id IN :ids ORDER BY job_requests.id;
 
 -- find_requests --
 -- Requests matching {where} (the filters given), newest first.
-{read} {where} ORDER BY job_requests.id DESC LIMIT :limit;
+{read_request} {where} ORDER BY job_requests.id DESC LIMIT :limit;
 
 -- counts --
 -- Requests per status.

@@ -2,14 +2,14 @@
 
 -- lock_by_id --
 -- One record, locked until the transaction ends.
-SELECT {record_columns}
+SELECT {columns}
 FROM dlq_records
 WHERE id = :id
 FOR UPDATE;
 
 -- lock_by_key --
 -- The record of one dedupe key, locked until the transaction ends.
-SELECT {record_columns}
+SELECT {columns}
 FROM dlq_records
 WHERE dedupe_key = :k
 FOR UPDATE;

@@ -1,49 +1,49 @@
 -- Named statements of resources/dlq (DlqViews reads, DlqStore writes), the owner of dlq_records,
 -- dlq_failures and dlq_audit. A block in queries.postgresql.sql or queries.sqlite.sql wins for
--- its dialect. {record_columns} is dlq_records' column list, filled at import; {column} and
+-- its dialect. {columns} is dlq_records' column list, filled at import; {column} and
 -- {unresolved} in a condition are filled from code (a column name, the unresolved statuses),
 -- never from input.
 
 -- record_by_id --
 -- One record.
-SELECT {record_columns}
+SELECT {columns}
 FROM dlq_records
 WHERE id = :id;
 
 -- record_by_key --
 -- The record of one dedupe key.
-SELECT {record_columns}
+SELECT {columns}
 FROM dlq_records
 WHERE dedupe_key = :k;
 
 -- lock_by_id --
 -- One record, locked until the transaction ends where the dialect locks rows.
-SELECT {record_columns}
+SELECT {columns}
 FROM dlq_records
 WHERE id = :id;
 
 -- lock_by_key --
 -- The record of one dedupe key, locked until the transaction ends where the dialect locks rows.
-SELECT {record_columns}
+SELECT {columns}
 FROM dlq_records
 WHERE dedupe_key = :k;
 
 -- records_by_ids --
 -- Several records (:ids expanding).
-SELECT {record_columns}
+SELECT {columns}
 FROM dlq_records
 WHERE id IN :ids;
 
 -- records_of_run --
 -- The records a run's failures were counted on, by id.
-SELECT {record_columns}
+SELECT {columns}
 FROM dlq_records
 WHERE id IN (SELECT record_id FROM dlq_failures WHERE run_id = :run)
 ORDER BY id;
 
 -- select_records --
 -- Every record; DlqViews.list_records appends its filters, order and limit.
-SELECT {record_columns}
+SELECT {columns}
 FROM dlq_records;
 
 -- insert_record --

@@ -26,14 +26,12 @@ from resources.dlq.records import (
 )
 from resources.storage.db import Database
 from resources.storage.json_text import storable_key
-from resources.storage.queries import load_dialect_queries, load_queries
+from resources.storage.queries import filled_queries, load_dialect_queries, load_queries
 
 Clock = Callable[[], float]
 
 _QUERY_FILE = Path(__file__).with_name("queries.sql")
-_RECORD_COLUMNS = ", ".join(c.name for c in dlq_records.c)
-QUERIES = {dialect: {name: sql.replace("{record_columns}", _RECORD_COLUMNS)
-                     for name, sql in queries.items()}
+QUERIES = {dialect: filled_queries(queries, columns=[c.name for c in dlq_records.c])
            for dialect, queries in load_dialect_queries(_QUERY_FILE).items()}
 """The DLQ's named statements per dialect (a record's columns named once, by the table);
 only this package reads them."""

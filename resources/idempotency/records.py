@@ -7,7 +7,6 @@ only this package runs (:mod:`resources.idempotency.store` writes, :mod:`.views`
 from __future__ import annotations
 
 import hashlib
-import re
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -18,7 +17,7 @@ from sqlalchemy import BigInteger, Column, Float, Integer, Table, Text
 from resources.errors import SekaliError
 from resources.storage.db import metadata
 from resources.storage.json_text import canonical, from_text
-from resources.storage.queries import load_dialect_queries, load_queries
+from resources.storage.queries import filled_queries, load_dialect_queries, load_queries
 
 
 class Status(StrEnum):
@@ -89,21 +88,9 @@ RECORD_COLUMNS = (
 query files (``{r.columns}``: each prefixed with the alias ``r``)."""
 
 _QUERY_FILE = Path(__file__).with_name("queries.sql")
-_FRAGMENTS = ("claim_on_conflict", "owner_check")
-"""Blocks of queries.sql that are parts of statements, named once (``{owner_check}``)."""
-_ALIASED = re.compile(r"\{([a-z])\.columns\}")
-
-
-def _filled(sql: str, fragments: dict[str, str]) -> str:
-    for name in _FRAGMENTS:
-        sql = sql.replace(f"{{{name}}}", fragments[name])
-    sql = sql.replace("{columns}", ", ".join(RECORD_COLUMNS))
-    return _ALIASED.sub(lambda m: ", ".join(f"{m[1]}.{c}" for c in RECORD_COLUMNS), sql)
-
-
 QUERIES = {
-    dialect: {name: _filled(sql, queries) for name, sql in queries.items()
-              if name not in _FRAGMENTS}
+    dialect: filled_queries(queries, fragments=("claim_on_conflict", "owner_check"),
+                            columns=RECORD_COLUMNS)
     for dialect, queries in load_dialect_queries(_QUERY_FILE).items()
 }
 """The ledger's named statements per dialect (fragments and column lists filled at import)."""

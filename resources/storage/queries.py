@@ -19,6 +19,7 @@ its database's dialect once and never branches on it.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 DIALECTS = ("sqlite", "postgresql")
@@ -71,3 +72,33 @@ def load_dialect_queries(path: Path) -> dict[str, dict[str, str]]:
         if missing:
             raise ValueError(f"{path.name}: no {dialect} text for {', '.join(missing)}")
     return by_dialect
+
+
+_ALIASED_COLUMNS = re.compile(r"\{([a-z_]+)\.columns\}")
+
+
+def filled_queries(
+    queries: Mapping[str, str], *, fragments: Sequence[str] = (), columns: Sequence[str] = ()
+) -> dict[str, str]:
+    """``queries`` with their shared parts written out at import, so a statement names each
+    only once: ``{name}`` of a block in ``fragments`` becomes that block (in the order given,
+    so a block may use the ones after it; the blocks themselves are left out), ``{columns}``
+    the column list, ``{t.columns}`` the same list qualified by ``t``. Any other ``{...}`` is
+    left for the caller to format."""
+    names = list(fragments)
+    blocks = {name: queries[name] for name in names}
+    for i, name in enumerate(names):
+        for later in names[i + 1:]:
+            blocks[name] = blocks[name].replace(f"{{{later}}}", blocks[later])
+    listed = ", ".join(columns)
+    out: dict[str, str] = {}
+    for name, sql in queries.items():
+        if name in blocks:
+            continue
+        for block in names:
+            sql = sql.replace(f"{{{block}}}", blocks[block])
+        sql = sql.replace("{columns}", listed)
+        out[name] = _ALIASED_COLUMNS.sub(
+            lambda m: ", ".join(f"{m[1]}.{c}" for c in columns), sql)
+    return out
+
