@@ -1599,17 +1599,8 @@ class Coordinator:
         replay = [r for r in self.dlq.list_records(status=[DlqStatus.OPEN])
                   if r.request_id is not None and not self._by_row(int(r.request_id)).poison
                   and self._replayable(r)]
-        self.dlq.request_replay([r.id for r in replay], actor="chaos",
-                                idempotency=IdempotencyStore(self.world.db),
-                                reason="retention-travel: replayed after the purge")
-        again: list[tuple[int, int]] = []
-        for record in self.dlq.claim_for_replay(len(replay), actor="chaos"):
-            assert record.request_id is not None
-            req = self._by_row(int(record.request_id))
-            req.faults.add("retention-travel")
-            again.append((req.id, record.id))
-            self.stats["travel_replayed"] += 1
-        self._redeliver_many(again)
+        self.replay_records([r.id for r in replay], "retention-travel",
+                            "retention-travel: replayed after the purge")
 
     def _redeliver_rolled_back(self) -> None:
         """pg-failover: the broker's own record of what it acknowledged lives in the database
@@ -1641,15 +1632,25 @@ class Coordinator:
         self.evicted.clear()
         records = [r for r in self.dlq.list_records(status=[DlqStatus.OPEN])
                    if r.request_id is not None and int(r.request_id) in wanted]
-        self.dlq.request_replay([r.id for r in records], actor="chaos",
-                                idempotency=IdempotencyStore(self.world.db),
-                                reason="evicting-redis: maxmemory-policy noeviction again")
+        self.replay_records([r.id for r in records], "evicting-redis",
+                            "evicting-redis: maxmemory-policy noeviction again")
+
+    def replay_records(self, record_ids: list[int], fault: str, reason: str) -> int:
+        """The operator's ``sekali dlq replay`` of open records ``record_ids`` (the key reset,
+        each record ``replaying``), then each delivered again as the replay sensor's run would
+        be. The replayed requests carry ``fault``; returns how many were claimed."""
+        self.dlq.request_replay(record_ids, actor="chaos",
+                                idempotency=IdempotencyStore(self.world.db), reason=reason)
         again: list[tuple[int, int]] = []
-        for record in self.dlq.claim_for_replay(len(records), actor="chaos"):
+        for record in self.dlq.claim_for_replay(len(record_ids), actor="chaos"):
             assert record.request_id is not None
-            again.append((self._by_row(int(record.request_id)).id, record.id))
-            self.stats["eviction_replayed"] += 1
+            req = self._by_row(int(record.request_id))
+            req.faults.add(fault)
+            again.append((req.id, record.id))
+        self.stats["travel_replayed" if fault == "retention-travel" else "eviction_replayed"
+                   ] += len(again)
         self._redeliver_many(again)
+        return len(again)
 
     def fault_counts(self) -> dict[str, int]:
         """Planned vs struck per fault: a fault still pending when the run settled never struck,
@@ -1756,6 +1757,7 @@ class ResidentCoordinator(Coordinator):
         self._last_poll = 0.0
         self._closing = False
         self.replaying: dict[int, int] = {}  # DLQ record -> workload request it replays
+        self.replay_runs: Counter[int] = Counter()  # DLQ record -> its replays so far
         self.replayer: WorkerProcess | None = None  # the per-request runs of DLQ replays
         self.replay_events: queue.Queue[Any] = queue.Queue()
 
@@ -2117,6 +2119,7 @@ class ResidentCoordinator(Coordinator):
         due: list[tuple[float, int, int, int]] = []  # (when, request, record, attempt)
         for request, record_id in items:
             self.replaying[record_id] = request
+            self.replay_runs[record_id] += 1
             self.settled.discard(request)
             due.append((0.0, request, record_id, 0))
         inflight: dict[str, tuple[int, int, int]] = {}
@@ -2138,7 +2141,9 @@ class ResidentCoordinator(Coordinator):
                 due.remove(item)
                 _, request, record_id, attempt = item
                 req = self.requests[request]
-                tok = f"replay-{record_id}.{attempt}"
+                # a replay is a run of its own (Dagster's new run id): a second replay of the
+                # record failing is a failure its record has not seen, so it opens it again
+                tok = f"replay-{record_id}-{self.replay_runs[record_id]}.{attempt}"
                 msg: dict[str, Any] = {
                     "tok": tok, "req": req.id, "request_id": self.ids[request],
                     "job_type": req.job_type, "payload": req.payload, "attempt": attempt,

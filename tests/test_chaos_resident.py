@@ -14,7 +14,18 @@ import json
 
 import pytest
 
-from proof.chaos import ChaosConfig, ChaosConfigError, ChaosReport, format_table, run_chaos
+from proof.chaos import (
+    ChaosConfig,
+    ChaosConfigError,
+    ChaosReport,
+    ChaosWorld,
+    ResidentCoordinator,
+    build_workload,
+    format_table,
+    run_chaos,
+)
+from proof.chaos_typed import environment
+from resources.dlq import DlqStatus
 from tests.conftest import PG_URL, _postgres_error, need_server
 
 pytestmark = pytest.mark.slow
@@ -91,3 +102,35 @@ def test_resident_workers_as_dagster_runs_of_the_real_supervisor() -> None:
     assert stats["dagster_worker_runs"] == stats["worker_runs"] > 2, why
     assert stats["dagster_runs_open_at_end"] == 0, why
     assert stats["clean_effects"] == stats["clean_requests"], why
+
+
+@pytest.mark.timeout(240)
+def test_a_record_replayed_again_and_failing_again_is_open_again() -> None:
+    """Catches a harness whose second replay of a record runs as the first one did (the same
+    run id): the store has seen that run fail, so the failure changes nothing, the record stays
+    ``replaying`` for good and the run never settles. A crash-looping request evicted by
+    ``evicting-redis`` and replayed, then replayed again after the retention purge, is that."""
+    config = ChaosConfig(requests=12, workers=2, redelivery=1, faults=("crash-loop",), seed=3,
+                         timeout=150, delivery="resident")
+    config.validate()
+    requests = build_workload(config)
+    with ChaosWorld(config) as world:
+        world.seed_stock(requests)
+        coordinator = ResidentCoordinator(config, world, requests)
+        assert coordinator.run(), _explain_stats(coordinator.stats)
+        looping = next(r for r in requests if r.crash_loop)
+        record = next(r for r in coordinator.dlq.list_records(status=[DlqStatus.OPEN])
+                      if r.request_id == coordinator.ids[looping.id])
+        with environment({"REDIS_URL": world.redis_url,
+                          "SEKALI_WAKEUP_NAMESPACE": coordinator.namespace}):
+            for replay in (1, 2):
+                assert coordinator.replay_records([record.id], "crash-loop", "again") == 1
+                again = coordinator.dlq.get(record.id)
+                assert (again.status, again.replay_count) == (
+                    DlqStatus.OPEN, replay), (replay, again, coordinator.stats)
+                assert again.error_class == "crash_loop", again
+        coordinator._shutdown()
+
+
+def _explain_stats(stats: dict[str, int]) -> str:
+    return json.dumps(stats, sort_keys=True)
