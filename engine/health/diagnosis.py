@@ -40,7 +40,7 @@ from engine.upkeep.retention import backlog
 from engine.worker import WorkerTargets
 from resources.dlq import MIN_RETENTION_SECONDS, UNRESOLVED, DlqStore, DlqViews
 from resources.errors import ValidationError
-from resources.idempotency import IdempotencyStore, Status
+from resources.idempotency import IdempotencyStore, LedgerViews, Status
 from resources.outbox.publisher import held_by_dead_letters
 from resources.storage.db import Database
 from resources.storage.redis import RedisClient, memory_policies
@@ -543,18 +543,8 @@ def check_ack_timing(s: DiagnosisSetup, *, tolerance: float = 0.05) -> Finding:
     """The ack (the step ending ``completed``) must come after the result is stored: an ack
     first means a crash in between loses the result and the retry repeats the effect."""
     attempts = [a for a in s.attempts() if a["outcome"] == "completed" and a["idempotency_key"]]
-    records: dict[str, tuple[str, float]] = {}
-    keys = sorted({a["idempotency_key"] for a in attempts})
-    with s.db.statement() as conn:
-        for i in range(0, len(keys), 500):
-            chunk = keys[i : i + 500]
-            params = {f"k{j}": k for j, k in enumerate(chunk)}
-            marks = ", ".join(f":k{j}" for j in range(len(chunk)))
-            for r in conn.execute(
-                text(f"SELECT key, status, updated_at FROM idempotency_records "
-                     f"WHERE key IN ({marks})"), params,  # nosec B608: SQL from code constants, values bound
-            ):
-                records[r.key] = (r.status, float(r.updated_at))
+    records = {key: (str(r.status), float(r.updated_at)) for key, r in LedgerViews(s.db).records(
+        sorted({a["idempotency_key"] for a in attempts})).items()}
     unrecorded, late = [], []
     for a in attempts:
         rec = records.get(a["idempotency_key"])

@@ -47,12 +47,13 @@ from engine.upkeep.retention import expiries, purge_expired, resolve_completed_d
 from resources.dlq import (
     MIN_RETENTION_SECONDS,
     DlqStore,
+    DlqViews,
     FailureClass,
     FailureInfo,
     RetentionTooShort,
 )
 from resources.errors import AlreadyInProgress
-from resources.idempotency import Completed, IdempotencyStore
+from resources.idempotency import Completed, IdempotencyStore, LedgerViews
 from resources.outbox.publisher import (
     OutboxPublisher,
     held_by_dead_letters,
@@ -379,20 +380,14 @@ class NotGivenUp(Exception):  # a signal to skip, not an error
         self.key = key
 
 
-def given_up(conn: Connection, key: str, *, lock: str = "") -> bool:
+def given_up(conn: Connection, key: str, *, lock: bool = False) -> bool:
     """True when nothing may resume ``key``: it failed permanently or is absent, or it is
-    retryable and its DLQ record was discarded (and none is open or replaying)."""
-    row = conn.execute(
-        text(f"SELECT status FROM idempotency_records WHERE key = :k{lock}"), {"k": key}  # nosec B608: SQL from code constants, values bound
-    ).first()
-    if row is None or row.status == "failed":
+    retryable and its DLQ record was discarded (and none is open or replaying). ``lock``: the
+    key's record stays locked until the caller's transaction ends."""
+    status = LedgerViews.status_in(conn, key, lock=lock)
+    if status is None or status == "failed":
         return True
-    if row.status != "retryable":
+    if status != "retryable":
         return False  # in progress or completed
-    statuses = {
-        r.status
-        for r in conn.execute(
-            text("SELECT status FROM dlq_records WHERE idempotency_key = :k"), {"k": key}
-        )
-    }
+    statuses = DlqViews.statuses_of_key(conn, key)
     return "discarded" in statuses and not statuses & {"open", "replay_requested", "replaying"}

@@ -25,12 +25,13 @@ from dataclasses import dataclass
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
-from sqlalchemy import BigInteger, Column, Float, Table, Text, bindparam, text
+from sqlalchemy import BigInteger, Column, Float, Table, Text, text
 from sqlalchemy.engine import Connection
 
 from engine import Check
 from engine.contract import reject_unknown, require_int, require_str
 from resources.errors import PermanentJobError, ValidationError, shown
+from resources.locks import lock_row, lock_rows
 from resources.storage.db import Database, metadata
 
 stock = Table(
@@ -171,14 +172,7 @@ class Inventory:
         """Lock the stock rows of ``skus`` in sku order inside the caller's transaction (Postgres;
         SQLite's ``BEGIN IMMEDIATE`` already excludes every other writer). A transaction that
         reserves for several carts takes its locks up front, so two such never deadlock."""
-        ordered = sorted(set(skus))
-        if self.db.is_postgres and ordered:
-            conn.execute(
-                text("SELECT sku FROM stock WHERE sku IN :skus ORDER BY sku FOR UPDATE").bindparams(
-                    bindparam("skus", expanding=True)
-                ),
-                {"skus": ordered},
-            )
+        lock_rows(conn, "stock", "sku", skus)
 
     def reserve(
         self,
@@ -200,12 +194,9 @@ class Inventory:
         if existing:
             _require_held(cart_id, existing)
             return existing
-        lock = " FOR UPDATE" if self.db.is_postgres else ""
         now = time.time()
         for sku, quantity in wanted.items():
-            row = conn.execute(
-                text(f"SELECT on_hand, reserved FROM stock WHERE sku = :sku{lock}"), {"sku": sku}  # nosec B608: SQL from code constants, values bound
-            ).first()
+            row = lock_row(conn, "stock", "sku", sku)
             if row is None:
                 raise UnknownSku(sku)
             available = int(row.on_hand) - int(row.reserved)

@@ -46,6 +46,7 @@ from engine import (
 from engine.upkeep.reconciliation import NotGivenUp, given_up, record_only
 from pipelines.domain.inventory import Inventory, Items
 from resources.errors import FencedWriteRejected, LeaseLost
+from resources.locks import lock_row
 from resources.outbox import write_event
 from resources.retry import ErrorClass, classify
 
@@ -249,9 +250,8 @@ def _release(
 ) -> dict[str, Any]:
     """Release the cart, re-checking in this transaction that its fulfilment was given up. The
     order's row lock is the one every fulfilment phase holds, so no phase runs meanwhile."""
-    lock = " FOR UPDATE" if inventory.db.is_postgres else ""
-    conn.execute(text(f"SELECT 1 FROM orders WHERE order_id = :o{lock}"), {"o": order_id})  # nosec B608: SQL from code constants, values bound
-    if not given_up(conn, key, lock=lock):
+    lock_row(conn, "orders", "order_id", order_id)
+    if not given_up(conn, key, lock=True):
         raise NotGivenUp(key)
     return {"released": inventory.release(conn, cart_id)}
 

@@ -10,6 +10,10 @@ SELECT {columns}
 FROM dlq_records
 WHERE id = :id;
 
+-- statuses_of_key --
+-- The statuses of the records naming idempotency key :k.
+SELECT DISTINCT status FROM dlq_records WHERE idempotency_key = :k;
+
 -- record_by_key --
 -- The record of one dedupe key.
 SELECT {columns}

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from sqlalchemy import bindparam, text
+from sqlalchemy.engine import Connection
 
 from resources.dlq.records import (
     DEDUPE_KEY_BYTES,
@@ -129,6 +130,13 @@ class DlqViews:
             stmt = stmt.bindparams(*(bindparam(n, expanding=True) for n in expanding))
         with self.db.statement() as conn:
             return [DlqRecord.from_row(r) for r in conn.execute(stmt, params)]
+
+    @staticmethod
+    def statuses_of_key(conn: Connection, key: str) -> set[str]:
+        """The statuses of the records naming idempotency key ``key``, read in the caller's
+        transaction."""
+        return {str(r.status) for r in conn.execute(
+            text(QUERIES[conn.dialect.name]["statuses_of_key"]), {"k": key})}
 
     def records_of_run(self, run_id: str) -> list[DlqRecord]:
         """The records a run's failures were counted on (each written or updated where its

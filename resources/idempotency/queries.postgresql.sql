@@ -79,3 +79,7 @@ FROM unnest(CAST(:keys AS text[]), CAST(:owners AS text[]), CAST(:results AS tex
     AS i(key, owner, result)
 WHERE r.key = i.key AND r.owner_token = i.owner AND r.status = 'in_progress'
 RETURNING r.key;
+
+-- status_of_locked --
+-- The status of :key, its record locked for the rest of the caller's transaction.
+SELECT status FROM idempotency_records WHERE key = :key FOR UPDATE;

@@ -95,6 +95,15 @@ SELECT {columns} FROM idempotency_records WHERE key IN :keys AND status = :statu
 SELECT 1 FROM idempotency_records
 WHERE key = :key AND status = 'in_progress' AND lease_expires_at > :now;
 
+-- status_of --
+-- The status of :key, in the caller's transaction.
+SELECT status FROM idempotency_records WHERE key = :key;
+
+-- status_of_locked --
+-- The same, the record locked for the rest of the transaction (SQLite's BEGIN IMMEDIATE already
+-- holds the write lock: a plain read).
+SELECT status FROM idempotency_records WHERE key = :key;
+
 -- unfinished_key_reference --
 -- Condition: the key in {column} is claimed and not completed.
 EXISTS (SELECT 1 FROM idempotency_records i WHERE i.key = {column} AND i.status <> 'completed')

@@ -63,6 +63,15 @@ class LedgerViews:
         ).first() is not None
 
     @staticmethod
+    def status_in(conn: Connection, key: str, *, lock: bool = False) -> str | None:
+        """The status of ``key`` (None: no record), read in the caller's transaction; ``lock``:
+        the record stays locked until it ends, so what the caller decides from the status
+        holds when it writes."""
+        name = "status_of_locked" if lock else "status_of"
+        row = conn.execute(text(QUERIES[conn.dialect.name][name]), {"key": key}).first()
+        return None if row is None else str(row.status)
+
+    @staticmethod
     def unfinished_key_reference(column: str) -> str:
         """SQL, true while the key in ``column`` is claimed and not completed (in progress,
         retryable or failed): what its attempts and actions still explain."""

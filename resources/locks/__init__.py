@@ -31,7 +31,7 @@ Timeline of the race the fence plus ``check()`` stop::
 
 from resources.errors import LockLost, LockNotAcquired
 from resources.locks.base import BaseLock
-from resources.locks.db_lock import DbLock, lock_leases, lock_row
+from resources.locks.db_lock import DbLock, lock_leases, lock_row, lock_rows
 from resources.locks.fencing import FenceStatus, fence_registry, fence_status, fenced_write
 from resources.locks.none import NoLock
 from resources.locks.redis_lock import RedisLock
@@ -65,6 +65,7 @@ __all__ = [
     "fenced_write",
     "lock_leases",
     "lock_row",
+    "lock_rows",
     "lock_stats",
     "name_pattern",
 ]

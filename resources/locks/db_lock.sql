@@ -30,3 +30,8 @@ SELECT owner_token, expires_at FROM lock_leases WHERE name = :name;
 -- One business row, for the rest of the caller's transaction (SQLite's BEGIN IMMEDIATE already
 -- holds the write lock: a plain read).
 SELECT * FROM {table} WHERE {key_column} = :key;
+
+-- lock_rows --
+-- Business rows of :keys (expanding), for the rest of the caller's transaction (a plain read on
+-- SQLite, as lock_row).
+SELECT * FROM {table} WHERE {key_column} IN :keys ORDER BY {key_column};
