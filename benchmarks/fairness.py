@@ -68,9 +68,7 @@ def _fill(db: Database, backlog: list[tuple[str, int]], at: float) -> None:
             ),
             rows,
         )
-    if db.is_postgres:
-        with db.statement() as conn:
-            conn.execute(text("ANALYZE job_requests"))
+    db.sql_dialect.refresh_statistics(db, "job_requests")  # as autovacuum would
 
 
 def _settings(db: Database, weights: dict[str, float], mins: dict[str, float] | None = None,

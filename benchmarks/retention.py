@@ -58,10 +58,7 @@ def _fill(db: Database, n: int) -> None:
                 for i in range(n)
             ],
         )
-    if db.is_postgres:  # planner statistics, as autovacuum keeps them for a real table
-        with db.statement() as conn:
-            conn.execute(text("ANALYZE job_attempts"))
-            conn.execute(text("ANALYZE job_requests"))
+    db.sql_dialect.refresh_statistics(db, "job_attempts", "job_requests")  # as autovacuum would
 
 
 def _expiry(db: Database) -> Expiry:

@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 import redis
 from sqlalchemy import create_engine, text
+from sqlalchemy.exc import OperationalError
 
 from resources.dagster_resources import LockResource
 from resources.errors import FencedWriteRejected
@@ -36,6 +37,7 @@ from resources.locks import (
     fence_status,
     fenced_write,
     lock_row,
+    lock_rows,
     lock_stats,
     name_pattern,
 )
@@ -646,3 +648,56 @@ def test_sql_creates_the_lock_tables_the_code_declares(db: Database) -> None:
             c.name for c in table.primary_key
         ]
     assert upgrade(db) == []  # applying again is a no-op
+
+
+@pytest.mark.postgres
+def test_lock_rows_locks_every_row_it_returns_in_key_order(postgres_url: str) -> None:
+    """Catches ``lock_rows`` reading without locking on Postgres (a second transaction could
+    then change stock between the check and the write), or in the caller's order (two carts
+    naming the same SKUs in opposite orders would deadlock)."""
+    db = migrated(postgres_url)
+    with db.transaction() as conn:
+        conn.exec_driver_sql(COUNTER_DDL)
+        for name in ("c", "a", "b"):
+            conn.execute(text("INSERT INTO lock_counter (name, value) VALUES (:n, 1)"),
+                         {"n": name})
+    other = create_engine(postgres_url)
+    try:
+        with db.transaction() as conn:
+            rows = lock_rows(conn, "lock_counter", "name", ["c", "a", "missing", "a"])
+            assert [r.name for r in rows] == ["a", "c"]
+            with other.connect() as second:
+                for name, locked in (("a", True), ("c", True), ("b", False)):
+                    try:
+                        second.execute(text("SELECT 1 FROM lock_counter WHERE name = :n"
+                                            " FOR UPDATE NOWAIT"), {"n": name})
+                        held = False
+                    except OperationalError:
+                        held = True
+                    second.rollback()
+                    assert held is locked, name
+        with db.statement() as conn:
+            assert lock_rows(conn, "lock_counter", "name", []) == []
+        with pytest.raises(ValueError), db.transaction() as conn:
+            lock_rows(conn, "lock_counter", "name; DROP TABLE x", ["a"])
+    finally:
+        other.dispose()
+        db.dispose()
+
+
+@pytest.mark.postgres
+def test_refresh_statistics_analyzes_each_table_on_postgres(postgres_url: str) -> None:
+    """Catches a benchmark's bulk load left without planner statistics on Postgres (its
+    figures would then measure a plan no deployed table gets), and an identifier let through."""
+    db = migrated(postgres_url)
+    try:
+        db.sql_dialect.refresh_statistics(db, "dlq_records", "job_requests")
+        with db.statement() as conn:
+            analyzed = {r.relname for r in conn.execute(text(
+                "SELECT relname FROM pg_stat_user_tables WHERE last_analyze IS NOT NULL"
+                " AND schemaname = current_schema()"))}
+        assert {"dlq_records", "job_requests"} <= analyzed
+        with pytest.raises(ValueError):
+            db.sql_dialect.refresh_statistics(db, "dlq_records; DROP TABLE x")
+    finally:
+        db.dispose()

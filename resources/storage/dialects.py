@@ -22,6 +22,7 @@ here:
 from __future__ import annotations
 
 import contextlib
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,6 +34,7 @@ from sqlalchemy.engine import Connection
 from resources.storage.queries import DIALECTS, load_queries
 
 _Q = load_queries(Path(__file__).with_suffix(".sql"))
+_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 class Dialect(ABC):
@@ -59,6 +61,11 @@ class Dialect(ABC):
     def write_boundary(self, conn: Connection) -> tuple[str, list[str]]:
         """How this database keeps concurrent writers apart, in one line for the doctor, and
         what in ``conn``'s database weakens it (empty when nothing)."""
+
+    @abstractmethod
+    def refresh_statistics(self, db: Any, *tables: str) -> None:
+        """What a bulk load leaves the planner to know of ``tables``, refreshed now rather than
+        when the database gets to it (an autovacuum's ANALYZE)."""
 
     @contextlib.contextmanager
     def shared_section(self, db: Any, key: int) -> Iterator[Connection]:
@@ -87,6 +94,9 @@ class SqliteDialect(Dialect):
     def advisory_lock(self, conn: Connection, key: int, *, shared: bool = False) -> None:
         """Nothing to take: the transaction's ``BEGIN IMMEDIATE`` excludes every other writer."""
 
+    def refresh_statistics(self, db: Any, *tables: str) -> None:
+        """Nothing: SQLite's planner keeps no statistics unless asked, nor refreshes them."""
+
     def write_boundary(self, conn: Connection) -> tuple[str, list[str]]:
         mode = conn.exec_driver_sql("PRAGMA journal_mode").scalar()
         boundary = f"SQLite journal_mode={mode}, transactions opened with BEGIN IMMEDIATE"
@@ -111,6 +121,13 @@ class PostgresDialect(Dialect):
 
     def write_boundary(self, conn: Connection) -> tuple[str, list[str]]:
         return "Postgres: conditional single statements and FOR UPDATE row locks", []
+
+    def refresh_statistics(self, db: Any, *tables: str) -> None:
+        with db.statement() as conn:
+            for table in tables:
+                if not _IDENTIFIER.match(table):
+                    raise ValueError(f"not a plain SQL identifier: {table!r}")
+                conn.execute(text(_Q["analyze"].format(table=table)))
 
 
 _BY_NAME: dict[str, Dialect] = {d.name: d for d in (SqliteDialect(), PostgresDialect())}

@@ -7,3 +7,7 @@ SELECT pg_advisory_xact_lock(:key);
 -- advisory_lock_shared --
 -- Hold the transaction-scoped advisory lock :key, shared, until the transaction ends.
 SELECT pg_advisory_xact_lock_shared(:key);
+
+-- analyze --
+-- Postgres: the planner's statistics of {table} (an identifier checked by the caller).
+ANALYZE {table};
