@@ -25,6 +25,7 @@ import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 from sqlalchemy import inspect, text
@@ -43,11 +44,13 @@ from resources.errors import ValidationError
 from resources.idempotency import IdempotencyStore, LedgerViews, Status
 from resources.outbox.publisher import held_by_dead_letters
 from resources.storage.db import Database
+from resources.storage.queries import load_queries
 from resources.storage.redis import RedisClient, memory_policies
 from resources.storage.replication import ACCEPT_ENV, accepted, read_replication
 from resources.storage.settings import RetentionSettings
 
 log = logging.getLogger(__name__)
+_Q = load_queries(Path(__file__).with_suffix(".sql"))
 
 Clock = Callable[[], float]
 ERROR = "ERROR"
@@ -98,14 +101,11 @@ class EffectLedger:
     time_column: str | None = None
 
     def rows(self, since: float | None = None) -> list[tuple[str, str | None]]:
-        cols = self.intent_column + (
-            f", {self.correlation_column}" if self.correlation_column else ", NULL"
-        )
-        where, params = "", {}
-        if since is not None and self.time_column:
-            where, params = f" WHERE {self.time_column} >= :since", {"since": since}
+        names = {"intent": self.intent_column, "correlation": self.correlation_column or "NULL",
+                 "table": self.table, "time_column": self.time_column}
+        name = "intent_rows_since" if since is not None and self.time_column else "intent_rows"
         with self.db.statement() as conn:
-            result = conn.execute(text(f"SELECT {cols} FROM {self.table}{where}"), params)  # nosec B608: SQL from code constants, values bound
+            result = conn.execute(text(_Q[name].format(**names)), {"since": since})
             return [(str(r[0]), r[1]) for r in result]
 
 

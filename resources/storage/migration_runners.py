@@ -301,7 +301,7 @@ class SqliteRunner:
             table, column, rest = guarded.groups()
             if column in _columns(conn, table):
                 return
-            sql = f"ALTER TABLE {table} ADD COLUMN {column} {rest}"
+            sql = _Q["add_column"].format(table=table, column=column, rest=rest)
         try:
             if statement.batch is None:
                 conn.exec_driver_sql(sql)
@@ -319,14 +319,12 @@ class SqliteRunner:
 def _sequences(conn: Connection) -> dict[str, int]:
     if not inspect(conn).has_table("sqlite_sequence"):
         return {}
-    return {str(r[0]): int(r[1]) for r in conn.exec_driver_sql(
-        "SELECT name, seq FROM sqlite_sequence")}
+    return {str(r[0]): int(r[1]) for r in conn.execute(text(_Q["sequences"]))}
 
 
 def _keep_sequences(conn: Connection, before: dict[str, int]) -> None:
     """Put back every counter the migration lowered or lost, for tables that still exist."""
-    tables = {r[0] for r in conn.exec_driver_sql(
-        "SELECT name FROM sqlite_master WHERE type = 'table'")}
+    tables = {r[0] for r in conn.execute(text(_Q["sqlite_tables"]))}
     after = _sequences(conn)
     for name, seq in before.items():
         if name not in tables or after.get(name, -1) >= seq:
@@ -376,8 +374,8 @@ class PostgresRunner:
         a statement: ``CREATE INDEX CONCURRENTLY`` in the upgrade that holds it waits for every
         open transaction to end, a waiting lock call included (a deadlock)."""
         deadline = time.monotonic() + self.settings.timeout
-        while not self.conn.exec_driver_sql(
-            f"SELECT pg_try_advisory_lock({_UPGRADE_LOCK_ID})"
+        while not self.conn.execute(
+            text(_Q["try_upgrade_lock"]), {"id": _UPGRADE_LOCK_ID}
         ).scalar():
             if time.monotonic() > deadline:
                 raise MigrationFailed(
@@ -471,7 +469,7 @@ class PostgresRunner:
             try:
                 conn.exec_driver_sql(f"SET LOCAL lock_timeout = {int(s.lock_timeout * 1000)}")
                 conn.exec_driver_sql(f"SET LOCAL statement_timeout = {int(s.timeout * 1000)}")
-                conn.exec_driver_sql(f"SELECT pg_advisory_xact_lock({_LEGACY_LOCK_ID})")
+                conn.execute(text(_Q["legacy_lock"]), {"id": _LEGACY_LOCK_ID})
                 done = body(conn)
                 conn.exec_driver_sql("COMMIT")
                 return done

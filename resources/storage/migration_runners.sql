@@ -60,3 +60,24 @@ INSERT INTO sqlite_sequence (name, seq) VALUES (:n, :s);
 -- index_valid --
 -- Whether a Postgres index is valid (false: left invalid by a failed concurrent build).
 SELECT indisvalid FROM pg_index WHERE indexrelid = to_regclass(:n);
+
+-- add_column --
+-- A guarded ADD COLUMN of a migration file once its column was found missing ({table},
+-- {column} and {rest} as the file wrote them, checked when the file is read).
+ALTER TABLE {table} ADD COLUMN {column} {rest}
+
+-- sequences --
+-- SQLite: the AUTOINCREMENT counters, by table.
+SELECT name, seq FROM sqlite_sequence;
+
+-- sqlite_tables --
+-- SQLite: the tables that exist.
+SELECT name FROM sqlite_master WHERE type = 'table';
+
+-- try_upgrade_lock --
+-- Postgres: the session's upgrade lock :id, taken when free (true) or not (false).
+SELECT pg_try_advisory_lock(:id);
+
+-- legacy_lock --
+-- Postgres: the previous release's upgrade lock :id, held until the transaction ends.
+SELECT pg_advisory_xact_lock(:id);
