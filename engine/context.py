@@ -29,8 +29,10 @@ from resources.telemetry.tracing import span
 
 SEND_BOUND = 0.4
 """The send bound, as a fraction of the lease: after a confirmation (:meth:`JobContext.
-confirm_lease`) and after the send's stamp (:meth:`JobContext.stamp_send`). A settle window
-must be longer than this much of the lease plus the downstream's longest processing time."""
+confirm_lease`), and of the declared lease after the send's stamp (:meth:`JobContext.
+stamp_send`). A settle window must be longer than this much of the declared lease plus the
+downstream's longest processing time; an adaptive lease grown past the declared one never
+lengthens it."""
 SEND_TRIES = 3
 """How many times one attempt confirms its lease and tries a downstream call whose client found
 the send bound passed before sending (a pause or a stall each time); then the attempt gives up
@@ -54,6 +56,9 @@ class JobContext:
     cancels: CancelWatch | None = None
     """The cancels of the batch this request runs in, read for all of them at once
     (:class:`CancelWatch`); None: each cancel point asks the store."""
+    declared_lease: float | None = None
+    """The job type's declared lease (:attr:`engine.durations.LeaseChoice.declared`): a send's
+    window after its stamp follows it, not the lease the durations grew; None: the lease."""
     _lock_wait: float = field(default=0.0, repr=False)
     _sent: bool = field(default=False, repr=False)
     _stamped: float | None = field(default=None, repr=False)
@@ -83,11 +88,14 @@ class JobContext:
     def stamp_send(self) -> float:
         """The wall-clock time to write down as a send's ``sent_at``, read now: the time a
         settle window counts from. The next :meth:`confirm_lease` caps its send bound at this
-        time plus 0.4 of the lease (on the monotonic clock), so no byte of the send leaves
-        later than ``sent_at + 0.4 * lease``, however long the process paused between writing
-        the send down and confirming: a window of the provider's longest processing time plus
-        0.4 of a lease is then conclusive. Call it right before the transaction that writes
-        the send down, once per try."""
+        time plus 0.4 of the declared lease (on the monotonic clock), so no byte of the send
+        leaves later than ``sent_at + 0.4 * declared``, however long the process paused
+        between writing the send down and confirming: a window of the provider's longest
+        processing time plus 0.4 of the declared lease is then conclusive. The declared lease,
+        not the claim's: an operator sized the window against it, and an adaptive lease grown
+        to a job type's ceiling (300 s for a charge: 120 s after ``sent_at``, the whole default
+        window) would leave the provider no time before the lookup. Call it right before the
+        transaction that writes the send down, once per try."""
         wall, self._stamped = time.time(), time.monotonic()
         return wall
 
@@ -148,7 +156,8 @@ class JobContext:
         lease = self.claim.lease_seconds
         bound = asked + SEND_BOUND * lease
         if self._stamped is not None:
-            bound = min(bound, self._stamped + SEND_BOUND * lease)
+            sized = min(lease, self.declared_lease or lease)  # what the settle window assumed
+            bound = min(bound, self._stamped + SEND_BOUND * sized)
         until = self.keeper.until if self.keeper is not None else None
         if until is not None:  # the handler's own bound ends every send bound too
             bound = min(bound, until)

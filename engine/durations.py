@@ -156,6 +156,10 @@ class LeaseChoice:
     why: str
     observed: bool
     """True when it follows the durations; False when the declared lease is in force."""
+    declared: float = 0.0
+    """The declared lease (the type's, else the store's): what an operator sized the settle
+    window against, so what a send's window after its stamp follows (:data:`engine.context.
+    SEND_BOUND`); 0 for unknown (the lease itself then)."""
 
     @property
     def heartbeat_seconds(self) -> float:
@@ -189,9 +193,11 @@ def choose_lease(
     declared = bounds.declared or default
     samples = stats.samples if stats is not None else 0
     if not policy.enabled:
-        return LeaseChoice(declared, "declared, adaptive leases off (SEKALI_ADAPTIVE=0)", False)
+        return LeaseChoice(declared, "declared, adaptive leases off (SEKALI_ADAPTIVE=0)", False,
+                           declared)
     if stats is None or samples < policy.min_samples or math.isnan(stats.p999):
-        return LeaseChoice(declared, f"declared, {samples}<{policy.min_samples} samples", False)
+        return LeaseChoice(declared, f"declared, {samples}<{policy.min_samples} samples", False,
+                           declared)
     floor = bounds.floor
     ceiling = bounds.ceiling_for(max_runtime)
     widen = math.sqrt(P999_SAMPLES / samples) if samples < P999_SAMPLES else 1.0
@@ -204,6 +210,7 @@ def choose_lease(
         f"{ceiling:g}]" + (f" (factor {policy.factor:g} widened for {samples}<"
                            f"{P999_SAMPLES} samples)" if widen > 1 else ""),
         True,
+        declared,
     )
 
 

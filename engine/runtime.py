@@ -142,9 +142,9 @@ def execute_request(
     try:
         clean, key = _prepare(jt, record, payload, key)
         started = time.perf_counter()
+        lease = services.lease_for(jt)
         with span("ledger.claim", idempotency_key=key):
-            claimed = services.store.begin(key, payload=clean,
-                                           lease_seconds=services.lease_for(jt).seconds)
+            claimed = services.store.begin(key, payload=clean, lease_seconds=lease.seconds)
         record.add_duration("claim", time.perf_counter() - started)
     except Exception as exc:  # noqa: BLE001 - recorded, then raised again by _refused
         raise _refused(services, record, exc, decide)  # noqa: B904 - the same error, recorded
@@ -155,7 +155,7 @@ def execute_request(
     services.attempts.start(record)
     ctx = JobContext(
         services=services, claim=claimed, attempt=record, payload=clean,
-        correlation_id=correlation_id,
+        correlation_id=correlation_id, declared_lease=lease.declared,
     )
     try:
         check_crash_loop(services, claimed, record)
@@ -307,9 +307,10 @@ def _run_batch(jt: JobType, items: list[_Item], out: list[Any], services: Servic
         return
     asked = time.monotonic()
     started = time.perf_counter()
+    lease = services.lease_for(jt)
     try:
         answers = services.store.begin_many([(item.key, item.clean) for item in items],
-                                            lease_seconds=services.lease_for(jt).seconds)
+                                            lease_seconds=lease.seconds)
     except Exception as exc:  # noqa: BLE001 - the store is down: every claim fails as begin would
         for item in items:
             out[item.index] = _refused(services, item.record, exc, item.decide)
@@ -339,6 +340,7 @@ def _run_batch(jt: JobType, items: list[_Item], out: list[Any], services: Servic
                 services=services, claim=item.claim, attempt=item.record, payload=item.clean,
                 correlation_id=item.request.correlation_id,
                 keeper=keeper.keeper_for(item.claim), cancels=cancels,
+                declared_lease=lease.declared,
             )
         fresh, suspects = _triage(services, claimed, results)
         _round(jt, services, keeper, claimed, fresh, results)

@@ -5,6 +5,7 @@ lease until enough samples, and a claim's lease, heartbeat and fence following t
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
 import pytest
@@ -12,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.attempts import AttemptRecorder, Outcome
+from engine.context import SEND_BOUND
 from engine.contract import JobType
 from engine.durations import (
     AdaptivePolicy,
@@ -189,6 +191,40 @@ def test_a_request_claims_under_the_lease_its_job_types_durations_call_for(
     execute_request("lease_probe", {"n": "2"}, services=cold)
     assert SEEN == [1.5, 60]
     assert not math.isnan(model.stats()["lease_probe"].p999)
+
+
+WINDOWS: list[tuple[float, float]] = []
+
+
+def _stamp_and_confirm(ctx: Any, payload: dict[str, Any]) -> dict[str, Any]:
+    ctx.stamp_send()
+    written_down = time.monotonic()  # the send is written down (sent_at) by now
+    WINDOWS.append((ctx.claim.lease_seconds, ctx.confirm_lease() - written_down))
+    return {"n": payload["n"]}
+
+
+def test_a_send_stamped_under_a_grown_lease_leaves_within_the_declared_leases_window(
+    db: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Catches a send bound that grows with the adaptive lease after a stamp: the settle window
+    (a charge's lookup waits it from ``sent_at``) is sized against the declared lease, so a
+    lease grown to 50 s would let a send written down at 0 leave at 20 s, past what a 2 s
+    lease's window (0.8 s) left the provider to process it before the lookup looks."""
+    monkeypatch.setitem(JOB_TYPES, "stamp_probe", JobType(
+        name="stamp_probe", queue="light", validate=dict, key_for=lambda p: f"sp:{p['n']}",
+        max_runtime_seconds=100, side_effect=True, handler=_stamp_and_confirm,
+        resource_id=lambda p: "r", lease=LeaseBounds(floor=50, ceiling=100),
+    ))
+    clock = Clock()
+    _record(db, clock, "stamp_probe", [0.01] * 200)
+    store = IdempotencyStore(db, lease_seconds=2)
+    model = DurationModel(AttemptRecorder(db), AdaptivePolicy(min_samples=100))
+    services = Services(db=db, store=store, attempts=AttemptRecorder(db), durations=model)
+    WINDOWS.clear()
+    execute_request("stamp_probe", {"n": "1"}, services=services)
+    [(lease, window)] = WINDOWS
+    assert lease == 50  # the lease grew: heartbeats and takeovers follow it
+    assert 0 < window <= SEND_BOUND * 2, window  # the send window stayed the declared lease's
 
 
 def test_doctor_and_metrics_show_each_types_percentiles_lease_in_force_and_why(
