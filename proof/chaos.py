@@ -1758,6 +1758,7 @@ class ResidentCoordinator(Coordinator):
         self._closing = False
         self.replaying: dict[int, int] = {}  # DLQ record -> workload request it replays
         self.replay_runs: Counter[int] = Counter()  # DLQ record -> its replays so far
+        self.disarmed: set[str] = set()  # workers whose kill went to a replay instead
         self.replayer: WorkerProcess | None = None  # the per-request runs of DLQ replays
         self.replay_events: queue.Queue[Any] = queue.Queue()
 
@@ -1889,7 +1890,11 @@ class ResidentCoordinator(Coordinator):
             r.crash_cid = str(msg.get("cid"))
             r.armed = None if kind == "killing" else r.armed
             if kind == "killing":
-                self.armed.pop(f"g{gen}", None)
+                if self.armed.pop(f"g{gen}", None) is None and f"g{gen}" in self.disarmed:
+                    # it struck before its disarm arrived: the kill taken back is spent
+                    self.disarmed.discard(f"g{gen}")
+                    with contextlib.suppress(ValueError):
+                        self.pending_kills.remove(str(msg.get("point")))
                 self.stats["kills"] += 1
                 point = f"kill:{msg.get('point')}"
             else:
@@ -2123,6 +2128,7 @@ class ResidentCoordinator(Coordinator):
             self.settled.discard(request)
             due.append((0.0, request, record_id, 0))
         inflight: dict[str, tuple[int, int, int]] = {}
+        killing: dict[str, str] = {}  # tok -> the crash point armed on that replay
         ends = time.monotonic() + self.stall_bound + 5.0 * len(items)
         while (due or inflight) and time.monotonic() < ends:
             if self.replayer is None or self.replayer.proc.poll() is not None:
@@ -2150,6 +2156,8 @@ class ResidentCoordinator(Coordinator):
                     "replay_of": record_id}
                 if req.crash_loop:
                     msg["crash"] = "before_effect"
+                elif self._kill_on_replay(req):
+                    msg["crash"] = killing[tok] = self.pending_kills.pop()
                 self._deliver(req)
                 inflight[tok] = (request, record_id, attempt)
                 self.replayer.send(msg)
@@ -2157,8 +2165,18 @@ class ResidentCoordinator(Coordinator):
                 _wid, _gen, answer = self.replay_events.get(timeout=0.5)
             except queue.Empty:
                 continue
-            if answer is None:  # the process died (a crash loop): what it held goes again
+            if answer is None:  # the process died (a crash loop, a kill): its replays go again
                 self.stats["replay_worker_deaths"] += 1
+                for tok, (request, _rec, _a) in inflight.items():
+                    req = self.requests[request]
+                    if tok in killing:
+                        point = killing.pop(tok)
+                        req.faults.add(f"kill:{point}")
+                        req.struck[f"kill:{point}"] += 1
+                        self.stats["kills"] += 1
+                        self.stats["kills_on_replays"] += 1
+                    elif not req.crash_loop:
+                        req.struck["died_with_worker"] += 1
                 self.replayer.close(timeout=1.0)
                 self.replayer = None
                 later = time.monotonic() + self.config.lease_seconds  # the dead lease runs out
@@ -2170,6 +2188,8 @@ class ResidentCoordinator(Coordinator):
                 if held is not None:
                     inflight[str(answer.get("tok"))] = held
                 continue
+            if str(answer.get("tok")) in killing:  # it reached no point: the kill is still due
+                self.pending_kills.append(killing.pop(str(answer.get("tok"))))
             request, record_id, attempt = held
             self.stats["replays_run"] += 1
             if answer["t"] == "fail" and answer.get("retry"):
@@ -2182,6 +2202,24 @@ class ResidentCoordinator(Coordinator):
                                   if kind == "permanent" else
                                   "transient" if kind == "transient" else "unknown",
                                   dlq_id=record_id)
+
+    def _kill_on_replay(self, req: Request) -> bool:
+        """Whether a kill still due goes to this replay: once no queue holds a request a
+        worker's kill could strike (a wave of evictions dead-lettered them), the kills armed on
+        workers are taken back and given to the replays, whose per-request runs are killed as
+        a worker's process is. Otherwise they would never strike, and the run would prove
+        less than its options say."""
+        if not self._carries(req) or self._queues_with_untouched():
+            return False
+        for r in self.procs.values():
+            gen = f"g{r.proc.generation}"
+            if r.armed is not None and r.armed[0] == "crash" and gen in self.armed:
+                if r.proc.state == "running":
+                    r.proc.send({"t": "disarm"})
+                self.pending_kills.append(self.armed.pop(gen)[1])
+                self.disarmed.add(gen)
+                r.armed = None
+        return bool(self.pending_kills)
 
     def _resolve_replayed(self) -> None:
         for record_id, request in list(self.replaying.items()):

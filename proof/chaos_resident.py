@@ -68,6 +68,11 @@ class Armed:
             self.crash = msg.get("crash") or self.crash
             self.stop = msg.get("stop") or self.stop
 
+    def disarm(self) -> None:
+        """The coordinator took the crash back (to strike elsewhere); a stop stays."""
+        with self.lock:
+            self.crash = None
+
     def point(self, name: str, cid: str | None) -> None:
         if name == "before_effect" and cid in self.crash_loops:
             self.channel.send("loop", "", cid=cid)  # its handler kills the process every time
@@ -209,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
             msg = json.loads(line) if line.strip() else {}
             if msg.get("t") == "arm":
                 armed.arm(msg)
+            elif msg.get("t") == "disarm":
+                armed.disarm()
             elif msg.get("t") == "exit":
                 break
         worker.stop.set()

@@ -134,3 +134,22 @@ def test_a_record_replayed_again_and_failing_again_is_open_again() -> None:
 
 def _explain_stats(stats: dict[str, int]) -> str:
     return json.dumps(stats, sort_keys=True)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("seed", [1, 2])
+def test_kills_left_when_an_eviction_wave_took_every_request_strike_the_replays(
+        seed: int) -> None:
+    """Catches kills armed on resident workers after ``evicting-redis`` dead-lettered the
+    requests they could have struck: nothing left in a queue reaches their point, the replays
+    run as per-request runs, and the run ends with a kill never struck (3 of 4 on these seeds
+    before the kills went to the replays)."""
+    report = run_chaos(ChaosConfig(requests=40, workers=2, redelivery=2,
+                                   faults=("kill", "evicting-redis"), kills=4, seed=seed,
+                                   timeout=200, delivery="resident"))
+    why = _explain(report)
+    assert report.finished and report.ok, why
+    total = next(r for r in report.rows if r["fault"] == "all")
+    assert total["duplicates"] == 0 and total["lost"] == 0, why
+    assert report.stats["kills"] == 4 and report.stats["kills_not_struck"] == 0, why
+    assert report.stats["kills_on_replays"] >= 1 and report.stats["eviction_replayed"] >= 1, why
