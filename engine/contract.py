@@ -170,7 +170,7 @@ def field_names(template: str) -> tuple[str, ...]:
 
 
 def formatted(template: str) -> Callable[[dict[str, Any]], str]:
-    """``key_for=formatted("points:{account_id}")``: a format string over the validated
+    """``Keying(key_for=formatted("points:{account_id}"), ...)``: a format string over the validated
     payload's fields, as a function (the fields it names are checked against ``payload``)."""
     names = field_names(template)
     if not names:
@@ -365,34 +365,35 @@ class JobType(Generic[P]):
         self._derive_from_payload()
         window = self.keying.dedupe_window
         if window is not None and window < 1:
-            raise ValueError(f"{self.name}: dedupe_window must be at least 1 second")
+            raise ValueError(f"{self.name}: keying.dedupe_window must be at least 1 second")
         delivery = self.running.delivery
         if delivery is not None and delivery not in DELIVERIES:
-            raise ValueError(f"{self.name}: delivery {delivery!r} unknown (known: "
+            raise ValueError(f"{self.name}: running.delivery {delivery!r} unknown (known: "
                              f"{', '.join(DELIVERIES)})")
         concurrency = self.flow.concurrency
         if concurrency is not None and concurrency.limit < 1:
-            raise ValueError(f"{self.name}: concurrency_limit must be >= 1")
+            raise ValueError(f"{self.name}: flow.concurrency.limit must be >= 1")
         if concurrency is not None and isinstance(concurrency.key, str) \
                 and not field_names(concurrency.key):
             raise ValueError(
-                f"{self.name}: concurrency_key {concurrency.key!r} names no payload "
+                f"{self.name}: flow.concurrency.key {concurrency.key!r} names no payload "
                 "field, so every request would share one key"
             )
         fairness = self.flow.fairness_key
         if fairness is not None and not field_names(fairness):
             raise ValueError(
-                f"{self.name}: fairness_key {fairness!r} names no payload field, so "
+                f"{self.name}: flow.fairness_key {fairness!r} names no payload field, so "
                 "every request would be one tenant"
             )
         unknown = self.running.needs - PLATFORM_NEEDS
         if unknown:
             raise ValueError(
-                f"{self.name}: needs {sorted(unknown)} unknown (known: {sorted(PLATFORM_NEEDS)})"
+                f"{self.name}: running.needs {sorted(unknown)} unknown (known: "
+                f"{sorted(PLATFORM_NEEDS)})"
             )
         if self.upkeep.checks and self.upkeep.reconcile is None:
             raise ValueError(
-                f"{self.name}: checks {self.upkeep.checks} declared without reconcile")
+                f"{self.name}: upkeep.checks {self.upkeep.checks} declared without reconcile")
 
     def _derive_from_payload(self) -> None:
         if self.payload is None:
