@@ -23,7 +23,7 @@ from typing import Any
 
 from sqlalchemy import text
 
-from engine import JobContext, JobType
+from engine import JobContext, JobType, Keying, Presentation, Queue, Running
 
 EFFECTS_DDL = ("CREATE TABLE IF NOT EXISTS adaptive_effects (key TEXT NOT NULL, fence BIGINT, "
                "at DOUBLE PRECISION NOT NULL)")
@@ -68,12 +68,15 @@ def handler(ctx: JobContext, payload: dict[str, Any]) -> dict[str, Any]:
 
 JOB_TYPE = JobType(
     name="adaptive_probe",
-    queue="light",
+    queue=Queue.LIGHT,
     validate=dict,
-    key_for=lambda p: f"adaptive:{p['run']}:{p['n']}",
-    max_runtime_seconds=60,
-    side_effect=True,
     handler=handler,
-    resource_id=lambda p: str(p["n"]),
-    description="The adaptive benchmark's probe: fast or heavy-tailed work, then one effect row.",
+    side_effect=True,
+    keying=Keying(key_for=lambda p: f"adaptive:{p['run']}:{p['n']}",
+                  resource_id=lambda p: str(p["n"])),
+    running=Running(max_runtime_seconds=60),
+    presentation=Presentation(
+        description="The adaptive benchmark's probe: fast or heavy-tailed work, then one effect "
+                    "row."
+    ),
 )

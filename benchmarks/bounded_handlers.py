@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from engine import Keying, Queue, Running
 from engine.attempts import AttemptRecorder
 from engine.contract import JobType
 from engine.registry import JOB_TYPES
@@ -55,9 +56,14 @@ def _services(folder: Path, lease: float) -> Services:
 
 def cost(folder: Path, rounds: int = 7, per_round: int = 300) -> dict[str, Any]:
     JOB_TYPES["bench_noop"] = JobType(
-        name="bench_noop", queue="light", validate=dict, key_for=lambda p: f"noop:{p['n']}",
-        max_runtime_seconds=60, side_effect=False, handler=lambda c, p: {"n": p["n"]},
-        resource_id=lambda p: str(p["n"]))
+        name="bench_noop",
+        queue=Queue.LIGHT,
+        validate=dict,
+        handler=lambda c, p: {"n": p["n"]},
+        side_effect=False,
+        keying=Keying(key_for=lambda p: f"noop:{p['n']}", resource_id=lambda p: str(p["n"])),
+        running=Running(max_runtime_seconds=60),
+    )
     services = _services(folder, 30.0)
     runs = []
     for r in range(rounds):
@@ -72,9 +78,14 @@ def cost(folder: Path, rounds: int = 7, per_round: int = 300) -> dict[str, Any]:
 
 def letting_go(folder: Path, bound: float, lease: float) -> dict[str, Any]:
     JOB_TYPES["bench_hang"] = JobType(
-        name="bench_hang", queue="light", validate=dict, key_for=lambda p: f"hang:{p['n']}",
-        max_runtime_seconds=bound, side_effect=False, handler=_hang_once,
-        resource_id=lambda p: str(p["n"]))
+        name="bench_hang",
+        queue=Queue.LIGHT,
+        validate=dict,
+        handler=_hang_once,
+        side_effect=False,
+        keying=Keying(key_for=lambda p: f"hang:{p['n']}", resource_id=lambda p: str(p["n"])),
+        running=Running(max_runtime_seconds=bound),
+    )
     services = _services(folder, lease)
     started = time.time()
     result = run_step(services, StepAttempt(run_id="bench", step="bench_hang"),

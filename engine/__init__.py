@@ -4,7 +4,10 @@ No business word and no Dagster here: the job types live in the code location
 (``pipelines.jobs``, and the modules named in ``SEKALI_JOB_MODULES``) and are found by the
 registry; the Dagster adapter, the CLI and the proof stand above. Public names:
 
-- the contract a job type module writes against: :class:`JobType`, :class:`PayloadField`,
+- the contract a job type module writes against: :class:`JobType` and its option groups
+  (:class:`Keying`, :class:`Running`, :class:`Calls`, :class:`FlowControl` with
+  :class:`Concurrency`, :class:`Upkeep`, :class:`Presentation`), the :class:`Queue`,
+  :class:`PayloadField`,
   the payload model's :class:`Check`, ``formatted`` keys, the lookup hook's :class:`Effect`
   and :data:`Lookup`, :class:`Debounce`, :class:`LeaseBounds`, :class:`Retained`,
   :class:`Downstream`, :class:`ClientOptions`, :class:`Sandbox`, the hook protocols
@@ -18,14 +21,22 @@ registry; the Dagster adapter, the CLI and the proof stand above. Public names:
 
 from engine.context import SEND_TRIES, JobContext, batch_slots
 from engine.contract import (
+    Calls,
+    Concurrency,
     Debounce,
     Effect,
+    FlowControl,
     JobType,
+    Keying,
     Lookup,
     PayloadField,
+    Presentation,
+    Queue,
     Reconciling,
     Retained,
+    Running,
     Tally,
+    Upkeep,
     crash_point,
     fenced_update,
     formatted,
@@ -44,21 +55,29 @@ from engine.services import Services
 __all__ = [
     "JOB_TYPES",
     "SEND_TRIES",
+    "Calls",
     "Check",
     "ClientOptions",
+    "Concurrency",
     "Debounce",
     "Downstream",
     "Effect",
+    "FlowControl",
     "JobContext",
     "JobType",
+    "Keying",
     "LeaseBounds",
     "Lookup",
     "PayloadField",
+    "Presentation",
+    "Queue",
     "Reconciling",
     "Retained",
+    "Running",
     "Sandbox",
     "Services",
     "Tally",
+    "Upkeep",
     "batch_slots",
     "crash_point",
     "downstreams",

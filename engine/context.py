@@ -202,16 +202,17 @@ class JobContext:
     @contextlib.contextmanager
     def concurrency_slot(self, job_type: JobType) -> Iterator[Slot | None]:
         """Hold one of ``job_type``'s concurrency slots for this payload's key around a side
-        effect: at most ``concurrency_limit`` such blocks run at once per key, across workers.
+        effect: at most its ``Concurrency.limit`` such blocks run at once per key, across workers.
 
         Waits in line (up to the limits' ``wait``), then :class:`LimitNotAcquired`: transient,
         contention, so it spends no retry budget. The wait is recorded as the duration
         ``concurrency_wait``; the lease is checked again after the wait, before the effect. A no-op
         (yielding None) when the type declares no key or the services carry no limits.
         """
+        concurrency = job_type.flow.concurrency
         key = job_type.concurrency_key_for(self.payload)
         limits = self.services.concurrency
-        if key is None or limits is None:
+        if concurrency is None or key is None or limits is None:
             yield None
             return
         if self.slot is not None:  # held by the batch around every request of this key
@@ -220,7 +221,7 @@ class JobContext:
             return
         self.check_lease()
         started = time.perf_counter()
-        with limits.hold(job_type.name, key, job_type.concurrency_limit,
+        with limits.hold(job_type.name, key, concurrency.limit,
                          lease=self.claim.lease_seconds) as slot:
             self.attempt.add_duration("concurrency_wait", time.perf_counter() - started)
             self.check_lease()
@@ -318,7 +319,7 @@ def batch_slots(
     """Hold, around a micro-batch's effects, one of ``job_type``'s concurrency slots for each
     distinct key among its payloads, so a batch honours the limit exactly as the per-request
     handlers do with :meth:`JobContext.concurrency_slot`: across every worker, at most
-    ``concurrency_limit`` holders of one key make its effects at once (the requests of one
+    ``Concurrency.limit`` holders of one key make its effects at once (the requests of one
     batch that share a key run one after another under the one slot).
 
     Keys are taken in sorted order, so two batches never wait on each other in a cycle. A key
@@ -329,7 +330,7 @@ def batch_slots(
     key or the services carry no limits.
     """
     limits = contexts[0].services.concurrency if contexts else None
-    if job_type.concurrency_key is None or limits is None:
+    if job_type.flow.concurrency is None or limits is None:
         yield {}
         return
     by_key: dict[str, list[int]] = {}
@@ -341,7 +342,7 @@ def batch_slots(
             started = time.perf_counter()
             try:
                 slot = held.enter_context(
-                    limits.hold(job_type.name, key, job_type.concurrency_limit,
+                    limits.hold(job_type.name, key, job_type.flow.concurrency.limit,
                                 lease=min(contexts[i].claim.lease_seconds for i in by_key[key]))
                 )
             except Exception as exc:  # noqa: BLE001 - this key's requests fail, not the batch

@@ -20,8 +20,9 @@ import signal
 import string
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 from sqlalchemy import text
 from sqlalchemy.engine import Connection
@@ -35,6 +36,9 @@ from engine.tenants import DEFAULT_TENANT, check_tenant
 from resources.errors import FencedWriteRejected, ValidationError, shown
 from resources.storage.db import Database
 from resources.storage.retention import Expiry
+
+if TYPE_CHECKING:
+    from engine.context import JobContext
 
 DELIVERIES = ("resident", "per_request", "fan_out", "micro_batch")
 """The ways a job type's requests may reach its handler (:class:`engine.delivery.Delivery`)."""
@@ -62,7 +66,9 @@ def freeze_here() -> None:
     signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
 
 
-Handler = Callable[[Any, Any], Any]
+P = TypeVar("P")
+"""A job type's payload: its ``payload`` model, or the validated dict when it declares none."""
+Handler = Callable[["JobContext", P], Any]
 """``handler(ctx, payload) -> result``: ``ctx`` is the :class:`engine.context.JobContext` of
 the claimed attempt, ``payload`` the validated payload: an instance of the job type's
 ``payload`` model when it declares one, else the validated dict."""
@@ -164,7 +170,7 @@ def field_names(template: str) -> tuple[str, ...]:
 
 
 def formatted(template: str) -> Callable[[dict[str, Any]], str]:
-    """``key_for=formatted("points:{account_id}")``: a format string over the validated
+    """``Keying(key_for=formatted("points:{account_id}"), ...)``: a format string over the validated
     payload's fields, as a function (the fields it names are checked against ``payload``)."""
     names = field_names(template)
     if not names:
@@ -178,163 +184,233 @@ def formatted(template: str) -> Callable[[dict[str, Any]], str]:
     return fill
 
 
+class Queue(StrEnum):
+    """The run queue a job type's requests wait in (tag ``sekali/queue``): a sick heavy
+    downstream holds the heavy workers, never the light ones."""
+
+    HEAVY = "heavy"
+    LIGHT = "light"
+
+
+KeyHook = Callable[[dict[str, Any]], str]
+"""``validated payload -> text``: an idempotency key or a resource id (see :func:`formatted`)."""
+
+
 @dataclass(frozen=True, kw_only=True)
-class JobType:
+class Keying:
+    """How a payload names its intent: ``key_for`` its idempotency key (the business intent,
+    never a message id), ``resource_id`` what it acts on (for traces and attempts).
+
+    ``prefix`` is what every key of the type starts with (``points:``), so a key alone names
+    its type; by default the example's key up to its first ``:``. ``dedupe_window`` is how
+    long a key means the same intent: None is "until finished" (a key done once is done while
+    its records are kept); seconds (86400 for a daily digest) make the stored key
+    ``<key>@<window start, UTC>``, so the same key in a later window is a new intent.
+    """
+
+    key_for: KeyHook
+    resource_id: KeyHook
+    prefix: str | None = None
+    dedupe_window: float | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Running:
+    """How a request runs: its budget, how it reaches the handler, its lease.
+
+    ``delivery`` (:mod:`engine.delivery`): None for the platform's default (resident workers:
+    a job starts within milliseconds); ``per_request`` when each request must be a Dagster run
+    of its own, a person's to watch; ``micro_batch`` or ``fan_out`` for a run per batch.
+    ``lease``: declared until durations are observed, then p99.9 x a factor between a floor
+    and a ceiling (:mod:`engine.durations`); None: the platform's defaults. ``needs``: platform
+    services beyond the ledger the handler uses (``cache``; no lock: the claim and its fence
+    are the mutual exclusion). ``handler_many``: the effects of a micro-batch in as few
+    transactions or connections as the type allows; without it a batch runs the handler once
+    per request.
+    """
+
+    max_runtime_seconds: float
+    delivery: str | None = None
+    lease: LeaseBounds | None = None
+    needs: frozenset[str] = frozenset()
+    handler_many: BatchHandler | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Calls:
+    """The downstreams the handler calls (``ctx.client(name)``; their clients, resources,
+    rates and sandboxes follow from these declarations) and how to ask them what happened.
+
+    ``budget`` is the retry-budget bucket: by default the first client's name; None when it
+    has none. ``lookup`` asks the downstream what it holds for one intent (see :data:`Lookup`):
+    how reconciliation, the chaos checker and a person tell "it happened" from "it never did"
+    when the outcome of a send is unknown; a type with a side effect at a downstream should
+    declare it (:attr:`JobType.missing_lookup`). ``lookup_first``: whether the handler looks
+    its effect up before its first send too, the guard against a completed key rolled back (a
+    failover to an asynchronous standby, a restore from backup) and its effect made again;
+    None: on when a client does not dedupe by idempotency key (``Downstream.dedupes``);
+    ``SEKALI_LOOKUP_FIRST`` overrides it (:meth:`JobType.looks_up_first`).
+    """
+
+    clients: tuple[Downstream, ...] = ()
+    budget: str | None = None
+    lookup: Lookup | None = None
+    lookup_first: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.budget is None and self.clients:
+            object.__setattr__(self, "budget", self.clients[0].name)
+
+
+@dataclass(frozen=True)
+class Concurrency:
+    """At most ``limit`` side effects at once per ``key``, across every worker: a format string
+    over the validated payload (``"account:{account_id}"``), or a function of it (a key the
+    payload does not spell, such as the host a URL names). The handler holds the slot around
+    its side effect with ``ctx.concurrency_slot(JOB_TYPE)``."""
+
+    key: str | KeyHook
+    limit: int = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class FlowControl:
+    """What the intake and the workers hold back: a :class:`Concurrency` limit (None: none),
+    the ``fairness_key`` naming a request's tenant for fair share (a format string over the
+    validated payload, ``"{customer_id}"``; None: every request is the default tenant's,
+    :mod:`engine.tenants`), and a :class:`Debounce` of bursts (None: every request runs)."""
+
+    concurrency: Concurrency | None = None
+    fairness_key: str | None = None
+    debounce: Debounce | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Upkeep:
+    """What the job type adds to reconciliation, retention, warming and the doctor.
+
+    ``reconcile`` finds what the happy path left inconsistent and fixes it once (``act``), run
+    by every reconciliation pass before the platform's own checks; ``checks`` names what it
+    counts, in order. ``watches``: SQL conditions on ``reconciliation_actions`` under which a
+    recorded action must stay (``:watched_since`` is the lookback's start). ``retained``: its
+    own tables that retention purges. ``cache_loader``: the loader of a cache key it fills
+    (None for a key not its own), so warming refreshes hot keys. ``unique``: ``(table,
+    columns)`` that must be unique for its effect to happen once; the doctor checks the live
+    schema has them.
+    """
+
+    checks: tuple[str, ...] = ()
+    reconcile: ReconcileHook | None = None
+    watches: tuple[str, ...] = ()
+    retained: tuple[Retained, ...] = ()
+    cache_loader: Callable[[Database, str], CacheLoader | None] | None = None
+    unique: tuple[tuple[str, tuple[str, ...]], ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class Presentation:
+    """How people see the job type: its ``description``; the launch form's ``fields``, in the
+    order a form shows them, and its ``example`` (both follow from the payload model when not
+    given); the ``result_fields`` that name the effect (the downstream's id of it), shown on the
+    run; the ``personal`` payload fields masked in logs, errors and views."""
+
+    description: str = ""
+    fields: tuple[PayloadField, ...] = ()
+    example: dict[str, Any] = field(default_factory=dict, hash=False)
+    result_fields: tuple[str, ...] = ()
+    personal: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobType(Generic[P]):
     """One kind of job: how to check its input, name its intent, and do its effect, and what it
     adds to the platform's upkeep. Nothing outside the job type's module names it: the
     registry, the Dagster jobs and resources, reconciliation and retention read these fields.
 
-    The payload is declared once, as ``payload=<pydantic model or dataclass>``: its launch form
-    ``fields``, ``validate``, ``example`` and the object the handler gets follow from it
-    (:mod:`engine.payloads`). A type may instead give ``validate`` and ``fields`` by hand (then
-    its handler gets the validated dict).
+    The payload is declared once, as ``payload=<pydantic model or dataclass>``: the launch
+    form's ``fields`` and ``example``, ``validate`` and the object the handler gets follow from
+    it (:mod:`engine.payloads`), and the type checker holds the handler's annotation to it. A
+    type may instead give ``validate`` (and ``presentation.fields``) by hand; then its handler
+    gets the validated dict. The options come in groups: :class:`Keying`, :class:`Running`,
+    :class:`Calls`, :class:`FlowControl`, :class:`Upkeep`, :class:`Presentation`.
     """
 
     name: str
-    queue: str  # "heavy" | "light" (tag "sekali/queue")
-    payload: type | None = None
-    """The payload's model (pydantic ``BaseModel`` or dataclass): see the class."""
+    queue: Queue
+    payload: type[P] | None = None
     validate: Callable[[dict[str, Any]], dict[str, Any]] = _not_declared
     """``payload -> validated dict`` (refusals name the field); derived from ``payload``."""
-    key_for: Callable[[dict[str, Any]], str]
-    max_runtime_seconds: float
+    handler: Handler[P]
     side_effect: bool
-    handler: Handler
-    resource_id: Callable[[dict[str, Any]], str]
-    clients: tuple[Downstream, ...] = ()
-    """The downstreams the handler calls (``ctx.client(name)``): their clients, resources,
-    rates and sandboxes follow from these declarations."""
-    downstream: str | None = None
-    """The retry-budget bucket: by default the first client's name; None when it has none."""
-    needs: frozenset[str] = frozenset()
-    """Platform services beyond the ledger the handler uses: ``cache``. (No lock: the claim and
-    its fence are the mutual exclusion; a concurrency limit is ``concurrency_key``.)"""
-    description: str = ""
-    delivery: str | None = None
-    """How its requests reach the handler (:mod:`engine.delivery`): None for the platform's
-    default (resident workers: a job starts within milliseconds); ``per_request`` when each of
-    its requests must be a Dagster run of its own, a person's to watch; ``micro_batch`` or
-    ``fan_out`` for a run per batch."""
-    # At most ``concurrency_limit`` side effects at once per key, across every worker: a format
-    # string over the validated payload (``"account:{account_id}"``), or a function of it (a
-    # key the payload does not spell, such as the host a URL names); None for no limit. The
-    # handler holds the slot around its side effect with ``ctx.concurrency_slot(JOB_TYPE)``.
-    concurrency_key: str | Callable[[dict[str, Any]], str] | None = None
-    concurrency_limit: int = 1
-    fairness_key: str | None = None
-    """The tenant a request belongs to, for fair share at intake (:mod:`engine.tenants`): a
-    format string over the validated payload (``"{customer_id}"``); None: every request of
-    this type is the default tenant's."""
-    debounce: Debounce | None = None
-    """Coalesce bursts of requests at intake (see :class:`Debounce`); None: every request runs."""
-    dedupe_window: float | None = None
-    """How long a key means the same intent: None is "until finished" (a key done once is done
-    while its records are kept); seconds (86400 for a daily digest) make the stored key
-    ``<key>@<window start, UTC>``, so the same key in a later window is a new intent."""
-    key_prefix: str | None = None
-    """What every key of this type starts with (``points:``), so a key alone names its type;
-    by default the example's key up to its first ``:``."""
-    checks: tuple[str, ...] = ()
-    """The names of the reconciliation checks ``reconcile`` runs, in the order it counts them."""
-    reconcile: ReconcileHook | None = None
-    """Finds what the happy path left inconsistent and fixes it once (``act``); run by every
-    reconciliation pass, after which the platform's own checks run."""
-    watches: tuple[str, ...] = ()
-    """SQL conditions on ``reconciliation_actions`` under which a recorded action must stay
-    (a check may still look at its subject); ``:watched_since`` is the lookback's start."""
-    retained: tuple[Retained, ...] = ()
-    """The job type's own tables that retention purges."""
-    cache_loader: Callable[[Database, str], CacheLoader | None] | None = None
-    """The loader of a cache key this job type fills (None for a key not its own): cache
-    warming refreshes hot keys through it."""
-    unique: tuple[tuple[str, tuple[str, ...]], ...] = ()
-    """``(table, columns)`` that must be unique for its effect to happen once: the doctor
-    checks the live schema has them."""
-    lookup: Lookup | None = None
-    """Asks the downstream what it holds for one intent (see :data:`Lookup`): how
-    reconciliation, the chaos checker and a person tell "it happened" from "it never did" when
-    the outcome of a send is unknown. A job type with a side effect at a downstream should
-    declare it (:meth:`missing_lookup` says when one does not)."""
-
-    lease: LeaseBounds | None = None
-    """The lease of a claim: declared until durations are observed, then p99.9 x a factor
-    between a floor and a ceiling (:mod:`engine.durations`); None: the platform's defaults."""
-
-    lookup_first: bool | None = None
-    """Whether the handler looks its effect up before its first send too, not only on a retry
-    or a takeover: the guard against a completed key rolled back (a database failover to an
-    asynchronous standby, a restore from backup) and its effect made again. None: on when the
-    type has a side effect at a downstream that does not dedupe by idempotency key
-    (``Downstream.dedupes``). ``SEKALI_LOOKUP_FIRST`` overrides it per job type
-    (``charge_payment=1,send_email=0``). Costs one lookup per first send (docs/job-types.md);
-    read it with :meth:`looks_up_first`."""
+    keying: Keying
+    running: Running
+    calls: Calls = Calls()
+    flow: FlowControl = FlowControl()
+    upkeep: Upkeep = Upkeep()
+    presentation: Presentation = Presentation()
 
     def looks_up_first(self) -> bool:
-        """This type's :attr:`lookup_first`, after ``SEKALI_LOOKUP_FIRST`` (read at each call,
+        """This type's ``calls.lookup_first``, after ``SEKALI_LOOKUP_FIRST`` (read at each call,
         so an operator's change reaches the next request)."""
         for item in os.environ.get(LOOKUP_FIRST_ENV, "").split(","):
             name, _, value = item.strip().partition("=")
             if name == self.name and value.strip() in ("0", "1"):
                 return value.strip() == "1"
-        if self.lookup_first is not None:
-            return self.lookup_first
-        return self.side_effect and any(not d.dedupes for d in self.clients)
+        if self.calls.lookup_first is not None:
+            return self.calls.lookup_first
+        return self.side_effect and any(not d.dedupes for d in self.calls.clients)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "queue", Queue(self.queue))
         self._derive_from_payload()
-        if self.dedupe_window is not None and self.dedupe_window < 1:
-            raise ValueError(f"{self.name}: dedupe_window must be at least 1 second")
-        if self.delivery is not None and self.delivery not in DELIVERIES:
-            raise ValueError(f"{self.name}: delivery {self.delivery!r} unknown (known: "
+        window = self.keying.dedupe_window
+        if window is not None and window < 1:
+            raise ValueError(f"{self.name}: keying.dedupe_window must be at least 1 second")
+        delivery = self.running.delivery
+        if delivery is not None and delivery not in DELIVERIES:
+            raise ValueError(f"{self.name}: running.delivery {delivery!r} unknown (known: "
                              f"{', '.join(DELIVERIES)})")
-        if self.concurrency_limit < 1:
-            raise ValueError(f"{self.name}: concurrency_limit must be >= 1")
-        if isinstance(self.concurrency_key, str) and not field_names(self.concurrency_key):
+        concurrency = self.flow.concurrency
+        if concurrency is not None and concurrency.limit < 1:
+            raise ValueError(f"{self.name}: flow.concurrency.limit must be >= 1")
+        if concurrency is not None and isinstance(concurrency.key, str) \
+                and not field_names(concurrency.key):
             raise ValueError(
-                f"{self.name}: concurrency_key {self.concurrency_key!r} names no payload "
+                f"{self.name}: flow.concurrency.key {concurrency.key!r} names no payload "
                 "field, so every request would share one key"
             )
-        if self.fairness_key is not None and not field_names(self.fairness_key):
+        fairness = self.flow.fairness_key
+        if fairness is not None and not field_names(fairness):
             raise ValueError(
-                f"{self.name}: fairness_key {self.fairness_key!r} names no payload field, so "
+                f"{self.name}: flow.fairness_key {fairness!r} names no payload field, so "
                 "every request would be one tenant"
             )
-        unknown = self.needs - PLATFORM_NEEDS
+        unknown = self.running.needs - PLATFORM_NEEDS
         if unknown:
             raise ValueError(
-                f"{self.name}: needs {sorted(unknown)} unknown (known: {sorted(PLATFORM_NEEDS)})"
+                f"{self.name}: running.needs {sorted(unknown)} unknown (known: "
+                f"{sorted(PLATFORM_NEEDS)})"
             )
-        if self.checks and self.reconcile is None:
-            raise ValueError(f"{self.name}: checks {self.checks} declared without reconcile")
-        if self.downstream is None and self.clients:
-            object.__setattr__(self, "downstream", self.clients[0].name)
-
-    fields: tuple[PayloadField, ...] = ()
-    """The payload's fields, in the order a form shows them (``validate`` accepts exactly these).
-    """
-    example: dict[str, Any] = field(default_factory=dict, hash=False)
-    """A valid payload: what the launch form opens with."""
-    result_fields: tuple[str, ...] = ()
-    """The result's fields that name the effect (the downstream's id of it), shown on the run."""
-    personal: frozenset[str] = frozenset()  # payload fields masked in logs, errors and views
-    handler_many: BatchHandler | None = None
-    """Optional: the effects of a micro-batch in as few transactions or connections as the job
-    type allows. Without it a batch runs ``handler`` once per request."""
+        if self.upkeep.checks and self.upkeep.reconcile is None:
+            raise ValueError(
+                f"{self.name}: upkeep.checks {self.upkeep.checks} declared without reconcile")
 
     def _derive_from_payload(self) -> None:
         if self.payload is None:
             if self.validate is _not_declared:
                 raise ValueError(f"{self.name}: declare payload=<model> (or validate=)")
             return
+        shown = self.presentation
         if self.validate is _not_declared:
-            validate = payloads.validator_of(self.payload, personal=self.personal)
+            validate = payloads.validator_of(self.payload, personal=shown.personal)
             object.__setattr__(self, "validate", validate)
-        if not self.fields:
-            object.__setattr__(self, "fields", payloads.fields_of(self.payload))
-        if not self.example:
-            object.__setattr__(self, "example", payloads.example_of(self.payload))
-        known = {f.name for f in self.fields}
-        for hook in (self.key_for, self.resource_id):
+        fields = shown.fields or payloads.fields_of(self.payload)
+        example = shown.example or payloads.example_of(self.payload)
+        if fields is not shown.fields or example is not shown.example:
+            object.__setattr__(self, "presentation",
+                               replace(shown, fields=fields, example=example))
+        known = {f.name for f in fields}
+        for hook in (self.keying.key_for, self.keying.resource_id):
             unknown = [n for n in getattr(hook, "names", ()) if n not in known]
             if unknown:
                 raise ValueError(f"{self.name}: {hook.__name__} names no field {unknown[0]!r}")
@@ -353,34 +429,36 @@ class JobType:
 
     @functools.cached_property
     def prefix(self) -> str | None:
-        """``key_prefix``, or the example's key up to its first ``:`` (None if it has none)."""
-        if self.key_prefix is not None:
-            return self.key_prefix
-        if not self.example:
+        """``keying.prefix``, or the example's key up to its first ``:`` (None if it has
+        none)."""
+        if self.keying.prefix is not None:
+            return self.keying.prefix
+        example = self.presentation.example
+        if not example:
             return None
-        key = self.key_for(self.validate(dict(self.example)))
+        key = self.keying.key_for(self.validate(dict(example)))
         head, colon, _ = key.partition(":")
         return head + colon if colon else None
 
     @property
     def resource_keys(self) -> frozenset[str]:
         """The platform resources and downstream clients its op needs besides the ledger."""
-        keys = set(self.needs) | {d.name for d in self.clients}
-        if self.concurrency_key is not None:
+        keys = set(self.running.needs) | {d.name for d in self.calls.clients}
+        if self.flow.concurrency is not None:
             keys.add("concurrency")
         return frozenset(keys)
 
     @property
     def missing_lookup(self) -> bool:
         """True when the type sends effects to a downstream but cannot ask it what happened."""
-        return self.side_effect and bool(self.clients) and self.lookup is None
+        return self.side_effect and bool(self.calls.clients) and self.calls.lookup is None
 
     def effects(self, client: Callable[[str], Any], key: str, payload: Any) -> list[Effect]:
-        """What the downstream holds for intent ``key`` (its :attr:`lookup`); raises
+        """What the downstream holds for intent ``key`` (its ``calls.lookup``); raises
         ``ValueError`` when the type declares none (nothing can be concluded)."""
-        if self.lookup is None:
+        if self.calls.lookup is None:
             raise ValueError(f"{self.name}: declares no lookup, so its effects cannot be asked")
-        return list(self.lookup(client, key, payload))
+        return list(self.calls.lookup(client, key, payload))
 
     @property
     def op_name(self) -> str:
@@ -389,10 +467,10 @@ class JobType:
     @property
     def intake_summary(self) -> str:
         """How the intake treats this type's requests, in words (shown on the Dagster job)."""
-        window = "until finished" if self.dedupe_window is None else f"{self.dedupe_window:g} s"
-        words = f"A key means one intent {window}."
-        if self.debounce is not None:
-            d = self.debounce
+        window = self.keying.dedupe_window
+        words = f"A key means one intent {'until finished' if window is None else f'{window:g} s'}."
+        if self.flow.debounce is not None:
+            d = self.flow.debounce
             words += (
                 f" Debounced per {d.key}: runs {d.wait:g} s after the last request, at least "
                 f"every {d.max_wait:g} s; the others are recorded as coalesced."
@@ -401,31 +479,33 @@ class JobType:
 
     def debounce_key_for(self, payload: dict[str, Any]) -> str | None:
         """The debounce group of a validated payload (job type included), or None."""
-        if self.debounce is None:
+        if self.flow.debounce is None:
             return None
-        return f"{self.name}:{self.debounce.key.format_map(payload)}"
+        return f"{self.name}:{self.flow.debounce.key.format_map(payload)}"
 
     def tenant_for(self, payload: dict[str, Any]) -> str:
         """The tenant of a validated payload: its fairness key, or the default tenant.
         :class:`ValidationError` naming ``fairness_key`` when the key makes no tenant name."""
-        if self.fairness_key is None:
+        fairness = self.flow.fairness_key
+        if fairness is None:
             return DEFAULT_TENANT
         try:
-            name = self.fairness_key.format_map(payload)
+            name = fairness.format_map(payload)
         except (KeyError, IndexError, ValueError, AttributeError) as exc:
             raise ValidationError(
-                "fairness_key", f"{self.fairness_key!r} cannot be formed from the payload "
+                "fairness_key", f"{fairness!r} cannot be formed from the payload "
                 f"({type(exc).__name__}: {exc})"
             ) from None
         return check_tenant(name, "fairness_key")
 
     def concurrency_key_for(self, payload: dict[str, Any]) -> str | None:
         """The concurrency key of a validated payload, or None when the type has no limit."""
-        if self.concurrency_key is None:
+        concurrency = self.flow.concurrency
+        if concurrency is None:
             return None
-        if callable(self.concurrency_key):
-            return self.concurrency_key(payload)
-        return self.concurrency_key.format_map(payload)
+        if callable(concurrency.key):
+            return concurrency.key(payload)
+        return concurrency.key.format_map(payload)
 
 
 def fenced_update(

@@ -8,7 +8,7 @@
 - ``micro_batch`` / ``fan_out``: a Dagster run per batch of requests (one step for all, or a
   step each).
 
-A job type may declare its own (``JobType.delivery``: ``per_request`` when each of its
+A job type may declare its own (``Running.delivery``: ``per_request`` when each of its
 requests must be a run a person watches); ``SEKALI_INTAKE_MODES="send_email=micro_batch"``
 overrides per job type, and ``SEKALI_INTAKE_MODE`` sets the default of the job types that
 declare none. The intake sensor launches runs only for the job types not delivered by resident
@@ -55,8 +55,8 @@ class DeliveryPolicy:
         if name in self.per_type:
             return self.per_type[name]
         jt = JOB_TYPES.get(name) if isinstance(job_type, str) else job_type
-        if jt is not None and jt.delivery is not None:
-            return _parse("delivery", jt.delivery)
+        if jt is not None and jt.running.delivery is not None:
+            return _parse("delivery", jt.running.delivery)
         return self.default
 
     def resident(self, queue: str | None = None,
@@ -73,7 +73,8 @@ class DeliveryPolicy:
 
     def queues(self) -> list[str]:
         """The queues that have job types delivered by resident workers."""
-        return sorted({jt.queue for jt in JOB_TYPES.values() if self.of(jt) is Delivery.RESIDENT})
+        return sorted({jt.queue.value for jt in JOB_TYPES.values()
+                       if self.of(jt) is Delivery.RESIDENT})
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> DeliveryPolicy:

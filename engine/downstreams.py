@@ -104,7 +104,7 @@ class Downstream:
     """The service honours the idempotency key sent with an effect: a repeated send of one
     intent makes no second effect (a payment provider's ``Idempotency-Key``). SMTP does not.
     A job type's first send looks up first by default when one of its downstreams does not
-    (``JobType.lookup_first``)."""
+    (``Calls.lookup_first``)."""
     destinations_from_payloads: bool = False
     """The client calls addresses that payloads name (a customer's webhook URL): lookups
     through it run only on workers, under their egress rules, never from an operator's CLI

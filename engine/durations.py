@@ -214,6 +214,16 @@ def choose_lease(
     )
 
 
+class LeasedRun(Protocol):
+    """What the model reads of how a job type runs (:class:`engine.contract.Running`)."""
+
+    @property
+    def lease(self) -> LeaseBounds | None: ...
+
+    @property
+    def max_runtime_seconds(self) -> float: ...
+
+
 class LeasedType(Protocol):
     """What the model reads of a job type (:class:`engine.contract.JobType` has these)."""
 
@@ -221,10 +231,7 @@ class LeasedType(Protocol):
     def name(self) -> str: ...
 
     @property
-    def lease(self) -> LeaseBounds | None: ...
-
-    @property
-    def max_runtime_seconds(self) -> float: ...
+    def running(self) -> LeasedRun: ...
 
 
 class DurationModel:
@@ -261,11 +268,12 @@ class DurationModel:
 
     def lease_for(self, job_type: LeasedType, default: float) -> LeaseChoice:
         """The lease a claim of ``job_type`` takes now (``default``: the store's lease)."""
+        running = getattr(job_type, "running", None)  # a stand-in may declare none
         return choose_lease(
             self.stats().get(job_type.name) if self.policy.enabled else None,
-            getattr(job_type, "lease", None) or LeaseBounds(),  # a stand-in may declare none
+            getattr(running, "lease", None) or LeaseBounds(),
             default=default,
-            max_runtime=float(getattr(job_type, "max_runtime_seconds", 3600.0)),
+            max_runtime=float(getattr(running, "max_runtime_seconds", 3600.0)),
             policy=self.policy,
         )
 

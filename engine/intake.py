@@ -121,8 +121,8 @@ def enqueue(
     spec = admitted.job_type
     group = spec.debounce_key_for(admitted.payload)
     debounce = (
-        Debounced(group, spec.debounce.wait, spec.debounce.max_wait)
-        if group is not None and spec.debounce is not None
+        Debounced(group, spec.flow.debounce.wait, spec.flow.debounce.max_wait)
+        if group is not None and spec.flow.debounce is not None
         else None
     )
     correlation_id = correlation_id or uuid.uuid4().hex  # the correlation chain starts here
@@ -135,7 +135,7 @@ def enqueue(
         traceparent=inject(),
         conn=conn,
         priority=admitted.priority,
-        dedupe_window=spec.dedupe_window,
+        dedupe_window=spec.keying.dedupe_window,
         debounce=debounce,
         aging=priority_aging(),
         tenant=admitted.tenant,

@@ -1,6 +1,6 @@
 """Personal data: which payload fields are personal, and masked views of what sekali keeps.
 
-A job type names its personal payload fields (``JobType.personal``, e.g. a recipient address).
+A job type names its personal payload fields (``Presentation.personal``, e.g. a recipient address).
 Their values, and every e-mail address anywhere, are masked (:mod:`resources.telemetry.redact`)
 in what outlives a request and is read by more people than its producer:
 
@@ -31,7 +31,7 @@ def personal_fields(job_type: JobType | str | None) -> frozenset[str]:
     """The payload fields ``job_type`` marks personal (none for an unknown type)."""
     if isinstance(job_type, str):
         job_type = JOB_TYPES.get(job_type)
-    return job_type.personal if job_type is not None else frozenset()
+    return job_type.presentation.personal if job_type is not None else frozenset()
 
 
 def personal_values(job_type: JobType | str | None, payload: Any) -> tuple[str, ...]:

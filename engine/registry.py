@@ -107,7 +107,7 @@ def _discover(
                 log.warning(
                     "job type %r (%s) sends effects to %s but declares no lookup: an unknown "
                     "outcome cannot be asked there; declare lookup= (docs/job-types.md)",
-                    jt.name, name, ", ".join(d.name for d in jt.clients),
+                    jt.name, name, ", ".join(d.name for d in jt.calls.clients),
                 )
     return dict(sorted(found.items())), owners
 
@@ -214,7 +214,7 @@ def downstreams() -> dict[str, Downstream]:
     Two different declarations under one name are a :class:`JobModuleError`."""
     found: dict[str, Downstream] = {}
     for jt in JOB_TYPES.values():
-        for client in jt.clients:
+        for client in jt.calls.clients:
             known = found.setdefault(client.name, client)
             if known is not client and known != client:
                 raise JobModuleError(

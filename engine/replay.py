@@ -661,18 +661,18 @@ def assess(
     jt = JOB_TYPES.get(record.job_type)
     if jt is None:
         return verdict(Verdict.UNKNOWN, unregistered(record))
-    if not (jt.side_effect and jt.clients):
+    if not (jt.side_effect and jt.calls.clients):
         return verdict(
             Verdict.SAFE,
             f"{jt.name} has no downstream effect; its change commits with its key, which did"
             " not complete",
         )
-    if jt.lookup is None:
-        return verdict(Verdict.UNKNOWN, f"{jt.name} declares no lookup at {jt.downstream}")
+    if jt.calls.lookup is None:
+        return verdict(Verdict.UNKNOWN, f"{jt.name} declares no lookup at {jt.calls.budget}")
     if not key:
         return verdict(Verdict.UNKNOWN, "the record names no idempotency key to look up")
     if client is None:
-        return verdict(Verdict.UNKNOWN, f"no {jt.downstream} client to ask")
+        return verdict(Verdict.UNKNOWN, f"no {jt.calls.budget} client to ask")
     payload: Any
     try:
         payload = jt.validate(_stored_payload(record, requests))
@@ -681,14 +681,14 @@ def assess(
     try:
         effects = jt.effects(client, key, payload)
     except Exception as exc:  # noqa: BLE001 - any failure to answer concludes nothing
-        return verdict(Verdict.UNKNOWN, f"{jt.downstream} cannot answer: {exc}")
+        return verdict(Verdict.UNKNOWN, f"{jt.calls.budget} cannot answer: {exc}")
     if effects:
         refs = ", ".join(e.reference for e in effects)
         return verdict(
-            Verdict.EFFECT_FOUND, f"{jt.downstream} holds {len(effects)} effect(s) for {key}:"
+            Verdict.EFFECT_FOUND, f"{jt.calls.budget} holds {len(effects)} effect(s) for {key}:"
             f" {refs}", effects,
         )
-    return verdict(Verdict.SAFE, f"{jt.downstream} holds no effect for {key}")
+    return verdict(Verdict.SAFE, f"{jt.calls.budget} holds no effect for {key}")
 
 
 def unregistered(record: DlqRecord) -> str:

@@ -159,7 +159,7 @@ def execute_request(
     )
     try:
         check_crash_loop(services, claimed, record)
-        bound = jt.max_runtime_seconds
+        bound = jt.running.max_runtime_seconds
         with services.store.keep_alive(claimed, confirmed_at=asked, runtime=bound) as keeper:
             ctx.keeper = keeper
             ctx.cancel_point("start")
@@ -180,9 +180,9 @@ def execute_request(
     except Exception as exc:  # noqa: BLE001 - recorded, then raised again by _failed
         raise _failed(services, record, claimed, exc, decide)  # noqa: B904 - see _failed
     _finish(services, record, Outcome.COMPLETED)
-    if jt.downstream and services.retry_budget is not None:
+    if jt.calls.budget and services.retry_budget is not None:
         with contextlib.suppress(Exception):
-            services.retry_budget.refund(jt.downstream)
+            services.retry_budget.refund(jt.calls.budget)
     return RequestOutcome("completed", result, key, claimed.fence, record.attempt_id)
 
 
@@ -365,9 +365,9 @@ def _run_batch(jt: JobType, items: list[_Item], out: list[Any], services: Servic
             )
             done.append(item)
     services.attempts.finish_many([(item.record, Outcome.COMPLETED, None, None) for item in done])
-    if done and jt.downstream and services.retry_budget is not None:
+    if done and jt.calls.budget and services.retry_budget is not None:
         with contextlib.suppress(Exception):
-            services.retry_budget.refund(jt.downstream, successes=len(done))
+            services.retry_budget.refund(jt.calls.budget, successes=len(done))
 
 
 def _triage(
@@ -418,8 +418,8 @@ def _handle(jt: JobType, keeper: BatchLeaseKeeper, items: list[_Item]) -> list[A
     no culprit when it overruns (:class:`HandlerTimedOut` with ``alone`` False, unless the
     group is one request)."""
     pairs = [(item.ctx, jt.typed(item.clean)) for item in items if item.ctx is not None]
-    bound = jt.max_runtime_seconds
-    if jt.handler_many is not None:
+    bound = jt.running.max_runtime_seconds
+    if jt.running.handler_many is not None:
         results: list[Any] = [None] * len(pairs)
         with batch_slots(jt, [ctx for ctx, _ in pairs]) as refused:
             run = [n for n in range(len(pairs)) if n not in refused]
@@ -448,13 +448,13 @@ def _handle(jt: JobType, keeper: BatchLeaseKeeper, items: list[_Item]) -> list[A
 
 
 def _handle_many(jt: JobType, pairs: list[tuple[JobContext, Any]], until: float) -> list[Any]:
-    handle_many = jt.handler_many
+    handle_many = jt.running.handler_many
     assert handle_many is not None
     try:
         results = run_bounded(lambda: handle_many(pairs), until=until,
                               name=f"handler_many:{jt.name}")
     except Overran as late:
-        return [HandlerTimedOut(ctx.key, jt.max_runtime_seconds, where=late.where,
+        return [HandlerTimedOut(ctx.key, jt.running.max_runtime_seconds, where=late.where,
                                 alone=len(pairs) == 1) for ctx, _ in pairs]
     except Exception as exc:  # noqa: BLE001 - the hook failed as a whole: so did each request
         return [exc] * len(pairs)
@@ -502,9 +502,9 @@ def _prepare(
     jt: JobType, record: Attempt, payload: dict[str, Any], key: str | None
 ) -> tuple[dict[str, Any], str]:
     clean = jt.validate(dict(payload or {}))
-    key = key or jt.key_for(clean)
+    key = key or jt.keying.key_for(clean)
     record.idempotency_key = key
-    record.resource_id = jt.resource_id(clean)
+    record.resource_id = jt.keying.resource_id(clean)
     set_attributes(idempotency_key=key, resource_id=record.resource_id)
     return clean, key
 

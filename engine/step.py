@@ -135,10 +135,10 @@ def failure_path(
         attempt=attempt,
         policy=services.retry_policy,
         budget=services.retry_budget,
-        downstream=known.downstream if known is not None else None,
+        downstream=known.calls.budget if known is not None else None,
         retries_here=retry is not Retry.DLQ,
         follow=lambda declared: services.retry_policy_for(
-            known.downstream if known is not None else None, declared),
+            known.calls.budget if known is not None else None, declared),
         first_started=(lambda: first) if first is not None else (
             lambda: services.attempts.first_started(at.run_id, at.step)),
     )

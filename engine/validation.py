@@ -194,7 +194,7 @@ def check_request(
     spec = get_job_type(name)
     try:
         normalised = spec.validate(dict(value))
-        chosen = key if key is not None else spec.key_for(normalised)
+        chosen = key if key is not None else spec.keying.key_for(normalised)
     except ValidationError:
         raise
     except Exception as exc:  # noqa: BLE001 - a job type's checks met input they did not expect
@@ -202,7 +202,7 @@ def check_request(
             "payload", f"refused by the {name} job type's checks ({type(exc).__name__})"
         ) from None
     if dedupe_at is not None:
-        chosen = windowed_key(chosen, spec.dedupe_window, dedupe_at)
+        chosen = windowed_key(chosen, spec.keying.dedupe_window, dedupe_at)
     check_key(chosen, limits)
     return Admitted(spec, normalised, chosen, level, spec.tenant_for(normalised))
 

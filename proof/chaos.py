@@ -896,8 +896,9 @@ def adaptive_stall_bound(job_types: Iterable[str]) -> float:
     """With adaptive leases a dead holder's key is taken over once the lease in force runs
     out, which may be as long as its job type's ceiling (its declared one, else its
     ``max_runtime_seconds``): twice the longest ceiling of the run's job types, at least 60 s."""
-    ceilings = [(jt.lease or LeaseBounds()).ceiling_for(float(jt.max_runtime_seconds))
-                for jt in map(get_job_type, job_types)]
+    runs = [get_job_type(name).running for name in job_types]
+    ceilings = [(run.lease or LeaseBounds()).ceiling_for(float(run.max_runtime_seconds))
+                for run in runs]
     return max(60.0, 2 * max(ceilings, default=0.0))
 
 
@@ -1463,7 +1464,7 @@ class Coordinator:
     def _key_for(req: Request) -> str | None:
         jt = get_job_type(req.job_type)
         try:
-            return str(jt.key_for(jt.validate(dict(req.payload))))
+            return str(jt.keying.key_for(jt.validate(dict(req.payload))))
         except ValidationError:
             return None
 
@@ -1477,7 +1478,7 @@ class Coordinator:
         req = self.requests[request]
         jt = get_job_type(req.job_type)
         try:
-            key = jt.key_for(jt.validate(dict(req.payload)))
+            key = jt.keying.key_for(jt.validate(dict(req.payload)))
             with self.probe.connect() as conn:
                 rows = list(conn.execute(text(
                     "SELECT fence, status FROM idempotency_records WHERE key = :k"), {"k": key}))
@@ -2476,7 +2477,7 @@ def judge(
         cid = f"{correlation_prefix}{req.id}"
         jt = get_job_type(req.job_type)
         try:
-            key: str | None = jt.key_for(jt.validate(dict(req.payload)))
+            key: str | None = jt.keying.key_for(jt.validate(dict(req.payload)))
         except ValidationError:
             key = None
         resends = allowed_resends = 0

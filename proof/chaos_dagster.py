@@ -40,7 +40,7 @@ class DagsterDeliveries:
                                    base_delay=config.retry_base, max_delay=config.retry_cap,
                                    max_unknown_attempts=config.max_attempts),
         }
-        for name in {d.name for t in config.job_types for d in get_job_type(t).clients}:
+        for name in {d.name for t in config.job_types for d in get_job_type(t).calls.clients}:
             self.resources[name] = _Wired(clients[name], config.settle_seconds)
         self.database_url = config.database_url
 

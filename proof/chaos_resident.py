@@ -127,7 +127,7 @@ def lookup_reads_of(clients: dict[str, Any], job_types: tuple[str, ...] = BUILT_
     out: dict[str, frozenset[str]] = {}
     for name in job_types:
         found = lookup_reads(name, clients)
-        for downstream in get_job_type(name).clients:
+        for downstream in get_job_type(name).calls.clients:
             if downstream.name in clients:
                 out[downstream.name] = out.get(downstream.name, frozenset()) | found
     return out

@@ -66,7 +66,7 @@ class GroundTruth:
 
     def counted_by(self, jt: JobType) -> str:
         """``record`` when every downstream of ``jt`` declares one, else ``lookup``."""
-        boxes = [d.sandbox for d in jt.clients]
+        boxes = [d.sandbox for d in jt.calls.clients]
         ok = bool(boxes) and all(b is not None and b.record is not None for b in boxes)
         return RECORD if ok else LOOKUP
 
@@ -80,16 +80,16 @@ class GroundTruth:
             clean = jt.validate(dict(payload))
         except ValidationError:
             return []
-        key = jt.key_for(clean)
+        key = jt.keying.key_for(clean)
         out: list[Effect] = []
-        for d in jt.clients:
+        for d in jt.calls.clients:
             assert d.sandbox is not None and d.sandbox.record is not None
             out += d.sandbox.record(self.sandboxes.stand_ins[d.name], key, clean)
         return sorted(out, key=lambda e: (e.at is None, e.at or 0.0))
 
 
 def unverified_note(jt: JobType) -> str:
-    missing = [d.name for d in jt.clients if d.sandbox is None or d.sandbox.record is None]
+    missing = [d.name for d in jt.calls.clients if d.sandbox is None or d.sandbox.record is None]
     return (f"{jt.name}: effects counted through its own lookup hook, unverified: the sandbox "
             f"of {', '.join(missing)} declares no record of its own (Sandbox.record), so "
             "nothing checks the lookup's counts, nor the send bound")
@@ -164,14 +164,14 @@ def calibrate(jt: JobType, sandboxes: Sandboxes, state: Path, *, runs: int, keys
     plain = sandboxes.clients()
     with environment(sandboxes.env):
         reads = lookup_reads(jt.name, plain)
-    blanked = {d.name: EmptyReads(plain[d.name], reads) for d in jt.clients}
+    blanked = {d.name: EmptyReads(plain[d.name], reads) for d in jt.calls.clients}
     folder = state / "calibration"
     folder.mkdir(parents=True, exist_ok=True)
     results = []
     for i in range(keys):
         payload = varied(jt, offset + i)
         clean = jt.validate(dict(payload))
-        key = jt.key_for(clean)
+        key = jt.keying.key_for(clean)
         errors = []
         for r in range(runs):
             db = Database.from_url(f"sqlite:///{folder / f'{jt.name}-{i}-{r}.db'}")
@@ -337,7 +337,7 @@ def check_send_bounds(requests: Sequence[Any], truth: GroundTruth, db: Any, *, l
         if not effects:
             continue
         jt = get_job_type(req.job_type)
-        key = jt.key_for(jt.validate(dict(req.payload)))
+        key = jt.keying.key_for(jt.validate(dict(req.payload)))
         arrivals[key] = (f"request {req.id} ({req.job_type}, key {key})", effects)
     rows = attempts_by_key(db)
     return judge_send_bounds(arrivals, {k: sent_under(rows.get(k, [])) for k in arrivals},

@@ -53,13 +53,13 @@ def job_types_of(names: Sequence[str], error: Callable[[str], Exception]) -> tup
             raise error(f"--job-type {name!r}: no such job type (registered: "
                         f"{', '.join(sorted(JOB_TYPES))}; add modules with SEKALI_JOB_MODULES)")
         jt = get_job_type(name)
-        if jt.lookup is None:
+        if jt.calls.lookup is None:
             raise error(
-                f"--job-type {name}: it declares no lookup hook (JobType.lookup), so its effects "
+                f"--job-type {name}: it declares no lookup hook (Calls.lookup), so its effects "
                 "cannot be counted at the downstream; declare one (docs/job-types.md)")
-        if not jt.example:
-            raise error(f"--job-type {name}: it declares no example payload (JobType.example)")
-        for d in jt.clients:
+        if not jt.presentation.example:
+            raise error(f"--job-type {name}: it declares no example payload (Presentation.example)")
+        for d in jt.calls.clients:
             if d.sandbox is None:
                 raise error(
                     f"--job-type {name}: its downstream {d.name!r} has no sandbox stand-in "
@@ -75,10 +75,10 @@ def _with(payload: dict[str, Any], name: str, value: Any) -> dict[str, Any]:
 def varied(jt: JobType, n: int) -> dict[str, Any]:
     """The example with each field that changes the key made unique to request ``n``
     (strings get ``-c<n>``, integers ``+ n``), each change kept only if ``validate`` takes it."""
-    example = dict(jt.example)
-    base = jt.key_for(jt.validate(dict(example)))
+    example = dict(jt.presentation.example)
+    base = jt.keying.key_for(jt.validate(dict(example)))
     payload = dict(example)
-    for spec in jt.fields:
+    for spec in jt.presentation.fields:
         value = example.get(spec.name)
         if isinstance(value, bool) or value is None:
             continue
@@ -89,7 +89,7 @@ def varied(jt: JobType, n: int) -> dict[str, Any]:
         else:
             continue
         try:
-            if jt.key_for(jt.validate(dict(candidate))) == base:
+            if jt.keying.key_for(jt.validate(dict(candidate))) == base:
                 continue
             trial = _with(payload, spec.name, candidate[spec.name])
             jt.validate(dict(trial))
@@ -111,7 +111,7 @@ from the job type's own ``validate`` inside the step, as a poison message's woul
 def poisoned(jt: JobType, payload: dict[str, Any]) -> dict[str, Any]:
     """``payload`` with one field's value refused by ``validate`` but of the field's declared
     type; if no such value is found, without its first required field."""
-    for spec in jt.fields:
+    for spec in jt.presentation.fields:
         for bad in POISON_VALUES.get(spec.type, ()):
             if spec.name not in payload or spec.choices:  # an enum: the form refuses it first
                 continue
@@ -120,7 +120,8 @@ def poisoned(jt: JobType, payload: dict[str, Any]) -> dict[str, Any]:
                 jt.validate(dict(candidate))
             except ValidationError:
                 return candidate
-    required = [spec.name for spec in jt.fields if spec.required and spec.name in payload]
+    required = [spec.name for spec in jt.presentation.fields
+                if spec.required and spec.name in payload]
     if not required:
         return {**payload, "__poison__": 1}
     return {k: v for k, v in payload.items() if k != required[0]}
@@ -145,7 +146,7 @@ def typed_payloads(job_types: Sequence[JobType], count: int, *, seed: int,
 
 
 def _key(jt: JobType, payload: dict[str, Any]) -> str:
-    return jt.key_for(jt.validate(dict(payload)))
+    return jt.keying.key_for(jt.validate(dict(payload)))
 
 
 def moved(setting: str, current: str | None, host: str, port: int) -> str:
@@ -181,7 +182,7 @@ def environment(env: Mapping[str, str]) -> Iterator[None]:
 def downstreams_of(job_types: Sequence[JobType]) -> list[Downstream]:
     seen: dict[str, Downstream] = {}
     for jt in job_types:
-        for d in jt.clients:
+        for d in jt.calls.clients:
             seen.setdefault(d.name, d)
     return list(seen.values())
 
@@ -245,6 +246,6 @@ def effect_counter(job_types: Sequence[JobType], clients: Mapping[str, Any]
             clean = jt.validate(dict(payload))
         except ValidationError:
             return 0
-        return len(jt.effects(client, jt.key_for(clean), clean))
+        return len(jt.effects(client, jt.keying.key_for(clean), clean))
 
     return count

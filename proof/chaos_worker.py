@@ -371,11 +371,12 @@ def lookup_reads(job_type: str, clients: dict[str, Any]) -> frozenset[str]:
     example (against the sandbox, which holds nothing for it yet)."""
     jt = get_job_type(job_type)
     seen: set[str] = set()
-    if jt.lookup is None or not jt.example:
+    if jt.calls.lookup is None or not jt.presentation.example:
         return frozenset()
     try:
-        clean = jt.validate(dict(jt.example))
-        jt.lookup(lambda name: _Recorder(clients[name], seen), jt.key_for(clean), clean)
+        clean = jt.validate(dict(jt.presentation.example))
+        jt.calls.lookup(lambda name: _Recorder(clients[name], seen), jt.keying.key_for(clean),
+                        clean)
     except Exception:  # noqa: BLE001 - the reads recorded before it failed are what we know
         logger.warning("the lookup of %s failed on its example", job_type, exc_info=True)
     return frozenset(seen)
@@ -446,7 +447,7 @@ class Worker:
             reads: dict[str, frozenset[str]] = {}
             for name in config.job_types:
                 found = lookup_reads(name, clients)
-                for downstream in get_job_type(name).clients:
+                for downstream in get_job_type(name).calls.clients:
                     reads[downstream.name] = reads.get(downstream.name, frozenset()) | found
             for downstream_name, read in reads.items():
                 clients[downstream_name] = HookedClient(clients[downstream_name], self.hooks, read)
@@ -524,7 +525,7 @@ class Worker:
     def _naive_effect(self, job_type: str, payload: dict[str, Any], req: int) -> None:
         jt = get_job_type(job_type)
         clean = jt.validate(dict(payload))
-        key = jt.key_for(clean)
+        key = jt.keying.key_for(clean)
         correlation_id = f"chaos-req-{req}"
         if job_type == "charge_payment":
             self.services.client(GATEWAY.name).charge(

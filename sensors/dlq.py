@@ -371,7 +371,7 @@ def replay_run_config(record: DlqRecord, requests: RequestStore) -> dict[str, An
         )
     try:
         clean = jt.validate(dict(record.payload))
-        key = record.idempotency_key or jt.key_for(clean)
+        key = record.idempotency_key or jt.keying.key_for(clean)
     except ValidationError as exc:
         raise ReplayNotBuildable(
             f"DLQ record {record.id} ({record.job_type}): its payload is not valid ({exc});"

@@ -132,7 +132,7 @@ def per_request_run_config(request: JobRequest) -> dict[str, Any]:
 
 def merge_debounced(job_type: str, payloads: list[dict[str, Any]]) -> dict[str, Any]:
     """The payload a debounced group runs with: the job type's ``merge``, else the newest."""
-    debounce = get_job_type(job_type).debounce
+    debounce = get_job_type(job_type).flow.debounce
     if debounce is None or debounce.merge is None:
         return payloads[-1]
     return debounce.merge(payloads)
@@ -170,7 +170,7 @@ def _tags(mode: IntakeMode, requests: Sequence[JobRequest]) -> dict[str, str]:
 
 
 def _max_runtime(job_type: str) -> float:
-    return get_job_type(job_type).max_runtime_seconds
+    return get_job_type(job_type).running.max_runtime_seconds
 
 
 def batch_run_key(mode: IntakeMode, request_ids: Sequence[int]) -> str:

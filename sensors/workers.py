@@ -143,7 +143,7 @@ def worker_run_requests(
     generations = dict(generations)
     launch: list[dg.RunRequest] = []
     wanted: set[str] = set()
-    longest = max((jt.max_runtime_seconds for jt in JOB_TYPES.values()), default=0.0)
+    longest = max((jt.running.max_runtime_seconds for jt in JOB_TYPES.values()), default=0.0)
     for queue in delivery.queues():
         policy = WorkerPolicy.from_env(queue)
         for n in range(targets.of(queue)):

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from engine import JobContext, JobType
+from engine import JobContext, JobType, Keying, Queue, Running
 
 
 def _handler(ctx: JobContext, p: dict[str, Any]) -> dict[str, Any]:
@@ -25,9 +25,13 @@ def _handler(ctx: JobContext, p: dict[str, Any]) -> dict[str, Any]:
 
 
 JOB_TYPE = JobType(
-    name="crash_probe", queue="light", validate=dict,
-    key_for=lambda p: f"crash-probe:{p['n']}", max_runtime_seconds=60,
-    side_effect=False, handler=_handler, resource_id=lambda p: str(p["n"]),
+    name="crash_probe",
+    queue=Queue.LIGHT,
+    validate=dict,
+    handler=_handler,
+    side_effect=False,
+    keying=Keying(key_for=lambda p: f"crash-probe:{p['n']}", resource_id=lambda p: str(p["n"])),
+    running=Running(max_runtime_seconds=60),
 )
 
 

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from engine import JobContext, JobType  # noqa: E402 - after the path is set
+from engine import JobContext, JobType, Keying, Queue, Running  # noqa: E402 - after the path is set
 
 BOUND = 2.0
 HOLDS: dict[str, threading.Event] = {}
@@ -50,9 +50,13 @@ def _handler(ctx: JobContext, p: dict[str, Any]) -> dict[str, Any]:
 
 
 JOB_TYPE = JobType(
-    name="hang_probe", queue="light", validate=dict,
-    key_for=lambda p: f"hang-probe:{p['n']}", max_runtime_seconds=BOUND,
-    side_effect=True, handler=_handler, resource_id=lambda p: str(p["n"]),
+    name="hang_probe",
+    queue=Queue.LIGHT,
+    validate=dict,
+    handler=_handler,
+    side_effect=True,
+    keying=Keying(key_for=lambda p: f"hang-probe:{p['n']}", resource_id=lambda p: str(p["n"])),
+    running=Running(max_runtime_seconds=BOUND),
 )
 
 

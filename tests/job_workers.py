@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from engine import Concurrency, FlowControl, Keying, Queue, Running
+
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
@@ -244,11 +246,15 @@ def tally_job_type(redis_url: str, namespace: str) -> Any:
         return out
 
     job_type = JobType(
-        name="tally_group", queue="light", validate=dict,
-        key_for=lambda p: f"tally:{p['group']}:{p['n']}", max_runtime_seconds=60,
-        side_effect=True, handler=handler, resource_id=lambda p: str(p["group"]),
-        concurrency_key="group:{group}", concurrency_limit=TALLY_LIMIT,
-        handler_many=handler_many,
+        name="tally_group",
+        queue=Queue.LIGHT,
+        validate=dict,
+        handler=handler,
+        side_effect=True,
+        keying=Keying(key_for=lambda p: f"tally:{p['group']}:{p['n']}",
+                      resource_id=lambda p: str(p["group"])),
+        running=Running(max_runtime_seconds=60, handler_many=handler_many),
+        flow=FlowControl(concurrency=Concurrency("group:{group}", limit=TALLY_LIMIT)),
     )
     return job_type
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from engine import Keying, Queue, Running
 from engine.attempts import AttemptRecorder
 from engine.failures import FailurePath
 from engine.registry import JOB_TYPES
@@ -204,9 +205,13 @@ def probe(db: Database) -> Any:
         return {"ok": True}
 
     JOB_TYPES["cancel_probe"] = JobType(
-        name="cancel_probe", queue="light", validate=dict, key_for=lambda p: f"probe:{p['n']}",
-        max_runtime_seconds=60, side_effect=True, handler=handler,
-        resource_id=lambda p: str(p["n"]),
+        name="cancel_probe",
+        queue=Queue.LIGHT,
+        validate=dict,
+        handler=handler,
+        side_effect=True,
+        keying=Keying(key_for=lambda p: f"probe:{p['n']}", resource_id=lambda p: str(p["n"])),
+        running=Running(max_runtime_seconds=60),
     )
     try:
         yield hooks, effects

@@ -35,7 +35,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from engine import ClientOptions, Downstream, Effect, JobContext, Sandbox, formatted
+from engine import (
+    Calls, ClientOptions, Downstream, Effect, JobContext, Keying, Sandbox, formatted,
+)
 from resources.storage.settings import Settings
 
 from PACKAGE import loyalty as ex
@@ -91,16 +93,21 @@ def lookup_unrecorded(client: Any, key: str, payload: Any) -> list[Effect]:
     return [Effect(c["credit_id"], c["at"]) for c in client(UNRECORDED.name).credits(key)]
 
 
+def keyed(prefix: str) -> Keying:
+    return replace(ex.JOB_TYPE.keying, key_for=formatted(prefix + ":{account_id}:{reason}"))
+
+
 JOB_TYPES = [
-    replace(ex.JOB_TYPE, name="award_under_reported", lookup=lookup_first_only,
-            key_for=formatted("under:{account_id}:{reason}")),
-    replace(ex.JOB_TYPE, name="award_never_found", lookup=lookup_nothing,
-            key_for=formatted("never:{account_id}:{reason}")),
+    replace(ex.JOB_TYPE, name="award_under_reported", keying=keyed("under"),
+            calls=replace(ex.JOB_TYPE.calls, lookup=lookup_first_only)),
+    replace(ex.JOB_TYPE, name="award_never_found", keying=keyed("never"),
+            calls=replace(ex.JOB_TYPE.calls, lookup=lookup_nothing)),
     replace(ex.JOB_TYPE, name="award_unconfirmed", handler=award_unconfirmed,
-            key_for=formatted("unconfirmed:{account_id}:{reason}")),
+            keying=keyed("unconfirmed")),
     replace(ex.JOB_TYPE, name="award_unrecorded", handler=award_unrecorded,
-            lookup=lookup_unrecorded, clients=(UNRECORDED,), downstream=UNRECORDED.name,
-            key_for=formatted("unrecorded:{account_id}:{reason}")),
+            keying=keyed("unrecorded"),
+            calls=Calls(clients=(UNRECORDED,), budget=UNRECORDED.name,
+                        lookup=lookup_unrecorded)),
 ]
 '''
 

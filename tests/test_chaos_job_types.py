@@ -94,8 +94,9 @@ def test_a_builtin_job_type_under_every_fault_on_postgres(
 def test_the_payloads_vary_the_fields_that_make_the_key() -> None:
     jt = get_job_type("send_email")
     a, b = varied(jt, 1), varied(jt, 2)
-    assert jt.key_for(jt.validate(dict(a))) != jt.key_for(jt.validate(dict(b)))
-    assert a["template"] == b["template"] == jt.example["template"]  # a choice stays valid
+    assert jt.keying.key_for(jt.validate(dict(a))) != jt.keying.key_for(jt.validate(dict(b)))
+    example = jt.presentation.example
+    assert a["template"] == b["template"] == example["template"]  # a choice stays valid
 
 
 def test_job_types_that_cannot_be_judged_are_refused_with_what_to_declare(
@@ -125,7 +126,8 @@ def test_the_checker_counts_a_second_effect_through_the_lookup_hook() -> None:
         jt = get_job_type("charge_payment")
         target = requests[5]
         clean = jt.validate(dict(target.payload))
-        [effect] = jt.effects(world.sandboxes.clients().__getitem__, jt.key_for(clean), clean)
+        key = jt.keying.key_for(clean)
+        [effect] = jt.effects(world.sandboxes.clients().__getitem__, key, clean)
         gateway = world.sandboxes.clients()[GATEWAY.name]
         gateway.charge(reference=effect.detail["reference"], amount_cents=clean["amount_cents"],
                        currency=clean["currency"], idempotency_key=None,

@@ -435,7 +435,7 @@ def test_setup_seeds_the_sandbox_catalogue_once_and_never_resets_it(tmp_path: Pa
     setup(settings, verbose=False)
     db = Database.from_url(url)
     stock = Inventory(db)
-    example_skus = {item["sku"] for item in inventory.JOB_TYPE.example["items"]}
+    example_skus = {item["sku"] for item in inventory.JOB_TYPE.presentation.example["items"]}
     assert example_skus <= set(SANDBOX_CATALOGUE)
     assert all(stock.stock(sku) == (SANDBOX_CATALOGUE[sku], 0) for sku in SANDBOX_CATALOGUE)
     stock.set_stock("apple", 3)

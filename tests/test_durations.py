@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from engine import Keying, Queue, Running
 from engine.attempts import AttemptRecorder, Outcome
 from engine.context import SEND_BOUND
 from engine.contract import JobType
@@ -33,9 +34,15 @@ from resources.storage.db import Database
 
 
 def _type(name: str) -> JobType:
-    return JobType(name=name, queue="light", validate=dict, key_for=lambda p: f"x:{p['n']}",
-                   max_runtime_seconds=60, side_effect=False, handler=_note_lease,
-                   resource_id=lambda p: "r")
+    return JobType(
+        name=name,
+        queue=Queue.LIGHT,
+        validate=dict,
+        handler=_note_lease,
+        side_effect=False,
+        keying=Keying(key_for=lambda p: f"x:{p['n']}", resource_id=lambda p: "r"),
+        running=Running(max_runtime_seconds=60),
+    )
 
 
 class Clock:
@@ -173,9 +180,13 @@ def test_a_request_claims_under_the_lease_its_job_types_durations_call_for(
     """Catches the runtime claiming with the store's constant lease while the model has
     enough samples, and one that ignores the bounds a job type declares."""
     monkeypatch.setitem(JOB_TYPES, "lease_probe", JobType(
-        name="lease_probe", queue="light", validate=dict, key_for=lambda p: f"lp:{p['n']}",
-        max_runtime_seconds=60, side_effect=False, handler=_note_lease, resource_id=lambda p: "r",
-        lease=LeaseBounds(floor=1.5, ceiling=30),
+        name="lease_probe",
+        queue=Queue.LIGHT,
+        validate=dict,
+        handler=_note_lease,
+        side_effect=False,
+        keying=Keying(key_for=lambda p: f"lp:{p['n']}", resource_id=lambda p: "r"),
+        running=Running(max_runtime_seconds=60, lease=LeaseBounds(floor=1.5, ceiling=30)),
     ))
     clock = Clock()
     _record(db, clock, "lease_probe", [0.01] * 200)
@@ -242,9 +253,15 @@ def test_doctor_and_metrics_show_each_types_percentiles_lease_in_force_and_why(
     _record(db, clock, "capped_probe", [3.0] * 120)
     _record(db, clock, "rare_probe", [0.2] * 5)
     types = {
-        name: JobType(name=name, queue="light", validate=dict, key_for=lambda p: f"x:{p['n']}",
-                      max_runtime_seconds=60, side_effect=False, handler=_note_lease,
-                      resource_id=lambda p: "r", lease=bounds)
+        name: JobType(
+            name=name,
+            queue=Queue.LIGHT,
+            validate=dict,
+            handler=_note_lease,
+            side_effect=False,
+            keying=Keying(key_for=lambda p: f"x:{p['n']}", resource_id=lambda p: "r"),
+            running=Running(max_runtime_seconds=60, lease=bounds),
+        )
         for name, bounds in (("lease_probe", None), ("capped_probe", LeaseBounds(ceiling=2)),
                              ("rare_probe", None))
     }

@@ -16,7 +16,7 @@ from typing import Any
 import dagster as dg
 import pytest
 
-from engine import JobContext, JobType
+from engine import JobContext, JobType, Keying, Queue, Running
 from engine.registry import JOB_TYPES
 from engine.requests import RequestStore
 from pipelines import ops
@@ -121,8 +121,13 @@ def _bug(ctx: JobContext, payload: dict[str, Any]) -> dict[str, Any]:
 
 
 BUGGY = JobType(
-    name="page_bug_probe", queue="light", validate=dict, key_for=lambda p: f"bug:{p['n']}",
-    max_runtime_seconds=60, side_effect=False, handler=_bug, resource_id=lambda p: str(p["n"]),
+    name="page_bug_probe",
+    queue=Queue.LIGHT,
+    validate=dict,
+    handler=_bug,
+    side_effect=False,
+    keying=Keying(key_for=lambda p: f"bug:{p['n']}", resource_id=lambda p: str(p["n"])),
+    running=Running(max_runtime_seconds=60),
 )
 
 

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from sqlalchemy import event, text
 
 from cli.main import main as cli
+from engine import FlowControl
 from engine import tags as tag
 from engine.health.diagnosis import DiagnosisSetup, check_tenant_starvation
 from engine.health.metrics import TOP_TENANTS, MetricsCollector
@@ -161,14 +162,15 @@ def test_a_job_types_fairness_key_names_the_tenant() -> None:
     import dataclasses
 
     mail = get_job_type("send_email")
-    assert mail.tenant_for(dict(mail.example)) == DEFAULT_TENANT
-    keyed = dataclasses.replace(mail, fairness_key="user:{user_id}")
-    assert keyed.tenant_for({**mail.example}) == f"user:{mail.example['user_id']}"
+    example = mail.presentation.example
+    assert mail.tenant_for(dict(example)) == DEFAULT_TENANT
+    keyed = dataclasses.replace(mail, flow=FlowControl(fairness_key="user:{user_id}"))
+    assert keyed.tenant_for({**example}) == f"user:{example['user_id']}"
     with pytest.raises(ValidationError) as caught:
         keyed.tenant_for({})
     assert caught.value.field == "fairness_key"
     with pytest.raises(ValueError, match="names no payload field"):
-        dataclasses.replace(mail, fairness_key="everyone")
+        dataclasses.replace(mail, flow=FlowControl(fairness_key="everyone"))
 
 
 # -- the claim, several processes, both dialects --------------------------------------------
@@ -389,7 +391,8 @@ def test_the_run_carries_its_tenant(db: Database) -> None:
     mail = get_job_type("send_email")
     store = RequestStore(db)
     for i, tenant in enumerate(("acme", "acme", "globex")):
-        store.enqueue("send_email", f"email:t:{i}", {**mail.example, "user_id": f"u{i}"},
+        payload = {**mail.presentation.example, "user_id": f"u{i}"}
+        store.enqueue("send_email", f"email:t:{i}", payload,
                       queue=mail.queue, tenant=tenant)
     claimed = sorted(store.claim_for_launch(3), key=lambda r: r.id)
     runs, _ = run_requests_for(claimed[:1], IntakePolicy())

@@ -21,6 +21,7 @@ import pytest
 from sqlalchemy import text
 
 from cli.main import main as cli
+from engine import FlowControl
 from engine.intake import enqueue
 from engine.registry import JOB_TYPES
 from engine.requests import RequestStatus, RequestStore, windowed_key
@@ -70,9 +71,9 @@ def test_a_burst_of_200_shipped_events_makes_one_rebuild_per_report(db_url: str)
     db = Database.from_url(db_url)
     upgrade(db)
     store = RequestStore(db)
-    enqueue("rebuild_report_cache", report.JOB_TYPE.example, db=db)
+    enqueue("rebuild_report_cache", report.JOB_TYPE.presentation.example, db=db)
     store.claim_for_launch(10, merge=merge_debounced)  # not due yet: stays pending
-    first = store.get_by_key(report.key_for(report.JOB_TYPE.example))
+    first = store.get_by_key(report.key_for(report.JOB_TYPE.presentation.example))
     assert first is not None and first.status is RequestStatus.PENDING
 
     ctx = multiprocessing.get_context("spawn")
@@ -154,7 +155,8 @@ def test_a_merge_folds_the_groups_payloads_into_the_one_that_runs(
         merge=lambda ps: {"report": ps[-1]["report"], "as_of": f"n{len(ps)}"},
     )
     monkeypatch.setitem(
-        JOB_TYPES, report.JOB_TYPE.name, dataclasses.replace(report.JOB_TYPE, debounce=merged)
+        JOB_TYPES, report.JOB_TYPE.name,
+        dataclasses.replace(report.JOB_TYPE, flow=FlowControl(debounce=merged)),
     )
     clock = Clock(2_000_000.0)
     for i in range(5):
@@ -259,7 +261,10 @@ def test_a_bad_priority_is_refused_naming_the_field_and_kept(db: Database, bad: 
 def daily_digest(monkeypatch: pytest.MonkeyPatch) -> None:
     """``send_email`` as a daily digest: its key means one intent for 24 h."""
     monkeypatch.setitem(
-        JOB_TYPES, "send_email", dataclasses.replace(JOB_TYPES["send_email"], dedupe_window=86400)
+        JOB_TYPES, "send_email", dataclasses.replace(
+            JOB_TYPES["send_email"],
+            keying=dataclasses.replace(JOB_TYPES["send_email"].keying, dedupe_window=86400),
+        ),
     )
 
 
@@ -306,7 +311,7 @@ def test_dlq_show_and_the_request_record_show_the_dedupe_window(
     db = Database.from_url(db_url)
     upgrade(db)
     made = enqueue("send_email", _mail("s"), db=db)
-    plain = enqueue("rebuild_report_cache", report.JOB_TYPE.example, db=db)
+    plain = enqueue("rebuild_report_cache", report.JOB_TYPE.presentation.example, db=db)
     dlq = DlqStore(db)
     ids = []
     for request in (made.request, plain.request):

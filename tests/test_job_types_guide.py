@@ -35,7 +35,7 @@ from tests.job_workers import dagster_resources
 
 name, state = sys.argv[1], Path(sys.argv[2])
 jt = JOB_TYPES[name]
-(ledger_decl,) = jt.clients
+(ledger_decl,) = jt.calls.clients
 sandbox = ledger_decl.sandbox.start(Settings.from_env(), state)  # the example's stand-in
 upgrade(Database.from_url(os.environ["DATABASE_URL"]))
 
@@ -61,13 +61,13 @@ runs = [
 ]
 clean = jt.validate(payload)
 client = ledger_decl.build(Settings.from_env(), __import__("engine").ClientOptions())
-effects = jt.effects({ledger_decl.name: client}.__getitem__, jt.key_for(clean), clean)
+effects = jt.effects({ledger_decl.name: client}.__getitem__, jt.keying.key_for(clean), clean)
 other = jt.effects({ledger_decl.name: client}.__getitem__, "loyalty:acct-8:signup", None)
 sandbox.stop()
 print(json.dumps({
     "module": type(jt.typed(clean)).__module__,
     "typed": type(jt.typed(clean)).__name__,
-    "fields": [[f.name, f.type.__name__, f.required] for f in jt.fields],
+    "fields": [[f.name, f.type.__name__, f.required] for f in jt.presentation.fields],
     "op_needs": sorted(job.graph.node_named(jt.op_name).definition.required_resource_keys),
     "opened": opened, "refused": refused, "runs": runs,
     "effects": [e.reference for e in effects], "other": len(other),

@@ -133,7 +133,7 @@ def test_each_job_type_launched_twice_has_one_effect(world: World) -> None:
         assert first.output_for_node(f"{name}_op")["status"] == "completed", name
         assert second.output_for_node(f"{name}_op")["status"] == "duplicate", name
         assert count_effects(world, name) == (2 if name == "reserve_inventory" else 1), name
-        key = get_job_type(name).key_for(get_job_type(name).validate(payload))
+        key = get_job_type(name).keying.key_for(get_job_type(name).validate(payload))
         outcomes = [a["outcome"] for a in world.attempts(key)]
         assert outcomes == ["completed", "duplicate_suppressed"], (name, outcomes)
 
@@ -225,7 +225,7 @@ def test_jobs_carry_queue_runtime_and_no_run_retry_tags() -> None:
         jt = JOB_TYPES[job.name]
         assert job.tags["sekali/queue"] == jt.queue in ("heavy", "light")
         # above the engine's own bound: the engine decides a hung handler, not run monitoring
-        assert float(job.tags["dagster/max_runtime"]) > jt.max_runtime_seconds > 0
+        assert float(job.tags["dagster/max_runtime"]) > jt.running.max_runtime_seconds > 0
         assert job.tags["dagster/retry_on_asset_or_op_failure"] == "false"
         assert job.executor_def.name == dg.in_process_executor.name
     assert all(jt.side_effect for n, jt in JOB_TYPES.items() if n != "rebuild_report_cache")
@@ -263,12 +263,13 @@ def test_unknown_job_type_is_a_validation_error() -> None:
 
 
 def test_keys_name_the_intent() -> None:
-    assert get_job_type("charge_payment").key_for({"order_id": "o1"}) == "payment:o1"
+    assert get_job_type("charge_payment").keying.key_for({"order_id": "o1"}) == "payment:o1"
     email = get_job_type("send_email").validate(
         {"template": "receipt", "user_id": 5, "date": "2026-11-29", "to": "a@b.co"}
     )
-    assert get_job_type("send_email").key_for(email) == "email:receipt:5:2026-11-29"
-    assert get_job_type("reserve_inventory").key_for({"cart_id": "c9"}) == "inventory-reserve:c9"
+    assert get_job_type("send_email").keying.key_for(email) == "email:receipt:5:2026-11-29"
+    reserve = get_job_type("reserve_inventory").keying.key_for
+    assert reserve({"cart_id": "c9"}) == "inventory-reserve:c9"
 
 
 def test_schema_matches_declared_tables(db: Database) -> None:

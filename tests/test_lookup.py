@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from sqlalchemy import text
 
-from engine import Effect, JobType, Lookup
+from engine import Calls, Effect, JobType, Lookup
 from engine.registry import JOB_TYPES, discover
 from engine.upkeep.reconciliation import Reconciler
 from pipelines.domain.mail import MailUnavailable, SmtpMailer, message_id_for
@@ -32,7 +32,7 @@ from sandbox.mailsink import MailSink
 def test_charge_payment_lookup_counts_the_charges_of_an_intent(gateway: GatewayServer) -> None:
     """Catches: a lookup that asks under another reference than the one every attempt charges
     under, or hides a duplicate."""
-    lookup = JOB_TYPES["charge_payment"].lookup
+    lookup = JOB_TYPES["charge_payment"].calls.lookup
     assert lookup is not None
     client = HttpPaymentGateway(gateway.url)
     clients = {GATEWAY.name: client}.__getitem__
@@ -54,7 +54,7 @@ def test_send_email_lookup_finds_the_mail_by_its_message_id(
     """Catches: a mail lookup that cannot tell sent from never sent, or concludes "never sent"
     when the provider's record cannot be read."""
     jt = JOB_TYPES["send_email"]
-    assert jt.lookup is not None
+    assert jt.calls.lookup is not None
     mailer = SmtpMailer(mail_sink.host, mail_sink.port, timeout=5, deadline=10,
                         log_url=mail_sink.db_url)
     key = "email:welcome:u-look:2026-12-01"
@@ -99,15 +99,17 @@ def test_reconciliation_resolves_an_unanswered_charge_through_the_declared_looku
     charge = client.charge(reference=reference_for(key), amount_cents=700, currency="EUR",
                            idempotency_key=key)
     real = JOB_TYPES["charge_payment"]
-    assert real.lookup is not None
-    inner: Lookup = real.lookup
+    assert real.calls.lookup is not None
+    inner: Lookup = real.calls.lookup
     asked: list[str] = []
 
     def recording(clients: Any, k: str, payload: Any) -> list[Effect]:
         asked.append(k)
         return list(inner(clients, k, payload))
 
-    monkeypatch.setitem(JOB_TYPES, "charge_payment", dataclasses.replace(real, lookup=recording))
+    monkeypatch.setitem(JOB_TYPES, "charge_payment", dataclasses.replace(
+        real, calls=dataclasses.replace(real.calls, lookup=recording)
+    ))
     report = Reconciler(db, store=IdempotencyStore(db), dlq=DlqStore(db),
                         clients={GATEWAY.name: client}, grace_seconds=0,
                         settle_seconds=60).run()
@@ -130,11 +132,12 @@ def test_a_side_effecting_type_without_a_lookup_is_named(
     package.mkdir()
     (package / "__init__.py").write_text("")
     (package / "blind.py").write_text(
-        "from engine import JobType\n"
+        "from engine import Calls, JobType, Keying, Queue, Running\n"
         "from pipelines.domain.payments import GATEWAY\n"
-        "JOB_TYPE = JobType(name='blind_charge', queue='light', validate=dict,\n"
-        "    key_for=lambda p: 'blind:' + p['id'], max_runtime_seconds=10, side_effect=True,\n"
-        "    handler=lambda ctx, p: None, resource_id=lambda p: p['id'], clients=(GATEWAY,))\n"
+        "JOB_TYPE = JobType(name='blind_charge', queue=Queue.LIGHT, validate=dict,\n"
+        "    handler=lambda ctx, p: None, side_effect=True,\n"
+        "    keying=Keying(key_for=lambda p: 'blind:' + p['id'], resource_id=lambda p: p['id']),\n"
+        "    running=Running(max_runtime_seconds=10), calls=Calls(clients=(GATEWAY,)))\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     with caplog.at_level(logging.WARNING, logger="engine.registry"):
@@ -143,5 +146,5 @@ def test_a_side_effecting_type_without_a_lookup_is_named(
     assert "'blind_charge'" in caplog.text and "declares no lookup" in caplog.text
     sys.modules.pop("blindjobs.blind", None)
     sys.modules.pop("blindjobs", None)
-    local = dataclasses.replace(found["blind_charge"], clients=())
+    local = dataclasses.replace(found["blind_charge"], calls=Calls())
     assert isinstance(local, JobType) and not local.missing_lookup

@@ -16,7 +16,7 @@ import pytest
 from sqlalchemy import text
 
 from cli.main import main as cli
-from engine import JobContext, JobType
+from engine import JobContext, JobType, Keying, Queue, Running
 from engine.attempts import AttemptRecorder
 from engine.privacy import dlq_view
 from engine.registry import JOB_TYPES
@@ -125,8 +125,13 @@ def test_an_sqlalchemy_error_in_a_dlq_trace_holds_no_bound_payload(
             )
 
     monkeypatch.setitem(JOB_TYPES, "write_probe", JobType(
-        name="write_probe", queue="light", validate=dict, key_for=lambda p: f"w:{p['value']}",
-        max_runtime_seconds=60, side_effect=False, handler=write, resource_id=lambda p: "w",
+        name="write_probe",
+        queue=Queue.LIGHT,
+        validate=dict,
+        handler=write,
+        side_effect=False,
+        keying=Keying(key_for=lambda p: f"w:{p['value']}", resource_id=lambda p: "w"),
+        running=Running(max_runtime_seconds=60),
     ))
     request = RequestStore(db).enqueue("write_probe", "w:1", {"value": secret}, queue="light")
     services = Services(db=db, store=IdempotencyStore(db), attempts=AttemptRecorder(db),

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import redis
 
+from engine import Calls, Keying, Queue, Running
 from engine.attempts import AttemptRecorder
 from engine.contract import JobType
 from engine.recovery import RecoveryWatch
@@ -76,9 +77,14 @@ def test_a_failed_step_waits_as_long_as_its_downstream_takes_to_recover(
     half a minute (every retry lands inside the outage and spends a budget token), and one
     that stops spending the shared budget once the delays adapt."""
     monkeypatch.setitem(JOB_TYPES, "recovery_probe", JobType(
-        name="recovery_probe", queue="light", validate=dict, key_for=lambda p: f"rp:{p['n']}",
-        max_runtime_seconds=60, side_effect=False, handler=_fails, resource_id=lambda p: "r",
-        downstream="sick_gw",
+        name="recovery_probe",
+        queue=Queue.LIGHT,
+        validate=dict,
+        handler=_fails,
+        side_effect=False,
+        keying=Keying(key_for=lambda p: f"rp:{p['n']}", resource_id=lambda p: "r"),
+        running=Running(max_runtime_seconds=60),
+        calls=Calls(budget="sick_gw"),
     ))
     budget = RetryBudget(redis_client, capacity=100, namespace=namespace)
     key_bursts = f"{namespace}:retry-bursts:{{sick_gw}}"

@@ -19,7 +19,10 @@ ROOT = Path(__file__).resolve().parent.parent
 POINTS = '''
 """award_points: credit an account once at a points ledger (a downstream of its own)."""
 
-from engine import Downstream, JobType, PayloadField, reject_unknown, require_str
+from engine import (
+    Calls, Downstream, JobType, Keying, PayloadField, Presentation, Queue, Running, reject_unknown,
+    require_str,
+)
 
 CREDITS: list[str] = []
 
@@ -51,11 +54,15 @@ def award(ctx, p):
 
 
 JOB_TYPE = JobType(
-    name="award_points", queue="light", validate=validate,
-    key_for=lambda p: f"points:{p['account_id']}", max_runtime_seconds=60, side_effect=True,
-    handler=award, resource_id=lambda p: p["account_id"], clients=(LEDGER,),
-    fields=(PayloadField("account_id", str, "The account to credit."),),
-    example={"account_id": "a-1"},
+    name="award_points", queue=Queue.LIGHT, validate=validate, handler=award, side_effect=True,
+    keying=Keying(key_for=lambda p: f"points:{p['account_id']}",
+                  resource_id=lambda p: p["account_id"]),
+    running=Running(max_runtime_seconds=60),
+    calls=Calls(clients=(LEDGER,)),
+    presentation=Presentation(
+        fields=(PayloadField("account_id", str, "The account to credit."),),
+        example={"account_id": "a-1"},
+    ),
 )
 '''
 
@@ -83,7 +90,7 @@ print(json.dumps({
     "client": type(services.client("points_ledger")).__name__,
     "outcomes": [first.status, again.status],
     "credits": award.CREDITS,
-    "budget": JOB_TYPES["award_points"].downstream,
+    "budget": JOB_TYPES["award_points"].calls.budget,
 }))
 '''
 

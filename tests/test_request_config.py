@@ -36,10 +36,10 @@ def test_every_job_opens_on_a_valid_example_its_validate_accepts(job: dg.JobDefi
     job type itself would refuse, and declared fields drifting from what validate accepts."""
     jt = JOB_TYPES[job.name]
     resolved = dg.validate_run_config(job, None)
-    assert resolved["ops"][jt.op_name]["config"]["payload"] == jt.example
-    clean = jt.validate(dict(jt.example))
-    assert set(clean) == _names(jt.fields)
-    assert set(jt.result_fields)
+    assert resolved["ops"][jt.op_name]["config"]["payload"] == jt.presentation.example
+    clean = jt.validate(dict(jt.presentation.example))
+    assert set(clean) == _names(jt.presentation.fields)
+    assert set(jt.presentation.result_fields)
 
 
 BAD = [

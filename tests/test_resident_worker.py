@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from sqlalchemy import bindparam, text
 
-from engine import JobContext, JobType
+from engine import JobContext, JobType, Keying, Queue, Running
 from engine.delivery import Delivery, DeliveryPolicy
 from engine.intake import enqueue
 from engine.registry import JOB_TYPES
@@ -88,9 +88,15 @@ def test_the_default_delivery_is_resident_and_a_job_type_may_ask_for_its_own_run
     policy = DeliveryPolicy.from_env()
     assert policy.launched() == []
     assert set(policy.resident()) == set(JOB_TYPES)
-    own = JobType(name="own_runs", queue="heavy", validate=dict, key_for=lambda p: "k",
-                  max_runtime_seconds=60, side_effect=False, handler=lambda c, p: None,
-                  resource_id=lambda p: "r", delivery="per_request")
+    own = JobType(
+        name="own_runs",
+        queue=Queue.HEAVY,
+        validate=dict,
+        handler=lambda c, p: None,
+        side_effect=False,
+        keying=Keying(key_for=lambda p: "k", resource_id=lambda p: "r"),
+        running=Running(max_runtime_seconds=60, delivery="per_request"),
+    )
     monkeypatch.setitem(JOB_TYPES, "own_runs", own)
     policy = DeliveryPolicy.from_env({"SEKALI_INTAKE_MODES": "send_email=micro_batch"})
     assert policy.of("own_runs") is Delivery.PER_REQUEST
@@ -146,9 +152,13 @@ def test_failures_are_decided_in_the_worker_which_goes_on(
     run fails: its record is written by the decision, with the request ``failed``, while the
     worker keeps claiming."""
     monkeypatch.setitem(JOB_TYPES, "flaky_probe", JobType(
-        name="flaky_probe", queue="light", validate=dict, key_for=lambda p: f"flaky:{p['n']}",
-        max_runtime_seconds=60, side_effect=False, handler=_flaky_then_fine,
-        resource_id=lambda p: p["n"],
+        name="flaky_probe",
+        queue=Queue.LIGHT,
+        validate=dict,
+        handler=_flaky_then_fine,
+        side_effect=False,
+        keying=Keying(key_for=lambda p: f"flaky:{p['n']}", resource_id=lambda p: p["n"]),
+        running=Running(max_runtime_seconds=60),
     ))
     db = Database.from_url(db_url)
     upgrade(db)

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from engine import JobContext, JobType
+from engine import JobContext, JobType, Keying, Queue, Running
 from engine.attempts import AttemptRecorder, Outcome
 from engine.registry import JOB_TYPES
 from engine.requests import RequestStore
@@ -82,8 +82,13 @@ def test_a_last_attempt_that_cannot_settle_its_row_still_gives_up_classified(
     dead-lettered as ``unknown`` (a bug) instead of ``transient``: a worker host cut off
     from the store mid-step (``sekali chaos --topology hosts``)."""
     monkeypatch.setitem(JOB_TYPES, "flaky_probe", JobType(
-        name="flaky_probe", queue="light", validate=dict, key_for=lambda p: f"flaky:{p['n']}",
-        max_runtime_seconds=60, side_effect=False, handler=_flaky, resource_id=lambda p: p['n'],
+        name="flaky_probe",
+        queue=Queue.LIGHT,
+        validate=dict,
+        handler=_flaky,
+        side_effect=False,
+        keying=Keying(key_for=lambda p: f"flaky:{p['n']}", resource_id=lambda p: p['n']),
+        running=Running(max_runtime_seconds=60),
     ))
     db = Database.from_url(sqlite_url)
     upgrade(db)
@@ -122,8 +127,13 @@ def test_a_delivery_without_a_key_dead_letters_under_its_key_and_the_purge_keeps
         return {"done": payload["n"]}
 
     monkeypatch.setitem(JOB_TYPES, "keyed_probe", JobType(
-        name="keyed_probe", queue="light", validate=dict, key_for=lambda p: f"keyed:{p['n']}",
-        max_runtime_seconds=60, side_effect=False, handler=_once, resource_id=lambda p: p["n"],
+        name="keyed_probe",
+        queue=Queue.LIGHT,
+        validate=dict,
+        handler=_once,
+        side_effect=False,
+        keying=Keying(key_for=lambda p: f"keyed:{p['n']}", resource_id=lambda p: p["n"]),
+        running=Running(max_runtime_seconds=60),
     ))
     db = Database.from_url(sqlite_url)
     upgrade(db)

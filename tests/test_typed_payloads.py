@@ -5,12 +5,24 @@ example, and the object its handler receives."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine import Check, JobType, PayloadField, formatted, require_int, require_str
+from engine import (
+    Check,
+    JobType,
+    Keying,
+    PayloadField,
+    Presentation,
+    Queue,
+    Running,
+    formatted,
+    require_int,
+    require_str,
+)
 from engine.registry import JOB_TYPES
 from pipelines.jobs.email import EmailRequest
 from pipelines.jobs.inventory import ReserveRequest
@@ -38,35 +50,38 @@ class Award(BaseModel):
     email: str = Field("", description="Where to tell.")
 
 
-def _award(**overrides: Any) -> JobType:
-    declared: dict[str, Any] = {
-        "name": "award_points", "queue": "light", "payload": Award,
-        "key_for": formatted("points:{account_id}"), "max_runtime_seconds": 10,
-        "side_effect": False, "handler": lambda ctx, p: p,
-        "resource_id": formatted("{account_id}"), "personal": frozenset({"email"}),
-    }
-    return JobType(**{**declared, **overrides})
+KEY = formatted("points:{account_id}")
+
+
+def _award(key_for: Callable[[dict[str, Any]], str] = KEY) -> JobType:
+    return JobType(
+        name="award_points", queue=Queue.LIGHT, payload=Award,
+        handler=lambda ctx, p: p, side_effect=False,
+        keying=Keying(key_for=key_for, resource_id=formatted("{account_id}")),
+        running=Running(max_runtime_seconds=10),
+        presentation=Presentation(personal=frozenset({"email"})),
+    )
 
 
 def test_a_model_declares_the_fields_the_example_and_the_validation() -> None:
     """Catches: a declared model whose fields, defaults, choices or descriptions do not reach
     the launch form, or whose example is dropped."""
     jt = _award()
-    assert [f.name for f in jt.fields] == ["account_id", "points", "tier", "lines", "labels",
-                                           "email"]
-    by = {f.name: f for f in jt.fields}
+    assert [f.name for f in jt.presentation.fields] == ["account_id", "points", "tier", "lines",
+                                                        "labels", "email"]
+    by = {f.name: f for f in jt.presentation.fields}
     assert by["account_id"] == PayloadField("account_id", str, "The account.")
     assert by["tier"] == PayloadField("tier", str, "The tier.", required=False, default="silver",
                                       choices=("gold", "silver"))
     assert by["lines"].type is list and not by["lines"].required
     assert [i.name for i in by["lines"].items] == ["sku", "quantity"]
     assert by["labels"] == PayloadField("labels", dict, "Labels.", required=False)
-    assert jt.example["account_id"] == "a-1"
+    assert jt.presentation.example["account_id"] == "a-1"
     assert jt.prefix == "points:"
     clean = jt.validate({"account_id": 7, "points": 3, "lines": [{"sku": "x", "quantity": 2}]})
     assert clean == {"account_id": "7", "points": 3, "tier": "silver",
                      "lines": [{"sku": "x", "quantity": 2}], "labels": {}, "email": ""}
-    assert jt.key_for(clean) == "points:7" and jt.resource_id(clean) == "7"
+    assert jt.keying.key_for(clean) == "points:7" and jt.keying.resource_id(clean) == "7"
     typed = jt.typed(clean)
     assert isinstance(typed, Award) and isinstance(typed.lines[0], Line)
 
@@ -111,12 +126,17 @@ class Ping:
 
 def test_a_dataclass_declares_a_payload_too() -> None:
     jt = JobType(
-        name="ping", queue="light", payload=Ping, key_for=formatted("ping:{host}"),
-        max_runtime_seconds=5, side_effect=False, handler=lambda ctx, p: p,
-        resource_id=formatted("{host}"),
+        name="ping",
+        queue=Queue.LIGHT,
+        payload=Ping,
+        handler=lambda ctx, p: p,
+        side_effect=False,
+        keying=Keying(key_for=formatted("ping:{host}"), resource_id=formatted("{host}")),
+        running=Running(max_runtime_seconds=5),
     )
-    assert jt.fields == (PayloadField("host", str, "Where."),
-                         PayloadField("times", int, "How often.", required=False, default=1))
+    assert jt.presentation.fields == (PayloadField("host", str, "Where."),
+                                      PayloadField("times", int, "How often.", required=False,
+                                                   default=1))
     assert jt.typed(jt.validate({"host": "h1"})) == Ping("h1", 1)
     with pytest.raises(ValidationError, match="times"):
         jt.validate({"host": "h1", "times": "x"})
@@ -126,8 +146,14 @@ def test_a_key_naming_no_field_is_refused_at_declaration() -> None:
     with pytest.raises(ValueError, match="'acount_id'"):
         _award(key_for=formatted("points:{acount_id}"))
     with pytest.raises(ValueError, match="payload"):
-        JobType(name="bare", queue="light", key_for=formatted("b:{x}"), max_runtime_seconds=1,
-                side_effect=False, handler=lambda ctx, p: p, resource_id=formatted("{x}"))
+        JobType(
+            name="bare",
+            queue=Queue.LIGHT,
+            handler=lambda ctx, p: p,
+            side_effect=False,
+            keying=Keying(key_for=formatted("b:{x}"), resource_id=formatted("{x}")),
+            running=Running(max_runtime_seconds=1),
+        )
 
 
 def test_the_built_in_handlers_receive_their_models() -> None:
@@ -137,6 +163,6 @@ def test_the_built_in_handlers_receive_their_models() -> None:
     for name, model in models.items():
         jt = JOB_TYPES[name]
         assert jt.payload is model
-        assert isinstance(jt.typed(jt.validate(dict(jt.example))), model)
+        assert isinstance(jt.typed(jt.validate(dict(jt.presentation.example))), model)
     converted = ("fulfill_order", "rebuild_report_cache", *models)
     assert all(JOB_TYPES[name].payload is not None for name in converted)

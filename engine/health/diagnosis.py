@@ -326,7 +326,8 @@ def check_idempotency_coverage(s: DiagnosisSetup) -> Finding:
     problems: list[str] = []
     no_key = sorted(
         name for name, jt in s.job_types.items()
-        if getattr(jt, "side_effect", True) and not callable(getattr(jt, "key_for", None))
+        if getattr(jt, "side_effect", True)
+        and not callable(getattr(getattr(jt, "keying", None), "key_for", None))
     )
     if no_key:
         problems.append(f"job types with a side effect but no key_for: {no_key}")
@@ -639,7 +640,7 @@ def unique_required(job_types: Mapping[str, Any]) -> list[tuple[str, tuple[str, 
     """The platform's unique constraints, then each job type's own (once each)."""
     wanted = list(UNIQUE_REQUIRED)
     for jt in job_types.values():
-        for table, cols in getattr(jt, "unique", ()):
+        for table, cols in getattr(getattr(jt, "upkeep", None), "unique", ()):
             if not any(w[0] == table and w[1] == cols for w in wanted):
                 wanted.append((table, cols, False))
     return wanted
@@ -965,7 +966,8 @@ def check_replication(s: DiagnosisSetup) -> Finding:
     with s.db.statement() as conn:
         found = read_replication(conn)
     careless = sorted(name for name, jt in s.job_types.items()
-                      if getattr(jt, "side_effect", False) and getattr(jt, "clients", ())
+                      if getattr(jt, "side_effect", False)
+                      and getattr(getattr(jt, "calls", None), "clients", ())
                       and not jt.looks_up_first())
     evidence = {"mode": found.mode, "synchronous_commit": found.synchronous_commit,
                 "synchronous_standby_names": found.synchronous_standby_names,
@@ -984,7 +986,7 @@ def check_replication(s: DiagnosisSetup) -> Finding:
     fix = ("Make a standby synchronous: synchronous_standby_names = 'FIRST 1 (standby)' and "
            "synchronous_commit = on (a commit then waits for it: measure the latency); or keep "
            "SEKALI_ACCEPT_ASYNC_REPLICATION=1 and turn lookup-first on for the job types named "
-           "(JobType.lookup_first, SEKALI_LOOKUP_FIRST); see docs/chaos.md, pg-failover.")
+           "(Calls.lookup_first, SEKALI_LOOKUP_FIRST); see docs/chaos.md, pg-failover.")
     if found.mode == "standby":
         fix = "Point DATABASE_URL at the primary."
     severity = (WARN if (accepted() or not found.refused) and found.mode != "standby"

@@ -84,7 +84,7 @@ def checks(job_types: Mapping[str, JobType] | None = None) -> tuple[str, ...]:
     """Every check's name in the order a run counts them: the job types' own (in name order),
     then the platform's."""
     types = (JOB_TYPES if job_types is None else job_types).values()
-    return (*[check for jt in types for check in jt.checks], *PLATFORM_CHECKS)
+    return (*[check for jt in types for check in jt.upkeep.checks], *PLATFORM_CHECKS)
 
 
 @dataclass
@@ -160,8 +160,8 @@ class Reconciler:
     def run(self) -> ReconciliationResult:
         report = ReconciliationResult()
         for jt in JOB_TYPES.values():
-            if jt.reconcile is not None:
-                jt.reconcile(self, report)
+            if jt.upkeep.reconcile is not None:
+                jt.upkeep.reconcile(self, report)
         self._stuck_claims(report)
         self._outbox(report)
         report.resolved_dead_letters = resolve_completed_dead_letters(
@@ -330,7 +330,7 @@ def expired_actions(
     ``watches`` holds for it (its subject is in a state a check reads, or changed within
     ``watched_seconds``: the lookback plus grace), or while ``keep`` holds (its claim is
     unfinished)."""
-    watched = [condition for jt in JOB_TYPES.values() for condition in jt.watches]
+    watched = [condition for jt in JOB_TYPES.values() for condition in jt.upkeep.watches]
     return Expiry.of(
         "reconciliation_actions",
         "action_key",

@@ -75,7 +75,7 @@ each keeps rows; the job types add their own (``retained``)."""
 
 def settings_of_tables() -> dict[str, str]:
     """Every purged table (the platform's and the job types' own) and its retention field."""
-    own = {r.table: r.setting for jt in JOB_TYPES.values() for r in jt.retained}
+    own = {r.table: r.setting for jt in JOB_TYPES.values() for r in jt.upkeep.retained}
     return {**PLATFORM_SETTING, **own}
 
 
@@ -120,7 +120,7 @@ def expiries(
         **{
             r.table: r.expired(settings.tables()[r.setting], now)
             for jt in JOB_TYPES.values()
-            for r in jt.retained
+            for r in jt.upkeep.retained
         },
         "outbox": expired_outbox(settings.outbox, now=now),
         "inbox": expired_inbox(settings.inbox, now=now),

@@ -32,7 +32,8 @@ LoaderFactory = Callable[[str], Loader | None]
 
 def declared_loaders(db: Database) -> LoaderFactory:
     """The loader of a key from the first job type whose ``cache_loader`` knows it."""
-    hooks = [jt.cache_loader for jt in JOB_TYPES.values() if jt.cache_loader is not None]
+    hooks = [jt.upkeep.cache_loader for jt in JOB_TYPES.values()
+             if jt.upkeep.cache_loader is not None]
 
     def loader_for(key: str) -> Loader | None:
         for hook in hooks:

@@ -16,7 +16,8 @@ from resources.outbox import InAppPublisher, Inbox, OutboxPublisher
 from resources.storage.settings import RetentionSettings
 
 CHECKED_CLIENTS = sorted(
-    {d.name for jt in JOB_TYPES.values() if jt.reconcile is not None for d in jt.clients}
+    {d.name for jt in JOB_TYPES.values() if jt.upkeep.reconcile is not None
+     for d in jt.calls.clients}
 )
 """The downstreams the job types' reconciliation checks look effects up at."""
 

@@ -23,10 +23,15 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine import (
     SEND_TRIES,
+    Calls,
     Check,
     Effect,
     JobContext,
     JobType,
+    Keying,
+    Presentation,
+    Queue,
+    Running,
     formatted,
     require_str,
 )
@@ -225,18 +230,17 @@ def lookup_mails(client: Callable[[str], Any], key: str, payload: Any) -> list[E
 
 JOB_TYPE = JobType(
     name="send_email",
-    queue="light",
+    queue=Queue.LIGHT,
     payload=EmailRequest,
-    key_for=key_for,
-    max_runtime_seconds=120,
-    side_effect=True,
     handler=send_email,
-    resource_id=formatted("{user_id}"),
-    clients=(SMTP,),
-    description="Send one templated mail per (template, user, date).",
-    result_fields=("message_id",),
-    personal=frozenset({"to"}),
-    handler_many=send_emails,
-    lookup=lookup_mails,
+    side_effect=True,
+    keying=Keying(key_for=key_for, resource_id=formatted("{user_id}")),
+    running=Running(max_runtime_seconds=120, handler_many=send_emails),
+    calls=Calls(clients=(SMTP,), lookup=lookup_mails),
+    presentation=Presentation(
+        description="Send one templated mail per (template, user, date).",
+        result_fields=("message_id",),
+        personal=frozenset({"to"}),
+    ),
 )
 validate = JOB_TYPE.validate

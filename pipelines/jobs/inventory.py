@@ -16,7 +16,20 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy.engine import Connection
 
-from engine import Check, JobContext, JobType, formatted, require_str
+from engine import (
+    Check,
+    Concurrency,
+    FlowControl,
+    JobContext,
+    JobType,
+    Keying,
+    Presentation,
+    Queue,
+    Running,
+    Upkeep,
+    formatted,
+    require_str,
+)
 from pipelines.domain.inventory import Inventory, Items, merge_items
 
 
@@ -108,19 +121,18 @@ def _reserve(
 
 JOB_TYPE = JobType(
     name="reserve_inventory",
-    queue="light",
+    queue=Queue.LIGHT,
     payload=ReserveRequest,
-    key_for=key_for,
-    max_runtime_seconds=120,
-    side_effect=True,
     handler=reserve_inventory,
-    resource_id=formatted("{cart_id}"),
-    description="Reserve a cart's items in one transaction with row locks (one at a time per "
-    "cart:{cart_id}).",
-    concurrency_key="cart:{cart_id}",
-    concurrency_limit=1,
-    result_fields=("cart_id", "reserved"),
-    handler_many=reserve_inventories,
-    unique=(("reservations", ("cart_id", "sku")),),
+    side_effect=True,
+    keying=Keying(key_for=key_for, resource_id=formatted("{cart_id}")),
+    running=Running(max_runtime_seconds=120, handler_many=reserve_inventories),
+    flow=FlowControl(concurrency=Concurrency("cart:{cart_id}", limit=1)),
+    upkeep=Upkeep(unique=(("reservations", ("cart_id", "sku")),)),
+    presentation=Presentation(
+        description="Reserve a cart's items in one transaction with row locks (one at a time "
+                    "per cart:{cart_id}).",
+        result_fields=("cart_id", "reserved"),
+    ),
 )
 validate = JOB_TYPE.validate

@@ -24,9 +24,15 @@ from sqlalchemy import text
 from engine import (
     Check,
     Debounce,
+    FlowControl,
     JobContext,
     JobType,
+    Keying,
+    Presentation,
+    Queue,
     Retained,
+    Running,
+    Upkeep,
     formatted,
     require_str,
 )
@@ -142,18 +148,20 @@ def rebuild_report_cache(ctx: JobContext, p: ReportRequest) -> dict[str, Any]:
 
 JOB_TYPE = JobType(
     name="rebuild_report_cache",
-    queue="light",
+    queue=Queue.LIGHT,
     payload=ReportRequest,
-    key_for=key_for,
-    max_runtime_seconds=600,
-    side_effect=False,
     handler=rebuild_report_cache,
-    resource_id=formatted("{report}"),
-    needs=frozenset({"cache"}),
-    description="Rebuild a report into the cache through the single flight.",
-    result_fields=("cache_key", "rows"),
-    debounce=DEBOUNCE,
-    retained=(Retained("report_snapshots", "report_snapshots", expired_snapshots),),
-    cache_loader=loader_for,
+    side_effect=False,
+    keying=Keying(key_for=key_for, resource_id=formatted("{report}")),
+    running=Running(max_runtime_seconds=600, needs=frozenset({"cache"})),
+    flow=FlowControl(debounce=DEBOUNCE),
+    upkeep=Upkeep(
+        retained=(Retained("report_snapshots", "report_snapshots", expired_snapshots),),
+        cache_loader=loader_for,
+    ),
+    presentation=Presentation(
+        description="Rebuild a report into the cache through the single flight.",
+        result_fields=("cache_key", "rows"),
+    ),
 )
 validate = JOB_TYPE.validate

@@ -67,12 +67,19 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from engine import (
     SEND_TRIES,
+    Calls,
     Check,
     ClientOptions,
+    Concurrency,
     Downstream,
     Effect,
+    FlowControl,
     JobContext,
     JobType,
+    Keying,
+    Presentation,
+    Queue,
+    Running,
     Sandbox,
     formatted,
     require_str,
@@ -543,20 +550,19 @@ def deliver_webhook(ctx: JobContext, p: WebhookEvent) -> dict[str, Any]:
 
 JOB_TYPE = JobType(
     name="deliver_webhook",
-    queue="light",
+    queue=Queue.LIGHT,
     payload=WebhookEvent,
-    key_for=key_for,
-    max_runtime_seconds=120,
-    side_effect=True,
     handler=deliver_webhook,
-    resource_id=formatted("{endpoint_id}"),
-    clients=(WEBHOOKS,),
-    description="POST one signed event to one endpoint, once (key "
-                "webhook:{endpoint_id}:{event_id}).",
-    concurrency_key=destination_key,
-    concurrency_limit=4,
-    result_fields=("webhook_id",),
-    personal=frozenset({"url"}),
-    lookup=lookup,
+    side_effect=True,
+    keying=Keying(key_for=key_for, resource_id=formatted("{endpoint_id}")),
+    running=Running(max_runtime_seconds=120),
+    calls=Calls(clients=(WEBHOOKS,), lookup=lookup),
+    flow=FlowControl(concurrency=Concurrency(destination_key, limit=4)),
+    presentation=Presentation(
+        description="POST one signed event to one endpoint, once (key "
+                    "webhook:{endpoint_id}:{event_id}).",
+        result_fields=("webhook_id",),
+        personal=frozenset({"url"}),
+    ),
 )
 validate = JOB_TYPE.validate

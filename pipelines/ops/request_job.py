@@ -118,13 +118,14 @@ def config_class(jt: JobType) -> type[RequestConfig]:
     (none when the run serves a stored request), plus :class:`RequestConfig`'s optional key,
     request id and correlation id."""
     name = _camel(jt.name)
-    payload: Any = _model(f"{name}Payload", jt.fields) | None
+    payload: Any = _model(f"{name}Payload", jt.presentation.fields) | None
     return pydantic.create_model(
         f"{name}Config",
         __base__=RequestConfig,
         payload=(payload, pydantic.Field(
             default=None, description=f"The {jt.name} request, for a run launched by hand (a"
-            f" run of a stored request names its request_id instead). {jt.description}")),
+            f" run of a stored request names its request_id instead)."
+            f" {jt.presentation.description}")),
     )
 
 
@@ -136,9 +137,9 @@ def payload_of(config: dg.Config) -> dict[str, Any] | None:
 
 def job_tags(jt: JobType) -> dict[str, str]:
     return {
-        tag.QUEUE: jt.queue,
+        tag.QUEUE: jt.queue.value,
         tag.JOB_TYPE: jt.name,
-        tag.MAX_RUNTIME: tag.run_bound(jt.max_runtime_seconds),
+        tag.MAX_RUNTIME: tag.run_bound(jt.running.max_runtime_seconds),
         **tag.NO_RUN_RETRY,
     }
 
@@ -158,7 +159,7 @@ def _named_key(jt: JobType, config: RequestConfig, payload: Any) -> str | None:
     so its dead letter keeps it and a replay's dry run can look its effect up; None when the
     payload names none a key may be."""
     try:
-        key = config.key or jt.key_for(dict(payload))
+        key = config.key or jt.keying.key_for(dict(payload))
         check_key(key, InputLimits.from_env())
     except Exception:  # noqa: BLE001 - any failure: the payload names no usable key
         return None
@@ -175,7 +176,7 @@ def result_metadata(jt: JobType, result: Any) -> dict[str, Any]:
     if not isinstance(result, dict):
         return {}
     out: dict[str, Any] = {}
-    for name in jt.result_fields:
+    for name in jt.presentation.result_fields:
         value = result.get(name)
         if isinstance(value, bool) or value is None:
             continue
@@ -237,9 +238,9 @@ def request_op(jt: JobType) -> dg.OpDefinition:
 
     @dg.op(
         name=jt.op_name,
-        description=jt.description,
+        description=jt.presentation.description,
         required_resource_keys=set(BASE_RESOURCES | jt.resource_keys),
-        tags={tag.QUEUE: jt.queue},
+        tags={tag.QUEUE: jt.queue.value},
     )
     def _op(
         context: dg.OpExecutionContext,
@@ -321,10 +322,10 @@ def request_job(jt: JobType) -> dg.JobDefinition:
 
     @dg.job(
         name=jt.name,
-        description=f"{jt.description} {jt.intake_summary}".strip(),
+        description=f"{jt.presentation.description} {jt.intake_summary}".strip(),
         executor_def=dg.in_process_executor,
         tags=job_tags(jt),
-        config={"ops": {jt.op_name: {"config": {"payload": dict(jt.example)}}}},
+        config={"ops": {jt.op_name: {"config": {"payload": dict(jt.presentation.example)}}}},
     )
     def _job() -> None:
         op_def()
