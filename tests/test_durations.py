@@ -222,9 +222,13 @@ def test_a_send_stamped_under_a_grown_lease_leaves_within_the_declared_leases_wi
     lease grown to 50 s would let a send written down at 0 leave at 20 s, past what a 2 s
     lease's window (0.8 s) left the provider to process it before the lookup looks."""
     monkeypatch.setitem(JOB_TYPES, "stamp_probe", JobType(
-        name="stamp_probe", queue="light", validate=dict, key_for=lambda p: f"sp:{p['n']}",
-        max_runtime_seconds=100, side_effect=True, handler=_stamp_and_confirm,
-        resource_id=lambda p: "r", lease=LeaseBounds(floor=50, ceiling=100),
+        name="stamp_probe",
+        queue=Queue.LIGHT,
+        validate=dict,
+        handler=_stamp_and_confirm,
+        side_effect=True,
+        keying=Keying(key_for=lambda p: f"sp:{p['n']}", resource_id=lambda p: "r"),
+        running=Running(max_runtime_seconds=100, lease=LeaseBounds(floor=50, ceiling=100)),
     ))
     clock = Clock()
     _record(db, clock, "stamp_probe", [0.01] * 200)
