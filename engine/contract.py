@@ -24,7 +24,6 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
-from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
 from engine import payloads
@@ -33,7 +32,8 @@ from engine.downstreams import Effect as Effect  # re-exported: the lookup hook'
 from engine.durations import LeaseBounds
 from engine.payloads import PayloadField as PayloadField  # re-exported: the contract names it
 from engine.tenants import DEFAULT_TENANT, check_tenant
-from resources.errors import FencedWriteRejected, ValidationError, shown
+from resources.errors import ValidationError, shown
+from resources.locks.fencing import fenced_update as fenced_update  # re-exported: job types
 from resources.storage.db import Database
 from resources.storage.retention import Expiry
 
@@ -506,31 +506,6 @@ class JobType(Generic[P]):
         if callable(concurrency.key):
             return concurrency.key(payload)
         return concurrency.key.format_map(payload)
-
-
-def fenced_update(
-    conn: Connection,
-    table: str,
-    column: str,
-    value: str,
-    *,
-    fence_column: str,
-    fence: int,
-    assignments: str,
-    params: dict[str, Any] | None = None,
-) -> None:
-    """``UPDATE`` that applies only if no newer holder has written (``fence_column <= fence``);
-    it records ``fence``. A stale holder gets :class:`FencedWriteRejected` and changes nothing."""
-    sql = (
-        f"UPDATE {table} SET {assignments}, {fence_column} = :fence"
-        f" WHERE {column} = :v AND {fence_column} <= :fence"  # nosec B608: SQL from code constants, values bound
-    )
-    rowcount = conn.execute(text(sql), {**(params or {}), "v": value, "fence": fence}).rowcount
-    if rowcount != 1:
-        highest = conn.execute(
-            text(f"SELECT {fence_column} FROM {table} WHERE {column} = :v"), {"v": value}  # nosec B608: SQL from code constants, values bound
-        ).scalar()
-        raise FencedWriteRejected(f"{table}:{value}", fence, highest)
 
 
 # -- validation helpers: each names the field it rejects --------------------------------------

@@ -32,7 +32,13 @@ Timeline of the race the fence plus ``check()`` stop::
 from resources.errors import LockLost, LockNotAcquired
 from resources.locks.base import BaseLock
 from resources.locks.db_lock import DbLock, lock_leases, lock_row, lock_rows
-from resources.locks.fencing import FenceStatus, fence_registry, fence_status, fenced_write
+from resources.locks.fencing import (
+    FenceStatus,
+    fence_registry,
+    fence_status,
+    fenced_update,
+    fenced_write,
+)
 from resources.locks.none import NoLock
 from resources.locks.redis_lock import RedisLock
 from resources.locks.stats import (
@@ -62,6 +68,7 @@ __all__ = [
     "RedisLockStats",
     "fence_registry",
     "fence_status",
+    "fenced_update",
     "fenced_write",
     "lock_leases",
     "lock_row",

@@ -25,6 +25,13 @@ token, which a Redis that lost recent writes could once do, cannot both write::
     t=5    a broken counter hands B fence 7 too (token b); B writes R: (7, b) recorded
     t=6    A wakes and writes R with (7, a): equal fence, other holder -> rejected
 
+The same check kept on the business row itself is :func:`fenced_update`: the row carries the
+highest fence that wrote it (``orders.payment_fence``), and an ``UPDATE`` applies only while the
+caller's fence is not below it. Job types write with their claim's fence this way (the ledger's
+fence grows with every takeover, so the claim is the lock); :func:`fenced_write` is for a
+resource guarded by a lock of its own (``RedisLock``, ``DbLock``), whose tokens are recorded
+here.
+
 A write without a holder (a bare int) never matches the recorded one, so it passes only with a
 token above the highest. A resource must be guarded by one lock name: tokens of different locks
 are not comparable. Rejections are counted in ``fence_registry.rejected`` by a separate
@@ -145,3 +152,27 @@ def fence_status(db: Database, resource: str) -> FenceStatus | None:
     if row is None:
         return None
     return FenceStatus(row.resource, int(row.highest_fence), int(row.rejected))
+
+
+def fenced_update(
+    conn: Connection,
+    table: str,
+    column: str,
+    value: str,
+    *,
+    fence_column: str,
+    fence: int,
+    assignments: str,
+    params: dict[str, Any] | None = None,
+) -> None:
+    """``UPDATE`` of the row whose ``column`` is ``value`` that applies only if no newer holder
+    has written it (``fence_column <= fence``), and records ``fence`` there; a stale holder gets
+    :class:`FencedWriteRejected` and changes nothing. ``table``, the columns and
+    ``assignments`` are code (never input); the values are bound."""
+    names = {"table": table, "column": column, "fence_column": fence_column,
+             "assignments": assignments}
+    rowcount = conn.execute(text(_Q["fenced_row_update"].format(**names)),
+                            {**(params or {}), "v": value, "fence": fence}).rowcount
+    if rowcount != 1:
+        highest = conn.execute(text(_Q["row_fence"].format(**names)), {"v": value}).scalar()
+        raise FencedWriteRejected(f"{table}:{value}", fence, highest)

@@ -20,3 +20,13 @@ RETURNING highest_fence;
 -- status --
 -- What the registry knows of one resource.
 SELECT resource, highest_fence, rejected FROM fence_registry WHERE resource = :resource;
+
+-- fenced_row_update --
+-- fenced_update: the row of {table} whose {column} is :v, updated only while its
+-- {fence_column} is not above :fence, which it then records.
+UPDATE {table} SET {assignments}, {fence_column} = :fence
+WHERE {column} = :v AND {fence_column} <= :fence;
+
+-- row_fence --
+-- The fence a row of {table} last recorded.
+SELECT {fence_column} FROM {table} WHERE {column} = :v;
