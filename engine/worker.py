@@ -14,7 +14,10 @@ resident workers, :mod:`engine.delivery`). Its loop:
    the policy's delay, :class:`engine.step.Retry` ``REQUEUE``); a final one is dead-lettered
    where it is decided, in the same transaction as the request's ``failed``. The worker goes on.
 3. **Wait** when the claim found nothing: until a wake-up (:mod:`resources.wakeup`: the
-   enqueue pushes one) or ``poll_seconds``, whichever comes first.
+   enqueue pushes one) or ``poll_seconds``, whichever comes first. One wake-up answers every
+   wake-up pushed before it (the claim after it sees their requests), so a claim that comes
+   back full pushes one for another worker of the queue: a backlog is shared, not drained by
+   the one worker that was woken.
 
 The worker ends itself after ``lifetime_seconds`` or ``idle_seconds`` without work (so code
 reloads and upgrades roll through: its supervisor starts the next one), and when ``stop`` is
@@ -285,6 +288,8 @@ class ResidentWorker:
         )
         if not claimed:
             return [], 0.0
+        if len(claimed) >= self.policy.batch_size:  # more may wait: another worker claims too
+            self.wakeup.notify(self.policy.queue)
         results = run_steps(
             self.services, StepAttempt(run_id=self.owner, step=self.step),
             [StepRequest.of(r, claimed=True) for r in claimed],

@@ -227,6 +227,47 @@ def test_an_idle_worker_is_woken_by_the_enqueue(
     db.dispose()
 
 
+def test_one_wake_up_answers_every_wake_up_pushed_before_it(
+    redis_url: str, namespace: str
+) -> None:
+    """Catches: a consumer that pays a claim per stale wake-up. Requests that arrived while it
+    was busy were taken by the claims it made meanwhile; one wait consumes all their tokens,
+    so the next wait blocks (here: returns False at its timeout) instead of waking at once."""
+    wakeup = RedisWakeup(redis_url, namespace=namespace)
+    for _ in range(5):
+        wakeup.notify("light")
+    assert wakeup.wait("light", 5.0) is True
+    assert wakeup.wait("light", 0.2) is False
+    wakeup.notify("light")  # one pushed after the wait is kept for the next
+    assert wakeup.wait("light", 5.0) is True
+    wakeup.close()
+
+
+def test_a_worker_whose_claim_came_back_full_wakes_another(
+    db_url: str, redis_url: str, namespace: str, sink: MailSink, wake_env: None
+) -> None:
+    """Catches: a backlog drained by the one worker that was woken while the others sleep
+    until their poll (one wake-up answers all those before it, so the backlog's own are
+    gone): a claim that took a full batch pushes a wake-up for another worker; one that took
+    less (the queue is empty behind it) pushes none."""
+    db = Database.from_url(db_url)
+    upgrade(db)
+    for i in range(7):
+        enqueue("send_email", email(i, "full"), db=db)
+    wakeup = RedisWakeup(redis_url, namespace=namespace)
+    assert wakeup.wait("light", 5.0) is True  # the enqueues' own wake-ups, consumed
+    w = worker(_spec(db_url, redis_url, namespace, sink, "worker-full", batch=5))
+    results, _ = w.run_once()
+    assert len(results) == 5
+    assert wakeup.wait("light", 5.0) is True  # a full batch: another worker is woken
+    results, _ = w.run_once()
+    assert len(results) == 2
+    assert wakeup.wait("light", 0.2) is False  # the rest fitted: nobody else to wake
+    assert len(_mails(sink)) == 7
+    wakeup.close()
+    db.dispose()
+
+
 def test_a_killed_worker_leaves_leases_that_expire_and_its_requests_are_taken_back(
     db_url: str, redis_url: str, namespace: str, sink: MailSink, wake_env: None
 ) -> None:
