@@ -24,6 +24,7 @@ from engine.delivery import Delivery, DeliveryPolicy
 from engine.intake import enqueue
 from engine.registry import JOB_TYPES
 from engine.requests import RequestStatus, RequestStore
+from engine.tenants import TenantStore
 from engine.worker import WorkerPolicy
 from resources.dlq import DlqStore, FailureClass
 from resources.errors import PermanentJobError, TransientJobError
@@ -264,6 +265,79 @@ def test_a_worker_whose_claim_came_back_full_wakes_another(
     assert len(results) == 2
     assert wakeup.wait("light", 0.2) is False  # the rest fitted: nobody else to wake
     assert len(_mails(sink)) == 7
+    wakeup.close()
+    db.dispose()
+
+
+def test_a_claim_says_whether_it_left_anything_claimable(db: Database) -> None:
+    """Catches: a page called drained while requests it could have taken wait (a full page,
+    or one the scheduler cut because a tenant is held at its maximum share: the worker would
+    then wait a poll instead of claiming them), or one never called drained (the worker pays
+    an empty claim after every batch). Plain claim order and fair share alike."""
+    for fair in (False, True):
+        requests = RequestStore(db, fair=fair)
+        for i in range(7):
+            requests.enqueue("send_email", f"email:welcome:d{fair}{i}:2026-12-01",
+                             email(i, f"d{fair}"), queue="light")
+        full = requests.claim_for_worker(4, owner="w", job_types=["send_email"])
+        assert (len(full), full.drained) == (4, False)
+        rest = requests.claim_for_worker(4, owner="w", job_types=["send_email"])
+        assert (len(rest), rest.drained) == (3, True)
+        nothing = requests.claim_for_worker(4, owner="w", job_types=["send_email"])
+        assert (len(nothing), nothing.drained) == (0, True)
+    TenantStore(db).set("capped", weight=1.0, max_share=0.5)
+    requests = RequestStore(db)
+    for i in range(6):
+        requests.enqueue("send_email", f"email:welcome:cap{i}:2026-12-01", email(i, "cap"),
+                         queue="light", tenant="capped")
+    cut = requests.claim_for_worker(4, owner="w", job_types=["send_email"])
+    assert (len(cut), cut.drained) == (2, False)  # held at half of the page: more wait
+
+
+def test_a_worker_that_keeps_up_makes_one_claim_per_request(
+    db_url: str, redis_url: str, namespace: str, sink: MailSink, wake_env: None
+) -> None:
+    """Catches: a worker that claims again after every batch although its claim left nothing
+    behind (an empty claim, with the scheduler's lock and a commit, per request) when requests
+    arrive one at a time: here each after the last completed, each claimed by one claim."""
+    db = Database.from_url(db_url)
+    upgrade(db)
+    wakeup = RedisWakeup(redis_url, namespace=namespace)
+    waiting = threading.Event()
+
+    class Recording:
+        def notify(self, channel: str) -> None:
+            wakeup.notify(channel)
+
+        def wait(self, channel: str, timeout: float) -> bool:
+            waiting.set()
+            return wakeup.wait(channel, timeout)
+
+    stop = threading.Event()
+    w = worker(_spec(db_url, redis_url, namespace, sink, "worker-one", poll=60.0), stop)
+    w.wakeup = Recording()
+    pages: list[int] = []
+    claim = w.requests.claim_for_worker
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        page = claim(*args, **kwargs)
+        pages.append(len(page))
+        return page
+
+    w.requests.claim_for_worker = counted  # type: ignore[method-assign]
+    thread = threading.Thread(target=w.run)
+    thread.start()
+    assert waiting.wait(30)  # idle: its first claim found nothing
+    requests = RequestStore(db)
+    for i in range(4):
+        request_id = enqueue("send_email", email(i, "one"), db=db).id
+        _wait_for(lambda rid=request_id: requests.get(rid).status  # type: ignore[misc,union-attr]
+                  is RequestStatus.COMPLETED, timeout=30, what="the request to complete")
+    stop.set()
+    wakeup.notify("light")  # end the current wait
+    thread.join(timeout=30)
+    assert pages == [0, 1, 1, 1, 1]
+    assert len(_mails(sink)) == 4
     wakeup.close()
     db.dispose()
 
