@@ -17,7 +17,7 @@ provider's, read by the lookup):
   so that the profile sees them.
 - ``--steady RATE``: ``--workers`` workers (threads here) woken through Redis, fed ``RATE``
   requests a second for ``--seconds``, each enqueued in its own transaction with its wake-up:
-  the claims (empty ones included), statements, commits and pings per request, and the
+  the claims (empty ones included), statements, commits, pings and Redis calls per request, and the
   enqueue-to-completed times (wall clock: noisy on a shared machine).
 
 Statements are counted at the driver, where the hot path runs (:class:`SqlCounter`). Counts
@@ -318,7 +318,8 @@ def steady(kind: str, rate: float, seconds: float, workers: int) -> dict[str, An
     """``workers`` resident workers (threads of this process, each its own owner) woken through
     Redis, fed ``rate`` requests a second for ``seconds``, each enqueued in its own transaction
     with its wake-up, as a producer does. Counted per request: the workers' claims (the
-    scheduler's clock taken: one per claim, empty or not), statements, commits and pings.
+    scheduler's clock taken: one per claim, empty or not), statements, commits, pings and
+    Redis calls (waits included).
     The enqueues' own statements are left out (the producer's thread; counted apart)."""
     os.environ["SEKALI_WAKEUP"] = "redis"
     with _stage(kind) as stage:
@@ -345,7 +346,8 @@ def steady(kind: str, rate: float, seconds: float, workers: int) -> dict[str, An
         time.sleep(0.5)  # the workers' last empty claims
         counts = {"claims": stage.counter.claims, "app_statements": stage.counter.statements["app"],
                   "app_commits": stage.counter.commits["app"],
-                  "app_pings": stage.counter.pings["app"]}
+                  "app_pings": stage.counter.pings["app"],
+                  "redis_calls": stage.counter.redis_calls}
         stop.set()
         for _ in pool:
             notify_workers("light")
