@@ -98,15 +98,16 @@ class RedisWakeup:
 
     def wait(self, channel: str, timeout: float) -> bool:
         """Block for a token, then drop the tokens left in the list: they were pushed before
-        the drop, so after a commit that the consumer's next claim (which starts after the
-        drop) sees. Without that, a consumer busy while requests arrived pays an empty
-        claim per request it already ran, one per stale token (a claim takes the scheduler's
-        lock and commits). A token pushed after the drop is kept for the next wait::
+        the drop, so after a commit that the consumer's next look at the work (which starts
+        after the drop) sees. Without that, a consumer busy while work arrived pays a look
+        that finds nothing per token it did not consume (for sekali's workers an empty claim,
+        which takes the scheduler's lock and commits). A token pushed after the drop is kept
+        for the next wait::
 
-            C   a producer commits request R, then pushes its token T
-            W   the consumer's BLPOP returns (T, or a token before it); the rest are dropped
-            W+  the consumer claims: R committed before, so the claim sees it (and a claim
-                that comes back full wakes another consumer for the rest)
+            C   a producer commits work W, then pushes its token T
+            P   the consumer's BLPOP returns (T, or a token before it); the rest are dropped
+            P+  the consumer looks: W committed before, so it sees W (a consumer that then
+                leaves work behind, a full page, pushes a token for another)
         """
         if self.clock() < self._down_until:
             self.sleep(timeout)

@@ -217,7 +217,7 @@ def _found_for_batch(
     at least 0.6 of a lease beyond that bound. Timeline, lease L, one key::
 
         t0         A confirms its lease (it runs until at least t0 + L), then sends
-        t0 + .4L   A's bound: no byte of A's leaves later (a pause or a kill ends it sooner)
+        t0 + .4L   A's bound: no byte of A's leaves later (its client refuses, paused or not)
         t0 + L     the lease can run out; B's batch claims the key (begin_many), then more
         later      B's handler reads the record for the whole batch, at least 0.6 L after
                    A's last byte (as a read right before B's send would be): A's mail, once
