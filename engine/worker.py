@@ -13,8 +13,18 @@ resident workers, :mod:`engine.delivery`). Its loop:
    every other path. A transient failure gives its request back (``pending``, claimable after
    the policy's delay, :class:`engine.step.Retry` ``REQUEUE``); a final one is dead-lettered
    where it is decided, in the same transaction as the request's ``failed``. The worker goes on.
-3. **Wait** when the claim found nothing: until a wake-up (:mod:`resources.wakeup`: the
-   enqueue pushes one) or ``poll_seconds``, whichever comes first.
+3. **Wait** when the claim found nothing, or left nothing claimable behind its batch (the
+   page says so: :class:`engine.requests.claims.ClaimedPage`, so a worker that keeps up with
+   its queue makes one claim per wake-up, not a second, empty one after each batch): until a
+   wake-up (:mod:`resources.wakeup`: the enqueue pushes one after its commit) or
+   ``poll_seconds``, whichever comes first. One wake-up answers every wake-up pushed before
+   it (the claim after it sees their requests), so a claim that comes back full pushes one
+   for another worker of the queue: a backlog is shared, not drained by the one worker that
+   was woken. Timeline of a request that arrives while its worker runs a batch::
+
+       t0  the worker's claim reads the queue: empty behind the page (drained)
+       t1  a producer commits request R, then pushes its wake-up
+       t2  the batch ends; the worker waits: the wake-up of t1 is there, it claims R at once
 
 The worker ends itself after ``lifetime_seconds`` or ``idle_seconds`` without work (so code
 reloads and upgrades roll through: its supervisor starts the next one), and when ``stop`` is
@@ -229,6 +239,9 @@ class ResidentWorker:
         self.clock = clock
         self.requests = RequestStore(services.db)
         self.stats = WorkerStats()
+        self.drained = False
+        """Whether the last claim left nothing claimable (:class:`engine.requests.claims.
+        ClaimedPage`): the worker then waits for a wake-up instead of claiming again."""
 
     def job_types(self) -> list[str]:
         return self.delivery.resident(self.policy.queue)
@@ -251,6 +264,7 @@ class ResidentWorker:
                 break
             with self.batch():
                 results, took = self.run_once(types)
+            idle = not results or self.drained
             if results:
                 last_work = self.clock()
                 done.add(results, took)
@@ -262,11 +276,11 @@ class ResidentWorker:
                     "their threads end with this process (the supervisor starts a fresh one)")
                 log.error("%s worker %s: %s", self.policy.queue, self.owner, self.stats.reason)
                 break
-            if done.batches and (not results or self.clock() - last_told
+            if done.batches and (idle or self.clock() - last_told
                                    >= self.policy.progress_seconds):
                 self._tell(done)
                 done, last_told = WorkDone(), self.clock()
-            if not results:
+            if idle:
                 self.wakeup.wait(self.policy.queue, self.policy.poll_seconds)
         if done.batches:
             self._tell(done)
@@ -276,6 +290,7 @@ class ResidentWorker:
         """One claim and its batch: (the results, seconds it took); none when nothing was
         claimable."""
         types = self.job_types() if types is None else types
+        self.drained = True
         if not types:
             return [], 0.0
         started = time.perf_counter()
@@ -283,8 +298,11 @@ class ResidentWorker:
             self.policy.batch_size, owner=self.owner, job_types=types,
             relaunch_after=self.policy.relaunch_after,
         )
+        self.drained = claimed.drained
         if not claimed:
             return [], 0.0
+        if len(claimed) >= self.policy.batch_size:  # more may wait: another worker claims too
+            self.wakeup.notify(self.policy.queue)
         results = run_steps(
             self.services, StepAttempt(run_id=self.owner, step=self.step),
             [StepRequest.of(r, claimed=True) for r in claimed],

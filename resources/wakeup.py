@@ -8,7 +8,9 @@ transaction commits) without harm; it only shortens the wait.
 - :class:`RedisWakeup` (the default): a bounded Redis list per channel. ``notify`` pushes a
   token (``LPUSH`` and ``LTRIM`` in one round trip); ``wait`` blocks on ``BLPOP`` for at most
   the timeout, so an idle consumer wakes within milliseconds of a ``notify`` and costs one
-  blocked connection. Works on SQLite and Postgres alike, and on Redis Cluster (one hash tag).
+  blocked connection, and then empties the list: one wake-up answers every token pushed before
+  it (see :meth:`RedisWakeup.wait`). Works on SQLite and Postgres alike, and on Redis Cluster
+  (one hash tag).
   While Redis is away, ``notify`` gives up at once for a few seconds (``down_for``) instead of
   paying a connect timeout per call, and ``wait`` sleeps its timeout: a short poll.
 - :class:`PollWakeup`: no wake-up at all; ``wait`` sleeps its timeout.
@@ -95,12 +97,27 @@ class RedisWakeup:
             self._down(exc)
 
     def wait(self, channel: str, timeout: float) -> bool:
+        """Block for a token, then drop the tokens left in the list: they were pushed before
+        the drop, so after a commit that the consumer's next look at the work (which starts
+        after the drop) sees. Without that, a consumer busy while work arrived pays a look
+        that finds nothing per token it did not consume (for sekali's workers an empty claim,
+        which takes the scheduler's lock and commits). A token pushed after the drop is kept
+        for the next wait::
+
+            C   a producer commits work W, then pushes its token T
+            P   the consumer's BLPOP returns (T, or a token before it); the rest are dropped
+            P+  the consumer looks: W committed before, so it sees W (a consumer that then
+                leaves work behind, a full page, pushes a token for another)
+        """
         if self.clock() < self._down_until:
             self.sleep(timeout)
             return False
         try:
             blocking = RedisTimeouts.from_env().blocking_wait(timeout)
-            return self.client.blpop([self.key(channel)], timeout=blocking) is not None
+            if self.client.blpop([self.key(channel)], timeout=blocking) is None:
+                return False
+            self.client.ltrim(self.key(channel), 1, 0)  # an empty range: the list is removed
+            return True
         except REDIS_ERRORS as exc:
             self._down(exc)
             self.sleep(timeout)

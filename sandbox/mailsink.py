@@ -18,6 +18,7 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Iterable
 from email.parser import BytesParser
 from email.policy import default as default_policy
 from typing import Any
@@ -30,6 +31,10 @@ from resources.storage.settings import state_dir
 from sandbox.redis_server import free_port
 
 log = logging.getLogger(__name__)
+
+READ_CHUNK = 500
+"""Message-IDs per statement of :meth:`MailSink.messages_many` (under SQLite's bound on a
+statement's parameters)."""
 
 mailsink_metadata = MetaData()
 mail_messages = Table(
@@ -133,6 +138,20 @@ class MailSink:
             item["rcpt_tos"] = json.loads(item["rcpt_tos"])
             out.append(item)
         return out
+
+    def messages_many(self, message_ids: Iterable[str]) -> list[dict[str, Any]]:
+        """The messages recorded under any of ``message_ids``, oldest first: one read per
+        :data:`READ_CHUNK` ids (a batch's lookup)."""
+        wanted = sorted(set(message_ids))
+        out: list[dict[str, Any]] = []
+        with self.engine.connect() as conn:
+            for start in range(0, len(wanted), READ_CHUNK):
+                chunk = wanted[start:start + READ_CHUNK]
+                query = (select(mail_messages).where(mail_messages.c.message_id.in_(chunk))
+                         .order_by(mail_messages.c.id))
+                out += [{**row._mapping, "rcpt_tos": json.loads(row.rcpt_tos)}
+                        for row in conn.execute(query).all()]
+        return sorted(out, key=lambda m: int(m["id"]))
 
     def reset(self) -> None:
         with self.engine.begin() as conn:

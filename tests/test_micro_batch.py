@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 from sqlalchemy import event, text
+from sqlalchemy.engine import Engine
 
 from engine.attempts import AttemptRecorder
 from engine.requests import RequestStatus, RequestStore
@@ -100,6 +101,54 @@ def test_a_batch_claims_and_completes_its_keys_in_one_statement_each(
         assert per_batch == [2, 2]
     mails = [m["message_id"] for m in sink.messages()]
     assert len(mails) == 15 and len(set(mails)) == 15
+
+
+class ProviderReads:
+    """Counts the reads of the mail provider's record (the sink's database, observed on
+    SQLAlchemy's events of every engine on it, not faked)."""
+
+    def __init__(self, sink: MailSink) -> None:
+        self.count = 0
+        self.url = str(sink.engine.url)
+        event.listen(Engine, "before_cursor_execute", self._seen)
+
+    def _seen(self, conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+        if str(conn.engine.url) == self.url and statement.lstrip().upper().startswith("SELECT"):
+            self.count += 1
+
+    def close(self) -> None:
+        event.remove(Engine, "before_cursor_execute", self._seen)
+
+
+def test_a_batch_looks_its_mails_up_in_one_read_and_sends_none_the_provider_has(
+    db: Database, sink: MailSink
+) -> None:
+    """Catches: a batch that reads the provider's record once per mail (the reads grow with
+    the batch), or a batch read that misses a mail the provider already took: a first claim
+    whose mail was sent before (a failover rolled back the key that recorded it) must not
+    send it again."""
+    services = services_for(db, sink)
+    reads = ProviderReads(sink)
+    try:
+        sent_before = email("known", 1)
+        SmtpMailer("127.0.0.1", sink.port).send(
+            to=sent_before["to"], subject="Welcome", body="sent before the failover",
+            message_id=message_id_for(key_of(sent_before)))
+        per_batch = []
+        for size in (3, 12):
+            payloads = [email(f"known{size}-", i) for i in range(size)]
+            if size == 3:
+                payloads[1] = sent_before
+            ids = enqueue(db, "send_email", payloads, key_of)
+            before = reads.count
+            summary = run_batch(RequestStore(db), ids, services=services, run_id=f"r{size}")
+            assert (summary["completed"], summary["failed"]) == (size, 0), summary
+            per_batch.append(reads.count - before)
+    finally:
+        reads.close()
+    assert per_batch == [1, 1]
+    mails = Counter(m["message_id"] for m in sink.messages())
+    assert len(mails) == 15 and set(mails.values()) == {1}
 
 
 def test_each_kind_of_failure_stays_with_its_request(db: Database, sink: MailSink) -> None:

@@ -24,6 +24,7 @@ from engine.delivery import Delivery, DeliveryPolicy
 from engine.intake import enqueue
 from engine.registry import JOB_TYPES
 from engine.requests import RequestStatus, RequestStore
+from engine.tenants import TenantStore
 from engine.worker import WorkerPolicy
 from resources.dlq import DlqStore, FailureClass
 from resources.errors import PermanentJobError, TransientJobError
@@ -234,6 +235,120 @@ def test_an_idle_worker_is_woken_by_the_enqueue(
     thread.join(timeout=30)
     assert woken[0] is True
     assert len(_mails(sink)) == 1
+    db.dispose()
+
+
+def test_one_wake_up_answers_every_wake_up_pushed_before_it(
+    redis_url: str, namespace: str
+) -> None:
+    """Catches: a consumer that pays a claim per stale wake-up. Requests that arrived while it
+    was busy were taken by the claims it made meanwhile; one wait consumes all their tokens,
+    so the next wait blocks (here: returns False at its timeout) instead of waking at once."""
+    wakeup = RedisWakeup(redis_url, namespace=namespace)
+    for _ in range(5):
+        wakeup.notify("light")
+    assert wakeup.wait("light", 5.0) is True
+    assert wakeup.wait("light", 0.2) is False
+    wakeup.notify("light")  # one pushed after the wait is kept for the next
+    assert wakeup.wait("light", 5.0) is True
+    wakeup.close()
+
+
+def test_a_worker_whose_claim_came_back_full_wakes_another(
+    db_url: str, redis_url: str, namespace: str, sink: MailSink, wake_env: None
+) -> None:
+    """Catches: a backlog drained by the one worker that was woken while the others sleep
+    until their poll (one wake-up answers all those before it, so the backlog's own are
+    gone): a claim that took a full batch pushes a wake-up for another worker; one that took
+    less (the queue is empty behind it) pushes none."""
+    db = Database.from_url(db_url)
+    upgrade(db)
+    for i in range(7):
+        enqueue("send_email", email(i, "full"), db=db)
+    wakeup = RedisWakeup(redis_url, namespace=namespace)
+    assert wakeup.wait("light", 5.0) is True  # the enqueues' own wake-ups, consumed
+    w = worker(_spec(db_url, redis_url, namespace, sink, "worker-full", batch=5))
+    results, _ = w.run_once()
+    assert len(results) == 5
+    assert wakeup.wait("light", 5.0) is True  # a full batch: another worker is woken
+    results, _ = w.run_once()
+    assert len(results) == 2
+    assert wakeup.wait("light", 0.2) is False  # the rest fitted: nobody else to wake
+    assert len(_mails(sink)) == 7
+    wakeup.close()
+    db.dispose()
+
+
+def test_a_claim_says_whether_it_left_anything_claimable(db: Database) -> None:
+    """Catches: a page called drained while requests it could have taken wait (a full page,
+    or one the scheduler cut because a tenant is held at its maximum share: the worker would
+    then wait a poll instead of claiming them), or one never called drained (the worker pays
+    an empty claim after every batch). Plain claim order and fair share alike."""
+    for fair in (False, True):
+        requests = RequestStore(db, fair=fair)
+        for i in range(7):
+            requests.enqueue("send_email", f"email:welcome:d{fair}{i}:2026-12-01",
+                             email(i, f"d{fair}"), queue="light")
+        full = requests.claim_for_worker(4, owner="w", job_types=["send_email"])
+        assert (len(full), full.drained) == (4, False)
+        rest = requests.claim_for_worker(4, owner="w", job_types=["send_email"])
+        assert (len(rest), rest.drained) == (3, True)
+        nothing = requests.claim_for_worker(4, owner="w", job_types=["send_email"])
+        assert (len(nothing), nothing.drained) == (0, True)
+    TenantStore(db).set("capped", weight=1.0, max_share=0.5)
+    requests = RequestStore(db)
+    for i in range(6):
+        requests.enqueue("send_email", f"email:welcome:cap{i}:2026-12-01", email(i, "cap"),
+                         queue="light", tenant="capped")
+    cut = requests.claim_for_worker(4, owner="w", job_types=["send_email"])
+    assert (len(cut), cut.drained) == (2, False)  # held at half of the page: more wait
+
+
+def test_a_worker_that_keeps_up_makes_one_claim_per_request(
+    db_url: str, redis_url: str, namespace: str, sink: MailSink, wake_env: None
+) -> None:
+    """Catches: a worker that claims again after every batch although its claim left nothing
+    behind (an empty claim, with the scheduler's lock and a commit, per request) when requests
+    arrive one at a time: here each after the last completed, each claimed by one claim."""
+    db = Database.from_url(db_url)
+    upgrade(db)
+    wakeup = RedisWakeup(redis_url, namespace=namespace)
+    waiting = threading.Event()
+
+    class Recording:
+        def notify(self, channel: str) -> None:
+            wakeup.notify(channel)
+
+        def wait(self, channel: str, timeout: float) -> bool:
+            waiting.set()
+            return wakeup.wait(channel, timeout)
+
+    stop = threading.Event()
+    w = worker(_spec(db_url, redis_url, namespace, sink, "worker-one", poll=60.0), stop)
+    w.wakeup = Recording()
+    pages: list[int] = []
+    claim = w.requests.claim_for_worker
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        page = claim(*args, **kwargs)
+        pages.append(len(page))
+        return page
+
+    w.requests.claim_for_worker = counted  # type: ignore[method-assign]
+    thread = threading.Thread(target=w.run)
+    thread.start()
+    assert waiting.wait(30)  # idle: its first claim found nothing
+    requests = RequestStore(db)
+    for i in range(4):
+        request_id = enqueue("send_email", email(i, "one"), db=db).id
+        _wait_for(lambda rid=request_id: requests.get(rid).status  # type: ignore[misc,union-attr]
+                  is RequestStatus.COMPLETED, timeout=30, what="the request to complete")
+    stop.set()
+    wakeup.notify("light")  # end the current wait
+    thread.join(timeout=30)
+    assert pages == [0, 1, 1, 1, 1]
+    assert len(_mails(sink)) == 4
+    wakeup.close()
     db.dispose()
 
 

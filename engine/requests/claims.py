@@ -25,6 +25,24 @@ from resources.idempotency import payload_hash
 from resources.storage.json_text import canonical
 
 
+class ClaimedPage(list[JobRequest]):
+    """The requests one claim took, first claimed first, and ``drained``: whether the claim
+    left nothing claimable behind it as of its own reads (every tenant's claimable requests
+    counted in full and all taken, no debounce group due), so a worker may wait for the next
+    wake-up instead of claiming again at once (every request committed after those reads
+    pushes its wake-up after its commit). False whenever that is not certain: a full page, a
+    page cut by the scheduler (a tenant held at its maximum share), rows another claimer
+    held, debounce groups."""
+
+    drained: bool = False
+
+    @classmethod
+    def of(cls, rows: Sequence[JobRequest], *, drained: bool) -> ClaimedPage:
+        page = cls(rows)
+        page.drained = drained
+        return page
+
+
 class RequestClaims(RequestViews):
     """The claims of the intake sensor and of the resident workers."""
 
@@ -66,14 +84,15 @@ class RequestClaims(RequestViews):
         job_types: Iterable[str],
         relaunch_after: float = 120.0,
         merge: Merge | None = None,
-    ) -> list[JobRequest]:
+    ) -> ClaimedPage:
         """A resident worker's claim: as :meth:`claim_for_launch` (claim order, fair share,
         debounce groups, requests due again), but the requests go straight to ``running`` under
         ``owner`` (the worker's run id), each counting an attempt, in the same statement: no
         run is launched for them, the worker runs them next. Only requests available now
         (``available_at``) are claimed. Every later move of the request by this worker names
         ``owner``, so a worker that lost the request (its run was declared dead and the request
-        given to another) moves nothing."""
+        given to another) moves nothing. The page says whether it ``drained`` the queue
+        (:class:`ClaimedPage`)."""
         return self._claim(limit, relaunch_after=relaunch_after, job_types=job_types,
                            merge=merge, to=self._q["to_running"], owner=owner)
 
@@ -96,30 +115,35 @@ class RequestClaims(RequestViews):
         merge: Merge | None,
         to: str,
         owner: str | None,
-    ) -> list[JobRequest]:
+    ) -> ClaimedPage:
         if limit <= 0:
-            return []
+            return ClaimedPage()
         now = self.clock()
         types = sorted(job_types) if job_types is not None else None
         if types is not None and not types:
-            return []
+            return ClaimedPage.of([], drained=True)
         params: dict[str, Any] = {"now": now, "cutoff": now - relaunch_after, "limit": limit,
                                   "owner": owner, "set": to}
         coalesce = self.writable(RequestStatus.COALESCED)
         with self.db.transaction() as conn:
             virtual = TenantStore.lock_clock(conn, now) if self.fair else 0.0
-            claimed = self._claim_debounced(conn, params, types, merge) if coalesce else []
+            claimed, due = (self._claim_debounced(conn, params, types, merge) if coalesce
+                            else ([], 0))
             rest = {**params, "limit": max(0, limit - len(claimed))}
             if self.fair:
-                plain = self._claim_fair(conn, rest, types, claimed, virtual,
-                                         debounced=not coalesce)
+                plain, drained = self._claim_fair(conn, rest, types, claimed, virtual,
+                                                  debounced=not coalesce)
             elif rest["limit"]:
                 plain = self._claim_plain(conn, rest, types, debounced=not coalesce)
+                drained = len(plain) < rest["limit"]
             else:
-                plain = []
+                plain, drained = [], False
+        drained = drained and not due and rest["limit"] > 0
         if len({r.tenant for r in [*claimed, *plain]}) > 1:
-            return sorted(claimed, key=lambda r: (r.claim_rank, r.id)) + plain
-        return sorted(claimed + plain, key=lambda r: (r.claim_rank, r.id))
+            return ClaimedPage.of(sorted(claimed, key=lambda r: (r.claim_rank, r.id)) + plain,
+                                  drained=drained)
+        return ClaimedPage.of(sorted(claimed + plain, key=lambda r: (r.claim_rank, r.id)),
+                              drained=drained)
 
     def _typed(self, name: str, types: list[str] | None, **fill: str) -> Any:
         """The statement ``name`` with its ``{placeholders}`` filled (``fill``, from the query
@@ -145,7 +169,7 @@ class RequestClaims(RequestViews):
     def _claim_fair(
         self, conn: Connection, params: dict[str, Any], types: list[str] | None,
         earlier: Sequence[JobRequest], virtual: float, *, debounced: bool,
-    ) -> list[JobRequest]:
+    ) -> tuple[list[JobRequest], bool]:
         """The plain requests of a page, split between tenants by :mod:`engine.tenants`: one
         statement finds the tenants with work (a skip scan of ``job_requests_tenant_claim``)
         with their settings, passes and claimable counts (ranges of
@@ -161,7 +185,11 @@ class RequestClaims(RequestViews):
         ``ORDER BY`` of the index keeps Postgres off a sequential scan that statistics of a
         large backlog would otherwise make look cheap under the ``LIMIT``. The launched range is
         read from its cutoff down, so the requests in flight (after the cutoff) are never
-        stepped over, however many dead index entries of earlier claims sit among them."""
+        stepped over, however many dead index entries of earlier claims sit among them.
+
+        Also whether the page drained what it found: each tenant's count was below the page
+        (not cut at it), the plan gave each all of its count, and every row planned was taken
+        (none held by another claimer)."""
         limit = int(params["limit"])
         plain = self._plain(debounced)
         found: Sequence[Any] = []
@@ -196,7 +224,10 @@ class RequestClaims(RequestViews):
             counts[request.tenant] = counts.get(request.tenant, 0) + 1
         TenantStore.charge(conn, charged_passes(plan, counts, passes), counts, plan.clock,
                            float(params["now"]))
-        return ordered
+        drained = (len(picked) == sum(plan.quotas.values())
+                   and all(n < limit and plan.quotas.get(t, 0) == n
+                           for t, n in available.items()))
+        return ordered, drained
 
     def _claim_debounced(
         self,
@@ -204,7 +235,8 @@ class RequestClaims(RequestViews):
         params: dict[str, Any],
         types: list[str] | None,
         merge: Merge | None,
-    ) -> list[JobRequest]:
+    ) -> tuple[list[JobRequest], int]:
+        """The due debounce groups' winners claimed, and how many groups were due."""
         due = conn.execute(self._typed("due_groups", types), {**params, "types": types}).all()
         out: list[JobRequest] = []
         for group in sorted(str(g.debounce_key) for g in due):
@@ -231,4 +263,4 @@ class RequestClaims(RequestViews):
                     {"into": winner.id, "now": params["now"], "ids": [m.id for m in rest]},
                 )
             out.append(JobRequest.from_row(row))
-        return out
+        return out, len(due)

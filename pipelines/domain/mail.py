@@ -34,7 +34,7 @@ import smtplib
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager
 from email.header import Header
 from email.message import Message
@@ -241,6 +241,14 @@ class SmtpMailer:
         """The messages the provider accepted under ``message_id`` (SMTP itself cannot be
         asked: this reads the provider's record, ``log_url``). Raises :class:`MailUnavailable`
         when there is no record to read."""
+        return self._record().messages(message_id)
+
+    def find_messages_many(self, message_ids: Sequence[str]) -> list[dict[str, Any]]:
+        """:meth:`find_messages` for several Message-IDs in one read of the provider's record
+        (a batch's lookup before its sends), oldest first."""
+        return self._record().messages_many(message_ids)
+
+    def _record(self) -> MailSink:
         if self.log_url is None:
             raise MailUnavailable(
                 "the mail provider's record cannot be searched: set SEKALI_SMTP_LOG_URL "
@@ -248,7 +256,7 @@ class SmtpMailer:
             )
         if self._log is None:
             self._log = MailSink(self.log_url)
-        return self._log.messages(message_id)
+        return self._log
 
     def build(
         self, *, to: str, subject: str, body: str, message_id: str, correlation_id: str | None
@@ -425,7 +433,7 @@ SMTP = Downstream(
     name="smtp",
     build=_client,
     description="The SMTP relay (SEKALI_SMTP_HOST, SEKALI_SMTP_PORT).",
-    calls=("send", "find_messages"),
+    calls=("send", "find_messages", "find_messages_many"),
     sandbox=Sandbox("sandbox mail sink", _address, _start_sandbox,
                     environment=lambda state: {"SEKALI_SMTP_LOG_URL":
                                                f"sqlite:///{state / 'mailsink.db'}"},

@@ -150,31 +150,37 @@ def send_email(ctx: JobContext, p: EmailRequest) -> dict[str, Any]:
 
 
 def send_emails(items: Sequence[tuple[JobContext, EmailRequest]]) -> list[Any]:
-    """A micro-batch of mails over one SMTP connection; each mail is still its own attempt
-    (lease confirmed, crash points, its own result or error)."""
+    """A micro-batch of mails over one SMTP connection, looked up first in one read of the
+    provider's record (:func:`_found_for_batch`); each mail is still its own attempt (lease
+    confirmed, crash points, its own result or error)."""
     if not items:
         return []
     try:
         mailer: Mailer = items[0][0].client(SMTP.name)
     except MissingClient as error:
         return [error for _ in items]
+    found = _found_for_batch(mailer, items)
     results: list[Any] = []
     with mail_session(mailer) as session:
         for ctx, p in items:
             try:
-                results.append(_send(ctx, p, session))
+                results.append(_send(ctx, p, session, found=found))
             except Exception as exc:  # noqa: BLE001 - this mail's failure, not the batch's
                 results.append(exc)
     return results
 
 
-
-def _send(ctx: JobContext, p: EmailRequest, mailer: Mailer) -> dict[str, Any]:
+def _send(ctx: JobContext, p: EmailRequest, mailer: Mailer,
+          found: frozenset[str] | None = None) -> dict[str, Any]:
+    """Send ``p`` unless the provider accepted its Message-ID before. ``found``: the
+    Message-IDs the batch's one lookup found (:func:`_found_for_batch`); None: ask now."""
     subject, body = render(p)
     message_id = message_id_for(ctx.key)
     ctx.attempt.status_before = "not_sent"
-    again = ctx.claim.takeover or ctx.claim.attempt > 1
-    if (again or JOB_TYPE.looks_up_first()) and _accepted_before(ctx, p, again=again):
+    again = _again(ctx)
+    if (again or JOB_TYPE.looks_up_first()) and (
+        message_id in found if found is not None else _accepted_before(ctx, p, again=again)
+    ):
         ctx.attempt.status_before = ctx.attempt.status_after = "sent"
         return {"message_id": message_id, "to": p.to}
     ctx.crash_point("before_send")
@@ -194,6 +200,52 @@ def _send(ctx: JobContext, p: EmailRequest, mailer: Mailer) -> dict[str, Any]:
     ctx.crash_point("after_send")
     ctx.attempt.status_after = "sent"
     return {"message_id": message_id, "to": p.to}
+
+
+def _again(ctx: JobContext) -> bool:
+    """A claim after the first: the last holder may have sent (see :func:`_accepted_before`)."""
+    return ctx.claim.takeover or ctx.claim.attempt > 1
+
+
+def _found_for_batch(
+    mailer: Mailer, items: Sequence[tuple[JobContext, EmailRequest]]
+) -> frozenset[str] | None:
+    """The Message-IDs, among those of the batch's mails that look up first, that the
+    provider's record already holds: one read for the batch instead of one per mail. None
+    when the mailer cannot read several at once (a client wrapped without
+    ``find_messages_many``): each mail then asks on its own, as a single one does.
+
+    The read is as conclusive as one right before each send. Every key of the batch was
+    claimed before the handler runs, so each earlier holder's lease had run out before the
+    read, and its sends ended before that: a holder sends only up to its send bound, 0.4 of a
+    lease after its last confirmation (:meth:`JobContext.confirm_lease`), and the lease runs
+    at least 0.6 of a lease beyond that bound. Timeline, lease L, one key::
+
+        t0         A confirms its lease (it runs until at least t0 + L), then sends
+        t0 + .4L   A's bound: no byte of A's leaves later (its client refuses, paused or not)
+        t0 + L     the lease can run out; B's batch claims the key (begin_many), then more
+        later      B's handler reads the record for the whole batch, at least 0.6 L after
+                   A's last byte (as a read right before B's send would be): A's mail, once
+                   the provider took it, is in it, and B does not send it
+
+    A record that cannot be read (no ``SEKALI_SMTP_LOG_URL``, the provider down) is what it
+    is for a single mail: the mails are sent, under their Message-ID (receivers deduplicate
+    it), and a first send says so once per process."""
+    wanted = {message_id_for(ctx.key): _again(ctx) for ctx, _ in items
+              if _again(ctx) or JOB_TYPE.looks_up_first()}
+    if not wanted:
+        return frozenset()
+    many = getattr(mailer, "find_messages_many", None)
+    if many is None:
+        return None
+    try:
+        return frozenset(str(m["message_id"]) for m in many(sorted(wanted)))
+    except Exception as exc:  # noqa: BLE001 - no record to ask: send, as without a lookup
+        if any(wanted.values()) or not _NO_RECORD_TOLD.is_set():
+            _NO_RECORD_TOLD.set()
+            log.warning("no Message-ID lookup for a batch of %d mails before sending: %s",
+                        len(wanted), exc)
+        return frozenset()
 
 
 def _accepted_before(ctx: JobContext, p: EmailRequest, *, again: bool) -> bool:
