@@ -97,6 +97,7 @@ from proof.chaos_worker import (
     CRASH_POINTS,
     STOP_POINTS,
     WorkerConfig,
+    calls_out,
 )
 from resources.dlq import DlqStatus, DlqStore, FailureClass, FailureInfo, dedupe_key_for
 from resources.egress import ALLOW_ENV, allow_list
@@ -384,12 +385,21 @@ def build_workload(config: ChaosConfig) -> list[Request]:
     return _crash_loops(config, out)
 
 
+def seed_stock(db: Database, requests: list[Request]) -> None:
+    """The built-in mix's stock: every SKU a valid reservation names, plenty of it."""
+    inventory = Inventory(db)
+    for req in requests:
+        if req.job_type == "reserve_inventory" and not req.poison:
+            for item in req.payload["items"]:
+                inventory.set_stock(item["sku"], 1000)
+
+
 def _crash_loops(config: ChaosConfig, requests: list[Request]) -> list[Request]:
     """crash-loop: mark ``config.crash_loops`` valid requests whose effect goes through a
-    hooked client (not the built-in reservation: its effect is a transaction) as crashers."""
+    hooked client (not one whose effect is a transaction of its own) as crashers."""
     if "crash-loop" not in config.faults:
         return requests
-    able = [r for r in requests if not r.poison and r.job_type != "reserve_inventory"]
+    able = [r for r in requests if not r.poison and calls_out(r.job_type)]
     for req in random.Random(config.seed + 5).sample(able, min(config.crash_loops, len(able))):
         req.crash_loop = True
     return requests
@@ -765,13 +775,8 @@ class ChaosWorld:
             shutil.rmtree(self.state, ignore_errors=True)
 
     def seed_stock(self, requests: list[Request]) -> None:
-        if self.config.job_types:
-            return
-        inventory = Inventory(self.db)
-        for req in requests:
-            if req.job_type == "reserve_inventory" and not req.poison:
-                for item in req.payload["items"]:
-                    inventory.set_stock(item["sku"], 1000)
+        if not self.config.job_types:
+            seed_stock(self.db, requests)
 
     def worker_config(self, worker_id: int) -> WorkerConfig:
         cfg = self.config
@@ -1102,10 +1107,10 @@ class Coordinator:
 
     def _carries(self, req: Request) -> bool:
         """Whether a kill or a stop armed on a delivery of ``req`` reaches its point: not on
-        a poison or crash-looping request, nor on the built-in reservation, whose effect is a
-        transaction of its own with no downstream call to stop or kill around."""
+        a poison or crash-looping request, nor on one whose effect is a transaction of its own
+        with no downstream call to stop or kill around (:func:`calls_out`)."""
         return not req.poison and not req.crash_loop and bool(
-            self.config.job_types or req.job_type != "reserve_inventory")
+            self.config.job_types or calls_out(req.job_type))
 
     def _stop_under_way(self) -> bool:
         """One stop at a time: a second frozen worker could hold the very redelivery that is

@@ -55,7 +55,6 @@ from typing import Any
 from sqlalchemy import text
 
 from engine.intake import enqueue
-from pipelines.domain.inventory import Inventory
 from proof.chaos import (
     ChaosConfig,
     ChaosConfigError,
@@ -64,6 +63,7 @@ from proof.chaos import (
     fault_rows,
     gather_evidence,
     judge,
+    seed_stock,
 )
 from resources.storage.db import Database
 from sandbox.gateway import GatewayServer
@@ -312,14 +312,6 @@ class Nemesis:
 # -- the run -----------------------------------------------------------------------------------
 
 
-def _seed_stock(db: Database, requests: list[Request]) -> None:
-    inventory = Inventory(db)
-    for req in requests:
-        if req.job_type == "reserve_inventory":
-            for item in req.payload["items"]:
-                inventory.set_stock(item["sku"], 1000)
-
-
 def _enqueue_all(db: Database, requests: list[Request], seconds: float,
                  ids: dict[int, int], redis_url: str) -> None:
     """Enqueue the workload spread evenly over ``seconds``; ``ids`` gets workload id -> request
@@ -424,7 +416,7 @@ def run_hosts_chaos(
                    timeout=config.up_timeout, progress=say)
         db = Database.from_url(cluster.database_url, pool_size=2, max_overflow=2)
         try:
-            _seed_stock(db, requests)
+            seed_stock(db, requests)
             ids: dict[int, int] = {}
             producer = threading.Thread(target=_enqueue_all, name="chaos-hosts-enqueue",
                                         args=(db, requests, config.spread_seconds, ids,

@@ -77,6 +77,13 @@ STOP_POINTS = ("before_effect", "after_effect")
 AFTER_EFFECT_HOOKS = "after_charge,after_send,before_commit_reservation"
 
 
+def calls_out(job_type: str) -> bool:
+    """Whether ``job_type``'s effect goes through a downstream call, the client the fault points
+    wrap (a charge, a mail), rather than a transaction of its own (a reservation): a kill or a
+    stop armed on its delivery reaches a point only then."""
+    return bool(get_job_type(job_type).calls.clients)
+
+
 @dataclass(frozen=True)
 class WorkerConfig:
     """What a worker needs; passed as JSON on its command line."""
@@ -270,10 +277,10 @@ class Hooks:
 
     def arm(self, msg: dict[str, Any], *, job_hooks: bool) -> None:
         _ARMED.set(_Armed(msg["tok"], msg.get("crash"), msg.get("stop"), bool(msg.get("drop"))))
-        if self.crash == "after_effect" and job_hooks and msg["job_type"] == "reserve_inventory":
-            # inside the reservation transaction only the job type's own hook can strike; it
-            # reads the (process-wide) environment, so another thread may hit it first: the
-            # process dies at that point either way
+        if self.crash == "after_effect" and job_hooks and not calls_out(msg["job_type"]):
+            # inside an effect that is a transaction of its own only the job type's own hook
+            # can strike; it reads the (process-wide) environment, so another thread may hit it
+            # first: the process dies at that point either way
             os.environ["SEKALI_CRASH_AT"] = AFTER_EFFECT_HOOKS
 
     def point(self, name: str) -> None:
