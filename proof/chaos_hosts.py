@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import random
 import shutil
@@ -360,12 +361,20 @@ def _runs_open(cluster: Cluster, *, workers: bool = True) -> list[dict[str, Any]
             and (workers or r["jobName"] != WORKER_JOB)]
 
 
+RETERMINATE_SECONDS = 30.0
+"""How long a worker run told to end may stay open before it is told again."""
+
+
 def end_worker_runs(cluster: Cluster, bound: float, say: Callable[[str], None]
                     ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """End the deployment's resident workers as an operator does from the UI: every location's
     worker supervisor stopped (so nothing relaunches them), then every worker run terminated
-    (it finishes its batch and ends CANCELED), each run launched meanwhile too. Returns the
-    runs still open after ``bound`` seconds (none, when every run ended) and what it took."""
+    (it finishes its batch and ends CANCELED), each run launched meanwhile too. A termination
+    the launcher could not deliver (``TerminateRunFailure``: the run's code server did not
+    answer in time, as on a loaded host) is asked again on the next turn, and one delivered
+    but not yet seen through every ``RETERMINATE_SECONDS``, as an operator clicks again.
+    Returns the runs still open after ``bound`` seconds (none, when every run ended) and what
+    it took."""
     gql = cluster.graphql()
     for worker in cluster.workers:
         assert worker.location is not None
@@ -373,22 +382,31 @@ def end_worker_runs(cluster: Cluster, bound: float, say: Callable[[str], None]
         if state is not None and state[1] == "RUNNING":
             gql.stop_instigator("sensor", state[0])
     started = time.monotonic()
-    asked: set[str] = set()
+    asked: dict[str, float] = {}  # run id -> when its termination was last delivered
+    failed = 0
     while True:
         still = _runs_open(cluster)
+        now = time.monotonic()
         for run in still:
-            if run["jobName"] == WORKER_JOB and run["runId"] not in asked:
-                asked.add(run["runId"])
-                try:
-                    gql.terminate_run(run["runId"])
-                except ClusterError as exc:
-                    say(f"terminating worker run {run['runId']} failed: {exc}")
+            run_id = run["runId"]
+            if run["jobName"] != WORKER_JOB or now - asked.get(run_id, -math.inf) < (
+                    RETERMINATE_SECONDS):
+                continue
+            try:
+                answer = gql.terminate_run(run_id)
+            except ClusterError as exc:
+                answer = f"{exc}"
+            if answer == "TerminateRunSuccess":
+                asked[run_id] = now
+            else:
+                failed += 1
+                say(f"terminating worker run {run_id} not delivered ({answer}): asked again")
         if not still or time.monotonic() - started > bound:
             break
         time.sleep(2.0)
     say(f"{len(asked)} worker run(s) told to end; {len(still)} run(s) open after "
         f"{time.monotonic() - started:.0f} s")
-    return still, {"worker_runs_terminated": len(asked),
+    return still, {"worker_runs_terminated": len(asked), "terminations_not_delivered": failed,
                    "runs_closed_seconds": round(time.monotonic() - started, 1)}
 
 
