@@ -385,6 +385,11 @@ def build_workload(config: ChaosConfig) -> list[Request]:
     return _crash_loops(config, out)
 
 
+_REPLAYED_STAT = {"retention-travel": "travel_replayed", "evicting-redis": "eviction_replayed",
+                  "crash-loop": "crash_loop_replayed"}
+"""The stat that counts the records an operator's replay after ``fault`` claimed."""
+
+
 def seed_stock(db: Database, requests: list[Request]) -> None:
     """The built-in mix's stock: every SKU a valid reservation names, plenty of it."""
     inventory = Inventory(db)
@@ -1653,8 +1658,7 @@ class Coordinator:
             req = self._by_row(int(record.request_id))
             req.faults.add(fault)
             again.append((req.id, record.id))
-        self.stats["travel_replayed" if fault == "retention-travel" else "eviction_replayed"
-                   ] += len(again)
+        self.stats[_REPLAYED_STAT[fault]] += len(again)
         self._redeliver_many(again)
         return len(again)
 

@@ -166,6 +166,21 @@ def test_a_claim_keeps_its_own_lease_and_the_fence_refuses_the_holder_it_outlive
     assert store.fresh_for([claim, long]) == pytest.approx(0.25)
 
 
+def _probe(db: Database, monkeypatch: pytest.MonkeyPatch, name: str, handler: Any, *,
+           running: Running, store_lease: float, side_effect: bool = True) -> Services:
+    """Job type ``name`` (one key per ``n``) swapped in, 200 attempts of 10 ms recorded for it,
+    and services whose model has the samples (100) to follow them."""
+    monkeypatch.setitem(JOB_TYPES, name, JobType(
+        name=name, queue=Queue.LIGHT, validate=dict, handler=handler, side_effect=side_effect,
+        keying=Keying(key_for=lambda p: f"{name}:{p['n']}", resource_id=lambda p: "r"),
+        running=running,
+    ))
+    _record(db, Clock(), name, [0.01] * 200)
+    model = DurationModel(AttemptRecorder(db), AdaptivePolicy(min_samples=100))
+    return Services(db=db, store=IdempotencyStore(db, lease_seconds=store_lease),
+                    attempts=AttemptRecorder(db), durations=model)
+
+
 SEEN: list[float] = []
 
 
@@ -179,20 +194,11 @@ def test_a_request_claims_under_the_lease_its_job_types_durations_call_for(
 ) -> None:
     """Catches the runtime claiming with the store's constant lease while the model has
     enough samples, and one that ignores the bounds a job type declares."""
-    monkeypatch.setitem(JOB_TYPES, "lease_probe", JobType(
-        name="lease_probe",
-        queue=Queue.LIGHT,
-        validate=dict,
-        handler=_note_lease,
-        side_effect=False,
-        keying=Keying(key_for=lambda p: f"lp:{p['n']}", resource_id=lambda p: "r"),
-        running=Running(max_runtime_seconds=60, lease=LeaseBounds(floor=1.5, ceiling=30)),
-    ))
-    clock = Clock()
-    _record(db, clock, "lease_probe", [0.01] * 200)
-    store = IdempotencyStore(db, lease_seconds=60)
-    model = DurationModel(AttemptRecorder(db), AdaptivePolicy(min_samples=100))
-    services = Services(db=db, store=store, attempts=AttemptRecorder(db), durations=model)
+    services = _probe(db, monkeypatch, "lease_probe", _note_lease, store_lease=60,
+                      side_effect=False,
+                      running=Running(max_runtime_seconds=60,
+                                      lease=LeaseBounds(floor=1.5, ceiling=30)))
+    store, model = services.store, services.durations
     choice = services.lease_for(JOB_TYPES["lease_probe"])
     assert choice.observed and choice.seconds == 1.5, choice  # 3 x 0.0105 under the floor
     SEEN.clear()
@@ -221,20 +227,9 @@ def test_a_send_stamped_under_a_grown_lease_leaves_within_the_declared_leases_wi
     (a charge's lookup waits it from ``sent_at``) is sized against the declared lease, so a
     lease grown to 50 s would let a send written down at 0 leave at 20 s, past what a 2 s
     lease's window (0.8 s) left the provider to process it before the lookup looks."""
-    monkeypatch.setitem(JOB_TYPES, "stamp_probe", JobType(
-        name="stamp_probe",
-        queue=Queue.LIGHT,
-        validate=dict,
-        handler=_stamp_and_confirm,
-        side_effect=True,
-        keying=Keying(key_for=lambda p: f"sp:{p['n']}", resource_id=lambda p: "r"),
-        running=Running(max_runtime_seconds=100, lease=LeaseBounds(floor=50, ceiling=100)),
-    ))
-    clock = Clock()
-    _record(db, clock, "stamp_probe", [0.01] * 200)
-    store = IdempotencyStore(db, lease_seconds=2)
-    model = DurationModel(AttemptRecorder(db), AdaptivePolicy(min_samples=100))
-    services = Services(db=db, store=store, attempts=AttemptRecorder(db), durations=model)
+    services = _probe(db, monkeypatch, "stamp_probe", _stamp_and_confirm, store_lease=2,
+                      running=Running(max_runtime_seconds=100,
+                                      lease=LeaseBounds(floor=50, ceiling=100)))
     WINDOWS.clear()
     execute_request("stamp_probe", {"n": "1"}, services=services)
     [(lease, window)] = WINDOWS

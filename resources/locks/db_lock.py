@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import random
-import re
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -17,7 +16,7 @@ from resources.errors import LockNotAcquired
 from resources.locks.base import BaseLock
 from resources.locks.stats import LockObserver
 from resources.storage.db import Database, metadata
-from resources.storage.queries import load_dialect_queries, load_queries
+from resources.storage.queries import identifier, load_dialect_queries, load_queries
 
 log = logging.getLogger(__name__)
 Clock = Callable[[], float]
@@ -43,7 +42,6 @@ _DB_EXTEND = text(_Q["extend"])
 _DB_RELEASE = text(_Q["release"])
 _DB_OWNER = text(_Q["owner"])
 
-_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)?$")
 
 
 class DbLock(BaseLock):
@@ -182,9 +180,6 @@ def lock_rows(conn: Connection, table: str, key_column: str, keys: Iterable[Any]
 
 
 def _identifiers(table: str, key_column: str) -> dict[str, str]:
-    for ident in (table, key_column):
-        if not _IDENTIFIER.match(ident):
-            raise ValueError(f"not a plain SQL identifier: {ident!r}")
-    return {"table": table, "key_column": key_column}
+    return {"table": identifier(table), "key_column": identifier(key_column)}
 
 

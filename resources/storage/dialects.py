@@ -22,7 +22,6 @@ here:
 from __future__ import annotations
 
 import contextlib
-import re
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,10 +30,9 @@ from typing import Any, ClassVar
 from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
-from resources.storage.queries import DIALECTS, load_queries
+from resources.storage.queries import DIALECTS, identifier, load_queries
 
 _Q = load_queries(Path(__file__).with_suffix(".sql"))
-_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 class Dialect(ABC):
@@ -125,9 +123,7 @@ class PostgresDialect(Dialect):
     def refresh_statistics(self, db: Any, *tables: str) -> None:
         with db.statement() as conn:
             for table in tables:
-                if not _IDENTIFIER.match(table):
-                    raise ValueError(f"not a plain SQL identifier: {table!r}")
-                conn.execute(text(_Q["analyze"].format(table=table)))
+                conn.execute(text(_Q["analyze"].format(table=identifier(table))))
 
 
 _BY_NAME: dict[str, Dialect] = {d.name: d for d in (SqliteDialect(), PostgresDialect())}

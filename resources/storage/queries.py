@@ -102,3 +102,13 @@ def filled_queries(
             lambda m: ", ".join(f"{m[1]}.{c}" for c in columns), sql)
     return out
 
+
+_IDENTIFIER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)?$")
+
+
+def identifier(name: str) -> str:
+    """``name`` if it is a plain SQL identifier (``table`` or ``schema.table``) a statement may
+    be formatted with; a ValueError otherwise, so nothing else reaches the SQL text."""
+    if not _IDENTIFIER.match(name):
+        raise ValueError(f"not a plain SQL identifier: {name!r}")
+    return name
