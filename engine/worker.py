@@ -76,7 +76,7 @@ from engine.step import (
 )
 from resources.errors import HandlerTimedOut
 from resources.idempotency import IdempotencyStore
-from resources.storage.settings import Settings
+from resources.storage.settings import redis_url_from_env
 from resources.wakeup import PollWakeup, RedisWakeup, Wakeup
 
 log = logging.getLogger(__name__)
@@ -346,7 +346,7 @@ def process_wakeup(stop: threading.Event | None = None) -> Wakeup:
     on first use and shared by the enqueues and workers of the process."""
     if os.environ.get("SEKALI_WAKEUP", "redis").strip().lower() == "poll":
         return PollWakeup(stop)
-    url = Settings.from_env().redis_url
+    url = redis_url_from_env()
     namespace = os.environ.get("SEKALI_WAKEUP_NAMESPACE", "sekali")
     with _wakeups_lock:
         if (url, namespace) not in _wakeups:

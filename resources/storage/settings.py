@@ -75,6 +75,12 @@ def rate_texts(environ: Mapping[str, str]) -> dict[str, str]:
     }
 
 
+def redis_url_from_env() -> str:
+    """``REDIS_URL``, or the embedded redis-server's socket: what :meth:`Settings.from_env`
+    reads, without the rest of the environment (an enqueue's wake-up asks on every call)."""
+    return os.environ.get("REDIS_URL") or f"unix://{embedded_redis_socket()}"
+
+
 def embedded_redis_socket() -> Path:
     return state_dir() / "redis" / "redis.sock"
 
@@ -232,7 +238,7 @@ class Settings:
             database_url=normalize_url(
                 os.environ.get("DATABASE_URL") or f"sqlite:///{root / 'app.db'}"
             ),
-            redis_url=os.environ.get("REDIS_URL") or f"unix://{embedded_redis_socket()}",
+            redis_url=redis_url_from_env(),
             dagster_home=Path(os.environ.get("DAGSTER_HOME") or root / "dagster_home"),
             gateway_url=os.environ.get("SEKALI_GATEWAY_URL", DEFAULT_GATEWAY_URL),
             smtp_host=os.environ.get("SEKALI_SMTP_HOST", "127.0.0.1"),
