@@ -624,7 +624,7 @@ def _finish(
     services.attempts.finish(record, outcome, error=error, error_kind=kind)
 
 
-class Overran(Exception):  # noqa: N818 - what run_bounded tells its caller, not a failure
+class Overran(Exception):
     """:func:`run_bounded`'s call was still running at its bound; ``where`` it was."""
 
     def __init__(self, where: str) -> None:
