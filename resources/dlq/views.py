@@ -118,13 +118,11 @@ class DlqViews:
         if newer_than is not None:
             where.append("last_failed_at >= :new")
             params["new"] = now - newer_than
-        sql = self._q["select_records"]
-        if where:
-            sql += " WHERE " + " AND ".join(where)
-        if by_id:
-            sql += " ORDER BY id"
-        if limit is not None:
-            sql += f" LIMIT {int(limit)}"
+        sql = self._q["select_records"].format(
+            where=" AND ".join(where) or self._q["match_all"],
+            order=" ORDER BY id" if by_id else "",
+            limit=f" LIMIT {int(limit)}" if limit is not None else "",
+        )
         stmt = text(sql)
         if expanding:
             stmt = stmt.bindparams(*(bindparam(n, expanding=True) for n in expanding))
