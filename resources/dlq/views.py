@@ -224,10 +224,10 @@ class DlqViews:
 
     def inflow_between(self, start: float, end: float | None = None) -> int:
         """How many records first failed at or after ``start`` (and before ``end``)."""
-        query, params = ((self._q["inflow_since"], {"start": start}) if end is None else
-                         (self._q["inflow_between"], {"start": start, "end": end}))
+        name, params = (("inflow_since", {"start": start}) if end is None else
+                        ("inflow_between", {"start": start, "end": end}))
         with self.db.statement() as conn:
-            return int(conn.execute(text(query), params).scalar_one())
+            return int(conn.execute(text(self._q[name]), params).scalar_one())
 
     @staticmethod
     def unresolved_key_reference(column: str) -> str:
