@@ -15,7 +15,8 @@ before and after of a restructuring:
   statement of a named-query file) in ``engine/`` and ``resources/``, and elsewhere; and,
   stricter, the string literals there that hold SQL (an upper-case ``SELECT``, ``INSERT INTO``,
   ``UPDATE ... SET``, ``DELETE FROM``, ``WHERE``, ``ON CONFLICT``, ``CREATE``/``ALTER TABLE``;
-  docstrings not counted), wherever they are passed;
+  docstrings and the patterns of ``re`` calls, which recognise SQL, not counted), wherever
+  they are passed;
 - the lines of Python per top-level folder.
 
 The totals are of the shipped packages; ``tests/`` shows in the lines per folder and in the
