@@ -13,12 +13,14 @@ registry; the Dagster adapter, the CLI and the proof stand above. Public names:
   :class:`Downstream`, :class:`ClientOptions`, :class:`Sandbox`, the hook protocols
   :class:`Reconciling` and :class:`Tally`, the handler's :class:`JobContext`, ``crash_point``,
   ``fenced_update``, ``batch_slots``, ``SEND_TRIES`` and the ``require_*`` /
-  ``reject_unknown`` checks;
+  ``reject_unknown`` checks; what the chaos proof asks of a type (:class:`ChaosProof`,
+  :class:`ChaosCase`, :class:`ChaosCount`, :class:`NaiveRun`);
 - the registry: :func:`get_job_type`, ``JOB_TYPES``, :func:`downstreams`;
 - the ways in: :func:`enqueue` (intake) and :func:`execute_request` (the one execution path),
   with the :class:`Services` they run on.
 """
 
+from engine.chaos import ChaosCase, ChaosCount, ChaosProof, NaiveRun
 from engine.context import SEND_TRIES, JobContext, batch_slots
 from engine.contract import (
     Calls,
@@ -56,6 +58,9 @@ __all__ = [
     "JOB_TYPES",
     "SEND_TRIES",
     "Calls",
+    "ChaosCase",
+    "ChaosCount",
+    "ChaosProof",
     "Check",
     "ClientOptions",
     "Concurrency",
@@ -67,6 +72,7 @@ __all__ = [
     "JobType",
     "Keying",
     "LeaseBounds",
+    "NaiveRun",
     "Lookup",
     "PayloadField",
     "Presentation",

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 from sqlalchemy.engine import Connection
 
 from engine import payloads
+from engine.chaos import ChaosProof
 from engine.downstreams import Downstream
 from engine.downstreams import Effect as Effect  # re-exported: the lookup hook's value
 from engine.durations import LeaseBounds
@@ -287,7 +288,8 @@ class FlowControl:
 
 @dataclass(frozen=True, kw_only=True)
 class Upkeep:
-    """What the job type adds to reconciliation, retention, warming and the doctor.
+    """What the job type adds to reconciliation, retention, warming, the doctor and the chaos
+    proof.
 
     ``reconcile`` finds what the happy path left inconsistent and fixes it once (``act``), run
     by every reconciliation pass before the platform's own checks; ``checks`` names what it
@@ -296,7 +298,8 @@ class Upkeep:
     own tables that retention purges. ``cache_loader``: the loader of a cache key it fills
     (None for a key not its own), so warming refreshes hot keys. ``unique``: ``(table,
     columns)`` that must be unique for its effect to happen once; the doctor checks the live
-    schema has them.
+    schema has them. ``chaos``: what ``sekali chaos`` needs of it beyond this declaration
+    (:class:`engine.chaos.ChaosProof`; None: judged by the declaration alone).
     """
 
     checks: tuple[str, ...] = ()
@@ -305,6 +308,7 @@ class Upkeep:
     retained: tuple[Retained, ...] = ()
     cache_loader: Callable[[Database, str], CacheLoader | None] | None = None
     unique: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    chaos: ChaosProof | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -64,18 +64,19 @@ from sqlalchemy import create_engine, make_url, text
 from sqlalchemy.pool import NullPool
 
 from engine import tags as tag
+from engine.chaos import ChaosCase
 from engine.context import SEND_BOUND
 from engine.delivery import DeliveryPolicy
+from engine.downstreams import ClientOptions
 from engine.durations import LeaseBounds
 from engine.intake import enqueue
-from engine.registry import get_job_type
+from engine.registry import JOB_TYPES, get_job_type
 from engine.requests import RequestStore
 from engine.upkeep.reconciliation import Reconciler
 from engine.worker import WorkerTargets, give_back
-from pipelines.domain.inventory import Inventory
-from pipelines.domain.payments import GATEWAY, HttpPaymentGateway
 from pipelines.instance import prepare_dagster_home
 from proof import chaos_outbox
+from proof.chaos_mix import chaos_of, mix_types, pick, seed_world
 from proof.chaos_truth import (
     RECORD,
     Calibration,
@@ -109,7 +110,7 @@ from resources.storage.json_text import masked_digest
 from resources.storage.migrations import upgrade
 from resources.storage.redis import memory_policies, redis_client, require_no_eviction
 from resources.storage.replication import ACCEPT_ENV
-from resources.storage.settings import RedisTimeouts
+from resources.storage.settings import RedisTimeouts, Settings
 from sandbox.gateway import GatewayServer
 from sandbox.mailsink import MailSink
 from sandbox.postgres_server import PostgresServer, PostgresUnavailable
@@ -131,7 +132,6 @@ BACKGROUND_FAULTS = ("redis-restart", "pg-restart", "redis-freeze", "redis-rollb
                      "evicting-redis", "pg-failover")
 DELIVERIES = ("per_request", "resident")
 DEFAULT_PG_URL = "postgresql+psycopg://postgres@127.0.0.1:5432/sekali_test"
-EMAIL_DATE = "2026-11-29"
 
 
 class ChaosConfigError(SekaliError):
@@ -346,7 +346,8 @@ class Request:
 
 
 def build_workload(config: ChaosConfig) -> list[Request]:
-    """Mostly payments, some mails and reservations; poison payloads when asked. With
+    """The built-in mix (:mod:`proof.chaos_mix`: each request's type by its roll, its payload
+    from the type's ``sample``); poison payloads when asked. With
     ``job_types``: those job types' examples, varied (:func:`proof.chaos_typed.typed_payloads`).
     """
     rng = random.Random(config.seed)
@@ -361,27 +362,14 @@ def build_workload(config: ChaosConfig) -> list[Request]:
         return _crash_loops(config, [Request(i, name, payload, poison)
                                      for i, (name, payload, poison) in enumerate(made)])
     out = []
+    mix = mix_types()
     for i in range(config.requests):
         roll = rng.random()
         poison = rng.random() < poison_rate
-        if roll < 0.7:
-            payload: dict[str, Any] = {"order_id": f"o{i}", "amount_cents": 100 + i,
-                                       "currency": "EUR"}
-            if poison:
-                payload["amount_cents"] = -1
-            job_type = "charge_payment"
-        elif roll < 0.85:
-            payload = {"template": "welcome", "user_id": f"u{i}", "date": EMAIL_DATE,
-                       "to": f"u{i}@example.com"}
-            if poison:
-                payload["to"] = "not-an-address"
-            job_type = "send_email"
-        else:
-            payload = {"cart_id": f"c{i}", "items": [{"sku": f"sku-c{i}", "quantity": 1 + i % 3}]}
-            if poison:
-                payload["items"] = [{"sku": f"sku-c{i}", "quantity": 0}]
-            job_type = "reserve_inventory"
-        out.append(Request(i, job_type, payload, poison))
+        jt = pick(mix, roll)
+        sample = chaos_of(jt).sample
+        assert sample is not None  # ChaosProof refuses a band without one
+        out.append(Request(i, jt.name, sample(i, poison), poison))
     return _crash_loops(config, out)
 
 
@@ -391,12 +379,9 @@ _REPLAYED_STAT = {"retention-travel": "travel_replayed", "evicting-redis": "evic
 
 
 def seed_stock(db: Database, requests: list[Request]) -> None:
-    """The built-in mix's stock: every SKU a valid reservation names, plenty of it."""
-    inventory = Inventory(db)
-    for req in requests:
-        if req.job_type == "reserve_inventory" and not req.poison:
-            for item in req.payload["items"]:
-                inventory.set_stock(item["sku"], 1000)
+    """What the built-in mix's valid requests need before the run (stock), as each job type
+    seeds it (:func:`proof.chaos_mix.seed_world`)."""
+    seed_world(db, [(r.job_type, r.payload, r.poison) for r in requests])
 
 
 def _crash_loops(config: ChaosConfig, requests: list[Request]) -> list[Request]:
@@ -1568,7 +1553,7 @@ class Coordinator:
         cfg = self.config
         done = [r for r in self.requests if r.id in self.done_requests and not r.poison
                 and self._key_state(r.id)[1] == "completed"]
-        done.sort(key=lambda r: (r.job_type != "send_email", r.id))
+        done.sort(key=lambda r: (not chaos_of(get_job_type(r.job_type)).retention_first, r.id))
         kept: list[str] = []
         for n, req in enumerate(done[:cfg.travel_records]):
             key = self._key_for(req)
@@ -2345,58 +2330,44 @@ class Evidence:
     """What the sandbox and the stores recorded, read once after a run: the checker's only
     source (never what workers said)."""
 
-    charges: dict[str, list[dict[str, Any]]]  # by correlation id
-    mails: dict[str, list[dict[str, Any]]]  # by correlation id
+    arrivals: dict[str, list[dict[str, Any]]]  # what the stand-ins took, by correlation id
     records: dict[str, Any]  # idempotency records by key
     dlq: dict[int, Any]  # by request id
     attempts: dict[int, list[Any]]  # by request id
-    stock: dict[str, int]
-    orders: dict[str, int]
-    res_fences: dict[str, set[int]]
-    refunds: Counter[str]  # order -> extra charges reconciliation marked for refund
+    own: dict[str, Any]  # each job type's business rows (ChaosProof.gather), by job type
 
 
 def gather_evidence(
     db: Any,
-    charges: list[dict[str, Any]],
-    mails: list[dict[str, Any]],
+    arrivals: Iterable[dict[str, Any]],
     *,
     purged_records: Mapping[str, Any] | None = None,
 ) -> Evidence:
-    """Read the stores of ``db`` once; ``charges`` and ``mails`` come from the provider.
-    ``purged_records`` are ledger rows a retention purge removed "days later"
-    (retention-travel): a key is judged by what the ledger held just before, completed then,
-    with the effect the sandbox recorded."""
-    by_charge: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    for ch in charges:
-        by_charge[str(ch.get("correlation_id"))].append(ch)
-    by_mail: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    for m in mails:
-        by_mail[str(m.get("correlation_id"))].append(m)
+    """Read the stores of ``db`` once; ``arrivals`` are what the providers' stand-ins recorded
+    (charges, messages), each with its ``correlation_id``. ``purged_records`` are ledger rows
+    a retention purge removed "days later" (retention-travel): a key is judged by what the
+    ledger held just before, completed then, with the effect the sandbox recorded."""
+    by_request: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for arrival in arrivals:
+        by_request[str(arrival.get("correlation_id"))].append(arrival)
     attempts: dict[int, list[Any]] = defaultdict(list)
     for a in _rows(db, "SELECT request_id, idempotency_key, outcome, fence FROM job_attempts"):
         if a.request_id is not None:
             attempts[int(a.request_id)].append(a)
-    res_fences: dict[str, set[int]] = defaultdict(set)
-    for r in _rows(db, "SELECT cart_id, fence FROM reservations"):
-        res_fences[r.cart_id].add(int(r.fence))
-    refunds: Counter[str] = Counter()
-    for r in _rows(db, "SELECT subject FROM reconciliation_actions WHERE kind = 'refund_pending'"):
-        refunds[str(r.subject)] += 1
+    own = {}
+    for name, jt in JOB_TYPES.items():
+        gather = chaos_of(jt).gather
+        if gather is not None:
+            own[name] = gather(db)
     return Evidence(
-        charges=by_charge,
-        mails=by_mail,
+        arrivals=by_request,
         records={**(purged_records or {}), **{r.key: r for r in _rows(
             db, "SELECT key, status, fence, lease_expires_at FROM idempotency_records")}},
         dlq={int(r.request_id): r for r in _rows(
             db, "SELECT request_id, status, error_class, last_error, failure_count"
                 " FROM dlq_records WHERE request_id IS NOT NULL")},
         attempts=attempts,
-        stock={r.sku: int(r.reserved) for r in _rows(db, "SELECT sku, reserved FROM stock")},
-        orders={r.order_id: int(r.payment_fence) for r in _rows(
-            db, "SELECT order_id, payment_fence FROM orders")},
-        res_fences=res_fences,
-        refunds=refunds,
+        own=own,
     )
 
 
@@ -2417,7 +2388,7 @@ def check(world: ChaosWorld, coordinator: Coordinator) -> tuple[list[RequestVerd
             recorded = truth.effects(job_type, payload)
             return by_lookup(job_type, payload) if recorded is None else len(recorded)
 
-        evidence = gather_evidence(world.db, [], [], purged_records=coordinator.travelled)
+        evidence = gather_evidence(world.db, [], purged_records=coordinator.travelled)
         verdicts, violations = judge(
             coordinator.requests, evidence, naive=False, retries=retries,
             stats=coordinator.stats, count=count,
@@ -2427,7 +2398,7 @@ def check(world: ChaosWorld, coordinator: Coordinator) -> tuple[list[RequestVerd
             skew=world.config.skew)
         coordinator.stats.update(bound_stats)
         return verdicts, violations + late
-    evidence = gather_evidence(world.db, world.gateway.charges(), world.sink.messages(),
+    evidence = gather_evidence(world.db, [*world.gateway.charges(), *world.sink.messages()],
                                purged_records=coordinator.travelled)
     if isinstance(coordinator, ResidentCoordinator):
         return judge(coordinator.requests, evidence, naive=world.config.naive, retries=retries,
@@ -2476,9 +2447,7 @@ def judge(
     is a violation."""
     now = time.time() if now is None else now
     violations: list[str] = []
-    charges, mails, records = evidence.charges, evidence.mails, evidence.records
-    dlq, attempts_by_id, stock = evidence.dlq, evidence.attempts, evidence.stock
-    orders, res_fences, refunds = evidence.orders, evidence.res_fences, evidence.refunds
+    records, dlq, attempts_by_id = evidence.records, evidence.dlq, evidence.attempts
     verdicts = []
     for req in requests:
         rid = request_ids.get(req.id, -1) if request_ids is not None else req.row_id
@@ -2497,34 +2466,19 @@ def judge(
                 effects = 0
                 violations.append(f"lookup failed: request {req.id} ({req.job_type}): "
                                   f"{type(exc).__name__}: {exc}")
-        elif req.job_type == "charge_payment":
-            effects = len(charges.get(cid, []))
-        elif req.job_type == "send_email":
-            sent = mails.get(cid, [])
-            effects = len({m["message_id"] for m in sent})
-            resends = len(sent) - effects
-            # a retried or taken-over mail is looked up in the sink's record first (as the
-            # sandbox configures it); a resend needs the first send still in flight then. The
-            # windows for one, one per fault that struck there: the holder died after
-            # the SMTP server accepted and before the record (kill:after_effect), or froze
-            # after its last lease check (stop:before_effect sits inside the mailer, past
-            # confirm_lease; stop:after_effect past the send) and was taken over, or the app
-            # database restarted under it (StoreUnavailable while pg-restart was under way)
-            allowed_resends = (req.struck["kill:after_effect"] + req.struck["stop:before_effect"]
-                               + req.struck["stop:after_effect"]
-                               + req.struck["pg-restart:outage"])
-            # a takeover that no planned kill or stop explains is a holder stalled past its
-            # lease by the machine itself (scheduling, I/O): the same window as a stop, so the
-            # same one resend (same Message-ID) is allowed per such takeover, and counted
-            takeovers = len({a.fence for a in mine if a.fence is not None}) - 1
-            planned = sum(n for fault, n in req.struck.items()
-                          if fault.startswith(("kill:", "stop:")))
-            unplanned = max(0, takeovers - planned)
-            allowed_resends += unplanned
-            stats["takeovers_unplanned"] += unplanned
-        else:
-            qty = sum(i["quantity"] for i in req.payload["items"]) or 1
-            effects = sum(stock.get(i["sku"], 0) for i in req.payload["items"]) // qty
+        else:  # the built-in mix: as the job type counts its arrivals and rows
+            chaos = chaos_of(jt)
+            arrivals = evidence.arrivals.get(cid, [])
+            if chaos.count is None:
+                effects = len(arrivals)
+            else:
+                counted = chaos.count(evidence.own.get(req.job_type), ChaosCase(
+                    payload=req.payload, arrivals=arrivals, struck=req.struck,
+                    takeovers=len({a.fence for a in mine if a.fence is not None}) - 1))
+                effects, resends = counted.effects, counted.resends
+                allowed_resends = counted.allowed_resends
+                for stat, n in counted.stats.items():
+                    stats[stat] += n
         record = records.get(key) if key else None
         status = record.status if record is not None else None
         dl = dlq.get(rid)
@@ -2540,9 +2494,6 @@ def judge(
         tag = f"request {req.id} ({req.job_type}, key {key})"
         if effects > 1:
             violations.append(f"duplicate effect: {tag} has {effects} effects")
-            if req.job_type == "charge_payment":
-                marked = min(effects - 1, refunds[str(req.payload["order_id"])])
-                stats["double_charges_refund_marked"] += marked
         if resends > allowed_resends:
             violations.append(f"duplicate mail: {tag} sent {resends} resend(s) of one Message-ID"
                               f" but only {allowed_resends} after-effect fault(s) struck it")
@@ -2583,15 +2534,11 @@ def judge(
             if any(int(a.fence) != int(record.fence) for a in done):
                 violations.append(f"stale write: {tag} completed by fence "
                                   f"{[a.fence for a in done]}, record fence {record.fence}")
-            if req.job_type == "charge_payment":
-                fence = orders.get(req.payload["order_id"])
-                if fence != int(record.fence):
-                    violations.append(f"stale write: {tag} order fence {fence} != {record.fence}")
-            if req.job_type == "reserve_inventory":
-                fences = res_fences.get(req.payload["cart_id"], set())
-                if fences != {int(record.fence)}:
-                    violations.append(f"stale write: {tag} reservation fences {sorted(fences)}"
-                                      f" != {record.fence}")
+            fenced = chaos_of(jt).fenced
+            if fenced is not None:
+                found = fenced(evidence.own.get(req.job_type), req.payload, int(record.fence))
+                if found is not None:
+                    violations.append(f"stale write: {tag} {found}")
         verdicts.append(RequestVerdict(
             id=req.id, job_type=req.job_type, poison=req.poison,
             faults=sorted(req.faults | ({"poison"} if req.poison else set())),
@@ -2613,8 +2560,12 @@ def reconcile_double_charges(world: ChaosWorld) -> int:
         return 0
     # the run's orders are seconds old: no grace for in-flight work (every delivery settled),
     # and the workers' settle window
+    # the gateway's client: the mix's downstream that dedupes by idempotency key
+    at_gateway = ClientOptions(address=world.gateway.url)
+    clients = {d.name: d.build(Settings.from_env(), at_gateway)
+               for jt in mix_types() for d in jt.calls.clients if d.dedupes}
     report = Reconciler(world.db, store=IdempotencyStore(world.db), dlq=DlqStore(world.db),
-                        clients={GATEWAY.name: HttpPaymentGateway(world.gateway.url)},
+                        clients=clients,
                         grace_seconds=0.0,
                         settle_seconds=world.config.settle_seconds).run()
     return int(report.fixed.get("double_charged", 0))

@@ -485,7 +485,7 @@ def run_hosts_chaos(
             provider = cluster.state_dir / "provider"
             charges = GatewayServer(db_url=f"sqlite:///{provider / 'gateway.db'}").charges()
             mails = MailSink(db_url=f"sqlite:///{provider / 'mailsink.db'}").messages()
-            evidence = gather_evidence(db, charges, mails)
+            evidence = gather_evidence(db, [*charges, *mails])
             for req in requests:  # the table's "deliveries" column: attempts recorded here
                 req.deliveries = len(evidence.attempts.get(ids.get(req.id, -1), []))
             takeovers: Counter[str] = Counter()

@@ -35,6 +35,7 @@ from engine import step as step_module
 from engine.registry import get_job_type
 from engine.step import StepResult
 from engine.worker import ResidentWorker, WorkerPolicy
+from proof.chaos_mix import mix_names
 from proof.chaos_outbox import Relay
 from proof.chaos_worker import (
     CONFIG_ENV,
@@ -117,15 +118,13 @@ class ArmedClient:
         return call
 
 
-BUILT_IN = ("charge_payment", "send_email", "reserve_inventory")
-
-
-def lookup_reads_of(clients: dict[str, Any], job_types: tuple[str, ...] = BUILT_IN
+def lookup_reads_of(clients: dict[str, Any], job_types: tuple[str, ...] | None = None
                     ) -> dict[str, frozenset[str]]:
-    """The downstream clients the job types use, each with the methods their lookups read
-    (:func:`proof.chaos_worker.lookup_reads`): the ones that get no fault point."""
+    """The downstream clients the job types use (by default the built-in mix's), each with the
+    methods their lookups read (:func:`proof.chaos_worker.lookup_reads`): the ones that get no
+    fault point."""
     out: dict[str, frozenset[str]] = {}
-    for name in job_types:
+    for name in mix_names() if job_types is None else job_types:
         found = lookup_reads(name, clients)
         for downstream in get_job_type(name).calls.clients:
             if downstream.name in clients:

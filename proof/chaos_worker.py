@@ -44,23 +44,17 @@ import queue
 import signal
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from email.utils import make_msgid
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import text
-
 from engine.contract import freeze_here
 from engine.downstreams import ClientOptions
-from engine.registry import get_job_type
+from engine.registry import JOB_TYPES, get_job_type
 from engine.services import Services
 from engine.step import StepAttempt, run_step
-from pipelines.domain.mail import SMTP
-from pipelines.domain.payments import GATEWAY
-from pipelines.jobs import email, payment
+from proof.chaos_mix import after_effect_points, chaos_of, mix_names
 from proof.chaos_outbox import Relay
 from resources.errors import HandlerTimedOut
 from resources.retry import RetryBudget, RetryPolicy, classify, failure_class
@@ -73,8 +67,6 @@ TIMED_OUT_EXIT = 3
 
 CRASH_POINTS = ("before_effect", "after_effect", "after_record")
 STOP_POINTS = ("before_effect", "after_effect")
-# The job types' own crash hooks (engine.contract.crash_point) that mean "after the effect".
-AFTER_EFFECT_HOOKS = "after_charge,after_send,before_commit_reservation"
 
 
 def calls_out(job_type: str) -> bool:
@@ -281,7 +273,9 @@ class Hooks:
             # inside an effect that is a transaction of its own only the job type's own hook
             # can strike; it reads the (process-wide) environment, so another thread may hit it
             # first: the process dies at that point either way
-            os.environ["SEKALI_CRASH_AT"] = AFTER_EFFECT_HOOKS
+            # (the job types' own crash hooks, engine.contract.crash_point, that mean "after the
+            # effect", as each declares them)
+            os.environ["SEKALI_CRASH_AT"] = after_effect_points(list(JOB_TYPES))
 
     def point(self, name: str) -> None:
         if self.crash == name:
@@ -294,37 +288,32 @@ class Hooks:
             self.channel.send("resumed", self.tok, point=name)
 
 
-class HookedGateway:
-    """The real HTTP gateway client with the fault points around ``charge``."""
+class PointedClient:
+    """A real client with the fault points around the calls that make its effect
+    (``effects``), and ``reads`` passed through: it offers those alone, as the job types of the
+    mix declare them (:class:`engine.chaos.ChaosProof`)."""
 
-    def __init__(self, inner: Any, hooks: Hooks) -> None:
+    def __init__(self, inner: Any, hooks: Hooks, effects: frozenset[str],
+                 reads: frozenset[str]) -> None:
         self.inner = inner
         self.hooks = hooks
+        self.effects = effects
+        self.reads = reads
 
-    def charge(self, **kwargs: Any) -> Any:
-        self.hooks.point("before_effect")
-        charge = self.inner.charge(**kwargs)
-        self.hooks.point("after_effect")
-        return charge
+    def __getattr__(self, name: str) -> Any:
+        if name in self.reads:
+            return getattr(self.inner, name)
+        if name not in self.effects:
+            raise AttributeError(name)
+        value = getattr(self.inner, name)
 
-    def find_charges(self, reference: str) -> Any:
-        return self.inner.find_charges(reference)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self.hooks.point("before_effect")
+            answer = value(*args, **kwargs)
+            self.hooks.point("after_effect")
+            return answer
 
-
-class HookedMailer:
-    """The real SMTP mailer with the fault points around ``send``."""
-
-    def __init__(self, inner: Any, hooks: Hooks) -> None:
-        self.inner = inner
-        self.hooks = hooks
-
-    def send(self, **kwargs: Any) -> None:
-        self.hooks.point("before_effect")
-        self.inner.send(**kwargs)
-        self.hooks.point("after_effect")
-
-    def find_messages(self, message_id: str) -> Any:
-        return self.inner.find_messages(message_id)
+        return call
 
 
 class DroppedAnswer(ConnectionResetError):
@@ -414,12 +403,16 @@ def build_services(config: WorkerConfig) -> Services:
             smtp_log_url=config.smtp_log_url or None,
             gateway_settle_seconds=config.settle_seconds,
         )
-    gateway = ClientOptions(
+    # the provider's client (a downstream that dedupes by the idempotency key it is sent): the
+    # run's bounds, and no key sent when naive
+    provider = ClientOptions(
         timeout=config.gateway_timeout, deadline=config.gateway_deadline,
         extra={"send_idempotency_key": not config.naive},
     )
+    options = {d.name: provider for jt in JOB_TYPES.values() for d in jt.calls.clients
+               if d.dedupes}
     services = Services.from_settings(
-        settings, lease_seconds=config.lease_seconds, options={GATEWAY.name: gateway},
+        settings, lease_seconds=config.lease_seconds, options=options,
         retry_policy=RetryPolicy(max_attempts=config.max_attempts,
                                  base_delay=config.retry_base, max_delay=config.retry_cap,
                                  max_unknown_attempts=config.max_attempts),
@@ -459,8 +452,18 @@ class Worker:
             for downstream_name, read in reads.items():
                 clients[downstream_name] = HookedClient(clients[downstream_name], self.hooks, read)
         else:
-            clients[GATEWAY.name] = HookedGateway(clients[GATEWAY.name], self.hooks)
-            clients[SMTP.name] = HookedMailer(clients[SMTP.name], self.hooks)
+            effects: dict[str, frozenset[str]] = {}
+            plain: dict[str, frozenset[str]] = {}
+            for name in mix_names():
+                chaos = chaos_of(JOB_TYPES[name])
+                for downstream in JOB_TYPES[name].calls.clients:
+                    effects[downstream.name] = (effects.get(downstream.name, frozenset())
+                                                | frozenset(chaos.effect_calls))
+                    plain[downstream.name] = (plain.get(downstream.name, frozenset())
+                                              | frozenset(chaos.lookup_calls))
+            for downstream_name, made in effects.items():
+                clients[downstream_name] = PointedClient(
+                    clients[downstream_name], self.hooks, made, plain[downstream_name])
         self.dagster = deliveries(config, clients) if deliveries is not None else None
 
     def handle(self, msg: dict[str, Any]) -> None:
@@ -532,38 +535,27 @@ class Worker:
     def _naive_effect(self, job_type: str, payload: dict[str, Any], req: int) -> None:
         jt = get_job_type(job_type)
         clean = jt.validate(dict(payload))
-        key = jt.keying.key_for(clean)
-        correlation_id = f"chaos-req-{req}"
-        if job_type == "charge_payment":
-            self.services.client(GATEWAY.name).charge(
-                reference=payment.reference_for(key), amount_cents=clean["amount_cents"],
-                currency=clean["currency"], idempotency_key=None, correlation_id=correlation_id,
-            )
-        elif job_type == "send_email":
-            subject, body = email.render(clean)
-            self.services.client(SMTP.name).send(
-                to=clean["to"], subject=subject, body=body,
-                message_id=make_msgid(domain="naive.sekali"), correlation_id=correlation_id,
-            )
-        elif job_type == "reserve_inventory":
-            self.hooks.point("before_effect")
-            with self.services.db.transaction() as conn:
-                for item in clean["items"]:
-                    conn.execute(
-                        text("UPDATE stock SET reserved = reserved + :q, updated_at = :now"
-                             " WHERE sku = :sku"),
-                        {"q": item["quantity"], "sku": item["sku"], "now": time.time()},
-                    )
-                    conn.execute(
-                        text("INSERT INTO reservations (cart_id, sku, quantity, status, fence,"
-                             " created_at, updated_at) VALUES (:c, :s, :q, 'reserved', 0, :now,"
-                             " :now) ON CONFLICT DO NOTHING"),
-                        {"c": clean["cart_id"], "s": item["sku"], "q": item["quantity"],
-                         "now": time.time()},
-                    )
-            self.hooks.point("after_effect")
-        else:
-            raise ValueError(f"the naive worker has no effect for {job_type!r}")
+        naive = chaos_of(jt).naive
+        if naive is None:
+            raise ValueError(f"the naive worker has no effect for {job_type!r}: it declares "
+                             "no ChaosProof.naive")
+        naive(_NaiveRun(self.services, self.hooks), clean, jt.keying.key_for(clean),
+              f"chaos-req-{req}")
+
+
+class _NaiveRun:
+    """What a job type's naive effect may use (:class:`engine.chaos.NaiveRun`)."""
+
+    def __init__(self, services: Services, hooks: Hooks) -> None:
+        self.db = services.db
+        self._services = services
+        self._hooks = hooks
+
+    def client(self, name: str) -> Any:
+        return self._services.client(name)
+
+    def point(self, name: str) -> None:
+        self._hooks.point(name)
 
 
 CONFIG_ENV = "SEKALI_CHAOS_WORKER_CONFIG"

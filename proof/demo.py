@@ -34,9 +34,11 @@ from typing import IO, Any
 
 from rich.console import Console
 
+from engine.contract import JobType
+from engine.downstreams import ClientOptions
 from engine.runtime import execute_request
 from engine.services import Services
-from pipelines.domain.payments import HttpPaymentGateway
+from proof.chaos_mix import chaos_of, mix_names, mix_types
 from proof.retry_storm import Scenario, simulate
 from resources.cache import StampedeCache
 from resources.egress import ALLOW_ENV, allow_list
@@ -133,6 +135,29 @@ def stampede(url: str, processes: int = 4, threads: int = 25,
 # -- scene 2: duplicate delivery --------------------------------------------------------------
 
 
+def provider_type() -> JobType:
+    """The job type the scene delivers: the chaos mix's first whose downstream dedupes by the
+    idempotency key it is sent (a payment provider), here a stand-in that ignores it."""
+    for jt in mix_types():
+        if any(d.dedupes for d in jt.calls.clients):
+            return jt
+    raise LookupError("no job type of the chaos mix calls a downstream that dedupes by key")
+
+
+class _NaiveRun:
+    """The naive effect's clients (no idempotency key sent) and database; no fault points."""
+
+    def __init__(self, services: Services, clients: dict[str, Any]) -> None:
+        self.db = services.db
+        self._clients = clients
+
+    def client(self, name: str) -> Any:
+        return self._clients[name]
+
+    def point(self, name: str) -> None:
+        return None
+
+
 def duplicate_delivery(url: str, state: Path, orders: int = 30, copies: int = 3,
                        progress: Progress = _quiet) -> list[list[Any]]:
     gateway = GatewayServer(f"sqlite:///{state / 'gateway.db'}", honour_idempotency_key=False)
@@ -147,8 +172,14 @@ def duplicate_delivery(url: str, state: Path, orders: int = 30, copies: int = 3,
         services = Services.from_settings(settings, lease_seconds=30,
                                           budget_namespace=f"demo{uuid.uuid4().hex[:6]}")
         upgrade(services.db)
-        naive_client = HttpPaymentGateway(gateway.url, send_idempotency_key=False)
-        deliveries = [(f"o{i}", c) for i in range(orders) for c in range(copies)]
+        jt = provider_type()
+        naive = chaos_of(jt).naive
+        sample = chaos_of(jt).sample
+        assert naive is not None and sample is not None
+        run = _NaiveRun(services, {
+            d.name: d.build(settings, ClientOptions(extra={"send_idempotency_key": False}))
+            for d in jt.calls.clients})
+        deliveries = [(i, c) for i in range(orders) for c in range(copies)]
         counter_lock = threading.Lock()
         step = max(1, len(deliveries) // 3)
         rows = []
@@ -158,7 +189,7 @@ def duplicate_delivery(url: str, state: Path, orders: int = 30, copies: int = 3,
             delivered = 0
             progress(f"{mode}: delivering {len(deliveries)} payments ({copies} per order)")
 
-            def deliver(item: tuple[str, int], mode: str = mode) -> None:
+            def deliver(item: tuple[int, int], mode: str = mode) -> None:
                 try:
                     charge(item, mode)
                 finally:
@@ -168,17 +199,17 @@ def duplicate_delivery(url: str, state: Path, orders: int = 30, copies: int = 3,
                         if delivered % step == 0 or delivered == len(deliveries):
                             progress(f"{mode}: {delivered} of {len(deliveries)} delivered")
 
-            def charge(item: tuple[str, int], mode: str) -> None:
+            def charge(item: tuple[int, int], mode: str) -> None:
                 nonlocal suppressed
-                order_id = f"{mode}-{item[0]}"
-                payload = {"order_id": order_id, "amount_cents": 1250, "currency": "EUR"}
+                # each mode its own intents: request i of the sample is intent i
+                payload = sample(item[0] + (orders if mode == "guarded" else 0), False)
                 if mode == "naive":
-                    naive_client.charge(reference=order_id, amount_cents=1250, currency="EUR",
-                                        idempotency_key=None)
+                    clean = jt.validate(dict(payload))
+                    naive(run, clean, jt.keying.key_for(clean), f"demo-{item[0]}")
                     return
                 for _ in range(50):
                     try:
-                        outcome = execute_request("charge_payment", payload, services=services)
+                        outcome = execute_request(jt.name, payload, services=services)
                         if outcome.status == "duplicate":
                             with counter_lock:
                                 suppressed += 1
@@ -256,8 +287,8 @@ def run_demo() -> int:
         print(f"\n(done in {time.monotonic() - started:.0f} s)")
         print(
             "\nWhere to look next, with `sekali dev` running (http://127.0.0.1:3000):\n"
-            "  Jobs:      charge_payment, send_email, ... -> Launchpad: run one twice with the same"
-            " config; the second run is a suppressed duplicate\n"
+            f"  Jobs:      {', '.join(mix_names()[:2])}, ... -> Launchpad: run one twice with"
+            " the same config; the second run is a suppressed duplicate\n"
             "  Runs:      run history, tags sekali/key, sekali/queue, sekali/correlation_id\n"
             "  Sensors:   intake_sensor (sekali enqueue ...), dlq_sensor, dlq_replay_sensor\n"
             "  Assets:    metrics (plots over time), the diagnosis checks; `sekali doctor` prints"

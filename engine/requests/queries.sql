@@ -214,8 +214,25 @@ WHERE r.key IN :keys;
 {read_request} WHERE job_requests.id IN :ids ORDER BY job_requests.id;
 
 -- find_requests --
--- Requests matching {where} (the filters given), newest first.
-{read_request} {where} ORDER BY job_requests.id DESC LIMIT :limit;
+-- Requests matching {where} (the *_filter blocks given, joined by AND; match_all for none),
+-- newest first.
+{read_request} WHERE {where} ORDER BY job_requests.id DESC LIMIT :limit;
+
+-- status_filter --
+-- A filter of find_requests: a status among :statuses.
+status IN :statuses;
+
+-- job_type_filter --
+-- A filter of find_requests: requests of job type :jt.
+job_type = :jt;
+
+-- tenant_filter --
+-- A filter of find_requests: requests of tenant :tenant.
+tenant = :tenant;
+
+-- match_all --
+-- No filter: every row matches.
+1 = 1;
 
 -- counts --
 -- Requests per status.
@@ -325,10 +342,19 @@ EXISTS (SELECT 1 FROM job_requests r
     WHERE r.id = {column} AND r.status NOT IN ('completed', 'coalesced', 'cancelled'));
 
 -- rejections --
--- Refused requests matching {where}, by id {order} (ASC or DESC), at most {limit}.
+-- Refused requests matching {where} (the rejection_*_filter blocks given, joined by AND;
+-- match_all for none), by id {order} (ASC or DESC), at most {limit}.
 SELECT id, job_type, key, payload, field, error, created_at, payload_size, payload_sha256, source
-FROM job_rejections {where}
+FROM job_rejections WHERE {where}
 ORDER BY id {order}{limit};
+
+-- rejection_job_type_filter --
+-- A filter of rejections: refusals of job type :job_type.
+job_type = :job_type;
+
+-- rejection_source_filter --
+-- A filter of rejections: refusals that came in by :source.
+source = :source;
 
 -- rejection_by_id --
 -- One refused request.

@@ -58,15 +58,15 @@ class RequestViews(StoreBase):
         where: list[str] = []
         params: dict[str, Any] = {"limit": int(limit)}
         if status:
-            where.append("status IN :statuses")
+            where.append(self._q["status_filter"])
             params["statuses"] = [str(s) for s in status]
         if job_type is not None:
-            where.append("job_type = :jt")
+            where.append(self._q["job_type_filter"])
             params["jt"] = job_type
         if tenant is not None:
-            where.append("tenant = :tenant")
+            where.append(self._q["tenant_filter"])
             params["tenant"] = tenant
-        clause = "WHERE " + " AND ".join(where) if where else ""
+        clause = " AND ".join(where) or self._q["match_all"]
         stmt = text(self._q["find_requests"].format(where=clause))
         if status:
             stmt = stmt.bindparams(bindparam("statuses", expanding=True))
@@ -234,9 +234,10 @@ class RequestViews(StoreBase):
         newest_first: bool = False,
     ) -> list[dict[str, Any]]:
         """Refused requests (oldest first, or newest first), of one job type or way in."""
-        where = [f"{c} = :{c}" for c, v in (("job_type", job_type), ("source", source)) if v]
+        where = [self._q[f"rejection_{c}_filter"]
+                 for c, v in (("job_type", job_type), ("source", source)) if v]
         sql = self._q["rejections"].format(
-            where=f"WHERE {' AND '.join(where)}" if where else "",
+            where=" AND ".join(where) or self._q["match_all"],
             order="DESC" if newest_first else "ASC",
             limit=f" LIMIT {int(limit)}" if limit is not None else "",
         )

@@ -17,6 +17,7 @@ import string
 import threading
 import typing
 from collections.abc import Callable, Mapping, Sequence
+from email.utils import make_msgid
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -24,14 +25,19 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from engine import (
     SEND_TRIES,
     Calls,
+    ChaosCase,
+    ChaosCount,
+    ChaosProof,
     Check,
     Effect,
     JobContext,
     JobType,
     Keying,
+    NaiveRun,
     Presentation,
     Queue,
     Running,
+    Upkeep,
     formatted,
     require_str,
 )
@@ -280,6 +286,56 @@ def lookup_mails(client: Callable[[str], Any], key: str, payload: Any) -> list[E
     ]
 
 
+# -- what the chaos proof needs (engine.chaos) ------------------------------------------------
+
+CHAOS_DATE = "2026-11-29"
+
+
+def _chaos_sample(i: int, poison: bool) -> dict[str, Any]:
+    """Request ``i`` of the chaos mix: a welcome mail to a user of its own; poison has no
+    address."""
+    return {"template": "welcome", "user_id": f"u{i}", "date": CHAOS_DATE,
+            "to": "not-an-address" if poison else f"u{i}@example.com"}
+
+
+def _naive_send(run: NaiveRun, clean: dict[str, Any], key: str, correlation_id: str) -> None:
+    subject, body = render(clean)
+    run.client(SMTP.name).send(
+        to=clean["to"], subject=subject, body=body,
+        message_id=make_msgid(domain="naive.sekali"), correlation_id=correlation_id,
+    )
+
+
+_RESEND_WINDOWS = ("kill:after_effect", "stop:before_effect", "stop:after_effect",
+                   "pg-restart:outage")
+"""The faults after which one resend of a mail (same Message-ID) is allowed: the holder died
+after the SMTP server accepted and before the record (kill:after_effect), or froze after its
+last lease check (stop:before_effect sits inside the mailer, past confirm_lease;
+stop:after_effect past the send) and was taken over, or the app database restarted under it."""
+
+
+def _count_mails(_: None, case: ChaosCase) -> ChaosCount:
+    """One effect per distinct Message-ID the sink accepted; a resend of one is allowed per
+    fault window that explains it. A takeover no planned kill or stop explains is a holder
+    stalled past its lease by the machine itself: the same window as a stop, so one more
+    resend is allowed per such takeover, and counted."""
+    effects = len({m["message_id"] for m in case.arrivals})
+    planned = sum(n for fault, n in case.struck.items() if fault.startswith(("kill:", "stop:")))
+    unplanned = max(0, case.takeovers - planned)
+    allowed = sum(case.struck.get(fault, 0) for fault in _RESEND_WINDOWS) + unplanned
+    return ChaosCount(effects, resends=len(case.arrivals) - effects, allowed_resends=allowed,
+                      stats={"takeovers_unplanned": unplanned})
+
+
+CHAOS = ChaosProof(
+    mix=(0.7, 0.85), sample=_chaos_sample, naive=_naive_send,
+    effect_calls=("send",), lookup_calls=("find_messages",), after_effect=("after_send",),
+    count=_count_mails, retention_first=True,
+)
+"""Part of the chaos mix, judged by the mail sink's own record; retention-travel plants its
+dead letters on mails first: SMTP dedupes nothing, so a replay after the purge would resend."""
+
+
 JOB_TYPE = JobType(
     name="send_email",
     queue=Queue.LIGHT,
@@ -289,6 +345,7 @@ JOB_TYPE = JobType(
     keying=Keying(key_for=key_for, resource_id=formatted("{user_id}")),
     running=Running(max_runtime_seconds=120, handler_many=send_emails),
     calls=Calls(clients=(SMTP,), lookup=lookup_mails),
+    upkeep=Upkeep(chaos=CHAOS),
     presentation=Presentation(
         description="Send one templated mail per (template, user, date).",
         result_fields=("message_id",),

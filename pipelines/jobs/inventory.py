@@ -10,19 +10,27 @@ States: ``unreserved -> reserved`` (see ``resources/inventory.py`` for release a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
+from sqlalchemy import text
 from sqlalchemy.engine import Connection
 
 from engine import (
+    ChaosCase,
+    ChaosCount,
+    ChaosProof,
     Check,
     Concurrency,
     FlowControl,
     JobContext,
     JobType,
     Keying,
+    NaiveRun,
     Presentation,
     Queue,
     Running,
@@ -31,6 +39,7 @@ from engine import (
     require_str,
 )
 from pipelines.domain.inventory import Inventory, Items, merge_items
+from resources.storage.db import Database
 
 
 class ReserveRequest(BaseModel):
@@ -119,6 +128,82 @@ def _reserve(
     return {"cart_id": p.cart_id, "reserved": {r.sku: r.quantity for r in reservations}}
 
 
+# -- what the chaos proof needs (engine.chaos) ------------------------------------------------
+
+
+def _chaos_sample(i: int, poison: bool) -> dict[str, Any]:
+    """Request ``i`` of the chaos mix: a cart of its own with one SKU of its own; poison
+    reserves none of it."""
+    return {"cart_id": f"c{i}", "items": [{"sku": f"sku-c{i}",
+                                           "quantity": 0 if poison else 1 + i % 3}]}
+
+
+def _seed_stock(db: Database, payloads: Sequence[Mapping[str, Any]]) -> None:
+    """Every SKU a valid reservation names, plenty of it."""
+    inventory = Inventory(db)
+    for payload in payloads:
+        for item in payload["items"]:
+            inventory.set_stock(item["sku"], 1000)
+
+
+def _naive_reserve(run: NaiveRun, clean: dict[str, Any], key: str, correlation_id: str) -> None:
+    """The reservation with no lock, no fence and no key: the stock counter moves on every
+    delivery."""
+    run.point("before_effect")
+    with run.db.transaction() as conn:
+        for item in clean["items"]:
+            conn.execute(
+                text("UPDATE stock SET reserved = reserved + :q, updated_at = :now"
+                     " WHERE sku = :sku"),
+                {"q": item["quantity"], "sku": item["sku"], "now": time.time()},
+            )
+            conn.execute(
+                text("INSERT INTO reservations (cart_id, sku, quantity, status, fence,"
+                     " created_at, updated_at) VALUES (:c, :s, :q, 'reserved', 0, :now,"
+                     " :now) ON CONFLICT DO NOTHING"),
+                {"c": clean["cart_id"], "s": item["sku"], "q": item["quantity"],
+                 "now": time.time()},
+            )
+    run.point("after_effect")
+
+
+@dataclass(frozen=True)
+class _Stock:
+    reserved: dict[str, int]  # sku -> units reserved
+    fences: dict[str, set[int]]  # cart -> the fences on its reservation rows
+
+
+def _gather_stock(db: Database) -> _Stock:
+    fences: dict[str, set[int]] = defaultdict(set)
+    with db.statement() as conn:
+        reserved = {str(r.sku): int(r.reserved) for r in conn.execute(
+            text("SELECT sku, reserved FROM stock"))}
+        for r in conn.execute(text("SELECT cart_id, fence FROM reservations")):
+            fences[str(r.cart_id)].add(int(r.fence))
+    return _Stock(reserved, fences)
+
+
+def _count_reservations(stock: _Stock, case: ChaosCase) -> ChaosCount:
+    """The cart's reservations, counted in the stock itself: units reserved over the cart's
+    quantity (each SKU is the cart's own)."""
+    items = case.payload["items"]
+    quantity = sum(i["quantity"] for i in items) or 1
+    return ChaosCount(sum(stock.reserved.get(i["sku"], 0) for i in items) // quantity)
+
+
+def _reservation_fenced(stock: _Stock, payload: Mapping[str, Any], fence: int) -> str | None:
+    fences = stock.fences.get(payload["cart_id"], set())
+    return None if fences == {fence} else f"reservation fences {sorted(fences)} != {fence}"
+
+
+CHAOS = ChaosProof(
+    mix=(0.85, 1.0), sample=_chaos_sample, seed=_seed_stock, naive=_naive_reserve,
+    after_effect=("before_commit_reservation",), gather=_gather_stock,
+    count=_count_reservations, fenced=_reservation_fenced,
+)
+"""Part of the chaos mix, judged by the stock and the reservation rows."""
+
+
 JOB_TYPE = JobType(
     name="reserve_inventory",
     queue=Queue.LIGHT,
@@ -128,7 +213,7 @@ JOB_TYPE = JobType(
     keying=Keying(key_for=key_for, resource_id=formatted("{cart_id}")),
     running=Running(max_runtime_seconds=120, handler_many=reserve_inventories),
     flow=FlowControl(concurrency=Concurrency("cart:{cart_id}", limit=1)),
-    upkeep=Upkeep(unique=(("reservations", ("cart_id", "sku")),)),
+    upkeep=Upkeep(unique=(("reservations", ("cart_id", "sku")),), chaos=CHAOS),
     presentation=Presentation(
         description="Reserve a cart's items in one transaction with row locks (one at a time "
                     "per cart:{cart_id}).",

@@ -68,7 +68,9 @@ import datetime
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Annotated, Any
 
@@ -79,6 +81,9 @@ from sqlalchemy.engine import Connection
 from engine import (
     SEND_TRIES,
     Calls,
+    ChaosCase,
+    ChaosCount,
+    ChaosProof,
     Check,
     Concurrency,
     Effect,
@@ -86,6 +91,7 @@ from engine import (
     JobContext,
     JobType,
     Keying,
+    NaiveRun,
     Presentation,
     Queue,
     Reconciling,
@@ -116,6 +122,7 @@ from resources.errors import (
     ValidationError,
     shown,
 )
+from resources.storage.db import Database
 
 logger = logging.getLogger(__name__)
 
@@ -557,6 +564,59 @@ WATCHES = (
 """A payment check reads orders changed within the lookback: their actions stay that long."""
 
 
+# -- what the chaos proof needs (engine.chaos) ------------------------------------------------
+
+
+def _chaos_sample(i: int, poison: bool) -> dict[str, Any]:
+    """Request ``i`` of the chaos mix: an order of its own; poison charges a negative amount."""
+    return {"order_id": f"o{i}", "amount_cents": -1 if poison else 100 + i, "currency": "EUR"}
+
+
+def _naive_charge(run: NaiveRun, clean: dict[str, Any], key: str, correlation_id: str) -> None:
+    run.client(GATEWAY.name).charge(
+        reference=reference_for(key), amount_cents=clean["amount_cents"],
+        currency=clean["currency"], idempotency_key=None, correlation_id=correlation_id,
+    )
+
+
+@dataclass(frozen=True)
+class _Orders:
+    fences: dict[str, int]  # order -> the payment fence on its row
+    refunds: Counter[str]  # order -> extra charges reconciliation marked for a refund
+
+
+def _gather_orders(db: Database) -> _Orders:
+    with db.statement() as conn:
+        fences = {str(r.order_id): int(r.payment_fence) for r in conn.execute(
+            text("SELECT order_id, payment_fence FROM orders"))}
+        refunds = Counter(str(r.subject) for r in conn.execute(text(
+            "SELECT subject FROM reconciliation_actions WHERE kind = 'refund_pending'")))
+    return _Orders(fences, refunds)
+
+
+def _count_charges(orders: _Orders, case: ChaosCase) -> ChaosCount:
+    """Each charge the gateway took for the request is an effect; a second one is never
+    excused, and counted as refund-marked once reconciliation marked it."""
+    effects = len(case.arrivals)
+    if effects <= 1:
+        return ChaosCount(effects)
+    marked = min(effects - 1, orders.refunds[str(case.payload["order_id"])])
+    return ChaosCount(effects, stats={"double_charges_refund_marked": marked})
+
+
+def _order_fenced(orders: _Orders, payload: Mapping[str, Any], fence: int) -> str | None:
+    found = orders.fences.get(payload["order_id"])
+    return None if found == fence else f"order fence {found} != {fence}"
+
+
+CHAOS = ChaosProof(
+    mix=(0.0, 0.7), sample=_chaos_sample, naive=_naive_charge,
+    effect_calls=("charge",), lookup_calls=("find_charges",), after_effect=("after_charge",),
+    gather=_gather_orders, count=_count_charges, fenced=_order_fenced,
+)
+"""Most of the chaos mix: a charge per order, judged by the gateway's own charges."""
+
+
 JOB_TYPE = JobType(
     name="charge_payment",
     queue=Queue.HEAVY,
@@ -573,6 +633,7 @@ JOB_TYPE = JobType(
         reconcile=reconcile_payments,
         watches=(WATCHES,),
         unique=(("orders", ("charge_id",)),),
+        chaos=CHAOS,
     ),
     presentation=Presentation(
         description="Charge an order once at the payment gateway (key payment:{order_id}).",

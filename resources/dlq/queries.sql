@@ -46,9 +46,15 @@ WHERE id IN (SELECT record_id FROM dlq_failures WHERE run_id = :run)
 ORDER BY id;
 
 -- select_records --
--- Every record; DlqViews.list_records appends its filters, order and limit.
+-- The records matching {where} (DlqViews.list_records's filters joined by AND; match_all for
+-- none), in its {order}, at most its {limit}.
 SELECT {columns}
-FROM dlq_records;
+FROM dlq_records
+WHERE {where}{order}{limit};
+
+-- match_all --
+-- No filter: every record matches.
+1 = 1;
 
 -- insert_record --
 -- A new open record, unless its dedupe key has one already (then no row back).

@@ -118,13 +118,11 @@ class DlqViews:
         if newer_than is not None:
             where.append("last_failed_at >= :new")
             params["new"] = now - newer_than
-        sql = self._q["select_records"]
-        if where:
-            sql += " WHERE " + " AND ".join(where)
-        if by_id:
-            sql += " ORDER BY id"
-        if limit is not None:
-            sql += f" LIMIT {int(limit)}"
+        sql = self._q["select_records"].format(
+            where=" AND ".join(where) or self._q["match_all"],
+            order=" ORDER BY id" if by_id else "",
+            limit=f" LIMIT {int(limit)}" if limit is not None else "",
+        )
         stmt = text(sql)
         if expanding:
             stmt = stmt.bindparams(*(bindparam(n, expanding=True) for n in expanding))
@@ -226,10 +224,10 @@ class DlqViews:
 
     def inflow_between(self, start: float, end: float | None = None) -> int:
         """How many records first failed at or after ``start`` (and before ``end``)."""
-        query, params = ((self._q["inflow_since"], {"start": start}) if end is None else
-                         (self._q["inflow_between"], {"start": start, "end": end}))
+        name, params = (("inflow_since", {"start": start}) if end is None else
+                        ("inflow_between", {"start": start, "end": end}))
         with self.db.statement() as conn:
-            return int(conn.execute(text(query), params).scalar_one())
+            return int(conn.execute(text(self._q[name]), params).scalar_one())
 
     @staticmethod
     def unresolved_key_reference(column: str) -> str:

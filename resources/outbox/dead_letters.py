@@ -130,10 +130,10 @@ class OutboxDeadLetters:
         limit: int = 100,
     ) -> list[OutboxDeadLetter]:
         """Dead letters (``status``, or all with None) with ``id > after_id``, oldest first."""
-        query = _Q["page"] if status is None else _Q["page_of_status"]
+        name = "page" if status is None else "page_of_status"
         with self.db.statement() as conn:
             rows = conn.execute(
-                text(query),
+                text(_Q[name]),
                 {"after": after_id, "status": str(status), "limit": limit},
             ).all()
         return [OutboxDeadLetter.from_row(r) for r in rows]
@@ -161,7 +161,7 @@ class OutboxDeadLetters:
         """Put the open dead letters ``ids`` back for publication (failures at zero, first of
         their aggregate again); returns the ids replayed (others were not open)."""
         return self._close(ids, DeadLetterStatus.REPLAYED, f"replayed by {actor}",
-                           _Q["republish"])
+                           "republish")
 
     def discard(self, ids: Sequence[int], *, actor: str, reason: str) -> list[int]:
         """Give up on the open dead letters ``ids``: their outbox rows go (the dead letter is
@@ -169,12 +169,14 @@ class OutboxDeadLetters:
         discarded."""
         return self._close(
             ids, DeadLetterStatus.DISCARDED, f"discarded by {actor}: {reason}",
-            _Q["drop_discarded"],
+            "drop_discarded",
         )
 
     def _close(
-        self, ids: Sequence[int], status: DeadLetterStatus, detail: str, outbox_sql: str
+        self, ids: Sequence[int], status: DeadLetterStatus, detail: str, then: str
     ) -> list[int]:
+        """Close each open dead letter of ``ids`` and, in the same transaction, run the named
+        query ``then`` on its outbox row."""
         done = []
         for dead_id in ids:
             with self.db.transaction() as conn:
@@ -184,6 +186,6 @@ class OutboxDeadLetters:
                      "id": dead_id},
                 ).rowcount
                 if changed:
-                    conn.execute(text(outbox_sql), {"id": dead_id})
+                    conn.execute(text(_Q[then]), {"id": dead_id})
                     done.append(dead_id)
         return done

@@ -398,7 +398,7 @@ class Database:
                     with contextlib.suppress(sa_exc.DBAPIError):
                         conn.exec_driver_sql("ROLLBACK")  # a transaction an error left open
                         conn.exec_driver_sql("RESET ALL")
-                        conn.exec_driver_sql("SELECT pg_advisory_unlock_all()")
+                        self.sql_dialect.release_session_locks(conn)
 
     def dispose(self) -> None:
         self.engine.dispose()

@@ -78,6 +78,8 @@ class Context:
 
 _WS = re.compile(r"\s+")
 _IDENT = r"\"?([A-Za-z_][A-Za-z0-9_.]*)\"?"
+_TAKES_NO_TABLE_LOCK = re.compile(
+    r"CREATE OR REPLACE FUNCTION|CREATE FUNCTION|COMMENT ON|SELECT", re.I)
 _VOLATILE = re.compile(r"\b(random|clock_timestamp|gen_random_uuid|uuid_generate_v4|nextval|"
                        r"timeofday)\s*\(", re.I)
 
@@ -89,7 +91,6 @@ def statement_locks(sql: str, context: Context | None = None, *, batched: bool =
     bounded batches (``-- sekali: batch``)."""
     ctx = context if context is not None else Context()
     s = _WS.sub(" ", sql.strip()).rstrip(";")
-    upper = s.upper()
     if m := re.match(rf"CREATE TABLE (?:IF NOT EXISTS )?{_IDENT}", s, re.I):
         ctx.created.add(_name(m.group(1)))
         return [TableLock(_name(m.group(1)), ACCESS_EXCLUSIVE, NEW_TABLE)]
@@ -123,7 +124,7 @@ def statement_locks(sql: str, context: Context | None = None, *, batched: bool =
         return [TableLock(table, mode, work)]
     if m := re.match(rf"(?:VACUUM|ANALYZE)(?: \([^)]*\))? {_IDENT}", s, re.I):
         return [TableLock(_name(m.group(1)), SHARE_UPDATE_EXCLUSIVE, SCAN)]
-    if upper.startswith(("CREATE OR REPLACE FUNCTION", "CREATE FUNCTION", "COMMENT ON", "SELECT")):
+    if _TAKES_NO_TABLE_LOCK.match(s):
         return []
     return [TableLock("?", ACCESS_EXCLUSIVE, UNKNOWN)]
 

@@ -56,6 +56,10 @@ class Dialect(ABC):
         ``shared`` with other shared holders) until it ends."""
 
     @abstractmethod
+    def release_session_locks(self, conn: Connection) -> None:
+        """Drop the session-level locks ``conn`` holds, before it goes back to the pool."""
+
+    @abstractmethod
     def write_boundary(self, conn: Connection) -> tuple[str, list[str]]:
         """How this database keeps concurrent writers apart, in one line for the doctor, and
         what in ``conn``'s database weakens it (empty when nothing)."""
@@ -95,6 +99,9 @@ class SqliteDialect(Dialect):
     def refresh_statistics(self, db: Any, *tables: str) -> None:
         """Nothing: SQLite's planner keeps no statistics unless asked, nor refreshes them."""
 
+    def release_session_locks(self, conn: Connection) -> None:
+        """Nothing: SQLite has no session-level locks."""
+
     def write_boundary(self, conn: Connection) -> tuple[str, list[str]]:
         mode = conn.exec_driver_sql("PRAGMA journal_mode").scalar()
         boundary = f"SQLite journal_mode={mode}, transactions opened with BEGIN IMMEDIATE"
@@ -116,6 +123,9 @@ class PostgresDialect(Dialect):
     def advisory_lock(self, conn: Connection, key: int, *, shared: bool = False) -> None:
         name = "advisory_lock_shared" if shared else "advisory_lock"
         conn.execute(text(_Q[name]), {"key": key})
+
+    def release_session_locks(self, conn: Connection) -> None:
+        conn.execute(text(_Q["unlock_all_advisory"]))
 
     def write_boundary(self, conn: Connection) -> tuple[str, list[str]]:
         return "Postgres: conditional single statements and FOR UPDATE row locks", []

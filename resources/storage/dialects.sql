@@ -11,3 +11,7 @@ SELECT pg_advisory_xact_lock_shared(:key);
 -- analyze --
 -- Postgres: the planner's statistics of {table} (an identifier checked by the caller).
 ANALYZE {table};
+
+-- unlock_all_advisory --
+-- Postgres: drop every session-level advisory lock a pooled connection still holds.
+SELECT pg_advisory_unlock_all();
