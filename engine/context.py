@@ -92,10 +92,10 @@ class JobContext:
         block (the engine wraps the handler in it), so no two handlers on the resource
         overlap while the lock is held; a no-op for a type that declares none.
 
-        Waits at most ``Exclusive.wait`` (then :class:`LockNotAcquired`, transient); renews
-        until the block ends or the handler's ``max_runtime_seconds`` pass (an abandoned
-        handler's lock then expires by its TTL). The lock may still expire under a holder
-        paused longer than its TTL; the fenced write is what stops that holder::
+        Waits at most ``Exclusive.wait`` and never past the handler's bound (then
+        :class:`LockNotAcquired`, transient); renews until the block ends or the handler's
+        bound passes (an abandoned handler's lock then expires by its TTL). The lock may still
+        expire under a holder paused longer than its TTL; the fenced write stops that holder::
 
             t=0   A holds report:r (fence 4), pauses (SIGSTOP) before its write
             t=ttl the lock expires; B, another key on report:r, gets it (fence 5), writes
@@ -108,13 +108,17 @@ class JobContext:
             return
         if self.services.locks is None:
             raise MissingLocks(job_type.name)
-        lock = self.services.locks(resource, blocking_timeout=exclusive.wait,
-                                   max_hold=job_type.running.max_runtime_seconds)
+        until = self.keeper.until if self.keeper is not None else None
+        left = job_type.running.max_runtime_seconds if until is None else until - time.monotonic()
+        lock = self.services.locks(resource, blocking_timeout=max(0.0, min(exclusive.wait, left)),
+                                   max_hold=max(left, 0.001))
         self.check_lease()
         started = time.perf_counter()
         with span("lock.exclusive", lock=resource):
             lock.acquire()
         self._add_lock_wait(time.perf_counter() - started)
+        if until is not None:  # renewal ends with the handler's bound, not a wait later
+            lock.max_hold = max(until - time.monotonic(), 0.001)
         self.lock = lock
         held = time.perf_counter()
         try:

@@ -6,7 +6,9 @@ context gives it, and when it left.
 
 ``python -m tests.exclusive_jobs SPEC_JSON`` runs one request through the engine's step entry in
 a process of its own (SPEC: ``db_url``, ``redis_url``, ``prefix``, ``ttl``, ``payload``), with a
-Redis lock of TTL ``ttl`` as the services' ``locks``, and prints the outcome as one JSON line.
+Redis lock of TTL ``ttl`` as the services' ``locks``, and prints the outcome as one JSON line;
+with ``payloads`` instead, one micro-batch through ``execute_batch`` (a resident worker's path),
+one line per request.
 Named in ``SEKALI_JOB_MODULES`` by those processes, nowhere else.
 """
 
@@ -73,7 +75,7 @@ JOB_TYPE = JobType(
 
 def main(argv: list[str]) -> int:
     from engine.attempts import AttemptRecorder
-    from engine.runtime import execute_request
+    from engine.runtime import BatchRequest, execute_batch, execute_request
     from engine.services import Services
     from resources.idempotency import IdempotencyStore
     from resources.locks import RedisLock
@@ -86,6 +88,11 @@ def main(argv: list[str]) -> int:
                               prefix=spec["prefix"])
     services = Services(db=db, store=IdempotencyStore(db, lease_seconds=60.0),
                         attempts=AttemptRecorder(db), locks=locks)
+    if "payloads" in spec:
+        batch = [BatchRequest("exclusive_probe", p) for p in spec["payloads"]]
+        for got in execute_batch(batch, services=services):
+            print(json.dumps({"status": getattr(got, "status", type(got).__name__)}), flush=True)
+        return 0
     try:
         outcome = execute_request("exclusive_probe", spec["payload"], services=services)
     except Exception as exc:  # noqa: BLE001 - the test reads what the step raised

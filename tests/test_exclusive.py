@@ -81,6 +81,27 @@ def test_handlers_of_one_declared_resource_never_overlap_across_processes(
     db.dispose()
 
 
+def test_micro_batches_on_one_resource_take_turns_per_request(
+    db_url: str, redis_url: str, namespace: str
+) -> None:
+    """Catches: the batch path (a resident worker's ``execute_batch``) running an exclusive
+    type's handlers without the lock, while the per-request path takes it. Two processes, two
+    requests each, one resource: no two handlers overlap, fences grow."""
+    db = _migrated(db_url)
+    spec = {"db_url": db_url, "redis_url": redis_url, "prefix": f"{namespace}:lock:",
+            "ttl": 10.0}
+    procs = [_start({**spec, "payloads": [{"n": f"m{i}{j}", "resource": "r3", "hold": 0.3}
+                                          for j in range(2)]}) for i in range(2)]
+    for proc in procs:
+        out, _ = proc.communicate(timeout=GUARD)
+        assert proc.returncode == 0 and out.count('"completed"') == 2, out
+    rows = _writes(db)
+    assert len(rows) == 4 and {r.scope for r in rows} == {"probe:r3"}
+    for before, after in zip(rows, rows[1:], strict=False):
+        assert after.entered >= before.left_at and after.fence > before.fence
+    db.dispose()
+
+
 def test_a_holder_whose_lock_expired_has_its_write_rejected_by_the_database(
     db_url: str, redis_url: str, namespace: str
 ) -> None:
