@@ -11,13 +11,17 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 from sqlalchemy import text
 
-from engine import Exclusive, JobType, Keying, Queue, Running, formatted
+from engine import Exclusive, JobType, Keying, Queue, Running, Services, execute_request, formatted
+from engine.attempts import AttemptRecorder
+from engine.services import MissingLocks
+from resources.idempotency import IdempotencyStore
 from resources.locks import Fence, fence_status, fenced
 from resources.storage.db import Database
 from resources.storage.migrations import upgrade
@@ -175,3 +179,20 @@ def test_an_exclusive_declaration_names_a_payload_field_and_needs_the_locks_reso
     assert declared.exclusive_on({"report": "x"}) == "report:x"
     with pytest.raises(ValueError, match="names no field 'account'"):
         declare("account:{account}")
+    with pytest.raises(ValueError, match="handler_many"):
+        replace(declared, running=replace(declared.running, handler_many=lambda pairs: []))
+
+
+def test_an_exclusive_type_without_locks_fails_permanently_before_its_handler(
+    db: Database,
+) -> None:
+    """Catches: an engine that runs an exclusive type's handler unlocked when the run has no
+    lock factory (the built-in report rebuild, services without ``locks``): it must refuse,
+    permanently, having written nothing."""
+    services = Services(db=db, store=IdempotencyStore(db, lease_seconds=30.0),
+                        attempts=AttemptRecorder(db))
+    with pytest.raises(MissingLocks):
+        execute_request("rebuild_report_cache",
+                        {"report": "stock_levels", "as_of": "no-locks"}, services=services)
+    with db.statement() as conn:
+        assert conn.execute(text("SELECT COUNT(*) FROM report_snapshots")).scalar() == 0
