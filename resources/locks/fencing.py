@@ -14,13 +14,16 @@ write; the database can. Both hand out tokens that only grow, so both are one :c
 A handler writes with the one fence its :class:`engine.context.JobContext` gives
 (``ctx.write_fence``): the lock's when its job type declares a resource, else the claim's.
 
-The check is one rule, recorded in one of two places. :func:`fenced_write` records the highest
-token per scope in ``fence_registry``: its transaction's first statement is a conditional
+The check is one rule, recorded in one of two places. :func:`fenced` (and
+:func:`fenced_write`, which spells the fence out) records the highest token per scope in
+``fence_registry``: its transaction's first statement is a conditional
 upsert that applies only when the token is above the highest the scope has seen, or equal to it
 from the holder recorded with it; the business write then goes on the yielded connection, so
 it commits only if the fence held. :func:`fenced_update` is the same rule kept on a business row
 that is its own scope (``orders.payment_fence`` for the key ``payment:{order_id}``): the
-``UPDATE`` applies only while the row's fence is not above the caller's, and records it.
+``UPDATE`` applies only while the row's fence is not above the caller's, and records it; an
+equal token passes without a holder there, since that scope's tokens come from one ledger row,
+which never hands one out twice.
 
 Timeline of the race it stops::
 
