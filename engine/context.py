@@ -133,11 +133,13 @@ class JobContext:
     def fenced_transaction(self, name: str = "transaction") -> Iterator[Connection]:
         """A transaction on the app database that commits only if :attr:`write_fence` is still
         the newest of its scope (:func:`resources.locks.fenced`): :class:`FencedWriteRejected`
-        and nothing committed otherwise. The database decides, not a local look at the lock."""
+        and nothing committed otherwise. The database decides, not a local look at the lock. A
+        rejection under a lock is counted in that lock's stats too (``fenced_rejected``)."""
         self.check_lease()
         fence = self.write_fence
+        observer = self.lock.observer if self.lock is not None else None
         started = time.perf_counter()
-        with self.timed(name), fenced(self.services.db, fence) as conn:
+        with self.timed(name), fenced(self.services.db, fence, observer=observer) as conn:
             self._add_lock_wait(time.perf_counter() - started)
             yield conn
 
