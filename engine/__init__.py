@@ -5,16 +5,16 @@ No business word and no Dagster here: the job types live in the code location
 registry; the Dagster adapter, the CLI and the proof stand above. Public names:
 
 - the contract a job type module writes against: :class:`JobType` and its option groups
-  (:class:`Keying`, :class:`Running`, :class:`Calls`, :class:`FlowControl` with
-  :class:`Concurrency`, :class:`Upkeep`, :class:`Presentation`), the :class:`Queue`,
-  :class:`PayloadField`,
+  (:class:`Keying`, :class:`Running` with :class:`Exclusive`, :class:`Calls`,
+  :class:`FlowControl` with :class:`Concurrency`, :class:`Upkeep`, :class:`Presentation`), the
+  :class:`Queue`, :class:`PayloadField`,
   the payload model's :class:`Check`, ``formatted`` keys, the lookup hook's :class:`Effect`
   and :data:`Lookup`, :class:`Debounce`, :class:`LeaseBounds`, :class:`Retained`,
   :class:`Downstream`, :class:`ClientOptions`, :class:`Sandbox`, the hook protocols
   :class:`Reconciling` and :class:`Tally`, the handler's :class:`JobContext`, ``crash_point``,
-  ``fenced_update``, ``batch_slots``, ``SEND_TRIES`` and the ``require_*`` /
-  ``reject_unknown`` checks; what the chaos proof asks of a type (:class:`ChaosProof`,
-  :class:`ChaosCase`, :class:`ChaosCount`, :class:`NaiveRun`);
+  ``fenced`` and ``fenced_update`` (the one fence check), ``batch_slots``, ``SEND_TRIES`` and
+  the ``require_*`` / ``reject_unknown`` checks; what the chaos proof asks of a type
+  (:class:`ChaosProof`, :class:`ChaosCase`, :class:`ChaosCount`, :class:`NaiveRun`);
 - the registry: :func:`get_job_type`, ``JOB_TYPES``, :func:`downstreams`;
 - the ways in: :func:`enqueue` (intake) and :func:`execute_request` (the one execution path),
   with the :class:`Services` they run on.
@@ -27,6 +27,7 @@ from engine.contract import (
     Concurrency,
     Debounce,
     Effect,
+    Exclusive,
     FlowControl,
     JobType,
     Keying,
@@ -40,6 +41,7 @@ from engine.contract import (
     Tally,
     Upkeep,
     crash_point,
+    fenced,
     fenced_update,
     formatted,
     reject_unknown,
@@ -67,6 +69,7 @@ __all__ = [
     "Debounce",
     "Downstream",
     "Effect",
+    "Exclusive",
     "FlowControl",
     "JobContext",
     "JobType",
@@ -89,6 +92,7 @@ __all__ = [
     "downstreams",
     "enqueue",
     "execute_request",
+    "fenced",
     "fenced_update",
     "formatted",
     "get_job_type",

@@ -1,6 +1,6 @@
 """The :class:`JobContext` a handler works through for one claimed attempt: the claim and its
-lease keeper, the attempt record and its timings, the downstream clients, transactions with
-row locks, and the concurrency slot of its key.
+lease keeper, the one fence it writes with, the attempt record and its timings, the downstream
+clients, transactions with row locks, and the concurrency slot of its key.
 
 A handler is a plain function ``handler(ctx, payload) -> result`` that needs no Dagster
 context, so the per-request op, the intake's batch ops and the chaos harness all run the same
@@ -20,11 +20,11 @@ from sqlalchemy.engine import Connection, Row
 from engine.attempts import Attempt
 from engine.contract import JobType, crash_point
 from engine.requests import CancelState, RequestStore
-from engine.services import Services
+from engine.services import MissingLocks, Services
 from resources.errors import RequestCancelled
 from resources.flow import Slot
 from resources.idempotency import Claim, Keeper
-from resources.locks import lock_row
+from resources.locks import BaseLock, Fence, fenced, lock_row
 from resources.telemetry.tracing import span
 
 SEND_BOUND = 0.4
@@ -59,6 +59,9 @@ class JobContext:
     declared_lease: float | None = None
     """The job type's declared lease (:attr:`engine.durations.LeaseChoice.declared`): a send's
     window after its stamp follows it, not the lease the durations grew; None: the lease."""
+    lock: BaseLock | None = None
+    """The lock of the job type's exclusive resource while the handler holds it
+    (:meth:`exclusive`); None for a type that declares none."""
     _lock_wait: float = field(default=0.0, repr=False)
     _sent: bool = field(default=False, repr=False)
     _stamped: float | None = field(default=None, repr=False)
@@ -69,8 +72,76 @@ class JobContext:
         return self.claim.key
 
     @property
+    def write_fence(self) -> Fence:
+        """The one fence this attempt writes with (:mod:`resources.locks.fencing`): the lock's
+        (scope the resource, token the lock's fence) while the handler holds its job type's
+        exclusive resource, else the claim's (scope the key, token the ledger's fence). Either
+        way a holder that lost its grant to a newer one has its fenced write rejected."""
+        if self.lock is not None:
+            return Fence.of_lock(self.lock)
+        return Fence.of_claim(self.claim)
+
+    @property
     def fence(self) -> int:
-        return self.claim.fence
+        """The token of :attr:`write_fence` (what ``fenced_update`` records on a row)."""
+        return self.write_fence.token
+
+    @contextlib.contextmanager
+    def exclusive(self, job_type: JobType) -> Iterator[None]:
+        """Hold the lock of ``job_type``'s exclusive resource for this payload around the
+        block (the engine wraps the handler in it), so no two handlers on the resource
+        overlap while the lock is held; a no-op for a type that declares none.
+
+        Waits at most ``Exclusive.wait`` and never past the handler's bound (then
+        :class:`LockNotAcquired`, transient); renews until the block ends or the handler's
+        bound passes (an abandoned handler's lock then expires by its TTL). The lock may still
+        expire under a holder paused longer than its TTL; the fenced write stops that holder::
+
+            t=0   A holds report:r (fence 4), pauses (SIGSTOP) before its write
+            t=ttl the lock expires; B, another key on report:r, gets it (fence 5), writes
+            later A resumes, writes with (report:r, 4): rejected, nothing of it committed
+        """
+        resource = job_type.exclusive_on(self.payload)
+        exclusive = job_type.running.exclusive
+        if resource is None or exclusive is None:
+            yield
+            return
+        if self.services.locks is None:
+            raise MissingLocks(job_type.name)
+        until = self.keeper.until if self.keeper is not None else None
+        left = job_type.running.max_runtime_seconds if until is None else until - time.monotonic()
+        lock = self.services.locks(resource, blocking_timeout=max(0.0, min(exclusive.wait, left)),
+                                   max_hold=max(left, 0.001))
+        self.check_lease()
+        started = time.perf_counter()
+        with span("lock.exclusive", lock=resource):
+            lock.acquire()
+        self._add_lock_wait(time.perf_counter() - started)
+        if until is not None:  # renewal ends with the handler's bound, not a wait later
+            lock.max_hold = max(until - time.monotonic(), 0.001)
+        self.lock = lock
+        held = time.perf_counter()
+        try:
+            self.check_lease()
+            yield
+        finally:
+            self.lock = None
+            lock.release()
+            self.attempt.add_duration("lock_held", time.perf_counter() - held)
+
+    @contextlib.contextmanager
+    def fenced_transaction(self, name: str = "transaction") -> Iterator[Connection]:
+        """A transaction on the app database that commits only if :attr:`write_fence` is still
+        the newest of its scope (:func:`resources.locks.fenced`): :class:`FencedWriteRejected`
+        and nothing committed otherwise. The database decides, not a local look at the lock. A
+        rejection under a lock is counted in that lock's stats too (``fenced_rejected``)."""
+        self.check_lease()
+        fence = self.write_fence
+        observer = self.lock.observer if self.lock is not None else None
+        started = time.perf_counter()
+        with self.timed(name), fenced(self.services.db, fence, observer=observer) as conn:
+            self._add_lock_wait(time.perf_counter() - started)
+            yield conn
 
     def crash_point(self, name: str) -> None:
         crash_point(name)

@@ -1,6 +1,7 @@
 """What a job type declares: the :class:`JobType` (its payload's fields and validation, its
 key, queue, budget and side-effect nature, flow-control needs, the downstreams it calls and its
-upkeep hooks), and the helpers every job type uses to check input and write fenced.
+upkeep hooks), and the helpers every job type uses to check input and write fenced (with the
+one fence of its context, ``ctx.write_fence``: :mod:`resources.locks.fencing`).
 
 A job type is one module that defines a module-level ``JOB_TYPE`` (or several in a ``JOB_TYPES``
 list); the registry (:mod:`engine.registry`) finds it, and everything else is derived from the
@@ -34,6 +35,7 @@ from engine.durations import LeaseBounds
 from engine.payloads import PayloadField as PayloadField  # re-exported: the contract names it
 from engine.tenants import DEFAULT_TENANT, check_tenant
 from resources.errors import ValidationError, shown
+from resources.locks.fencing import fenced as fenced  # re-exported: job types
 from resources.locks.fencing import fenced_update as fenced_update  # re-exported: job types
 from resources.storage.db import Database
 from resources.storage.retention import Expiry
@@ -215,6 +217,28 @@ class Keying:
     dedupe_window: float | None = None
 
 
+@dataclass(frozen=True)
+class Exclusive:
+    """Handlers of this job type on one resource never overlap, across every worker: ``on``
+    names the resource from the validated payload (``formatted("report:{report}")``; job types
+    naming the same resource serialise with each other).
+
+    The engine holds the lock of that name (the ``locks`` service, Redis or the database)
+    around the handler, waiting at most ``wait`` seconds (then :class:`LockNotAcquired`,
+    transient), renewing it until the handler returns or its ``max_runtime_seconds`` pass, and
+    gives the handler the lock's fence as ``ctx.write_fence``: a handler whose lock expired
+    (a pause past the TTL) has its fenced write rejected by the database
+    (:mod:`resources.locks.fencing`). The claim still keeps one effect per key; the lock
+    serialises different keys on one resource."""
+
+    on: Callable[[dict[str, Any]], str]
+    wait: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.wait < 0:
+            raise ValueError(f"exclusive wait must be >= 0, got {self.wait}")
+
+
 @dataclass(frozen=True, kw_only=True)
 class Running:
     """How a request runs: its budget, how it reaches the handler, its lease.
@@ -225,15 +249,17 @@ class Running:
     ``lease``: declared until durations are observed, then p99.9 x a factor between a floor
     and a ceiling (:mod:`engine.durations`); None: the platform's defaults. ``needs``: platform
     services beyond the ledger the handler uses (``cache``; no lock: the claim and its fence
-    are the mutual exclusion). ``handler_many``: the effects of a micro-batch in as few
-    transactions or connections as the type allows; without it a batch runs the handler once
-    per request.
+    are the mutual exclusion of one key). ``exclusive``: the resource whose handlers must not
+    overlap across keys (:class:`Exclusive`); None: the claim alone. ``handler_many``: the
+    effects of a micro-batch in as few transactions or connections as the type allows; without
+    it a batch runs the handler once per request.
     """
 
     max_runtime_seconds: float
     delivery: str | None = None
     lease: LeaseBounds | None = None
     needs: frozenset[str] = frozenset()
+    exclusive: Exclusive | None = None
     handler_many: BatchHandler | None = None
 
 
@@ -395,6 +421,9 @@ class JobType(Generic[P]):
                 f"{self.name}: running.needs {sorted(unknown)} unknown (known: "
                 f"{sorted(PLATFORM_NEEDS)})"
             )
+        if self.running.exclusive is not None and self.running.handler_many is not None:
+            raise ValueError(f"{self.name}: running.exclusive holds one resource per handler; "
+                             "it cannot be declared with handler_many")
         if self.upkeep.checks and self.upkeep.reconcile is None:
             raise ValueError(
                 f"{self.name}: upkeep.checks {self.upkeep.checks} declared without reconcile")
@@ -414,7 +443,10 @@ class JobType(Generic[P]):
             object.__setattr__(self, "presentation",
                                replace(shown, fields=fields, example=example))
         known = {f.name for f in fields}
-        for hook in (self.keying.key_for, self.keying.resource_id):
+        exclusive = self.running.exclusive
+        hooks = (self.keying.key_for, self.keying.resource_id,
+                 *((exclusive.on,) if exclusive is not None else ()))
+        for hook in hooks:
             unknown = [n for n in getattr(hook, "names", ()) if n not in known]
             if unknown:
                 raise ValueError(f"{self.name}: {hook.__name__} names no field {unknown[0]!r}")
@@ -450,7 +482,14 @@ class JobType(Generic[P]):
         keys = set(self.running.needs) | {d.name for d in self.calls.clients}
         if self.flow.concurrency is not None:
             keys.add("concurrency")
+        if self.running.exclusive is not None:
+            keys.add("locks")
         return frozenset(keys)
+
+    def exclusive_on(self, payload: dict[str, Any]) -> str | None:
+        """The resource a validated payload's handler holds exclusively, or None."""
+        exclusive = self.running.exclusive
+        return None if exclusive is None else exclusive.on(payload)
 
     @property
     def missing_lookup(self) -> bool:

@@ -33,6 +33,10 @@ engine owns the process it ends it: a resident worker ends itself after the batc
 (:class:`engine.worker.ResidentWorker`), a per-request run ends with its op, the chaos worker
 exits; a caller of its own should do the same.
 
+A job type that declares ``Running.exclusive`` has its handler run holding the lock of that
+resource (:meth:`engine.context.JobContext.exclusive`), taken after the claim in the handler's
+bounded thread and released when it returns; the handler then writes with the lock's fence.
+
 Outcomes recorded: completed, duplicate_suppressed, retried, failed_permanent, dead_lettered
 (via ``decide``), lease_lost, in_progress_elsewhere.
 """
@@ -165,8 +169,8 @@ def execute_request(
             ctx.cancel_point("start")
             typed = jt.typed(clean)
             try:
-                result = run_bounded(lambda: jt.handler(ctx, typed), until=asked + bound,
-                                     name=f"handler:{key}")
+                result = run_bounded(functools.partial(_run_handler, jt, ctx, typed),
+                                     until=asked + bound, name=f"handler:{key}")
             except Overran as late:
                 raise HandlerTimedOut(key, bound, where=late.where) from None
             finally:
@@ -437,14 +441,22 @@ def _handle(jt: JobType, keeper: BatchLeaseKeeper, items: list[_Item]) -> list[A
     for ctx, typed in pairs:
         until = keeper.bound(ctx.key, bound)
         try:
-            results.append(run_bounded(functools.partial(jt.handler, ctx, typed), until=until,
-                                       name=f"handler:{ctx.key}"))
+            results.append(run_bounded(functools.partial(_run_handler, jt, ctx, typed),
+                                       until=until, name=f"handler:{ctx.key}"))
         except Overran as late:
             results.append(HandlerTimedOut(ctx.key, bound, where=late.where))
         except Exception as exc:  # noqa: BLE001 - this request's failure, not the batch's
             results.append(exc)
         keeper.met(ctx.key)
     return results
+
+
+def _run_handler(jt: JobType, ctx: JobContext, typed: Any) -> Any:
+    """The handler, holding its job type's exclusive resource if it declares one
+    (:meth:`JobContext.exclusive`), inside the handler's bounded thread: the lock is taken
+    after the claim and released when the handler returns."""
+    with ctx.exclusive(jt):
+        return jt.handler(ctx, typed)
 
 
 def _handle_many(jt: JobType, pairs: list[tuple[JobContext, Any]], until: float) -> list[Any]:

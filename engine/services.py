@@ -4,6 +4,7 @@ and the chaos harness, so every way a job runs takes one code path."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,6 +17,7 @@ from resources.cache import StampedeCache
 from resources.errors import SekaliError
 from resources.flow import ConcurrencyLimits, RateLimits
 from resources.idempotency import IdempotencyStore
+from resources.locks import LockFactory, RedisLock
 from resources.retry import RetryBudget, RetryPolicy
 from resources.storage.db import Database, shared_database
 from resources.storage.redis import redis_client
@@ -42,6 +44,25 @@ class MissingClient(SekaliError):
         self.name = name
 
 
+class MissingLocks(SekaliError):
+    """A job type declares ``Running.exclusive`` but the services carry no lock factory: wire
+    the ``locks`` resource (backend ``redis`` or ``db``), or give ``Services(locks=...)``."""
+
+    permanent = True
+
+    def __init__(self, job_type: str) -> None:
+        super().__init__(
+            f"{job_type} declares running.exclusive but this run has no locks: wire the 'locks' "
+            "resource (backend redis or db) or give Services(locks=...)"
+        )
+        self.job_type = job_type
+
+
+LOCK_TTL_SECONDS = 30.0
+"""The TTL of an exclusive job type's lock when the services are built from settings; the
+watchdog renews it every third of that while the handler runs."""
+
+
 @dataclass
 class Services:
     """Everything :func:`engine.runtime.execute_request` may use.
@@ -54,7 +75,9 @@ class Services:
     downstream is conclusive (longer than 0.4 of a lease, the latest a send written down may
     leave after its ``sent_at``, plus the downstream's longest processing time).
     ``crash_loop_limit``: the deaths mid-run a key may cause before it is dead-lettered as
-    ``crash_loop`` (``SEKALI_CRASH_LOOP_LIMIT``, 3).
+    ``crash_loop`` (``SEKALI_CRASH_LOOP_LIMIT``, 3). ``locks`` makes the lock a job type that
+    declares ``Running.exclusive`` holds around its handler; without it such a type fails
+    (:class:`MissingLocks`).
     """
 
     db: Database
@@ -65,6 +88,7 @@ class Services:
     retry_policy: RetryPolicy = field(default_factory=RetryPolicy)
     retry_budget: RetryBudget | None = None
     concurrency: ConcurrencyLimits | None = None
+    locks: LockFactory | None = None
     settle_seconds: float = DEFAULT_GATEWAY_SETTLE_SECONDS
     crash_loop_limit: int = field(default_factory=crash_loop_limit)
     durations: DurationModel | None = None
@@ -144,13 +168,14 @@ class Services:
             retry_policy=retry_policy or RetryPolicy(),
             retry_budget=RetryBudget(client, namespace=budget_namespace),
             concurrency=ConcurrencyLimits(client, lease=min(30.0, lease_seconds)),
+            locks=functools.partial(RedisLock, client, ttl=LOCK_TTL_SECONDS),
             settle_seconds=settings.gateway_settle_seconds,
         )
 
     @classmethod
     def from_context(cls, context: Any) -> Services:
         """From an op's resources: ``idempotency``, ``app_db`` (optional: the store's database),
-        one per downstream (by its name), ``cache``, ``retry``, ``concurrency``
+        one per downstream (by its name), ``cache``, ``retry``, ``concurrency``, ``locks``
         (each optional but the first)."""
         configure_tracing()
         res = context.resources
@@ -160,6 +185,7 @@ class Services:
         retry = _optional(res, "retry")
         cache = _optional(res, "cache")
         concurrency = _optional(res, "concurrency")
+        locks = _optional(res, "locks")
         wired = {name: _optional(res, name) for name in downstreams()}
         wired = {name: resource for name, resource in wired.items() if resource is not None}
         return cls(
@@ -171,6 +197,7 @@ class Services:
             retry_policy=retry.get_policy() if retry is not None else RetryPolicy(),
             retry_budget=retry.get_budget() if retry is not None else None,
             concurrency=concurrency.get_limits() if concurrency is not None else None,
+            locks=locks.get_factory() if locks is not None else None,
             settle_seconds=settle_seconds_of(wired.values()),
         )
 

@@ -29,6 +29,7 @@ depends on how deliveries reach the workers.
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import logging
 from collections import Counter, defaultdict
@@ -48,6 +49,7 @@ from proof.chaos_typed import Sandboxes, environment, varied
 from proof.chaos_worker import lookup_reads
 from resources.errors import SekaliError, ValidationError
 from resources.idempotency import IdempotencyStore
+from resources.locks import DbLock
 from resources.storage.db import Database
 from resources.storage.migrations import upgrade
 
@@ -179,6 +181,7 @@ def calibrate(jt: JobType, sandboxes: Sandboxes, state: Path, *, runs: int, keys
                 upgrade(db)
                 services = Services(db=db, store=IdempotencyStore(db, lease_seconds=lease),
                                     attempts=AttemptRecorder(db), clients=dict(blanked),
+                                    locks=functools.partial(DbLock, db, ttl=lease),
                                     settle_seconds=settle)
                 with environment(sandboxes.env):
                     execute_request(jt.name, payload, services=services,

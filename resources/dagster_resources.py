@@ -16,6 +16,7 @@ every sekali config and resource class hands Dagster plain text (:func:`plain_te
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import re
@@ -30,7 +31,7 @@ from resources.cache import CachePolicy, StampedeCache
 from resources.dlq import DlqStore
 from resources.flow import ConcurrencyLimits, RateLimits
 from resources.idempotency import IdempotencyStore
-from resources.locks import DbLock, NoLock, RedisLock
+from resources.locks import DbLock, LockFactory, NoLock, RedisLock
 from resources.retry import ErrorClass, RetryBudget, RetryDecision, RetryPolicy
 from resources.storage.db import Database, shared_database
 from resources.storage.migrations import ensure_schema
@@ -216,6 +217,16 @@ class LockResource(SettingsResource):
         if self.backend == "redis":
             return RedisLock(self._get(), name, **common)
         return DbLock(self._get(), name, **common)
+
+    def get_factory(self) -> LockFactory | None:
+        """What the engine takes an exclusive job type's lock from (``Services.locks``): this
+        backend and TTL, the caller's wait and hold bounds; None for ``none``, which cannot
+        exclude."""
+        if self.backend == "none":
+            return None
+        cls = RedisLock if self.backend == "redis" else DbLock
+        return functools.partial(cls, self._get(), ttl=self.ttl_seconds,
+                                 auto_renew=self.auto_renew)
 
 
 class ConcurrencyResource(SettingsResource):

@@ -256,6 +256,18 @@ def test_4_lock_ttl_shorter_than_critical_section(env: Env) -> None:
     assert renewed.severity == WARN and "only renewal keeps" in renewed.found
 
 
+def test_4_no_lock_backend_fails_the_job_types_that_declare_a_resource_exclusive(
+    env: Env,
+) -> None:
+    """Catches: a doctor that calls a missing lock backend harmless while a job type holds a
+    lock around its handler (``rebuild_report_cache``): its requests would all fail."""
+    finding = only_failing(env, "lock_ttl", lock_ttl_seconds=None)
+    assert finding.severity == ERROR and "rebuild_report_cache" in finding.found
+    assert "running.exclusive" in finding.found and "write_fence" in finding.fix
+    healthy = by_name(diagnose(env.setup()))["lock_ttl"]
+    assert healthy.passed and "rebuild_report_cache" in healthy.found
+
+
 def test_5_retries_without_jitter(env: Env) -> None:
     """A cohort failing together and retrying with jitter='none' retries in lockstep."""
     retry_cohort(env, "payment:storm", jitter="none", rounds=2)

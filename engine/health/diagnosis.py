@@ -392,11 +392,31 @@ def _critical_section(a: dict[str, Any], keys: tuple[str, ...]) -> float | None:
     return None
 
 
+def exclusive_types(job_types: Mapping[str, Any]) -> list[str]:
+    """The job types that declare ``Running.exclusive``: the engine holds a lock around their
+    handlers, and they write with its fence."""
+    return sorted(n for n, jt in job_types.items()
+                  if getattr(getattr(jt, "running", None), "exclusive", None) is not None)
+
+
 def check_lock_ttl(s: DiagnosisSetup) -> Finding:
     """A lock whose TTL is shorter than the critical section expires while held: without
-    renewal another worker enters; with renewal only a stalled watchdog does."""
+    renewal another worker enters; with renewal only a stalled watchdog does. Either way the
+    one fence (:mod:`resources.locks.fencing`) refuses the stale holder's write: the lock's
+    for the job types that declare a resource exclusive, the claim's for the others. Without a
+    lock backend those job types cannot run."""
+    exclusive = exclusive_types(s.job_types)
     if s.lock_ttl_seconds is None:
-        return _finding("lock_ttl", WARN, True, "no lock backend configured (NoLock).",
+        if exclusive:
+            return _finding(
+                "lock_ttl", ERROR, False,
+                f"no lock backend configured (NoLock), but {exclusive} declare "
+                "running.exclusive: their requests fail (MissingLocks).",
+                "Set LockResource.backend to redis or db: the engine holds that lock around "
+                "their handlers and they write with its fence (ctx.write_fence).",
+                exclusive=exclusive)
+        return _finding("lock_ttl", WARN, True, "no lock backend configured (NoLock); no job "
+                        "type declares running.exclusive (each writes with its claim's fence).",
                         "Nothing to change.")
     held = [
         v for a in s.attempts()
@@ -406,14 +426,15 @@ def check_lock_ttl(s: DiagnosisSetup) -> Finding:
     p99 = percentile(held, 0.99)
     renew = "on" if s.lock_auto_renew else "off"
     evidence = {"ttl": s.lock_ttl_seconds, "auto_renew": s.lock_auto_renew,
-                "p99_critical_section": p99, "samples": len(held)}
+                "p99_critical_section": p99, "samples": len(held), "exclusive": exclusive}
     if held and p99 > s.lease_margin * s.lock_ttl_seconds and not s.lock_auto_renew:
         return _finding(
             "lock_ttl", ERROR, False,
             f"lock TTL {s.lock_ttl_seconds:g}s with renewal off, but the p99 critical section "
             f"is {_fmt(p99)} over {len(held)} attempts: locks expire while held.",
             f"Turn LockResource.auto_renew on, or raise ttl_seconds to at least "
-            f"{math.ceil(p99 * 2):d}s; keep fenced writes so a stale holder is refused.",
+            f"{math.ceil(p99 * 2):d}s; a stale holder is still refused at its write (the one "
+            "fence: the lock's for exclusive job types, the claim's for the others).",
             **evidence,
         )
     if held and p99 > s.lock_ttl_seconds:
@@ -428,7 +449,8 @@ def check_lock_ttl(s: DiagnosisSetup) -> Finding:
     return _finding(
         "lock_ttl", ERROR, True,
         f"lock TTL {s.lock_ttl_seconds:g}s (renewal {renew}); p99 critical section "
-        f"{_fmt(p99)} over {len(held)} attempts.",
+        f"{_fmt(p99)} over {len(held)} attempts; exclusive job types (writing with the lock's "
+        f"fence): {exclusive or 'none'}.",
         "Nothing to change.", **evidence,
     )
 

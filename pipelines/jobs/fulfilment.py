@@ -90,7 +90,8 @@ def cart_for(order_id: str) -> str:
 
 def _set_status(ctx: JobContext, conn: Connection, order_id: str, status: str) -> None:
     fenced_update(
-        conn, "orders", "order_id", order_id, fence_column="fulfilment_fence", fence=ctx.fence,
+        conn, "orders", "order_id", order_id, fence_column="fulfilment_fence",
+        fence=ctx.write_fence,
         assignments="fulfilment_status = :s, updated_at = :now",
         params={"s": status, "now": time.time()},
     )

@@ -3,7 +3,10 @@
 One transaction locks the stock rows, checks availability, writes the reservations and completes
 the key, so the reservation and the "done" mark commit together. The primary key
 ``reservations(cart_id, sku)`` and the CHECK ``reserved <= on_hand`` are the guarantee; the
-claim and the row locks only keep workers from colliding on it.
+claim and the row locks only keep workers from colliding on it. So it declares no exclusive
+resource (``Running.exclusive``): a cart spans several SKUs, whose rows its one transaction
+already locks in SKU order, and a lock per SKU would add round trips and guarantee nothing the
+database does not; its writes carry the claim's fence.
 
 States: ``unreserved -> reserved`` (see ``resources/inventory.py`` for release and ship).
 """

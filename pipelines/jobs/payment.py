@@ -257,7 +257,8 @@ def sent_references(conn: Connection, order_id: str) -> list[str]:
 def _set_payment(ctx: JobContext, order_id: str, name: str, assignments: str) -> None:
     with ctx.locked_row("orders", "order_id", order_id, name) as (conn, _):
         fenced_update(
-            conn, "orders", "order_id", order_id, fence_column="payment_fence", fence=ctx.fence,
+            conn, "orders", "order_id", order_id, fence_column="payment_fence",
+            fence=ctx.write_fence,
             assignments=f"{assignments}, updated_at = :now", params={"now": time.time()},
         )
 
@@ -282,7 +283,7 @@ def _send_charge(
             with ctx.locked_row("orders", "order_id", order_id, "record_send") as (conn, _):
                 fenced_update(
                     conn, "orders", "order_id", order_id, fence_column="payment_fence",
-                    fence=ctx.fence,
+                    fence=ctx.write_fence,
                     assignments="payment_status = 'charged_not_confirmed', charge_id = NULL,"
                     " charge_sent_at = :sent, updated_at = :sent",
                     params={"sent": sent_at},
@@ -382,7 +383,7 @@ def charge_payment(ctx: JobContext, p: ChargeRequest) -> dict[str, Any]:
                 return result
             fenced_update(
                 conn, "orders", "order_id", order_id, fence_column="payment_fence",
-                fence=ctx.fence,
+                fence=ctx.write_fence,
                 assignments="amount_cents = :a, currency = :c, payment_reference = :ref,"
                 " updated_at = :now",
                 params={"a": p.amount_cents, "c": p.currency, "ref": reference, "now": now},
@@ -409,7 +410,7 @@ def charge_payment(ctx: JobContext, p: ChargeRequest) -> dict[str, Any]:
         with ctx.locked_row("orders", "order_id", order_id, "record_charge") as (conn, _):
             fenced_update(
                 conn, "orders", "order_id", order_id, fence_column="payment_fence",
-                fence=ctx.fence,
+                fence=ctx.write_fence,
                 assignments="payment_status = 'charged_not_confirmed', charge_id = :ch,"
                 " updated_at = :now",
                 params={"ch": charge.charge_id, "now": time.time()},
@@ -422,7 +423,8 @@ def charge_payment(ctx: JobContext, p: ChargeRequest) -> dict[str, Any]:
               "status": "paid"}
     with ctx.locked_row("orders", "order_id", order_id, "confirm") as (conn, _):
         fenced_update(
-            conn, "orders", "order_id", order_id, fence_column="payment_fence", fence=ctx.fence,
+            conn, "orders", "order_id", order_id, fence_column="payment_fence",
+            fence=ctx.write_fence,
             assignments="payment_status = 'paid', updated_at = :now",
             params={"now": time.time()},
         )

@@ -1,11 +1,15 @@
 """``rebuild_report_cache``: rebuild a report into the anti-stampede cache, key
 ``report:{report}:{as_of}``.
 
-Idempotent and overwrite-safe (the report is a pure function of the database), so no lock: the
-rebuild goes through :meth:`StampedeCache.refresh`, whose single flight keeps concurrent rebuilds
-of one cache key to one loader call across processes, and the idempotency claim keeps a second
-run of the same intent from rebuilding at all. Every loader call is recorded in
-``report_snapshots`` (who built it, when), which is also how tests count loader calls.
+The idempotency claim keeps a second run of the same intent from rebuilding at all, and the
+rebuild goes through :meth:`StampedeCache.refresh`, whose single flight keeps concurrent
+rebuilds of one cache key to one loader call across processes. Two versions of one report
+(``as_of`` differs: two keys, two cache keys) would still rebuild side by side, each running
+the report's queries against the other's load; so the type declares the report exclusive
+(``Running.exclusive`` on ``report:{report}``): its rebuilds run one at a time across every
+worker, and each records its build in ``report_snapshots`` with the lock's fence, so a rebuild
+whose lock expired under it (a pause past the TTL) has its record refused by the database.
+``report_snapshots`` (who built it, when) is also how tests count loader calls.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from sqlalchemy import text
 from engine import (
     Check,
     Debounce,
+    Exclusive,
     FlowControl,
     JobContext,
     JobType,
@@ -33,10 +38,12 @@ from engine import (
     Retained,
     Running,
     Upkeep,
+    fenced,
     formatted,
     require_str,
 )
 from resources.errors import ValidationError, shown
+from resources.locks import Fence
 from resources.storage.db import Database
 from resources.storage.retention import Expiry
 
@@ -86,11 +93,15 @@ class ReportRequest(BaseModel):
 key_for = formatted("report:{report}:{as_of}")
 
 
-def report_loader(db: Database, report: str, as_of: str) -> Callable[[], dict[str, Any]]:
-    """The loader the cache calls: query, then record the build in ``report_snapshots``."""
+def report_loader(
+    db: Database, report: str, as_of: str, fence: Fence | None = None
+) -> Callable[[], dict[str, Any]]:
+    """The loader the cache calls: query, then record the build in ``report_snapshots``, in a
+    transaction fenced with ``fence`` when one is given (a rebuild holding the report's lock;
+    warming refreshes without one)."""
 
     def load() -> dict[str, Any]:
-        with db.transaction() as conn:
+        with fenced(db, fence) if fence is not None else db.transaction() as conn:
             rows = {str(r.k): int(r.n) for r in conn.execute(text(_QUERIES[report]))}
             data = {"report": report, "as_of": as_of, "rows": rows, "built_at": time.time()}
             conn.execute(
@@ -139,7 +150,8 @@ def rebuild_report_cache(ctx: JobContext, p: ReportRequest) -> dict[str, Any]:
     if cache is None:
         raise RuntimeError("rebuild_report_cache needs the cache (resource 'cache')")
     ctx.attempt.status_before = "stale"
-    loader = report_loader(ctx.services.db, p.report, p.as_of)
+    ctx.check_lease()
+    loader = report_loader(ctx.services.db, p.report, p.as_of, ctx.write_fence)
     with ctx.timed("rebuild"):
         value = cache.refresh(cache_key(p), loader, ttl=REPORT_TTL_SECONDS)
     ctx.attempt.status_after = "cached"
@@ -153,7 +165,8 @@ JOB_TYPE = JobType(
     handler=rebuild_report_cache,
     side_effect=False,
     keying=Keying(key_for=key_for, resource_id=formatted("{report}")),
-    running=Running(max_runtime_seconds=600, needs=frozenset({"cache"})),
+    running=Running(max_runtime_seconds=600, needs=frozenset({"cache"}),
+                    exclusive=Exclusive(formatted("report:{report}"), wait=60.0)),
     flow=FlowControl(debounce=DEBOUNCE),
     upkeep=Upkeep(
         retained=(Retained("report_snapshots", "report_snapshots", expired_snapshots),),

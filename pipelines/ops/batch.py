@@ -51,7 +51,7 @@ log = logging.getLogger(__name__)
 
 
 SERVICE_RESOURCE_KEYS = frozenset(
-    {"idempotency", "cache", "app_db", "retry", "concurrency", *downstreams()}
+    {"idempotency", "cache", "app_db", "retry", "concurrency", "locks", *downstreams()}
 )
 """What :meth:`Services.from_context` reads (every declared downstream's client among it): a
 batch may hold requests of any job type."""

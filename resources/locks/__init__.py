@@ -4,8 +4,11 @@ A lock narrows a race; it never replaces idempotency (docs/design.md). Each back
 lock with the same shape:
 
 - ``.token``: this holder's owner token; release and extend act only if it still matches.
-- ``.fence``: a fencing token that grows with every grant of the name. Pass it to
-  :func:`fenced_write` so a holder whose lock expired cannot commit (invariant 3).
+- ``.fence``: a fencing token that grows with every grant of the name. Write with
+  ``Fence.of_lock(lock)`` through :func:`fenced` so a holder whose lock expired cannot commit
+  (invariant 3): the same check an idempotency claim's fence goes through
+  (:mod:`resources.locks.fencing`). A job type that declares ``Running.exclusive`` gets the
+  lock taken around its handler and ``ctx.write_fence`` set to it.
 - ``.check()``: raises :class:`LockLost` if the lock may no longer be ours. Call it before every
   side effect. It checks the local state first (renewal failed, TTL ran out, ``max_hold`` passed)
   and then asks the store once (one GET on Redis, one SELECT on the database).
@@ -30,12 +33,14 @@ Timeline of the race the fence plus ``check()`` stop::
 
 
 from resources.errors import LockLost, LockNotAcquired
-from resources.locks.base import BaseLock
+from resources.locks.base import BaseLock, LockFactory
 from resources.locks.db_lock import DbLock, lock_leases, lock_row, lock_rows
 from resources.locks.fencing import (
+    Fence,
     FenceStatus,
     fence_registry,
     fence_status,
+    fenced,
     fenced_update,
     fenced_write,
 )
@@ -57,7 +62,9 @@ __all__ = [
     "STATS_KEY",
     "BaseLock",
     "DbLock",
+    "Fence",
     "FenceStatus",
+    "LockFactory",
     "LockLost",
     "LockNotAcquired",
     "LockObserver",
@@ -68,6 +75,7 @@ __all__ = [
     "RedisLockStats",
     "fence_registry",
     "fence_status",
+    "fenced",
     "fenced_update",
     "fenced_write",
     "lock_leases",

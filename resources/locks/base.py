@@ -11,7 +11,7 @@ import time
 import uuid
 from collections.abc import Callable
 from types import TracebackType
-from typing import Literal
+from typing import Literal, Protocol
 
 from sqlalchemy import exc as sa_exc
 
@@ -320,3 +320,13 @@ class BaseLock:
         return f"{type(self).__name__}({self.name!r}, {state})"
 
 
+
+
+class LockFactory(Protocol):
+    """Makes an unheld lock of one backend named ``name``, with the caller's bounds on the wait
+    (``blocking_timeout``) and on renewal (``max_hold``); the backend's TTL is its own.
+    ``functools.partial(RedisLock, client, ttl=30.0)`` is one."""
+
+    def __call__(
+        self, name: str, *, blocking_timeout: float | None, max_hold: float | None
+    ) -> BaseLock: ...

@@ -1,41 +1,51 @@
-"""Fenced writes: a stale lock holder's write is rejected by the database, not by hope.
+"""One fencing mechanism: a write carries a :class:`Fence` (scope, token), and the database
+accepts it only if no higher token of that scope has written, in the write's own transaction.
 
-A lock can expire while its holder still runs (a GC pause, SIGSTOP, a slow disk). The lock alone
-cannot stop that holder's next write; the database can. Every lock grant carries a fencing token
-that only grows (``RedisLock.fence``, ``DbLock.fence``); :func:`fenced_write` opens a transaction
-whose first statement is a conditional upsert on ``fence_registry``: it applies only when the
-caller's token is above the highest token this resource has seen, or equal to it and the caller
-is the holder recorded with it. The business write then goes on the yielded connection, in the
-same transaction, so it commits only if the fence held.
+A holder can lose its right to write while it still runs (a GC pause, SIGSTOP, a slow disk):
+an idempotency claim's lease runs out and the key is taken over, or a lock's TTL runs out and
+the resource is granted to another. Neither the claim nor the lock can stop that holder's next
+write; the database can. Both hand out tokens that only grow, so both are one :class:`Fence`:
+
+- the claim's: scope the idempotency key, token the ledger's fence (it grows with every
+  takeover, so the claim is the lock of its intent): :meth:`Fence.of_claim`;
+- the lock's: scope the resource a job type declares exclusive (``Running.exclusive``), token
+  the lock's fence (``RedisLock.fence``, ``DbLock.fence``): :meth:`Fence.of_lock`.
+
+A handler writes with the one fence its :class:`engine.context.JobContext` gives
+(``ctx.write_fence``): the lock's when its job type declares a resource, else the claim's.
+
+The check is one rule, recorded in one of two places. :func:`fenced` (and
+:func:`fenced_write`, which spells the fence out) records the highest token per scope in
+``fence_registry``: its transaction's first statement is a conditional
+upsert that applies only when the token is above the highest the scope has seen, or equal to it
+from the holder recorded with it; the business write then goes on the yielded connection, so
+it commits only if the fence held. :func:`fenced_update` is the same rule kept on a business row
+that is its own scope (``orders.payment_fence`` for the key ``payment:{order_id}``): the
+``UPDATE`` applies only while the row's fence is not above the caller's, and records it; an
+equal token passes without a holder there, since that scope's tokens come from one ledger row,
+which never hands one out twice.
 
 Timeline of the race it stops::
 
-    t=0    A acquires lock L (fence 7), starts work, is stopped (SIGSTOP / GC pause)
-    t=30   L's TTL runs out; B acquires L (fence 8) and writes resource R: highest_fence = 8
+    t=0    A holds R (fence 7), starts work, is stopped (SIGSTOP / GC pause)
+    t=30   R's TTL (or lease) runs out; B is granted R (fence 8) and writes: highest = 8
     t=31   B commits; A resumes and writes R with fence 7 -> 7 < 8: rejected, counted,
            FencedWriteRejected raised; nothing of A's transaction is committed
 
 Guarantees (SQLite and Postgres): the check and the business write commit together or not at
 all; on Postgres the registry row stays locked until commit, so a concurrent older holder waits
 and is then rejected. An equal token passes only for the holder recorded with it (one holder may
-write many times; a held lock passes its owner token as the holder): two holders handed the same
-token, which a Redis that lost recent writes could once do, cannot both write::
+write many times): two holders handed the same token, which a Redis that lost recent writes
+could once do, cannot both write::
 
     t=0    A acquires L (fence 7, token a), stalls; Redis restarts from an older snapshot
     t=5    a broken counter hands B fence 7 too (token b); B writes R: (7, b) recorded
     t=6    A wakes and writes R with (7, a): equal fence, other holder -> rejected
 
-The same check kept on the business row itself is :func:`fenced_update`: the row carries the
-highest fence that wrote it (``orders.payment_fence``), and an ``UPDATE`` applies only while the
-caller's fence is not below it. Job types write with their claim's fence this way (the ledger's
-fence grows with every takeover, so the claim is the lock); :func:`fenced_write` is for a
-resource guarded by a lock of its own (``RedisLock``, ``DbLock``), whose tokens are recorded
-here.
-
-A write without a holder (a bare int) never matches the recorded one, so it passes only with a
-token above the highest. A resource must be guarded by one lock name: tokens of different locks
-are not comparable. Rejections are counted in ``fence_registry.rejected`` by a separate
-statement, so the count survives the rollback.
+A write without a holder never matches the recorded one, so it passes only with a token above
+the highest. A scope must be fenced by one source of tokens: a lock's tokens and a claim's are
+not comparable, which is why a job type writes with exactly one of them. Rejections are counted
+in ``fence_registry.rejected`` by a separate statement, so the count survives the rollback.
 """
 
 from __future__ import annotations
@@ -82,6 +92,27 @@ class FenceStatus:
     rejected: int
 
 
+@dataclass(frozen=True)
+class Fence:
+    """What a write is fenced with: ``token`` from the source that grants ``scope`` (a claim
+    of an idempotency key, or a lock of a resource), and ``holder``, that grant's owner token
+    (an equal token passes only for it)."""
+
+    scope: str
+    token: int
+    holder: str | None = None
+
+    @classmethod
+    def of_claim(cls, claim: Any) -> Fence:
+        """A claim's fence: scope its key, token its ledger fence, holder its owner token."""
+        return cls(claim.key, _fence_of(claim), getattr(claim, "owner_token", None))
+
+    @classmethod
+    def of_lock(cls, lock: Any, scope: str | None = None) -> Fence:
+        """A held lock's fence: scope ``scope`` (default the lock's name), holder its token."""
+        return cls(scope or lock.name, _fence_of(lock), _holder_of(lock, None))
+
+
 class _Rejected(Exception):
     """Internal: rolls the transaction back before the rejection is counted."""
 
@@ -101,26 +132,22 @@ def _holder_of(fence: int | Any, holder: str | None) -> str | None:
 
 
 @contextlib.contextmanager
-def fenced_write(
+def fenced(
     db: Database,
-    resource: str,
-    fence: int | Any,
+    fence: Fence,
     *,
-    holder: str | None = None,
     observer: LockObserver | None = None,
     clock: Callable[[], float] = time.time,
 ) -> Iterator[Connection]:
-    """Yield a connection inside a transaction that commits only if ``fence`` is current.
+    """Yield a connection inside a transaction that commits only if ``fence`` is current for
+    its scope: the one check every fenced write goes through (the module docstring).
 
-    ``fence`` is an int or a held lock (its ``.fence`` is used, and its owner token is the
-    ``holder`` unless one is given). Raises :class:`FencedWriteRejected` (nothing committed) when
-    the resource has seen a larger token, or the same token from another holder. An exception in
-    the body rolls everything back, the registry advance included.
+    Raises :class:`FencedWriteRejected` (nothing committed) when the scope has seen a larger
+    token, or the same token from another holder. An exception in the body rolls everything
+    back, the registry advance included.
     """
-    token = _fence_of(fence)
-    params = {
-        "resource": resource, "fence": token, "holder": _holder_of(fence, holder), "now": clock()
-    }
+    params = {"resource": fence.scope, "fence": fence.token, "holder": fence.holder,
+              "now": clock()}
     try:
         with db.transaction() as conn:
             row = conn.execute(_ADVANCE, params).first()
@@ -131,15 +158,30 @@ def fenced_write(
     except _Rejected:
         pass
     with db.statement() as conn:
-        counted = conn.execute(_COUNT_REJECTION, {"resource": resource}).first()
+        counted = conn.execute(_COUNT_REJECTION, {"resource": fence.scope}).first()
     highest = int(counted[0]) if counted is not None else None
     log.warning(
         "fenced write rejected",
-        extra={"resource": resource, "fence": token, "highest_fence": highest},
+        extra={"resource": fence.scope, "fence": fence.token, "highest_fence": highest},
     )
     if observer is not None:
-        observer.record("fenced_rejected", resource)
-    raise FencedWriteRejected(resource, token, highest)
+        observer.record("fenced_rejected", fence.scope)
+    raise FencedWriteRejected(fence.scope, fence.token, highest)
+
+
+def fenced_write(
+    db: Database,
+    resource: str,
+    fence: int | Any,
+    *,
+    holder: str | None = None,
+    observer: LockObserver | None = None,
+    clock: Callable[[], float] = time.time,
+) -> contextlib.AbstractContextManager[Connection]:
+    """:func:`fenced` with the fence spelled out: scope ``resource``, token ``fence`` (an int
+    or a held lock, whose owner token is the ``holder`` unless one is given)."""
+    return fenced(db, Fence(resource, _fence_of(fence), _holder_of(fence, holder)),
+                  observer=observer, clock=clock)
 
 
 def fence_status(db: Database, resource: str) -> FenceStatus | None:
@@ -161,14 +203,16 @@ def fenced_update(
     value: str,
     *,
     fence_column: str,
-    fence: int,
+    fence: int | Fence,
     assignments: str,
     params: dict[str, Any] | None = None,
 ) -> None:
     """``UPDATE`` of the row whose ``column`` is ``value`` that applies only if no newer holder
-    has written it (``fence_column <= fence``), and records ``fence`` there; a stale holder gets
+    has written it (``fence_column <= fence``), and records ``fence`` there: the check of
+    :func:`fenced` kept on a business row that is its fence's scope. A stale holder gets
     :class:`FencedWriteRejected` and changes nothing. ``table``, the columns and
     ``assignments`` are code (never input); the values are bound."""
+    fence = fence.token if isinstance(fence, Fence) else fence
     names = {"table": table, "column": column, "fence_column": fence_column,
              "assignments": assignments}
     rowcount = conn.execute(text(_Q["fenced_row_update"].format(**names)),
