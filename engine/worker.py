@@ -26,6 +26,11 @@ resident workers, :mod:`engine.delivery`). Its loop:
        t1  a producer commits request R, then pushes its wake-up
        t2  the batch ends; the worker waits: the wake-up of t1 is there, it claims R at once
 
+4. **Tell** its run what it did (``on_progress``: a Dagster event of the worker run) at most
+   every ``progress_seconds``, merged over the batches since it last told, and at its end: the
+   run's event log grows with time, not with traffic. A worker idle with batches still untold
+   tells them once their period has passed, without waiting for work.
+
 The worker ends itself after ``lifetime_seconds`` or ``idle_seconds`` without work (so code
 reloads and upgrades roll through: its supervisor starts the next one), and when ``stop`` is
 set. It never holds a claim across a wait: a batch is claimed and run, then the worker looks at
@@ -276,8 +281,14 @@ class ResidentWorker:
                     "their threads end with this process (the supervisor starts a fresh one)")
                 log.error("%s worker %s: %s", self.policy.queue, self.owner, self.stats.reason)
                 break
-            if done.batches and (idle or self.clock() - last_told
-                                   >= self.policy.progress_seconds):
+            if done.batches and self.clock() - last_told >= self.policy.progress_seconds:
+                self._tell(done)
+                done, last_told = WorkDone(), self.clock()
+            due = last_told + self.policy.progress_seconds - self.clock()
+            if idle and done.batches and due < self.policy.poll_seconds:
+                # untold batches are told once their period has passed, work or no work
+                if self.wakeup.wait(self.policy.queue, max(0.0, due)):
+                    continue
                 self._tell(done)
                 done, last_told = WorkDone(), self.clock()
             if idle:

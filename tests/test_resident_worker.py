@@ -352,6 +352,66 @@ def test_a_worker_that_keeps_up_makes_one_claim_per_request(
     db.dispose()
 
 
+def test_a_worker_tells_its_progress_with_time_not_with_each_request(
+    db_url: str, redis_url: str, namespace: str, sink: MailSink, wake_env: None
+) -> None:
+    """Catches a worker that tells its run (a Dagster event each) after every batch that left
+    it idle: with requests arriving one at a time, each its own batch, that is an event per
+    request, so the run's event log and the worker's time between requests grew with traffic.
+    Within one progress period the batches are told once, merged, and nothing is left untold:
+    here the last telling, at the worker's end, counts every request."""
+    db = Database.from_url(db_url)
+    upgrade(db)
+    wakeup = RedisWakeup(redis_url, namespace=namespace)
+    stop = threading.Event()
+    w = worker(_spec(db_url, redis_url, namespace, sink, "worker-told", poll=60.0,
+                     progress=120.0), stop)
+    told: list[Any] = []
+    w.on_progress = told.append
+    thread = threading.Thread(target=w.run)
+    thread.start()
+    requests = RequestStore(db)
+    for i in range(4):
+        request_id = enqueue("send_email", email(i, "told"), db=db).id
+        _wait_for(lambda rid=request_id: requests.get(rid).status  # type: ignore[misc,union-attr]
+                  is RequestStatus.COMPLETED, timeout=30, what="the request to complete")
+    assert told == [], [t.line() for t in told]  # four batches, none told yet
+    stop.set()
+    wakeup.notify("light")  # end the current wait
+    thread.join(timeout=30)
+    assert len(told) == 1 and told[0].total == 4, [t.line() for t in told]
+    wakeup.close()
+    db.dispose()
+
+
+def test_a_worker_tells_what_it_did_once_its_progress_period_passed_while_idle(
+    db_url: str, redis_url: str, namespace: str, sink: MailSink, wake_env: None
+) -> None:
+    """Catches batches never told while the worker waits for work: a worker that went idle
+    with untold batches tells them once its progress period has passed, without new work and
+    well before its poll interval (a minute here)."""
+    db = Database.from_url(db_url)
+    upgrade(db)
+    wakeup = RedisWakeup(redis_url, namespace=namespace)
+    stop = threading.Event()
+    w = worker(_spec(db_url, redis_url, namespace, sink, "worker-idle-told", poll=60.0,
+                     progress=1.0), stop)
+    told: list[Any] = []
+    w.on_progress = told.append
+    thread = threading.Thread(target=w.run)
+    thread.start()
+    for i in range(2):
+        enqueue("send_email", email(i, "idle-told"), db=db)
+    _wait_for(lambda: sum(t.total for t in told) == 2, timeout=30,
+              what="the two requests to be told while the worker is idle")
+    stop.set()
+    wakeup.notify("light")
+    thread.join(timeout=30)
+    assert sum(t.total for t in told) == 2
+    wakeup.close()
+    db.dispose()
+
+
 def test_a_killed_worker_leaves_leases_that_expire_and_its_requests_are_taken_back(
     db_url: str, redis_url: str, namespace: str, sink: MailSink, wake_env: None
 ) -> None:

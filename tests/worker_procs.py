@@ -60,6 +60,7 @@ def worker(spec: dict[str, Any], stop: threading.Event | None = None) -> Any:
         queue=spec.get("queue", "light"), batch_size=int(spec.get("batch", 20)),
         poll_seconds=float(spec.get("poll", 0.5)), idle_seconds=float(spec.get("idle", 600)),
         lifetime_seconds=float(spec.get("lifetime", 1800)),
+        progress_seconds=float(spec.get("progress", WorkerPolicy.progress_seconds)),
     )
     return ResidentWorker(
         services_for(spec), policy, owner=spec["owner"], stop=stop,
