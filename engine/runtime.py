@@ -2,7 +2,8 @@
 ops, DLQ replay, chaos harness).
 
 For one request it: validates the payload (a :class:`ValidationError` names the field and is
-permanent), derives the idempotency key, claims it (a completed key returns its stored result:
+permanent; a payload a step admitted, :class:`engine.validation.AdmittedPayload`, is not checked
+again), derives the idempotency key, claims it (a completed key returns its stored result:
 ``duplicate``) under the lease its observed durations call for (:mod:`engine.durations`),
 runs the job type's handler under a lease keeper that heartbeats, lets the
 handler complete the key inside its final business transaction, and records the attempt in
@@ -68,6 +69,7 @@ from engine.privacy import personal_values
 from engine.registry import get_job_type
 from engine.requests import RequestStore
 from engine.services import Services
+from engine.validation import AdmittedPayload
 from resources.errors import (
     AlreadyInProgress,
     CrashLoop,
@@ -513,7 +515,10 @@ def _claim(item: _Item) -> Claim:
 def _prepare(
     jt: JobType, record: Attempt, payload: dict[str, Any], key: str | None
 ) -> tuple[dict[str, Any], str]:
-    clean = jt.validate(dict(payload or {}))
+    if isinstance(payload, AdmittedPayload) and payload.job_type == jt.name:
+        clean: dict[str, Any] = payload  # admitted at the step's boundary: not checked again
+    else:
+        clean = jt.validate(dict(payload or {}))
     key = key or jt.keying.key_for(clean)
     record.idempotency_key = key
     record.resource_id = jt.keying.resource_id(clean)

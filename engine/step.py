@@ -36,7 +36,7 @@ from engine.registry import JOB_TYPES
 from engine.requests import JobRequest, RequestStatus, RequestStore
 from engine.runtime import BatchRequest, RequestOutcome, execute_batch, execute_request
 from engine.services import Services
-from engine.validation import ValidationError, admit, check_id
+from engine.validation import Admitted, ValidationError, admit, check_id
 from resources.errors import RequestCancelled
 from resources.retry import RetryDecision
 from resources.telemetry.redact import loggable
@@ -157,7 +157,8 @@ def run_steps(
 ) -> list[StepResult]:
     """Run the requests of one step together; one request's failure never stops another.
 
-    1. Admit each (:func:`admit_step`): a refusal runs nothing and is dead-lettered, permanent.
+    1. Admit each (:func:`admit_step`): a refusal runs nothing and is dead-lettered, permanent;
+       what was admitted runs as it was normalised, not checked again.
     2. Take the rows ``running`` in one statement (``owner``: a worker's claim took them
        already), unless cancelled meanwhile (then nothing runs: ``cancelled``); a row already
        completed is skipped, or with ``run_untaken`` (a run that asked for this one request)
@@ -174,18 +175,21 @@ def run_steps(
     requests = [replace(r, payload=_plain(r.payload)) for r in requests]
     results: list[StepResult | None] = [None] * len(requests)
     admitted: list[int] = []
+    clean: dict[int, dict[str, Any]] = {}
     for i, request in enumerate(requests):
-        refused, key = _admit(services, at, request, source=source, retry=retry, owner=owner)
-        if refused is None:
+        refused, passed = _admit(services, at, request, source=source, retry=retry, owner=owner)
+        if passed is not None:
             admitted.append(i)
-            requests[i] = replace(request, key=key)
-        else:
+            requests[i] = replace(request, key=passed.key)
+            clean[i] = passed.payload
+        elif refused is not None:
             results[i] = _told(refused, on_failure)
     run = _take(services, store, at, requests, admitted, results, owner=owner,
                 run_untaken=run_untaken, retry=retry, on_failure=on_failure)
     paths = {i: failure_path(services, requests[i].job_type, at, requests[i], retry=retry)
              for i in run}
-    outcomes = _execute(services, at, [requests[i] for i in run], [paths[i] for i in run])
+    outcomes = _execute(services, at, [requests[i] for i in run], [clean[i] for i in run],
+                        [paths[i] for i in run])
     done: list[int] = []
     for i, outcome in zip(run, outcomes, strict=True):
         if isinstance(outcome, RequestOutcome):
@@ -245,10 +249,11 @@ def admit_step(
 def _admit(
     services: Services, at: StepAttempt, request: StepRequest, *, source: str, retry: Retry,
     owner: str | None,
-) -> tuple[StepResult | None, str | None]:
-    """:func:`admit_step`, and the admitted request's key: the one it named, else its job
-    type's, so that a failure's dead letter names the key (it pins the key against the
-    retention purge while open, and reconciliation judges the record by it)."""
+) -> tuple[StepResult | None, Admitted | None]:
+    """:func:`admit_step`, and what was admitted: the payload as the job type normalised it
+    (executed without a second check) and the key, the one it named, else its job type's, so
+    that a failure's dead letter names the key (it pins the key against the retention purge
+    while open, and reconciliation judges the record by it)."""
     requests = RequestStore(services.db)
     payload = _plain(request.payload)
     try:
@@ -274,7 +279,7 @@ def _admit(
             logger.warning("refused %s: its attempt row not written now", request.job_type,
                            exc_info=True)
         return _decided(requests, path, refused, exc, at, owner, retry), None
-    return None, admitted.key
+    return None, admitted
 
 
 def _take(
@@ -312,16 +317,18 @@ def _take(
 
 
 def _execute(
-    services: Services, at: StepAttempt, requests: list[StepRequest], paths: list[FailurePath]
+    services: Services, at: StepAttempt, requests: list[StepRequest],
+    payloads: list[dict[str, Any]], paths: list[FailurePath],
 ) -> list[RequestOutcome | Exception]:
-    """Each request's outcome or the exception its attempt failed with (already recorded)."""
+    """Each request's outcome or the exception its attempt failed with (already recorded);
+    ``payloads`` as the step admitted them."""
     if not requests:
         return []
     if len(requests) == 1:
         request, path = requests[0], paths[0]
         try:
             return [execute_request(
-                request.job_type, _plain(request.payload), services=services, key=request.key,
+                request.job_type, payloads[0], services=services, key=request.key,
                 run_id=at.run_id, step=at.step, attempt=path.attempt,
                 correlation_id=request.correlation_id, request_id=request.request_id,
                 decide=path.outcome, traceparent=request.traceparent,
@@ -329,10 +336,10 @@ def _execute(
         except Exception as exc:  # noqa: BLE001 - every failure goes through the one path
             return [exc]
     return execute_batch(
-        [BatchRequest(r.job_type, _plain(r.payload), key=r.key, correlation_id=r.correlation_id,
+        [BatchRequest(r.job_type, payload, key=r.key, correlation_id=r.correlation_id,
                       request_id=r.request_id, decide=p.outcome, traceparent=r.traceparent,
                       attempt=p.attempt)
-         for r, p in zip(requests, paths, strict=True)],
+         for r, payload, p in zip(requests, payloads, paths, strict=True)],
         services=services, run_id=at.run_id, step=at.step, attempt=at.attempt,
     )
 

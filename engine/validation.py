@@ -51,6 +51,7 @@ PRIORITY_MIN, PRIORITY_MAX = -10, 10
 that aging (one step per ``SEKALI_INTAKE_PRIORITY_AGING`` seconds waited) bounds every wait."""
 __all__ = [
     "Admitted",
+    "AdmittedPayload",
     "InputLimits",
     "ValidationError",
     "admit",
@@ -66,6 +67,17 @@ _CONTROL = re.compile("[\x00-\x1f\x7f-\x9f]")
 _NUL = re.compile("\x00")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 _PLAIN_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_-]{0,63}$")
+
+
+class AdmittedPayload(dict[str, Any]):
+    """A payload as the validation boundary (:func:`check_request`) normalised it for
+    ``job_type``. The engine passes it down as it is and does not check it again
+    (:func:`engine.runtime.execute_request` validates any other payload): one check per way
+    in, at the boundary."""
+
+    def __init__(self, job_type: str, normalised: dict[str, Any]) -> None:
+        super().__init__(normalised)
+        self.job_type = job_type
 
 
 @dataclass(frozen=True)
@@ -193,7 +205,7 @@ def check_request(
     _check_size(value, limits)
     spec = get_job_type(name)
     try:
-        normalised = spec.validate(dict(value))
+        normalised = AdmittedPayload(spec.name, spec.validate(dict(value)))
         chosen = key if key is not None else spec.keying.key_for(normalised)
     except ValidationError:
         raise

@@ -169,3 +169,57 @@ def test_a_delivery_without_a_key_dead_letters_under_its_key_and_the_purge_keeps
         assert dlq.get(record.id).status is DlqStatus.RESOLVED
     finally:
         db.dispose()
+
+
+_checked: list[dict[str, Any]] = []
+
+
+def _counting(payload: dict[str, Any]) -> dict[str, Any]:
+    _checked.append(dict(payload))
+    if not isinstance(payload.get("n"), str):
+        raise ValidationError("n", "expected text", payload.get("n"))
+    return {**payload, "normalised": True}
+
+
+def _echo(ctx: JobContext, payload: dict[str, Any]) -> dict[str, Any]:
+    return dict(payload)
+
+
+@pytest.mark.parametrize("size", [1, 3])
+def test_a_step_checks_each_payload_once_and_runs_it_as_admitted(
+    sqlite_url: str, monkeypatch: pytest.MonkeyPatch, size: int,
+) -> None:
+    """Catches the payload checked again after the step's validation boundary admitted it
+    (``execute_request`` validating the raw payload a second time): one check per request, and
+    the handler gets the payload as the boundary normalised it, for one request and a batch.
+    A direct ``execute_request`` with a plain dict still checks it."""
+    from engine.runtime import execute_request
+    from engine.step import StepRequest, run_steps
+
+    monkeypatch.setitem(JOB_TYPES, "counted_probe", JobType(
+        name="counted_probe", queue=Queue.LIGHT, validate=_counting, handler=_echo,
+        side_effect=False,
+        keying=Keying(key_for=lambda p: f"counted:{p['n']}", resource_id=lambda p: p["n"]),
+        running=Running(max_runtime_seconds=60),
+    ))
+    db = Database.from_url(sqlite_url)
+    upgrade(db)
+    store = RequestStore(db)
+    rows = [store.enqueue("counted_probe", f"counted:{i}", {"n": str(i)}, queue="light")
+            for i in range(size)]
+    services = Services(db=db, store=IdempotencyStore(db), attempts=AttemptRecorder(db))
+    _checked.clear()
+    try:
+        results = run_steps(
+            services, StepAttempt(run_id="run-1", step="counted_probe_op", attempt=0),
+            [StepRequest("counted_probe", {"n": str(i)}, None, row.id)
+             for i, row in enumerate(rows)],
+        )
+        assert [r.outcome.status for r in results if r.outcome] == ["completed"] * size, results
+        assert len(_checked) == size, _checked
+        assert all(r.outcome and r.outcome.result["normalised"] for r in results), results
+        _checked.clear()
+        execute_request("counted_probe", {"n": "direct"}, services=services)
+        assert len(_checked) == 1
+    finally:
+        db.dispose()
