@@ -5,6 +5,7 @@ wake-ups, a real SMTP sink counting what arrived, real processes and signals.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -13,6 +14,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -352,6 +354,28 @@ def test_a_worker_that_keeps_up_makes_one_claim_per_request(
     db.dispose()
 
 
+@contextlib.contextmanager
+def _telling_worker(db_url: str, redis_url: str, namespace: str, sink: MailSink, owner: str,
+                    progress: float) -> Iterator[list[Any]]:
+    """A worker running in a thread (poll a minute: only wake-ups move it) whose tellings are
+    the yielded list; stopped, and its wait ended, on the way out."""
+    wakeup = RedisWakeup(redis_url, namespace=namespace)
+    stop = threading.Event()
+    w = worker(_spec(db_url, redis_url, namespace, sink, owner, poll=60.0, progress=progress),
+               stop)
+    told: list[Any] = []
+    w.on_progress = told.append
+    thread = threading.Thread(target=w.run)
+    thread.start()
+    try:
+        yield told
+    finally:
+        stop.set()
+        wakeup.notify("light")  # end the current wait
+        thread.join(timeout=30)
+        wakeup.close()
+
+
 def test_a_worker_tells_its_progress_with_time_not_with_each_request(
     db_url: str, redis_url: str, namespace: str, sink: MailSink, wake_env: None
 ) -> None:
@@ -362,25 +386,14 @@ def test_a_worker_tells_its_progress_with_time_not_with_each_request(
     here the last telling, at the worker's end, counts every request."""
     db = Database.from_url(db_url)
     upgrade(db)
-    wakeup = RedisWakeup(redis_url, namespace=namespace)
-    stop = threading.Event()
-    w = worker(_spec(db_url, redis_url, namespace, sink, "worker-told", poll=60.0,
-                     progress=120.0), stop)
-    told: list[Any] = []
-    w.on_progress = told.append
-    thread = threading.Thread(target=w.run)
-    thread.start()
     requests = RequestStore(db)
-    for i in range(4):
-        request_id = enqueue("send_email", email(i, "told"), db=db).id
-        _wait_for(lambda rid=request_id: requests.get(rid).status  # type: ignore[misc,union-attr]
-                  is RequestStatus.COMPLETED, timeout=30, what="the request to complete")
-    assert told == [], [t.line() for t in told]  # four batches, none told yet
-    stop.set()
-    wakeup.notify("light")  # end the current wait
-    thread.join(timeout=30)
+    with _telling_worker(db_url, redis_url, namespace, sink, "worker-told", 120.0) as told:
+        for i in range(4):
+            request_id = enqueue("send_email", email(i, "told"), db=db).id
+            _wait_for(lambda rid=request_id: requests.get(rid).status  # type: ignore[misc,union-attr]
+                      is RequestStatus.COMPLETED, timeout=30, what="the request to complete")
+        assert told == [], [t.line() for t in told]  # four batches, none told yet
     assert len(told) == 1 and told[0].total == 4, [t.line() for t in told]
-    wakeup.close()
     db.dispose()
 
 
@@ -392,23 +405,12 @@ def test_a_worker_tells_what_it_did_once_its_progress_period_passed_while_idle(
     well before its poll interval (a minute here)."""
     db = Database.from_url(db_url)
     upgrade(db)
-    wakeup = RedisWakeup(redis_url, namespace=namespace)
-    stop = threading.Event()
-    w = worker(_spec(db_url, redis_url, namespace, sink, "worker-idle-told", poll=60.0,
-                     progress=1.0), stop)
-    told: list[Any] = []
-    w.on_progress = told.append
-    thread = threading.Thread(target=w.run)
-    thread.start()
-    for i in range(2):
-        enqueue("send_email", email(i, "idle-told"), db=db)
-    _wait_for(lambda: sum(t.total for t in told) == 2, timeout=30,
-              what="the two requests to be told while the worker is idle")
-    stop.set()
-    wakeup.notify("light")
-    thread.join(timeout=30)
+    with _telling_worker(db_url, redis_url, namespace, sink, "worker-idle-told", 1.0) as told:
+        for i in range(2):
+            enqueue("send_email", email(i, "idle-told"), db=db)
+        _wait_for(lambda: sum(t.total for t in told) == 2, timeout=30,
+                  what="the two requests to be told while the worker is idle")
     assert sum(t.total for t in told) == 2
-    wakeup.close()
     db.dispose()
 
 
