@@ -17,7 +17,7 @@ from resources.cache import StampedeCache
 from resources.errors import SekaliError
 from resources.flow import ConcurrencyLimits, RateLimits
 from resources.idempotency import IdempotencyStore
-from resources.locks import LockFactory, RedisLock
+from resources.locks import DEFAULT_TTL_SECONDS, LockFactory, RedisLock
 from resources.retry import RetryBudget, RetryPolicy
 from resources.storage.db import Database, shared_database
 from resources.storage.redis import redis_client
@@ -57,10 +57,6 @@ class MissingLocks(SekaliError):
         )
         self.job_type = job_type
 
-
-LOCK_TTL_SECONDS = 30.0
-"""The TTL of an exclusive job type's lock when the services are built from settings; the
-watchdog renews it every third of that while the handler runs."""
 
 
 @dataclass
@@ -168,7 +164,7 @@ class Services:
             retry_policy=retry_policy or RetryPolicy(),
             retry_budget=RetryBudget(client, namespace=budget_namespace),
             concurrency=ConcurrencyLimits(client, lease=min(30.0, lease_seconds)),
-            locks=functools.partial(RedisLock, client, ttl=LOCK_TTL_SECONDS),
+            locks=functools.partial(RedisLock, client, ttl=DEFAULT_TTL_SECONDS),
             settle_seconds=settings.gateway_settle_seconds,
         )
 

@@ -31,7 +31,7 @@ from resources.cache import CachePolicy, StampedeCache
 from resources.dlq import DlqStore
 from resources.flow import ConcurrencyLimits, RateLimits
 from resources.idempotency import IdempotencyStore
-from resources.locks import DbLock, LockFactory, NoLock, RedisLock
+from resources.locks import DEFAULT_TTL_SECONDS, DbLock, LockFactory, NoLock, RedisLock
 from resources.retry import ErrorClass, RetryBudget, RetryDecision, RetryPolicy
 from resources.storage.db import Database, shared_database
 from resources.storage.migrations import ensure_schema
@@ -197,7 +197,7 @@ class LockResource(SettingsResource):
     """
 
     backend: Literal["redis", "db", "none"] = "redis"
-    ttl_seconds: float = 30.0
+    ttl_seconds: float = DEFAULT_TTL_SECONDS
     auto_renew: bool = True
     wait_seconds: float | None = 10.0
     max_hold_seconds: float | None = None

@@ -33,7 +33,7 @@ Timeline of the race the fence plus ``check()`` stop::
 
 
 from resources.errors import LockLost, LockNotAcquired
-from resources.locks.base import BaseLock, LockFactory
+from resources.locks.base import DEFAULT_TTL_SECONDS, BaseLock, LockFactory
 from resources.locks.db_lock import DbLock, lock_leases, lock_row, lock_rows
 from resources.locks.fencing import (
     Fence,
@@ -58,6 +58,7 @@ from resources.locks.stats import (
 )
 
 __all__ = [
+    "DEFAULT_TTL_SECONDS",
     "EVENTS",
     "STATS_KEY",
     "BaseLock",

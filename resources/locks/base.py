@@ -81,6 +81,11 @@ def _get_renewer() -> _Renewer:
 # -- the common shape ---------------------------------------------------------------------------
 
 
+DEFAULT_TTL_SECONDS = 30.0
+"""A lock's TTL where its owner says none (the ``locks`` resource, the services built from
+settings); the watchdog renews it every third of that while its holder runs."""
+
+
 class BaseLock:
     """What every backend shares: hold bookkeeping, ``check()``, renewal, context manager.
 
