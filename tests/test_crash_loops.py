@@ -207,3 +207,31 @@ def test_a_batch_isolates_its_crasher_and_its_neighbours_complete_uncounted(
     (record,) = DlqStore(db).list_records()
     assert record.error_class == FailureClass.CRASH_LOOP
     assert record.idempotency_key == "crash-probe:crash" and record.request_id == ids[1]
+
+
+def test_a_crash_loop_whose_dead_letter_was_lost_is_dead_lettered_as_crash_loop_later(
+    db: Database
+) -> None:
+    """Catches a crash loop dead-lettered as ``permanent``: the decision stored the
+    :class:`CrashLoop` on the key but its DLQ write failed (the database restarted between the
+    two), so the next delivery finds the key failed before (:class:`StoredFailure`) and is the
+    first to write the record: the record keeps the class the decision gave, ``crash_loop``."""
+    from engine.dead_letters import Subject, dead_letter
+
+    store = IdempotencyStore(db, lease_seconds=10)
+    claim = store.begin("crash-probe:lost", payload={})
+    assert isinstance(claim, Claim)
+    store.fail(claim, CrashLoop("crash-probe:lost", 2, 1, []), "permanent")
+    with pytest.raises(StoredFailure) as found:
+        store.begin("crash-probe:lost", payload={})
+    requests = RequestStore(db)
+    request = requests.enqueue("crash_probe", "crash-probe:lost", {"n": "lost"}, queue="light")
+    subject = Subject("crash_probe", {"n": "lost"}, key="crash-probe:lost",
+                      request_id=request.id)
+    written = dead_letter(requests, subject, found.value, run_id="run-2", step="worker")
+    assert written is not None and written.error_class == "crash_loop"
+    (record,) = DlqStore(db).list_records()
+    assert record.error_class == FailureClass.CRASH_LOOP
+    assert record.last_error is not None and "CrashLoop" in record.last_error
+    again = requests.get(request.id)
+    assert again is not None and again.error_class == "crash_loop"

@@ -58,6 +58,7 @@ from resources.errors import (
     NotYetSettled,
     RateLimited,
     SekaliError,
+    StoredFailure,
 )
 from resources.storage.redis import reply_code
 
@@ -240,8 +241,12 @@ _DATA_BUG_TYPES: tuple[type[BaseException], ...] = (
 def failure_class(exc: BaseException) -> FailureClass:
     """The class a failure is recorded with (attempts, the request, the DLQ): :func:`classify`,
     with an unknown error that is one of Python's data errors (``KeyError``, ``ValueError``,
-    ...) reported as ``data_bug``."""
-    if isinstance(exc, CrashLoop):
+    ...) reported as ``data_bug``. A key's stored failure keeps the class of the failure that
+    was stored: a crash loop whose dead letter was not written when it was decided (the
+    database away) is written by the next delivery, still as ``crash_loop``."""
+    if isinstance(exc, CrashLoop) or (
+        isinstance(exc, StoredFailure) and exc.error_class == CrashLoop.__name__
+    ):
         return FailureClass.CRASH_LOOP
     if isinstance(exc, HandlerTimedOut):
         return FailureClass.TIMED_OUT
