@@ -1304,7 +1304,7 @@ class Coordinator:
                 self.evicted.append(d.request)
             return
         if (error == "StoredFailure" and "crash-loop" in self.config.faults
-                and self.settled_as(d.request, "dead_lettered")):
+                and d.id not in self.replays and self.settled_as(d.request, "dead_lettered")):
             # a broker's copy of a message whose key already failed: its record is open (a
             # second write would set the crash_loop record's class to the copy's permanent)
             self._settle(d, "dead_lettered")
@@ -1340,8 +1340,9 @@ class Coordinator:
     def _dead_letter(self, d: Delivery, msg: dict[str, Any], error_class: str,
                      dlq_id: int | None = None) -> None:
         """The run-failure sensor's record of a failed run (``dlq_id``: the record a replay
-        run failed for, which goes back to ``open``)."""
+        run failed for, which goes back to ``open``; a replay delivery's own by default)."""
         req = self.requests[d.request]
+        dlq_id = dlq_id if dlq_id is not None else self.replays.get(d.id)
         self.stats[f"gave_up:{msg.get('reason') or msg.get('outcome') or error_class}"] += 1
         info = FailureInfo(
             job_type=req.job_type,
@@ -1378,7 +1379,7 @@ class Coordinator:
             self.requests[self.by_tok[t].request].faults.add("crash-loop")
             self.stats["crash-loop_deaths"] += 1
         for tok in w.inflight:  # a neighbour on another thread of the process died with it
-            if tok not in looped and self.by_tok[tok].tok == tok:
+            if tok not in looped:  # a dispatch past its visibility timeout may still hold its key
                 self.requests[self.by_tok[tok].request].struck["died_with_worker"] += 1
         killed = [t for t in w.sent if self.armed.get(t, ("", ""))[0] == "crash"]
         for t in killed:
