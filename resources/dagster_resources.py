@@ -24,6 +24,7 @@ import uuid
 from typing import Any, Literal
 
 from dagster import ConfigurableResource, Failure, RetryRequested
+from dagster._config.pythonic_config import resource as pythonic
 from dagster._utils.error import USER_FACING_ERROR_ID_ATTR_NAME
 from pydantic import PrivateAttr
 
@@ -107,6 +108,40 @@ class SettingsResource(PlainDocs, ConfigurableResource):
     def redis(self) -> RedisClient:
         """A Redis client of ``redis_url`` (``REDIS_URL`` if unset), with explicit timeouts."""
         return redis_client(self.redis_url or self.settings().redis_url)
+
+
+def _one_schema_per_class() -> None:
+    """Make each :class:`SettingsResource` class infer its Dagster config schema once.
+
+    Dagster makes three copies of a resource each time it initializes it (for a run, a step, a
+    sensor tick), and every copy infers its class's config schema again from the pydantic
+    fields (Dagster 1.13): measured here, 40% of an empty micro-batch run's CPU (83 ms a run
+    before, 48 after), paid by every run and sensor tick. The schema depends only on the class and
+    the fields left out of it, and Dagster never changes one it built (a default is applied to
+    a copy), so the copies of a class share it; every other call (another class, a description
+    or a default) goes to Dagster as before. ``tests/test_resource_copies.py`` fails if a
+    Dagster release moves the function this wraps."""
+    infer = getattr(pythonic, "infer_schema_from_config_class")  # noqa: B009 - not exported
+    if getattr(infer, "one_per_class", False):
+        return
+
+    @functools.cache
+    def of_class(cls: type, omitted: frozenset[str]) -> Any:
+        return infer(cls, fields_to_omit=set(omitted))
+
+    def schema(model_cls: Any, description: str | None = None,
+               fields_to_omit: set[str] | None = None, default: Any | None = None) -> Any:
+        if description is None and default is None and isinstance(model_cls, type) \
+                and issubclass(model_cls, SettingsResource):
+            return of_class(model_cls, frozenset(fields_to_omit or ()))
+        return infer(model_cls, description=description, fields_to_omit=fields_to_omit,
+                     default=default)
+
+    schema.one_per_class = True  # type: ignore[attr-defined]
+    setattr(pythonic, "infer_schema_from_config_class", schema)  # noqa: B010 - not exported
+
+
+_one_schema_per_class()
 
 
 class DatabaseResource(SettingsResource):
