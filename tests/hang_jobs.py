@@ -1,9 +1,10 @@
 """A job type whose handler hangs, for the bounded-handler tests: ``hang_probe`` notes each
-entry in ``{folder}/{n}`` (one line per entry, with the pid) and, on the first entry of ``n``,
-waits on an event nobody sets (a downstream that never answers, a client without a timeout).
-Later entries (a redelivery that took the key over) go straight on. Whatever gets past the wait
-confirms its lease before its "send" and notes the send in ``{folder}/{n}.sent``, or the
-refusal in ``{folder}/{n}.refused``: a hung thread released after its bound must be refused.
+entry in ``{folder}/{n}`` (one line per entry: the pid and the time it entered) and, on the
+first entry of ``n``, waits on an event nobody sets (a downstream that never answers, a
+client without a timeout). Later entries (a redelivery that took the key over) go straight
+on. Whatever gets past the wait confirms its lease before its "send" and notes the send in
+``{folder}/{n}.sent``, or the refusal in ``{folder}/{n}.refused``: a hung thread released
+after its bound must be refused.
 
 Its bound is :data:`BOUND` seconds. ``python -m tests.hang_jobs SPEC_JSON`` runs one request
 through the engine's step entry in a process of its own (SPEC: ``db_url``, ``lease``,
@@ -17,6 +18,7 @@ import json
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +30,12 @@ from engine import JobContext, JobType, Keying, Queue, Running  # noqa: E402 - a
 
 BOUND = 2.0
 HOLDS: dict[str, threading.Event] = {}
+
+
+def entered(folder: Path, n: str) -> float:
+    """When the first handler of ``n`` entered (the clock the store's leases use)."""
+    return float((folder / n).read_text().splitlines()[0].split()[1])
+
 """The events hung handlers of this process wait on, by ``n``: an in-process test sets one to
 let its hung thread go on (late) once the engine abandoned it."""
 
@@ -36,7 +44,7 @@ def _handler(ctx: JobContext, p: dict[str, Any]) -> dict[str, Any]:
     folder, n = Path(p["folder"]), str(p["n"])
     first = not (folder / n).exists()
     with (folder / n).open("a") as entries:
-        entries.write(f"{os.getpid()}\n")
+        entries.write(f"{os.getpid()} {time.time():.6f}\n")
     if first and not p.get("quick"):
         HOLDS.setdefault(n, threading.Event()).wait()
     try:

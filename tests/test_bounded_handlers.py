@@ -61,10 +61,14 @@ def _payload(tmp_path: Path, n: str) -> dict[str, Any]:
     return {"folder": str(tmp_path), "n": n}
 
 
-def _assert_bounded_and_dead_lettered(db: Database, key: str, request_id: int) -> None:
+def _assert_bounded_and_dead_lettered(
+    db: Database, key: str, request_id: int, started: float | None = None
+) -> None:
     """The request is failed with one ``timed_out`` dead letter naming the bound; the key is
     still in progress under the abandoned holder, whose lease reaches no further than its
-    claim + bound + lease (a fresh key's claim is its ``created_at``)."""
+    claim + bound + lease (a fresh key's claim is its ``created_at``); a batch member's bound
+    starts with its handler (``started``: when the handler entered, later still), so its lease
+    reaches no further than that + bound + lease."""
     records = DlqStore(db).list_records(request_id=request_id)
     assert len(records) == 1, records
     assert records[0].error_class == FailureClass.TIMED_OUT
@@ -75,7 +79,8 @@ def _assert_bounded_and_dead_lettered(db: Database, key: str, request_id: int) -
     record = IdempotencyStore(db).get(key)
     assert record is not None and record.status is Status.IN_PROGRESS
     assert record.lease_expires_at is not None
-    assert record.lease_expires_at <= record.created_at + hang_jobs.BOUND + LEASE + 1e-6
+    since = record.created_at if started is None else started
+    assert record.lease_expires_at <= since + hang_jobs.BOUND + LEASE + 1e-6
 
 
 def _after_expiry(db: Database, key: str) -> None:
@@ -190,7 +195,8 @@ def test_a_resident_worker_abandons_a_hung_handler_runs_the_rest_and_ends_itself
     stop.set()
     assert not runner.is_alive(), "the worker waited on its hung handler"
     assert "timed out" in stats["done"].reason
-    _assert_bounded_and_dead_lettered(db, "hang-probe:resident", hung.id)
+    _assert_bounded_and_dead_lettered(db, "hang-probe:resident", hung.id,
+                                      started=hang_jobs.entered(tmp_path, "resident"))
     neighbour = RequestStore(db).get(fine.id)
     assert neighbour is not None and neighbour.status is RequestStatus.COMPLETED
     with db.statement() as conn:
@@ -285,7 +291,8 @@ def test_a_resident_worker_run_in_dagster_ends_after_abandoning_a_hung_handler(
     result = done["result"]
     assert result.success
     assert result.output_for_node("resident_worker")["ended"].startswith("timed out")
-    _assert_bounded_and_dead_lettered(db, "hang-probe:worker-run", request.id)
+    _assert_bounded_and_dead_lettered(db, "hang-probe:worker-run", request.id,
+                                      started=hang_jobs.entered(tmp_path, "worker-run"))
     db.dispose()
 
 

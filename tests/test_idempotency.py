@@ -227,6 +227,33 @@ def test_heartbeat_extends_lease(store: IdempotencyStore, clock: FakeClock) -> N
     assert taker.takeover and taker.fence == 2 and taker.attempt == 2
 
 
+def test_a_batch_members_lease_ends_by_its_bound_however_late_the_beat(
+    store: IdempotencyStore, clock: FakeClock
+) -> None:
+    """A batch member's bound starts with its handler; no beat may carry its lease past that
+    start + the bound + a lease, even a beat checked just before the bound and written after
+    it (a loaded machine). The store's clock is moved past the bound while the keeper's own
+    clock (monotonic) still says the bound runs: the beat is written capped, and its neighbour
+    without a bound gets the full lease. Catches a batch renewal without a cap."""
+    bounded, free = (claim_of(store.begin(k)) for k in ("bounded", "free"))
+    with store.keep_alive_many([bounded, free], interval=3600) as keeper:
+        started = clock.now
+        keeper.bound("bounded", 5.0)
+        clock.advance(7.0)  # the write lands past the bound, its check did not
+        keeper.confirm("free")  # no beat: fresh
+        keeper.confirmed_at = float("-inf")
+        keeper.confirm("free")
+        capped, full = store.get("bounded"), store.get("free")
+        assert capped is not None and full is not None
+        assert capped.lease_expires_at == pytest.approx(started + 5.0 + 10.0)
+        assert full.lease_expires_at == pytest.approx(clock.now + 10.0)
+        keeper.met("bounded")  # returned in time: renewed as any other from now on
+        keeper.confirmed_at = float("-inf")
+        keeper.confirm("free")
+        renewed = store.get("bounded")
+        assert renewed is not None and renewed.lease_expires_at == pytest.approx(clock.now + 10)
+
+
 def test_stale_owner_writes_rejected(store: IdempotencyStore, clock: FakeClock) -> None:
     """After a takeover, every write by the old owner raises LeaseLost and changes nothing.
     Catches: owner writes not conditional on the owner token."""

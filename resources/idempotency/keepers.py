@@ -202,7 +202,9 @@ class BatchLeaseKeeper:
 
     :meth:`bound` gives a key its work's bound once its handler starts (the keys of a batch
     run one after another): from then on the key is beaten no more and its :meth:`check`
-    raises :class:`HandlerTimedOut`, as :class:`LeaseKeeper` does with ``runtime``.
+    raises :class:`HandlerTimedOut`, as :class:`LeaseKeeper` does with ``runtime``. No beat
+    carries a bounded key past its bound's start + the bound + its lease (store time), even one
+    checked just before the bound and written after it: that key is beaten alone, capped.
     """
 
     def __init__(
@@ -220,6 +222,7 @@ class BatchLeaseKeeper:
         self._claims = {claim.key: claim for claim in claims}
         self._expires = {claim.key: claim.lease_expires_at for claim in claims}
         self._until: dict[str, tuple[float, float]] = {}
+        self._cap: dict[str, float] = {}
         self.overran: dict[str, HandlerTimedOut] = {}
         self._lock = threading.Lock()
         self._beating = threading.Lock()
@@ -243,6 +246,9 @@ class BatchLeaseKeeper:
         until = time.monotonic() + runtime
         with self._lock:
             self._until[key] = (until, runtime)
+            claim = self._claims.get(key)
+            if claim is not None:
+                self._cap[key] = self.store.clock() + runtime + claim.lease_seconds
         return until
 
     def until(self, key: str) -> float | None:
@@ -255,6 +261,7 @@ class BatchLeaseKeeper:
         if self._overran(key) is None:
             with self._lock:
                 self._until.pop(key, None)
+                self._cap.pop(key, None)
 
     def _overran(self, key: str) -> HandlerTimedOut | None:
         found = self._until.get(key)
@@ -324,13 +331,25 @@ class BatchLeaseKeeper:
             if not live:
                 return
             asked = time.monotonic()
-            expires, lost = self.store.heartbeat_many(live)
+            now = self.store.clock()
+            capped = [c for c in live if now + c.lease_seconds > self._cap.get(c.key, math.inf)]
+            together = [c for c in live if c.key not in {k.key for k in capped}]
+            expiry: dict[str, float] = {}
+            lost: set[str] = set()
+            if together:
+                expires, lost = self.store.heartbeat_many(together)
+                expiry = {c.key: expires for c in together}
+            for claim in capped:
+                try:
+                    expiry[claim.key] = self.store.heartbeat(claim, until=self._cap[claim.key])
+                except LeaseLost:
+                    lost.add(claim.key)
             with self._lock:
                 for claim in live:
                     if claim.key in lost and claim.key in self._claims:
                         self.lost[claim.key] = LeaseLost(claim.key, claim.owner_token)
-                    elif claim.key in self._expires:
-                        self._expires[claim.key] = expires
+                    elif claim.key in self._expires and claim.key in expiry:
+                        self._expires[claim.key] = expiry[claim.key]
             self.confirmed_at = asked
 
 
