@@ -334,23 +334,26 @@ class BatchLeaseKeeper:
             now = self.store.clock()
             capped = [c for c in live if now + c.lease_seconds > self._cap.get(c.key, math.inf)]
             together = [c for c in live if c.key not in {k.key for k in capped}]
-            expiry: dict[str, float] = {}
-            lost: set[str] = set()
             if together:
                 expires, lost = self.store.heartbeat_many(together)
-                expiry = {c.key: expires for c in together}
+                self._renewed(together, lost, expires)
             for claim in capped:
                 try:
-                    expiry[claim.key] = self.store.heartbeat(claim, until=self._cap[claim.key])
+                    expires = self.store.heartbeat(claim, until=self._cap[claim.key])
                 except LeaseLost:
-                    lost.add(claim.key)
-            with self._lock:
-                for claim in live:
-                    if claim.key in lost and claim.key in self._claims:
-                        self.lost[claim.key] = LeaseLost(claim.key, claim.owner_token)
-                    elif claim.key in self._expires and claim.key in expiry:
-                        self._expires[claim.key] = expiry[claim.key]
+                    self._renewed([claim], {claim.key}, now)
+                else:
+                    self._renewed([claim], set(), expires)
             self.confirmed_at = asked
+
+    def _renewed(self, claims: Sequence[Claim], lost: set[str], expires: float) -> None:
+        """What a beat of ``claims`` found: ``lost`` taken over, the others valid to ``expires``."""
+        with self._lock:
+            for claim in claims:
+                if claim.key in lost and claim.key in self._claims:
+                    self.lost[claim.key] = LeaseLost(claim.key, claim.owner_token)
+                elif claim.key in self._expires:
+                    self._expires[claim.key] = expires
 
 
 @dataclass(frozen=True)
