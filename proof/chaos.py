@@ -1305,8 +1305,8 @@ class Coordinator:
             return
         if (error == "StoredFailure" and "crash-loop" in self.config.faults
                 and d.id not in self.replays and self.settled_as(d.request, "dead_lettered")):
-            # a broker's copy of a message whose key already failed: its record is open (a
-            # second write would set the crash_loop record's class to the copy's permanent)
+            # a broker's copy of a message whose key already failed: its record is open and
+            # holds that failure (a second write would count it twice); a replay's is its own
             self._settle(d, "dead_lettered")
             return
         if msg.get("kind") == "permanent" or self.config.naive:

@@ -332,8 +332,11 @@ class BatchLeaseKeeper:
                 return
             asked = time.monotonic()
             now = self.store.clock()
-            capped = [c for c in live if now + c.lease_seconds > self._cap.get(c.key, math.inf)]
-            together = [c for c in live if c.key not in {k.key for k in capped}]
+            capped: list[Claim] = []
+            together: list[Claim] = []
+            for claim in live:
+                past = now + claim.lease_seconds > self._cap.get(claim.key, math.inf)
+                (capped if past else together).append(claim)
             if together:
                 expires, lost = self.store.heartbeat_many(together)
                 self._renewed(together, lost, expires)
