@@ -1,7 +1,8 @@
 """Dagster copies a resource three times each time it initializes it (per run, per sensor tick),
-and each copy would infer the class's config schema again: 40% of an empty micro-batch run's
-CPU. sekali's resources infer theirs once per class; these tests hold that and that the copies
-still carry their own values, through a real run on a real instance."""
+and each copy would work out its class's facts again (the config schema, its nested resources,
+its field map, the schema defaulted to its values): most of an empty micro-batch run's CPU.
+sekali's resources work them out once per class (and values); these tests hold that and that
+the copies still carry their own values, through a real run on a real instance."""
 
 from __future__ import annotations
 
@@ -63,3 +64,49 @@ def test_copies_keep_their_own_values_and_defaults(tmp_path: Path) -> None:
     defaults = fresh._config_schema.as_field().default_value
     assert defaults.get("lease_seconds", 60.0) == 60.0
     assert resources["idempotency"]._config_schema.as_field().default_value["lease_seconds"] == 7.0
+
+
+def test_copies_with_the_same_values_share_the_defaulted_schema_and_others_keep_theirs() -> None:
+    """Catches every copy validating its values into a schema again (the defaulted schema
+    shared), and a share that leaks one copy's values into another's Launchpad defaults."""
+    first = IdempotencyResource(lease_seconds=5.0)
+    again = first._with_updated_values({})
+    same = IdempotencyResource(lease_seconds=5.0)
+    other = IdempotencyResource(lease_seconds=9.0)
+    assert again._config_schema is first._config_schema
+    assert same._config_schema is first._config_schema
+    assert other._config_schema is not first._config_schema
+    assert first._config_schema.as_field().default_value["lease_seconds"] == 5.0
+    assert other._config_schema.as_field().default_value["lease_seconds"] == 9.0
+    integral = IdempotencyResource(lease_seconds=5)  # 5 and 5.0 are told apart, as Dagster would
+    assert integral._config_schema.as_field().default_value["lease_seconds"] == 5
+
+
+def test_what_dagster_reads_from_a_class_is_wrapped_where_dagster_reads_it() -> None:
+    """Catches a Dagster release that moves a function the once-per-class facts wrap: the
+    wrapper would then sit where nothing calls it, and every copy would pay again."""
+    import dagster_shared.dagster_model.pydantic_compat_layer as compat
+    from dagster._config.pythonic_config import config, conversion_utils, resource
+
+    assert resource.infer_schema_from_config_class is not config.infer_schema_from_config_class
+    assert resource._curry_config_schema is not conversion_utils._curry_config_schema
+    assert config.model_fields is not compat.model_fields
+    fields = resource._get_resource_param_fields
+    assert fields(IdempotencyResource) is fields(IdempotencyResource)  # worked out once
+    assert config.model_fields(IdempotencyResource) is config.model_fields(IdempotencyResource)
+    assert "lease_seconds" in config.model_fields(IdempotencyResource)
+    assert config.model_fields(dg.Config) is not config.model_fields(dg.Config)  # not ours
+
+
+def test_a_copy_reads_the_settings_once_and_a_new_copy_reads_them_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Catches each call reading the environment again (a dozen reads a run): a copy keeps the
+    settings it read first, and the next run's copy sees a change."""
+    monkeypatch.setenv("SEKALI_SMTP_PORT", "2525")
+    copy = LockResource(backend="db")
+    assert copy.settings().smtp_port == 2525
+    monkeypatch.setenv("SEKALI_SMTP_PORT", "2626")
+    assert copy.settings() is copy.settings()
+    assert copy.settings().smtp_port == 2525
+    assert copy._with_updated_values({}).settings().smtp_port == 2626
