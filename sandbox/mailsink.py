@@ -19,7 +19,9 @@ import logging
 import threading
 import time
 from collections.abc import Iterable
-from email.parser import BytesParser
+from email.message import Message
+from email.parser import BytesHeaderParser
+from email.policy import compat32
 from email.policy import default as default_policy
 from typing import Any
 
@@ -50,6 +52,23 @@ mail_messages = Table(
     Column("size", Integer, nullable=False),
 )
 
+_RECORD = insert(mail_messages)
+
+
+def _header(headers: Message, name: str) -> str | None:
+    """A header's text as a reader sees it: an encoded word decoded, folding undone. Parsed with
+    the compat32 classes (a fifth of the default policy's cost), and read through the default
+    policy when the raw text may differ from what it reads (non-ASCII, an encoded word, a fold
+    or a tab, a space in a Message-ID)."""
+    raw = headers.get(name)
+    if raw is None:
+        return None
+    raw = str(raw)
+    if raw.isascii() and "=?" not in raw and not any(c in raw for c in "\t\r\n") \
+            and (name.lower() != "message-id" or " " not in raw):
+        return raw
+    return str(default_policy.header_fetch_parse(name, raw))
+
 
 class _Handler:
     def __init__(self, sink: MailSink) -> None:
@@ -66,13 +85,13 @@ class _Handler:
 
     async def handle_DATA(self, server: Any, session: Any, envelope: Any) -> str:  # noqa: N802
         raw: bytes = envelope.original_content or envelope.content
-        headers = BytesParser(policy=default_policy).parsebytes(raw, headersonly=True)
+        headers = BytesHeaderParser(policy=compat32).parsebytes(raw)
         self.sink.record(
-            message_id=headers.get("Message-ID"),
+            message_id=_header(headers, "Message-ID"),
             mail_from=envelope.mail_from,
             rcpt_tos=list(envelope.rcpt_tos),
-            subject=headers.get("Subject"),
-            correlation_id=headers.get("X-Correlation-Id"),
+            subject=_header(headers, "Subject"),
+            correlation_id=_header(headers, "X-Correlation-Id"),
             size=len(raw),
         )
         return "250 Message accepted for delivery"
@@ -113,16 +132,17 @@ class MailSink:
     ) -> None:
         with self.engine.begin() as conn:
             conn.execute(
-                insert(mail_messages).values(
-                    message_id=str(message_id).strip() if message_id else None,
-                    mail_from=mail_from,
-                    rcpt_tos=json.dumps(rcpt_tos),
-                    subject=str(subject) if subject is not None else None,
+                _RECORD,
+                {
+                    "message_id": str(message_id).strip() if message_id else None,
+                    "mail_from": mail_from,
+                    "rcpt_tos": json.dumps(rcpt_tos),
+                    "subject": str(subject) if subject is not None else None,
                     # folding whitespace around an encoded value is not part of it
-                    correlation_id=str(correlation_id).strip() if correlation_id else None,
-                    received_at=time.time(),
-                    size=size,
-                )
+                    "correlation_id": str(correlation_id).strip() if correlation_id else None,
+                    "received_at": time.time(),
+                    "size": size,
+                },
             )
         log.info("mail sink: %s to %s", message_id, rcpt_tos)
 

@@ -19,6 +19,8 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from email.parser import BytesParser
+from email.policy import default as default_policy
 from pathlib import Path
 
 import pytest
@@ -69,6 +71,36 @@ def test_non_ascii_subject_and_body_arrive_intact_and_a_session_sends_several(
     raw = mailer.build(to="z@example.com", subject="s", body="Grüße", message_id="<m@x>",
                        correlation_id=None).as_bytes()
     assert b"charset=\"utf-8\"" in raw
+
+
+def test_the_sink_records_each_header_as_a_reader_of_the_message_reads_it(
+    sink: MailSink,
+) -> None:
+    """Catches a cheaper header parse in the sink that keeps a fold, an encoded word, a tab or
+    a commented Message-ID as raw text: whatever the sender wrote, each recorded header is what
+    the standard library's default policy reads from the same bytes."""
+    raws = [
+        b"Message-ID: <a@x>\r\nSubject: one\r\n two\tthree\r\nX-Correlation-Id:  c1 \r\n\r\nb",
+        b"Message-ID:\r\n <b@x>\r\nSubject: =?utf-8?b?w6TDtg==?= and plain\r\n\r\nb",
+        b"Message-ID: <c@x> (a comment)\r\nSubject: two  spaces ok \r\n\r\nb",
+        b"Message-ID: <d@x>\r\nSubject: =?utf-8?q?Gr=C3=BC=C3=9Fe?=\r\nX-Correlation-Id: "
+        b"=?utf-8?q?k=C3=B6ln?=\r\n\r\nb",
+    ]
+    with smtplib.SMTP("127.0.0.1", sink.port, timeout=10) as smtp:
+        for raw in raws:
+            smtp.sendmail("s@example.com", ["r@example.com"], raw)
+    recorded = sink.messages()
+    assert len(recorded) == len(raws)
+    for raw, row in zip(raws, recorded, strict=True):
+        reader = BytesParser(policy=default_policy).parsebytes(raw, headersonly=True)
+        for header, column, strip in (("Message-ID", "message_id", True),
+                                      ("Subject", "subject", False),
+                                      ("X-Correlation-Id", "correlation_id", True)):
+            read = None if reader.get(header) is None else str(reader.get(header))
+            expected = read.strip() if read is not None and strip else read
+            assert row[column] == expected, (raw, header)
+    assert [r["subject"] for r in recorded] == [
+        "one two\tthree", "äö and plain", "two  spaces ok ", "Grüße"]
 
 
 def test_sink_counts_duplicates_per_message_id(sink: MailSink) -> None:
