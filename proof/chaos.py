@@ -64,6 +64,7 @@ from sqlalchemy import create_engine, make_url, text
 from sqlalchemy.pool import NullPool
 
 from engine import tags as tag
+from engine.attempts import Outcome
 from engine.chaos import ChaosCase
 from engine.context import SEND_BOUND
 from engine.delivery import DeliveryPolicy
@@ -102,7 +103,7 @@ from proof.chaos_worker import (
 )
 from resources.dlq import DlqStatus, DlqStore, FailureClass, FailureInfo, dedupe_key_for
 from resources.egress import ALLOW_ENV, allow_list
-from resources.errors import EvictingRedis, SekaliError, ValidationError
+from resources.errors import EvictingRedis, HandlerTimedOut, SekaliError, ValidationError
 from resources.idempotency import IdempotencyStore
 from resources.retry import BUDGET_UNAVAILABLE
 from resources.storage.db import Database
@@ -2352,7 +2353,8 @@ def gather_evidence(
     for arrival in arrivals:
         by_request[str(arrival.get("correlation_id"))].append(arrival)
     attempts: dict[int, list[Any]] = defaultdict(list)
-    for a in _rows(db, "SELECT request_id, idempotency_key, outcome, fence FROM job_attempts"):
+    for a in _rows(db, "SELECT request_id, idempotency_key, outcome, fence, error_class"
+                       " FROM job_attempts"):
         if a.request_id is not None:
             attempts[int(a.request_id)].append(a)
     own = {}
@@ -2420,6 +2422,23 @@ def rejections(db: Any, requests: list[Request], refused: set[int]) -> set[int]:
             if (requests[i].job_type, masked_digest(requests[i].payload, 64).sha256) in kept}
 
 
+def apparent_deaths(req: Request, attempts: Iterable[Any]) -> int:
+    """The deaths of ``req``'s holders a claim of its key may have counted towards the
+    crash-loop bound: a claim counts one for every takeover of a holder that ran alone, and
+    cannot tell a dead holder from one stalled past its lease. So: its workers killed (on it,
+    or beside it on another thread), and its holders stalled, either stopped or found taken
+    over when they came back (an attempt ended ``lease_lost``: a lease run out by a skewed
+    clock, a pause) or abandoned at their bound. A stopped holder that comes back finds its key
+    taken over too: a stall is counted once. The holder's return takes its crash back, but a
+    claim in between may already have decided on it."""
+    died = sum(n for fault, n in req.struck.items()
+               if fault.startswith(("kill:", "died_with_worker")))
+    stopped = sum(n for fault, n in req.struck.items() if fault.startswith("stop:"))
+    stalled = sum(1 for a in attempts
+                  if a.outcome == Outcome.LEASE_LOST or a.error_class == HandlerTimedOut.__name__)
+    return died + max(stopped, stalled)
+
+
 def judge(
     requests: list[Request],
     evidence: Evidence,
@@ -2442,7 +2461,7 @@ def judge(
     request's intent (a ``--job-type`` run: through the job type's lookup hook), in place of
     the built-in mix's own counting. A crash-looping request must be dead-lettered as
     ``crash_loop`` with no effect; no other request may be, unless its workers died on it more
-    than ``crash_loop_limit`` times (kills, stops, deaths beside a crasher). ``rejected``: the
+    than ``crash_loop_limit`` times as a claim sees it (:func:`apparent_deaths`). ``rejected``: the
     workload ids refused at the enqueue with the refusal kept (resident delivery: poison
     never becomes a request); a refused poison is kept, not lost, and a refused valid request
     is a violation."""
@@ -2513,8 +2532,7 @@ def judge(
             else:
                 stats["crash-loop"] += 1
         elif dl is not None and dl.error_class == "crash_loop":
-            deaths = sum(n for fault, n in req.struck.items()
-                         if fault.startswith(("kill:", "stop:", "died_with_worker")))
+            deaths = apparent_deaths(req, mine)
             if crash_loop_limit is None or deaths <= crash_loop_limit:
                 violations.append(f"dead-lettered as crash_loop after {deaths} death(s), not "
                                   f"over the limit {crash_loop_limit}: {tag}")

@@ -11,8 +11,10 @@ duplicates and losses, which proves the checker can see a violation when there i
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,6 +29,7 @@ from proof.chaos import (
     ChaosReport,
     ChaosWorld,
     Coordinator,
+    Request,
     build_workload,
     check,
     format_table,
@@ -247,12 +250,10 @@ def test_pg_restart_restarts_the_runs_own_private_cluster() -> None:
 
 
 @pytest.mark.timeout(120)
-def test_checker_reports_stale_writes_unknown_dead_letters_and_duplicate_mail() -> None:
-    """The checker's blocks fire: a clean run, then the store doctored behind its back (an
-    order's payment fence one below its record's, a DLQ row of class unknown, a mail resent
-    with no after-effect fault to excuse it, a second charge) must each be reported; a second
-    charge is never excused, even once reconciliation marked it for a refund (it is counted in
-    ``double_charges_refund_marked``)."""
+@contextlib.contextmanager
+def _clean_run() -> Iterator[tuple[ChaosWorld, Coordinator, list[Request]]]:
+    """A small guarded run with poison only, run to its end, its world still up: the stores
+    a checker test doctors behind the checker's back."""
     config = ChaosConfig(requests=40, workers=2, threads=2, redelivery=2,
                          faults=("poison",), poison_rate=0.1, seed=7, timeout=90)
     config.validate()
@@ -261,6 +262,16 @@ def test_checker_reports_stale_writes_unknown_dead_letters_and_duplicate_mail() 
         world.seed_stock(requests)
         coordinator = Coordinator(config, world, requests)
         assert coordinator.run()
+        yield world, coordinator, requests
+
+
+def test_checker_reports_stale_writes_unknown_dead_letters_and_duplicate_mail() -> None:
+    """The checker's blocks fire: a clean run, then the store doctored behind its back (an
+    order's payment fence one below its record's, a DLQ row of class unknown, a mail resent
+    with no after-effect fault to excuse it, a second charge) must each be reported; a second
+    charge is never excused, even once reconciliation marked it for a refund (it is counted in
+    ``double_charges_refund_marked``)."""
+    with _clean_run() as (world, coordinator, requests):
         verdicts, violations = check(world, coordinator)
         assert violations == []
         charge = next(v for v in verdicts if v.job_type == "charge_payment"
@@ -316,6 +327,40 @@ def test_checker_reports_stale_writes_unknown_dead_letters_and_duplicate_mail() 
         _, violations = check(world, coordinator)
         assert any(v.startswith(f"duplicate effect: request {charge.id} ") for v in violations)
         assert coordinator.stats["double_charges_refund_marked"] == 1
+
+
+def test_the_judge_counts_a_holder_found_taken_over_alive_among_the_deaths_a_claim_counted(
+) -> None:
+    """A claim counts a crash for every takeover of a holder that ran alone, dead or alive (a
+    lease that ran out by a skewed clock, a pause): the holder that comes back takes it back,
+    but a claim in between may decide crash_loop on it. Catches a judge that calls such a dead
+    letter unearned, one that excuses it without the stall, and one that counts a stopped
+    holder's own return twice: a clean run, then a request doctored to a crash_loop dead
+    letter beside two deaths, then one of its attempts ended ``lease_lost``."""
+    with _clean_run() as (world, coordinator, requests):
+        assert check(world, coordinator)[1] == []
+        poison = next(r for r in requests if r.poison)
+
+        def unearned() -> list[str]:
+            return [v for v in check(world, coordinator)[1]
+                    if v.startswith("dead-lettered as crash_loop")
+                    and f"request {poison.id} " in v]
+
+        with world.db.transaction() as conn:
+            conn.execute(text("UPDATE dlq_records SET error_class = 'crash_loop'"
+                              " WHERE request_id = :r"), {"r": poison.row_id})
+        poison.struck.update({"kill:after_effect": 1, "died_with_worker": 1})
+        assert unearned() and "after 2 death(s)" in unearned()[0], unearned()
+        with world.db.transaction() as conn:
+            conn.execute(text(
+                "UPDATE job_attempts SET outcome = 'lease_lost' WHERE attempt_id ="
+                " (SELECT MIN(attempt_id) FROM job_attempts WHERE request_id = :r)"),
+                {"r": poison.row_id})
+        assert unearned() == []  # two deaths and a holder taken over alive: three
+        # a stop instead of the kill: the stopped holder's return is that same stall
+        poison.struck.pop("kill:after_effect")
+        poison.struck["stop:before_effect"] += 1
+        assert unearned() and "after 2 death(s)" in unearned()[0], unearned()
 
 
 NEW_FAULTS = ("redis-freeze", "redis-rollback", "redis-failover", "slow-provider",
