@@ -8,6 +8,7 @@ the instance that holds those runs; the CLI is called through ``cli.main.main``.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -318,3 +319,39 @@ def test_runs_dagster_will_retry_are_not_dead_lettered(
     sweep(instance, s["store"], None)
     (record,) = s["store"].list_records()
     assert record.request_id == held.id and record.error_class == FailureClass.TRANSIENT
+
+
+def test_a_copys_transient_failure_keeps_the_final_failure_a_record_holds(db: Database) -> None:
+    """At-least-once delivery runs copies of a request: one may give up on a transient error
+    (the key held by another worker, the database away) after another copy's claim decided the
+    key's fate for good (a crash loop). Catches the copy's failure relabelling the record
+    transient, which tells the operator to replay a crash loop: it is counted, the error stays;
+    a stronger failure still replaces a transient one, and a failed replay of the record
+    carries its own error."""
+    store = DlqStore(db)
+
+    def failure(run: str, error_type: str, eclass: FailureClass, **extra: Any) -> FailureInfo:
+        return FailureInfo(job_type="award_loyalty_points", dedupe_key="request:10",
+                           error_type=error_type, message=f"{error_type} in {run}",
+                           run_id=run, error_class=eclass, request_id=10, **extra)
+
+    store.record_failure(failure("copy-a", "CrashLoop", FailureClass.CRASH_LOOP))
+    after = store.record_failure(
+        failure("copy-b", "AlreadyInProgress", FailureClass.TRANSIENT)).record
+    assert after.error_class == FailureClass.CRASH_LOOP and after.error_type == "CrashLoop"
+    assert after.last_error == "CrashLoop in copy-a" and after.failure_count == 2
+    assert sorted(store.failures(after.id)) == ["copy-a", "copy-b"]
+
+    other = failure("first", "StoreUnavailable", FailureClass.TRANSIENT)
+    store.record_failure(replace(other, dedupe_key="request:11", request_id=11))
+    stronger = store.record_failure(replace(
+        failure("second", "CrashLoop", FailureClass.CRASH_LOOP),
+        dedupe_key="request:11", request_id=11)).record
+    assert stronger.error_class == FailureClass.CRASH_LOOP and stronger.failure_count == 2
+
+    with db.transaction() as conn:  # a replay of the first record under way
+        conn.execute(text("UPDATE dlq_records SET status = 'replaying' WHERE id = :i"),
+                     {"i": after.id})
+    replayed = store.record_failure(failure("replay-1", "StoreUnavailable",
+                                            FailureClass.TRANSIENT, dlq_id=after.id)).record
+    assert replayed.status == "open" and replayed.error_class == FailureClass.TRANSIENT

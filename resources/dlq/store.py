@@ -79,6 +79,32 @@ def _after_failure(
     return record.status, "failed_again"
 
 
+_FINAL = frozenset({FailureClass.PERMANENT, FailureClass.CRASH_LOOP, FailureClass.TIMED_OUT,
+                    FailureClass.DATA_BUG})
+"""The classes that decide a request's fate (its key failed for good): a replay, not a retry."""
+
+
+def _says_less(record: DlqRecord, info: FailureInfo) -> bool:
+    """Whether a later failure of an open record keeps the record's error rather than replacing
+    it: a transient failure after a final one, from a copy of the request rather than a replay
+    of the record. At-least-once delivery runs copies: one may give up on a transient error
+    (the key held by another worker, the database away) after another copy's claim decided the
+    key for good; relabelled transient, a crash loop would read as "replay it". The failure is
+    still counted and kept in ``dlq_failures``. A replay's failure carries its own error, and a
+    final failure replaces a transient one."""
+    return (record.status is _D.OPEN and info.dlq_id != record.id
+            and FailureClass.parse(info.error_class) is FailureClass.TRANSIENT
+            and FailureClass.parse(record.error_class) in _FINAL)
+
+
+def _error_of(record: DlqRecord) -> dict[str, Any]:
+    """The bound values of ``failed_again`` that carry a failure's error, as ``record`` holds
+    them: its run, step and error stay."""
+    return {"run_id": record.run_id, "step": record.step, "eclass": record.error_class,
+            "etype": record.error_type, "fp": record.fingerprint, "msg": record.last_error,
+            "trace": record.trace}
+
+
 class DlqStore(DlqViews):
     """The DLQ over a :class:`Database`: every write of its tables, and (from
     :class:`DlqViews`) every read. Thread-safe; share one per process."""
@@ -119,6 +145,8 @@ class DlqStore(DlqViews):
         if not seen:
             return RecordedFailure(record, False, False)
         status, action = _after_failure(record, info, failed_at)
+        if _says_less(record, info):
+            params = {**params, **_error_of(record)}
         conn.execute(
             text(self._q["failed_again"]), {**params, "status": str(status), "id": record.id}
         )
