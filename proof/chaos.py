@@ -2425,18 +2425,21 @@ def rejections(db: Any, requests: list[Request], refused: set[int]) -> set[int]:
 def apparent_deaths(req: Request, attempts: Iterable[Any]) -> int:
     """The deaths of ``req``'s holders a claim of its key may have counted towards the
     crash-loop bound: a claim counts one for every takeover of a holder that ran alone, and
-    cannot tell a dead holder from one stalled past its lease. So: its workers killed (on it,
-    or beside it on another thread), and its holders stalled, either stopped or found taken
-    over when they came back (an attempt ended ``lease_lost``: a lease run out by a skewed
-    clock, a pause) or abandoned at their bound. A stopped holder that comes back finds its key
-    taken over too: a stall is counted once. The holder's return takes its crash back, but a
-    claim in between may already have decided on it."""
+    cannot tell a dead holder from one stalled past its lease or cut off from the database.
+    So: its workers killed (on it, or beside it on another thread); its holders stalled,
+    either stopped or found taken over when they came back (an attempt ended ``lease_lost``: a
+    lease run out by a skewed clock, a pause) or abandoned at their bound (a stopped holder
+    that comes back finds its key taken over too: counted once); and its deliveries that met
+    the database restarting (``pg-restart:outage``: a holder then can record neither its
+    outcome nor its attempt's end, and its lease runs out as a dead one's). The holder's
+    return takes a stall's crash back, but a claim in between may already have decided on it.
+    An upper bound: an outage met before the claim held nothing."""
     died = sum(n for fault, n in req.struck.items()
                if fault.startswith(("kill:", "died_with_worker")))
     stopped = sum(n for fault, n in req.struck.items() if fault.startswith("stop:"))
     stalled = sum(1 for a in attempts
                   if a.outcome == Outcome.LEASE_LOST or a.error_class == HandlerTimedOut.__name__)
-    return died + max(stopped, stalled)
+    return died + max(stopped, stalled) + req.struck["pg-restart:outage"]
 
 
 def judge(

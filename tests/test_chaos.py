@@ -336,7 +336,8 @@ def test_the_judge_counts_a_holder_found_taken_over_alive_among_the_deaths_a_cla
     but a claim in between may decide crash_loop on it. Catches a judge that calls such a dead
     letter unearned, one that excuses it without the stall, and one that counts a stopped
     holder's own return twice: a clean run, then a request doctored to a crash_loop dead
-    letter beside two deaths, then one of its attempts ended ``lease_lost``."""
+    letter beside two deaths, then one of its attempts ended ``lease_lost``, then a delivery
+    that met the database restarting."""
     with _clean_run() as (world, coordinator, requests):
         assert check(world, coordinator)[1] == []
         poison = next(r for r in requests if r.poison)
@@ -361,6 +362,9 @@ def test_the_judge_counts_a_holder_found_taken_over_alive_among_the_deaths_a_cla
         poison.struck.pop("kill:after_effect")
         poison.struck["stop:before_effect"] += 1
         assert unearned() and "after 2 death(s)" in unearned()[0], unearned()
+        # a holder cut off by a database restart records neither its outcome nor its end
+        poison.struck["pg-restart:outage"] += 1
+        assert unearned() == []
 
 
 NEW_FAULTS = ("redis-freeze", "redis-rollback", "redis-failover", "slow-provider",
