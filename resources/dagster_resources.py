@@ -138,7 +138,7 @@ def _class_facts_once() -> None:
     param_fields = getattr(pythonic, "_get_resource_param_fields")  # noqa: B009
     field_map = getattr(pythonic_config, "model_fields")  # noqa: B009
     curry = getattr(pythonic, "_curry_config_schema")  # noqa: B009
-    schemas: dict[int, Any] = {}  # id -> a schema made here, kept so that the id stays its own
+    made: set[int] = set()  # ids of the schemas of_class made (its cache keeps them alive)
     curried: dict[tuple[int, str], Any] = {}
 
     def ours(cls: Any) -> bool:
@@ -147,7 +147,7 @@ def _class_facts_once() -> None:
     @functools.cache
     def of_class(cls: type, omitted: frozenset[str]) -> Any:
         built = infer(cls, fields_to_omit=set(omitted))
-        schemas[id(built)] = built
+        made.add(id(built))
         return built
 
     def schema(model_cls: Any, description: str | None = None,
@@ -158,7 +158,7 @@ def _class_facts_once() -> None:
                      default=default)
 
     def with_defaults(field: Any, values: Any) -> Any:
-        if id(field) not in schemas:
+        if id(field) not in made:
             return curry(field, values)
         try:
             key = (id(field), json.dumps(values, sort_keys=True))
