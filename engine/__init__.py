@@ -12,16 +12,16 @@ registry; the Dagster adapter, the CLI and the proof stand above. Public names:
   and :data:`Lookup`, :class:`Debounce`, :class:`LeaseBounds`, :class:`Retained`,
   :class:`Downstream`, :class:`ClientOptions`, :class:`Sandbox`, the hook protocols
   :class:`Reconciling` and :class:`Tally`, the handler's :class:`JobContext`, ``crash_point``,
-  ``fenced`` and ``fenced_update`` (the one fence check), ``batch_slots``, ``SEND_TRIES`` and
-  the ``require_*`` / ``reject_unknown`` checks; what the chaos proof asks of a type
-  (:class:`ChaosProof`, :class:`ChaosCase`, :class:`ChaosCount`, :class:`NaiveRun`);
+  ``fenced`` and ``fenced_update`` (the one fence check), ``batch_slots`` and ``in_lanes``,
+  ``SEND_TRIES`` and the ``require_*`` / ``reject_unknown`` checks; what the chaos proof asks
+  of a type (:class:`ChaosProof`, :class:`ChaosCase`, :class:`ChaosCount`, :class:`NaiveRun`);
 - the registry: :func:`get_job_type`, ``JOB_TYPES``, :func:`downstreams`;
 - the ways in: :func:`enqueue` (intake) and :func:`execute_request` (the one execution path),
   with the :class:`Services` they run on.
 """
 
 from engine.chaos import ChaosCase, ChaosCount, ChaosProof, NaiveRun
-from engine.context import SEND_TRIES, JobContext, batch_slots
+from engine.context import SEND_TRIES, JobContext, batch_slots, in_lanes
 from engine.contract import (
     Calls,
     Concurrency,
@@ -96,6 +96,7 @@ __all__ = [
     "fenced_update",
     "formatted",
     "get_job_type",
+    "in_lanes",
     "reject_unknown",
     "require_int",
     "require_str",

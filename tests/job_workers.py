@@ -220,9 +220,10 @@ TALLY_LIMIT = 2
 def tally_job_type(redis_url: str, namespace: str) -> Any:
     """A job type whose requests (distinct keys) share a concurrency key, ``group:{group}``
     (limit :data:`TALLY_LIMIT`), and whose batch hook, like ``reserve_inventory``'s, takes no
-    slot itself; every effect counts itself in and out of its group in Redis, keeping the most
-    ever inside at once under ``{namespace}:tally:max:{group}``."""
-    from engine import JobContext, JobType
+    slot itself and runs its effects on four lanes at once (:func:`engine.in_lanes`, as
+    ``send_email``'s does); every effect counts itself in and out of its group in Redis,
+    keeping the most ever inside at once under ``{namespace}:tally:max:{group}``."""
+    from engine import JobContext, JobType, in_lanes
     from resources.storage.redis import redis_client
 
     tally = redis_client(redis_url).register_script(_TALLY)
@@ -238,12 +239,15 @@ def tally_job_type(redis_url: str, namespace: str) -> Any:
         with ctx.concurrency_slot(job_type):
             return effect(p)
 
-    def handler_many(items: Any) -> list[Any]:
+    def lane(part: Any) -> list[Any]:
         out = []
-        for ctx, p in items:
+        for ctx, p in part:
             ctx.check_lease()
             out.append(effect(p))
         return out
+
+    def handler_many(items: Any) -> list[Any]:
+        return in_lanes(items, 4, lane)
 
     job_type = JobType(
         name="tally_group",

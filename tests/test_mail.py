@@ -27,10 +27,12 @@ import pytest
 
 from pipelines.domain.mail import Mailer, MailRejected, MailUnavailable, SmtpMailer, message_id_for
 from pipelines.profile import DownstreamResource
-from resources.errors import SendDeadlinePassed
+from resources.errors import SendDeadlinePassed, ValidationError
 from resources.retry import ErrorClass, classify
+from resources.storage.settings import Settings
 from sandbox.mailsink import MailSink
 from sandbox.redis_server import free_port
+from tests.relays import SlowRelay
 
 
 def test_message_id_is_stable_and_rfc5322_shaped() -> None:
@@ -279,3 +281,34 @@ def test_a_mail_whose_send_bound_passed_is_not_handed_over(sink: MailSink) -> No
         session.send(to="late@example.com", subject="hi", body="b", message_id=message_id,
                      send_by=time.monotonic() + 30)
     assert [m["message_id"] for m in sink.messages()] == [message_id]
+
+
+def test_a_send_held_up_past_its_bound_part_way_hands_no_message_over() -> None:
+    """Catches a client that checks the send bound only before the envelope: a relay that takes
+    longer than the bound to accept the recipient (as a sender paused after MAIL FROM would)
+    must get no DATA after it, so no message leaves after the bound; the session closes that
+    connection, and its next send, within a new bound, goes through on a fresh one."""
+    with SlowRelay(rcpt_delay=0.5) as relay:
+        mailer = SmtpMailer("127.0.0.1", relay.port)
+        with mailer.session() as session:
+            with pytest.raises(SendDeadlinePassed) as late:
+                session.send(to="slow@example.com", subject="hi", body="b",
+                             message_id="<held@sekali>", send_by=time.monotonic() + 0.2)
+            assert "not sent" in str(late.value)
+            session.send(to="slow@example.com", subject="hi", body="b",
+                         message_id="<again@sekali>", send_by=time.monotonic() + 30)
+        time.sleep(0.2)  # a DATA the client wrongly sent would be taken by now
+        assert [mid for mid, _ in relay.accepted] == ["<again@sekali>"]
+
+
+def test_smtp_connections_come_from_the_environment_and_a_bad_value_names_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Catches ``SEKALI_SMTP_CONNECTIONS`` ignored, or a bad value turned into a default."""
+    monkeypatch.setenv("SEKALI_SMTP_CONNECTIONS", "7")
+    assert DownstreamResource(downstream="smtp").get_client().connections == 7
+    monkeypatch.setenv("SEKALI_SMTP_CONNECTIONS", "0")
+    with pytest.raises(ValidationError, match="SEKALI_SMTP_CONNECTIONS"):
+        Settings.from_env()
+    monkeypatch.delenv("SEKALI_SMTP_CONNECTIONS")
+    assert DownstreamResource(downstream="smtp").get_client().connections == 4

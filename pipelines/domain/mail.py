@@ -51,7 +51,7 @@ from resources.errors import (
     ValidationError,
 )
 from resources.headers import refuse_control
-from resources.storage.settings import Settings
+from resources.storage.settings import DEFAULT_SMTP_CONNECTIONS, Settings
 from resources.telemetry.redact import redact
 from sandbox.mailsink import MailSink
 
@@ -123,6 +123,30 @@ def _cut(smtp: smtplib.SMTP, cut: threading.Event) -> None:
     if sock is not None:
         with contextlib.suppress(OSError):
             sock.shutdown(socket.SHUT_RDWR)
+
+
+class _BoundedSMTP(smtplib.SMTP):
+    """``smtplib``'s client that writes nothing once its send bound has passed: every command and
+    the message data check the bound right before they go out (:meth:`send`, which all of
+    smtplib's writes go through). A sender paused part-way through an exchange, or held up by a
+    slow reply, so finishes no message after its bound; what is left is a pause between the
+    check and the socket write. ``wrote``: a byte of the current message went out."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._what = ""
+        self._send_by: float | None = None
+        self.wrote = False
+
+    def bound(self, what: str, send_by: float | None) -> None:
+        """Check every write against ``send_by`` (monotonic; None: no bound) from now."""
+        self._what, self._send_by, self.wrote = what, send_by, False
+
+    def send(self, s: bytes | str) -> None:  # type: ignore[override]
+        if self._send_by is not None and (late := time.monotonic() - self._send_by) > 0:
+            raise SendDeadlinePassed(self._what, late)
+        self.wrote = True
+        super().send(s)
 
 
 class _Cutter:
@@ -216,6 +240,9 @@ class SmtpMailer:
     one per :meth:`session` for a batch.
 
     ``timeout`` bounds each socket operation, ``deadline`` each whole send (see the module).
+    ``connections``: how many sessions a batch of mails may hold at once
+    (``SEKALI_SMTP_CONNECTIONS``, default 4; ``send_email``'s batch hook sends on that many
+    lanes): a relay that limits connections per client is given at most that many.
     """
 
     def __init__(
@@ -226,15 +253,19 @@ class SmtpMailer:
         timeout: float = 10,
         deadline: float = 30,
         log_url: str | None = None,
+        connections: int = DEFAULT_SMTP_CONNECTIONS,
     ) -> None:
         if timeout <= 0 or deadline <= 0:
             raise ValueError("SMTP timeout and deadline must be positive")
+        if connections < 1:
+            raise ValueError("SMTP connections must be at least 1")
         self.host = host
         self.port = port
         self.sender = sender
         self.timeout = timeout
         self.deadline = deadline
         self.log_url = log_url
+        self.connections = connections
         self._log: MailSink | None = None
 
     def find_messages(self, message_id: str) -> list[dict[str, Any]]:
@@ -307,7 +338,7 @@ class SmtpSession:
 
     def __init__(self, mailer: SmtpMailer) -> None:
         self.mailer = mailer
-        self._smtp: smtplib.SMTP | None = None
+        self._smtp: _BoundedSMTP | None = None
         self._cutter = _Cutter()
 
     def send(
@@ -321,22 +352,28 @@ class SmtpSession:
         send_by: float | None = None,
     ) -> None:
         """Send one message on this session's connection. ``send_by`` is checked after the
-        connection is up and right before the envelope (MAIL FROM) goes out: once it has passed,
-        :class:`SendDeadlinePassed` and nothing of this message was sent."""
+        connection is up and right before each write of the exchange (the envelope, the DATA
+        command, the message with its final dot): once it has passed, :class:`SendDeadlinePassed`
+        and no byte more leaves. Refused before the envelope, nothing of this message was sent;
+        refused part-way (the sender was paused, or the relay slow, after MAIL FROM), the
+        connection is closed with the message unfinished, which the relay drops."""
         m = self.mailer
         msg = m.build(
             to=to, subject=subject, body=body, message_id=message_id, correlation_id=correlation_id
         )
-        smtp = self._smtp or smtplib.SMTP(timeout=min(m.timeout, m.deadline))  # connects below
+        smtp = self._smtp or _BoundedSMTP(timeout=min(m.timeout, m.deadline))  # connects below
         cut = threading.Event()
         self._cutter.arm(m.deadline, smtp, cut)
         try:
             if self._smtp is None:
                 smtp.connect(m.host, m.port)
                 self._smtp = smtp
-            if send_by is not None and time.monotonic() > send_by:
-                raise SendDeadlinePassed(f"mail {message_id}", time.monotonic() - send_by)
+            smtp.bound(f"mail {message_id}", send_by)
             smtp.send_message(msg, from_addr=m.sender, to_addrs=[to])  # never from the headers
+        except SendDeadlinePassed:
+            if smtp.wrote:  # cut part-way: the relay drops the exchange with the connection
+                self._drop(smtp)
+            raise
         except smtplib.SMTPRecipientsRefused as exc:
             code, reply = next(iter(exc.recipients.values()))
             text = redact(_text(reply), [to])
@@ -368,6 +405,7 @@ class SmtpSession:
                 ) from exc
             raise MailUnavailable(f"mail server at {m.host}:{m.port} unavailable: {exc!r}") from exc
         finally:
+            smtp.bound("", None)
             self._cutter.disarm()
         log.info(
             "sent %s",
@@ -408,6 +446,7 @@ def _client(settings: Settings, options: ClientOptions) -> SmtpMailer:
         host, port, sender=str(options.extra.get("sender", "sekali@localhost")),
         timeout=options.timeout or 10.0, deadline=options.deadline or 30.0,
         log_url=str(options.extra.get("log_url") or settings.smtp_log_url or "") or None,
+        connections=int(options.extra.get("connections") or settings.smtp_connections),
     )
 
 

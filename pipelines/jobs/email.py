@@ -39,6 +39,7 @@ from engine import (
     Running,
     Upkeep,
     formatted,
+    in_lanes,
     require_str,
 )
 from engine.services import MissingClient
@@ -156,9 +157,11 @@ def send_email(ctx: JobContext, p: EmailRequest) -> dict[str, Any]:
 
 
 def send_emails(items: Sequence[tuple[JobContext, EmailRequest]]) -> list[Any]:
-    """A micro-batch of mails over one SMTP connection, looked up first in one read of the
-    provider's record (:func:`_found_for_batch`); each mail is still its own attempt (lease
-    confirmed, crash points, its own result or error)."""
+    """A micro-batch of mails, looked up first in one read of the provider's record
+    (:func:`_found_for_batch`), then sent on the mailer's ``connections`` SMTP connections at
+    once, one per lane (:func:`engine.in_lanes`): a mail is four round trips to the relay,
+    which lanes overlap. Each mail is still its own attempt (lease confirmed, send bound,
+    crash points, its own result or error)."""
     if not items:
         return []
     try:
@@ -166,14 +169,18 @@ def send_emails(items: Sequence[tuple[JobContext, EmailRequest]]) -> list[Any]:
     except MissingClient as error:
         return [error for _ in items]
     found = _found_for_batch(mailer, items)
-    results: list[Any] = []
-    with mail_session(mailer) as session:
-        for ctx, p in items:
-            try:
-                results.append(_send(ctx, p, session, found=found))
-            except Exception as exc:  # noqa: BLE001 - this mail's failure, not the batch's
-                results.append(exc)
-    return results
+
+    def lane(part: list[tuple[JobContext, EmailRequest]]) -> list[Any]:
+        results: list[Any] = []
+        with mail_session(mailer) as session:
+            for ctx, p in part:
+                try:
+                    results.append(_send(ctx, p, session, found=found))
+                except Exception as exc:  # noqa: BLE001 - this mail's failure, not the batch's
+                    results.append(exc)
+        return results
+
+    return in_lanes(items, int(getattr(mailer, "connections", 1)), lane)
 
 
 def _send(ctx: JobContext, p: EmailRequest, mailer: Mailer,

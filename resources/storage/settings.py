@@ -18,12 +18,14 @@ lease (60 s); ``docs/chaos.md`` lists them with the faults they answer.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from resources.errors import ValidationError
+
+N = TypeVar("N", int, float)
 
 
 def normalize_url(url: str) -> str:
@@ -36,6 +38,8 @@ def normalize_url(url: str) -> str:
 
 SETTLE_ENV = "SEKALI_GATEWAY_SETTLE_SECONDS"
 DEFAULT_GATEWAY_SETTLE_SECONDS = 120.0
+SMTP_CONNECTIONS_ENV = "SEKALI_SMTP_CONNECTIONS"
+DEFAULT_SMTP_CONNECTIONS = 4
 CRASH_LOOP_ENV = "SEKALI_CRASH_LOOP_LIMIT"
 DEFAULT_CRASH_LOOP_LIMIT = 3
 
@@ -230,6 +234,8 @@ class Settings:
     # where the mail provider's record of accepted messages can be searched by Message-ID (the
     # sandbox sink's database); None: mails cannot be looked up
     smtp_log_url: str | None = None
+    # how many SMTP connections a batch of mails goes out on at once (one per lane)
+    smtp_connections: int = DEFAULT_SMTP_CONNECTIONS
 
     @classmethod
     def from_env(cls) -> Settings:
@@ -246,19 +252,30 @@ class Settings:
             rates=rate_texts(os.environ),
             gateway_settle_seconds=_positive_seconds(SETTLE_ENV, DEFAULT_GATEWAY_SETTLE_SECONDS),
             smtp_log_url=os.environ.get("SEKALI_SMTP_LOG_URL") or None,
+            smtp_connections=_positive_int(SMTP_CONNECTIONS_ENV, DEFAULT_SMTP_CONNECTIONS),
         )
 
 
+def _positive_int(name: str, default: int) -> int:
+    return _positive(name, default, int, "a whole number >= 1")
+
+
 def _positive_seconds(name: str, default: float) -> float:
+    return _positive(name, default, float, "a positive number of seconds")
+
+
+def _positive(name: str, default: N, kind: Callable[[str], N], what: str) -> N:
+    """The environment variable ``name`` as a number above 0 (``default`` when unset or blank);
+    anything else is a ValidationError naming the variable and saying ``what`` it takes."""
     raw = os.environ.get(name)
     if raw is None or not raw.strip():
         return default
     try:
-        value = float(raw)
+        value = kind(raw)
     except ValueError:
-        value = -1.0
+        raise ValidationError(name, what, raw) from None
     if not value > 0:
-        raise ValidationError(name, "a positive number of seconds", raw)
+        raise ValidationError(name, what, raw)
     return value
 
 
