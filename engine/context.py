@@ -451,7 +451,8 @@ def in_lanes(
     Items whose contexts share a concurrency slot (:func:`batch_slots` holds one slot for every
     request of a key in the batch) run in one lane, one after another, so a slot still covers
     one effect at a time; within a lane the items keep the batch's order. One lane runs in the
-    calling thread, which returns once every lane has; an exception that escapes ``work`` in
+    calling thread (and any lane no thread could be started for), which returns once every
+    lane has, so no lane outlives the hook; an exception that escapes ``work`` in
     any lane is raised here after the others finished (a hook catches its items' failures, so
     this is its own failure, and the batch's). ``work`` must give one result per item."""
     groups: dict[tuple[str, int], list[int]] = {}
@@ -477,14 +478,19 @@ def in_lanes(
         for n, result in zip(part, got, strict=True):
             results[n] = result
 
-    threads = [
-        threading.Thread(target=contextvars.copy_context().run, args=(run, part),
-                         name=f"lane-{i}", daemon=True)
-        for i, part in enumerate(parts[1:], start=1)
-    ]
-    for thread in threads:
-        thread.start()
-    run(parts[0])
+    threads: list[threading.Thread] = []
+    here = [parts[0]]
+    for i, part in enumerate(parts[1:], start=1):
+        thread = threading.Thread(target=contextvars.copy_context().run, args=(run, part),
+                                  name=f"lane-{i}", daemon=True)
+        try:
+            thread.start()
+        except RuntimeError:  # no thread to be had: the lane runs in this one, after the first
+            here.append(part)
+            continue
+        threads.append(thread)
+    for part in here:
+        run(part)
     for thread in threads:
         thread.join()
     if errors:

@@ -37,6 +37,7 @@ from engine.tenants import DEFAULT_TENANT, check_tenant
 from resources.errors import ValidationError, shown
 from resources.locks.fencing import fenced as fenced  # re-exported: job types
 from resources.locks.fencing import fenced_update as fenced_update  # re-exported: job types
+from resources.send_bound import WRITES
 from resources.storage.db import Database
 from resources.storage.retention import Expiry
 
@@ -65,8 +66,11 @@ def freeze_here() -> None:
     thread but the main one (handlers run in threads of their own,
     :func:`engine.runtime.run_bounded`), the process stops only once the thread the kernel
     picked handles it, and the caller runs on meanwhile, past the point meant (13 times in 30
-    in a probe on a loaded machine; 0 in 30 this way)."""
-    signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
+    in a probe on a loaded machine; 0 in 30 this way). The other threads' bounded writes
+    under way end first (:data:`resources.send_bound.WRITES`): a batch's other lanes are
+    frozen wherever they are, but never between a send bound's check and its write."""
+    with WRITES.quiesced():
+        signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
 
 
 P = TypeVar("P")

@@ -32,6 +32,7 @@ import threading
 from typing import Any
 
 from engine import step as step_module
+from engine.contract import freeze_here
 from engine.registry import get_job_type
 from engine.step import StepResult
 from engine.worker import ResidentWorker, WorkerPolicy
@@ -89,7 +90,7 @@ class Armed:
         if stop:
             with Hooks.gate.quiesced():
                 self.channel.send("stopping", "", cid=cid, point=name)
-                os.kill(os.getpid(), signal.SIGSTOP)
+                freeze_here()
             self.channel.send("resumed", "", cid=cid, point=name)
 
 

@@ -58,6 +58,7 @@ from proof.chaos_mix import after_effect_points, chaos_of, mix_names
 from proof.chaos_outbox import Relay
 from resources.errors import HandlerTimedOut
 from resources.retry import RetryBudget, RetryPolicy, classify, failure_class
+from resources.send_bound import SectionGate
 from resources.storage.redis import redis_client
 from resources.storage.settings import SETTLE_ENV, RedisTimeouts, Settings
 
@@ -166,9 +167,7 @@ class TransactionGate:
     """
 
     def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._open = 0
-        self._closed = False
+        self._sections = SectionGate()
         self._depth = threading.local()
 
     def wrap(self, db: Any) -> None:
@@ -180,34 +179,19 @@ class TransactionGate:
         @contextlib.contextmanager
         def gated(*args: Any, **kwargs: Any) -> Iterator[Any]:
             depth = getattr(self._depth, "n", 0)
-            with self._cond:
-                while self._closed and depth == 0:
-                    self._cond.wait()
-                self._open += 1
-            self._depth.n = depth + 1
-            try:
-                with original(*args, **kwargs) as conn:
-                    yield conn
-            finally:
-                self._depth.n = depth
-                with self._cond:
-                    self._open -= 1
-                    self._cond.notify_all()
+            outer = self._sections.section() if depth == 0 else contextlib.nullcontext()
+            with outer:
+                self._depth.n = depth + 1
+                try:
+                    with original(*args, **kwargs) as conn:
+                        yield conn
+                finally:
+                    self._depth.n = depth
 
         return gated
 
-    @contextlib.contextmanager
-    def quiesced(self) -> Iterator[None]:
-        with self._cond:
-            self._closed = True
-            while self._open:
-                self._cond.wait()
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._closed = False
-                self._cond.notify_all()
+    def quiesced(self) -> contextlib.AbstractContextManager[None]:
+        return self._sections.quiesced()
 
 
 @dataclass

@@ -62,6 +62,7 @@ from resources.egress import (
     shown_url,
 )
 from resources.errors import SendDeadlinePassed, TransientJobError
+from resources.send_bound import within
 
 DEFAULT_MAX_BODY = 64 * 1024
 _MAX_POOLS = 128
@@ -143,14 +144,13 @@ class _BoundedSend:
     def send(self, data: Any) -> None:
         if getattr(self, "sock", None) is None:
             self.connect()  # type: ignore[attr-defined]  # a failure here wrote nothing
-        at = _SEND_BOUND.at
-        if at is not None:
-            late_by = time.monotonic() - at
-            if late_by >= 0:
-                self.close()  # type: ignore[attr-defined]
-                raise SendDeadlinePassed(_SEND_BOUND.what, late_by)
-        _SEND_BOUND.wrote = True
-        super().send(data)  # type: ignore[misc]
+        try:
+            with within(_SEND_BOUND.at, _SEND_BOUND.what):
+                _SEND_BOUND.wrote = True
+                super().send(data)  # type: ignore[misc]
+        except SendDeadlinePassed:
+            self.close()  # type: ignore[attr-defined]
+            raise
 
     def _new_conn(self) -> Any:
         """urllib3's own connect, to the checked address instead of a fresh lookup of the

@@ -14,9 +14,10 @@ from sandbox.redis_server import free_port
 
 
 class SlowRelay:
-    """Answers each RCPT after ``rcpt_delay`` and each DATA after ``data_delay`` seconds.
-    ``accepted``: (Message-ID, the connection's peer) of each message taken, in order;
-    ``most_at_once``: the most DATA exchanges under way together."""
+    """Answers each RCPT after ``rcpt_delay`` and each DATA after ``data_delay`` seconds; a
+    recipient at ``reject.invalid`` is refused (550), after the same delay. ``accepted``:
+    (Message-ID, the connection's peer) of each message taken, in order; ``most_at_once``: the
+    most DATA exchanges under way together."""
 
     def __init__(self, *, rcpt_delay: float = 0.0, data_delay: float = 0.0) -> None:
         self.rcpt_delay = rcpt_delay
@@ -39,6 +40,8 @@ class SlowRelay:
         self, server: Any, session: Any, envelope: Any, address: str, options: list[str]
     ) -> str:
         await asyncio.sleep(self.rcpt_delay)
+        if address.endswith("@reject.invalid"):
+            return f"550 5.1.1 <{address}>: recipient rejected"
         envelope.rcpt_tos.append(address)
         return "250 OK"
 

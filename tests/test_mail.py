@@ -283,22 +283,35 @@ def test_a_mail_whose_send_bound_passed_is_not_handed_over(sink: MailSink) -> No
     assert [m["message_id"] for m in sink.messages()] == [message_id]
 
 
-def test_a_send_held_up_past_its_bound_part_way_hands_no_message_over() -> None:
+@pytest.mark.parametrize(
+    ("to", "expected"),
+    [("slow@example.com", SendDeadlinePassed), ("gone@reject.invalid", MailRejected)],
+    ids=["held-up", "refused-late"],
+)
+def test_a_send_held_up_past_its_bound_part_way_hands_no_message_over(
+    to: str, expected: type[Exception]
+) -> None:
     """Catches a client that checks the send bound only before the envelope: a relay that takes
-    longer than the bound to accept the recipient (as a sender paused after MAIL FROM would)
-    must get no DATA after it, so no message leaves after the bound; the session closes that
-    connection, and its next send, within a new bound, goes through on a fresh one."""
+    longer than the bound to answer the recipient (as if the sender paused after MAIL FROM)
+    must get no DATA after it, so no message leaves after the bound (SendDeadlinePassed). And
+    catches the bound hiding the relay's answer: a recipient refused (550) after the bound is
+    MailRejected (permanent: dead-lettered, never retried), not a "bound passed" retried in
+    vain (smtplib's RSET after a refusal is a write the bound would refuse). Either way the
+    session's next send, within a new bound, goes out on a fresh connection."""
     with SlowRelay(rcpt_delay=0.5) as relay:
         mailer = SmtpMailer("127.0.0.1", relay.port)
         with mailer.session() as session:
-            with pytest.raises(SendDeadlinePassed) as late:
-                session.send(to="slow@example.com", subject="hi", body="b",
-                             message_id="<held@sekali>", send_by=time.monotonic() + 0.2)
-            assert "not sent" in str(late.value)
-            session.send(to="slow@example.com", subject="hi", body="b",
-                         message_id="<again@sekali>", send_by=time.monotonic() + 30)
+            with pytest.raises(expected) as late:
+                session.send(to=to, subject="hi", body="b", message_id="<held@sekali>",
+                             send_by=time.monotonic() + 0.2)
+            if expected is MailRejected:
+                assert getattr(late.value, "smtp_code", None) == 550
+            else:
+                assert "not sent" in str(late.value)
+            session.send(to="ok@example.com", subject="hi", body="b",
+                         message_id="<next@sekali>", send_by=time.monotonic() + 30)
         time.sleep(0.2)  # a DATA the client wrongly sent would be taken by now
-        assert [mid for mid, _ in relay.accepted] == ["<again@sekali>"]
+        assert [mid for mid, _ in relay.accepted] == ["<next@sekali>"]
 
 
 def test_smtp_connections_come_from_the_environment_and_a_bad_value_names_it(
@@ -312,3 +325,4 @@ def test_smtp_connections_come_from_the_environment_and_a_bad_value_names_it(
         Settings.from_env()
     monkeypatch.delenv("SEKALI_SMTP_CONNECTIONS")
     assert DownstreamResource(downstream="smtp").get_client().connections == 4
+

@@ -51,6 +51,7 @@ from resources.errors import (
     ValidationError,
 )
 from resources.headers import refuse_control
+from resources.send_bound import late_by, within
 from resources.storage.settings import DEFAULT_SMTP_CONNECTIONS, Settings
 from resources.telemetry.redact import redact
 from sandbox.mailsink import MailSink
@@ -128,9 +129,9 @@ def _cut(smtp: smtplib.SMTP, cut: threading.Event) -> None:
 class _BoundedSMTP(smtplib.SMTP):
     """``smtplib``'s client that writes nothing once its send bound has passed: every command and
     the message data check the bound right before they go out (:meth:`send`, which all of
-    smtplib's writes go through). A sender paused part-way through an exchange, or held up by a
-    slow reply, so finishes no message after its bound; what is left is a pause between the
-    check and the socket write. ``wrote``: a byte of the current message went out."""
+    smtplib's writes go through; :func:`resources.send_bound.within`). A sender paused part-way
+    through an exchange, or held up by a slow reply, so finishes no message after its bound.
+    ``wrote``: a byte of the current message went out."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -143,10 +144,19 @@ class _BoundedSMTP(smtplib.SMTP):
         self._what, self._send_by, self.wrote = what, send_by, False
 
     def send(self, s: bytes | str) -> None:  # type: ignore[override]
-        if self._send_by is not None and (late := time.monotonic() - self._send_by) > 0:
-            raise SendDeadlinePassed(self._what, late)
-        self.wrote = True
-        super().send(s)
+        with within(self._send_by, self._what):
+            self.wrote = True
+            super().send(s)
+
+    def _rset(self) -> None:
+        """The RSET smtplib sends after a refusal (of the sender, every recipient, or the
+        data), before it raises the refusal: past the bound, the connection is closed instead
+        (which ends the transaction as well), so the refusal, not the bound, is what the caller
+        learns."""
+        if late_by(self._send_by) is not None:
+            self.close()
+            return
+        super()._rset()  # type: ignore[misc]  # smtplib's own, not in its stubs
 
 
 class _Cutter:
@@ -407,6 +417,8 @@ class SmtpSession:
         finally:
             smtp.bound("", None)
             self._cutter.disarm()
+            if smtp.sock is None:  # closed under it (a 421, an RSET past the bound)
+                self._drop(smtp)
         log.info(
             "sent %s",
             message_id,
