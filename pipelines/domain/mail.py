@@ -144,9 +144,14 @@ class _BoundedSMTP(smtplib.SMTP):
         self._what, self._send_by, self.wrote = what, send_by, False
 
     def send(self, s: bytes | str) -> None:  # type: ignore[override]
-        with within(self._send_by, self._what):
-            self.wrote = True
-            super().send(s)
+        try:
+            with within(self._send_by, self._what):
+                self.wrote = True
+                super().send(s)
+        except SendDeadlinePassed:
+            if self.wrote:  # cut part-way: the relay drops the exchange with the connection
+                self.close()
+            raise
 
     def _rset(self) -> None:
         """The RSET smtplib sends after a refusal (of the sender, every recipient, or the
@@ -380,10 +385,6 @@ class SmtpSession:
                 self._smtp = smtp
             smtp.bound(f"mail {message_id}", send_by)
             smtp.send_message(msg, from_addr=m.sender, to_addrs=[to])  # never from the headers
-        except SendDeadlinePassed:
-            if smtp.wrote:  # cut part-way: the relay drops the exchange with the connection
-                self._drop(smtp)
-            raise
         except smtplib.SMTPRecipientsRefused as exc:
             code, reply = next(iter(exc.recipients.values()))
             text = redact(_text(reply), [to])
@@ -417,7 +418,7 @@ class SmtpSession:
         finally:
             smtp.bound("", None)
             self._cutter.disarm()
-            if smtp.sock is None:  # closed under it (a 421, an RSET past the bound)
+            if smtp.sock is None:  # closed under it (a 421, a write or RSET past the bound)
                 self._drop(smtp)
         log.info(
             "sent %s",
